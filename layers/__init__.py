@@ -1,0 +1,20 @@
+"""libai_zoo.layers: drop-in parallel layers.
+
+Each layer behaves like its `torch.nn` twin until `libai_zoo.dist.shard` splits it over tensor
+parallelism; model files are built from these and never mention process groups.
+"""
+
+from .attention import Attention, fuse_qkv, split_qkv
+from .cross_entropy import ParallelCrossEntropy
+from .embedding import VocabEmbedding
+from .linear import Linear
+from .mlp import MLP, fuse_gate_up, split_gate_up
+from .norm import LayerNorm, RMSNorm
+from .parallel_layer import ParallelLayer
+from .rotary import RotaryEmbedding, apply_rotary
+from .sequence_parallel import SequenceGather, SequenceScatter
+from .transformer_layer import TransformerLayer
+
+__all__ = ["Attention", "Linear", "VocabEmbedding", "MLP", "LayerNorm", "RMSNorm", "TransformerLayer",
+           "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding", "ParallelLayer",
+           "apply_rotary", "fuse_qkv", "split_qkv", "fuse_gate_up", "split_gate_up"]

@@ -1,0 +1,149 @@
+"""Multi-head attention with heads split over tensor parallelism.
+
+    x [B, S, h] -> qkv (column-parallel: whole heads per rank) -> SDPA on local heads
+      -> out (row-parallel) -> all-reduce -> [B, S, h]
+
+Grouped-query attention (num_kv_heads < num_heads), rotary positions (Llama), causal and
+padding masks, sliding windows (MegaScale/Mistral) and cross-attention. The kernel is
+`torch.nn.functional.scaled_dot_product_attention`; with no mask beyond causality it gets
+``is_causal=True`` so the flash kernels apply.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libai_zoo.dist import TensorParallel
+
+from .fused import interleave_groups, split_groups
+from .linear import Linear
+from .parallel_layer import ParallelLayer
+from .rotary import RotaryEmbedding, apply_rotary
+
+
+class Attention(ParallelLayer, nn.Module):
+    """Self- or cross-attention.
+
+    Self-attention fuses Q, K and V in one column-parallel weight `qkv`, laid out per KV group
+    (`fuse_qkv`), so a tp split gives each rank whole groups; cross-attention has `q` on the
+    hidden states and a fused `kv` on the encoder states (whole sequence, replicated). `out` is
+    row-parallel. ``sliding_window=w`` lets a query see keys less than w positions away (only
+    earlier ones when causal). ``sync_input``/``reduce_output`` as in `Linear`.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, bias: bool = True, out_bias: bool | None = None,
+                 causal: bool = False, cross_attention: bool = False, kv_input_size: int | None = None,
+                 dropout: float = 0.0, rope_theta: float | None = None, sliding_window: int | None = None,
+                 softmax_scale: float | None = None, sync_input: bool = True, reduce_output: bool = True,
+                 sequence_parallel: bool = True, device=None, dtype=None):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads = {num_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size = {hidden_size} is not divisible by num_heads = {num_heads}; "
+                                 f"pass head_dim explicitly")
+            head_dim = hidden_size // num_heads
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window = {sliding_window} must be a positive number of positions")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.causal, self.cross_attention = causal, cross_attention
+        self.dropout, self.sliding_window, self.softmax_scale = dropout, sliding_window, softmax_scale
+        self.sequence_parallel = sequence_parallel
+        col = dict(parallel="col", sync_input=sync_input, sequence_parallel=sequence_parallel,
+                   device=device, dtype=dtype)
+        if cross_attention:
+            self.q = Linear(hidden_size, num_heads * head_dim, bias, **col)
+            # Encoder states are the whole sequence, replicated over tp: a plain copy_to_tp input.
+            self.kv = Linear(kv_input_size or hidden_size, 2 * num_kv_heads * head_dim, bias, "col",
+                             sequence_parallel=False, device=device, dtype=dtype)
+        else:
+            self.qkv = Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, **col)
+        self.out = Linear(num_heads * head_dim, hidden_size, bias if out_bias is None else out_bias, "row",
+                          reduce_output=reduce_output, sequence_parallel=sequence_parallel,
+                          device=device, dtype=dtype)
+        self.rotary = RotaryEmbedding(head_dim, rope_theta, device=device) if rope_theta else None
+
+    def shard_(self, tp: TensorParallel) -> None:
+        fix = "choose a tp that divides both head counts"
+        tp.check_divisible(self.num_heads, "num_heads", fix)
+        tp.check_divisible(self.num_kv_heads, "num_kv_heads", fix + " (each rank needs whole KV groups)")
+        super().shard_(tp)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states [B, S, h]; attention_mask [B, S_k] (1 = attend, 0 = padding) or a 4-D
+        boolean/additive mask; position_ids [B, S] for rotary; encoder_hidden_states for cross."""
+        q, k, v = self._project(hidden_states, encoder_hidden_states)
+        if self.rotary is not None:
+            if position_ids is None:
+                position_ids = torch.arange(k.shape[2] - q.shape[2], k.shape[2], device=q.device)[None]
+            cos, sin = self.rotary(position_ids)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        mask, is_causal = self._mask(attention_mask, q.shape[2], k.shape[2], q.device)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal,
+            scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        return self.out(out.transpose(1, 2).flatten(2))
+
+    def _project(self, x: torch.Tensor, encoder_states: torch.Tensor | None):
+        """q [B, heads, S, d], k and v [B, kv_heads, S_k, d] for this rank's heads."""
+        d = self.head_dim
+        if self.cross_attention:
+            if encoder_states is None:
+                raise ValueError("cross-attention needs encoder_hidden_states")
+            q = self.q(x)
+            q = q.unflatten(-1, (-1, d)).transpose(1, 2)
+            kv = self.kv(encoder_states).unflatten(-1, (-1, 2, d))
+            return q, kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)
+        per_group = self.num_heads // self.num_kv_heads
+        qkv = self.qkv(x).unflatten(-1, (-1, per_group + 2, d))  # [B, S, groups, q heads + k + v, d]
+        q = qkv[..., :per_group, :].flatten(2, 3).transpose(1, 2)
+        return q, qkv[..., per_group, :].transpose(1, 2), qkv[..., per_group + 1, :].transpose(1, 2)
+
+    def _mask(self, attention_mask: torch.Tensor | None, q_len: int, k_len: int, device):
+        """(attn_mask, is_causal) for SDPA; queries are the last q_len of the k_len positions."""
+        if attention_mask is None and self.sliding_window is None:
+            if not self.causal:
+                return None, False
+            if q_len == k_len:
+                return None, True
+        q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+        k_pos = torch.arange(k_len, device=device)[None, :]
+        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+        if self.causal:
+            allowed &= k_pos <= q_pos
+        if self.sliding_window is not None:
+            distance = q_pos - k_pos if self.causal else (q_pos - k_pos).abs()
+            allowed &= distance < self.sliding_window
+        if attention_mask is None:
+            return allowed, False
+        if attention_mask.dim() == 2:  # [B, S_k] padding mask, 1 = token
+            return allowed & attention_mask[:, None, None, :].bool(), False
+        if attention_mask.dtype == torch.bool:
+            return allowed & attention_mask, False
+        return attention_mask.masked_fill(~allowed, float("-inf")), False
+
+    def extra_repr(self) -> str:
+        kinds = ["cross" if self.cross_attention else "self"] + (["causal"] if self.causal else [])
+        if self.sliding_window:
+            kinds.append(f"window={self.sliding_window}")
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"{', '.join(kinds)}{self.parallel_repr()}")
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Separate Q, K, V weights (or biases), heads along dim 0, -> the grouped `qkv` layout."""
+    return interleave_groups([q, k, v], num_kv_heads)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> list[torch.Tensor]:
+    """The grouped `qkv` weight (or bias) -> [q, k, v], inverse of `fuse_qkv`."""
+    head_dim = qkv.shape[0] // (num_heads + 2 * num_kv_heads)
+    kv_rows = num_kv_heads * head_dim
+    return split_groups(qkv, num_kv_heads, [num_heads * head_dim, kv_rows, kv_rows])

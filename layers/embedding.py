@@ -1,0 +1,57 @@
+"""Token embedding with the vocabulary split over tensor parallelism."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libai_zoo.dist import TensorParallel, local
+from libai_zoo.dist.collectives import row_output
+
+from .parallel_layer import ParallelLayer
+
+
+class VocabEmbedding(ParallelLayer, nn.Embedding):
+    """`nn.Embedding` whose rows (the vocabulary) are split over tp.
+
+    Each rank looks up the ids in its own range [start, end), writes zeros for the others, and
+    one all-reduce sums the parts: [B, S] ids -> [B, S, P(h)] -> all-reduce -> [B, S, h].
+    Under sequence parallelism that all-reduce becomes a reduce-scatter, so the output is already
+    split over the sequence; pass ``sequence_parallel=False`` when the model adds position
+    embeddings first and splits the sum itself (`SequenceScatter`).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 sequence_parallel: bool = True, device=None, dtype=None):
+        super().__init__(num_embeddings, embedding_dim, padding_idx, device=device, dtype=dtype)
+        self.sequence_parallel = sequence_parallel
+        self.vocab_start, self.vocab_end = 0, num_embeddings
+
+    def shard_(self, tp: TensorParallel) -> None:
+        if self.num_embeddings % tp.size:
+            padded = -(-self.num_embeddings // tp.size) * tp.size
+            raise ValueError(
+                f"vocabulary size {self.num_embeddings} is not divisible by tp = {tp.size}: pad the "
+                f"vocabulary to a multiple of tp (e.g. {padded}; the extra rows are never looked up "
+                f"and the tokenizer is unchanged)")
+        tp.shard_parameter(self, "weight", 0)
+        self.vocab_start, self.vocab_end = tp.local_range(self.num_embeddings)
+        super().shard_(tp)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        if tp is None:
+            return F.embedding(input_ids, self.weight, self.padding_idx)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill_(outside, 0)
+        padding_idx = None
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
+            padding_idx = self.padding_idx - self.vocab_start
+        out = F.embedding(local_ids, local(self.weight), padding_idx)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return row_output(out, tp, self.sp)
+
+    def extra_repr(self) -> str:
+        split = "" if self.tp is None else f", rows=[{self.vocab_start}, {self.vocab_end})"
+        return super().extra_repr() + split + self.parallel_repr()

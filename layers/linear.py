@@ -1,0 +1,78 @@
+"""Linear layer split by columns or rows over tensor parallelism (Megatron-LM style)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libai_zoo.dist import TensorParallel, local
+from libai_zoo.dist.collectives import column_input, gather_from_tp, row_output
+
+from .parallel_layer import ParallelLayer
+
+PARALLEL_MODES = ("col", "row", "data")
+
+
+class Linear(ParallelLayer, nn.Linear):
+    """`nn.Linear` (same parameters, same init) that knows how it is split.
+
+    parallel="col": weight split by output features. Input replicated, output split:
+        [B, h] x [h, S(out)] -> [B, S(out)]          (gather_output=True: all-gather to [B, out])
+    parallel="row": weight split by input features. Input split, output summed over tp:
+        [B, S(h)] x [S(h), out] -> [B, P(out)] -> all-reduce -> [B, out] + bias (added once)
+    parallel="data": replicated weight; plain nn.Linear on every rank.
+
+    Under sequence parallelism "col" all-gathers a sequence-split input and "row" reduce-scatters
+    its output back onto sequence shards. ``sync_input=False`` (col) and ``reduce_output=False``
+    (row) leave that communication to the caller, so a block can do it once for two layers;
+    a row layer then returns its partial sum without bias, even at tp=1 (see `add_bias`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, parallel: str = "data", *,
+                 gather_output: bool = False, sync_input: bool = True, reduce_output: bool = True,
+                 sequence_parallel: bool = True, device=None, dtype=None):
+        if parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel={parallel!r} is not one of {PARALLEL_MODES}")
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.parallel = parallel
+        self.gather_output = gather_output
+        self.sync_input = sync_input
+        self.reduce_output = reduce_output
+        self.sequence_parallel = sequence_parallel
+
+    def shard_(self, tp: TensorParallel) -> None:
+        if self.parallel == "col":
+            tp.check_divisible(self.out_features, "out_features of a column-parallel Linear",
+                               "choose a size that is a multiple of tp")
+            tp.shard_parameter(self, "weight", 0)
+            tp.shard_parameter(self, "bias", 0)
+        elif self.parallel == "row":
+            tp.check_divisible(self.in_features, "in_features of a row-parallel Linear",
+                               "choose a size that is a multiple of tp")
+            tp.shard_parameter(self, "weight", 1)
+        super().shard_(tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        if self.parallel == "row" and not self.reduce_output:
+            return F.linear(x, local(self.weight))  # partial sum: the caller reduces, then add_bias
+        if tp is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.parallel == "col":
+            if self.sync_input:
+                x = column_input(x, tp, self.sp)
+            y = F.linear(x, local(self.weight), local(self.bias))
+            return gather_from_tp(y, tp, dim=-1) if self.gather_output else y
+        if self.parallel == "row":
+            return self.add_bias(row_output(F.linear(x, local(self.weight)), tp, self.sp))
+        return F.linear(x, local(self.weight, partial_grad=self.sp), local(self.bias, partial_grad=self.sp))
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        """Add the (replicated) bias of a row-parallel layer to its reduced output."""
+        if self.bias is None:
+            return y
+        return y + local(self.bias, partial_grad=self.sp)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, parallel={self.parallel}{self.parallel_repr()}"

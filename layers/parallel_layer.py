@@ -1,0 +1,38 @@
+"""The contract every parallel layer follows, shared by all of `libai_zoo.layers`.
+
+A parallel layer is built at full size and behaves exactly like its `torch.nn` twin until
+`libai_zoo.dist.shard` calls its ``shard_(tp)``: it then checks its sizes against tp, keeps its
+own slice of each parameter as a DTensor on the tp mesh, and communicates in forward/backward.
+"""
+
+from __future__ import annotations
+
+from libai_zoo.dist import TensorParallel
+
+
+class ParallelLayer:
+    """Mixin for modules that split themselves over tensor parallelism.
+
+    ``sequence_parallel`` says whether the layer takes part in sequence parallelism when the
+    context turns it on: its activations are then split over the sequence inside the tp group.
+    Pass False for a layer that runs on the whole sequence (outside the region between
+    `SequenceScatter` and `SequenceGather`).
+    """
+
+    tp: TensorParallel | None = None
+    sequence_parallel: bool = True
+
+    @property
+    def sp(self) -> bool:
+        """True when sharded with sequence parallelism on and this layer taking part."""
+        return self.tp is not None and self.tp.sequence_parallel and self.sequence_parallel
+
+    def shard_(self, tp: TensorParallel) -> None:
+        """Keep this rank's slice of the parameters; subclasses split, this replicates the rest."""
+        for name, _ in list(self.named_parameters(recurse=False)):
+            tp.replicate_parameter(self, name)
+        self.tp = tp
+
+    def parallel_repr(self) -> str:
+        """Text for extra_repr: the split, and the tp size once sharded."""
+        return "" if self.tp is None else f", tp={self.tp.size}" + (", sequence_parallel" if self.sp else "")

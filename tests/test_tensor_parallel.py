@@ -1,0 +1,319 @@
+"""Every parallel layer at tp=2 and tp=4 (gloo, forked processes) against the same layer unsharded.
+
+Each check builds a layer at full size, runs it unsharded (the tp=1 reference), shards a copy,
+runs it on this rank's part of the inputs, and compares the output, the input gradients and the
+gathered parameter gradients. The loss is sum(out * R) for a fixed random R: on a rank that
+holds part of the output it is that part's share of the loss, as Megatron's f/g pair assumes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from distributed_runner import run_distributed
+from libai_zoo import dist, layers
+
+pytestmark = pytest.mark.slow
+
+H, HEADS, KV_HEADS, FFN, VOCAB, B, S, ENC_S, ENC_H = 32, 8, 4, 64, 64, 2, 8, 4, 24
+TOL = 1e-5
+
+
+def _padding_mask() -> torch.Tensor:
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, S - 3:] = 0
+    return mask
+
+
+def _x(*shape) -> torch.Tensor:
+    return torch.randn(*shape)
+
+
+# name -> builder(sp) -> (layer, inputs, split dim of each input or None, split dim of the output or None)
+CASES = {
+    "linear_col": lambda sp: (layers.Linear(H, FFN, parallel="col"), [_x(B, S, H)], [1 if sp else None], -1),
+    "linear_col_gather": lambda sp: (layers.Linear(H, FFN, parallel="col", gather_output=True), [_x(B, S, H)],
+                                     [1 if sp else None], None),
+    "linear_row": lambda sp: (layers.Linear(FFN, H, parallel="row"), [_x(B, S, FFN)], [-1], 1 if sp else None),
+    "linear_data": lambda sp: (layers.Linear(H, H), [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
+    "vocab_embedding": lambda sp: (layers.VocabEmbedding(VOCAB, H, padding_idx=3),
+                                   [torch.randint(0, VOCAB, (B, S))], [None], 1 if sp else None),
+    "layernorm": lambda sp: (layers.LayerNorm(H), [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
+    "rmsnorm": lambda sp: (layers.RMSNorm(H, 1e-6), [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
+    "mlp_gelu": lambda sp: (layers.MLP(H, FFN, activation="gelu_new"), [_x(B, S, H)],
+                            [1 if sp else None], 1 if sp else None),
+    "mlp_swiglu": lambda sp: (layers.MLP(H, FFN, activation="silu", gated=True, bias=False), [_x(B, S, H)],
+                              [1 if sp else None], 1 if sp else None),
+    "attention_causal": lambda sp: (layers.Attention(H, HEADS, causal=True), [_x(B, S, H)],
+                                    [1 if sp else None], 1 if sp else None),
+    "attention_gqa_rope_padded": lambda sp: (
+        layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, causal=True, rope_theta=10000.0, bias=False),
+        [_x(B, S, H), _padding_mask(), torch.arange(S).repeat(B, 1) + 2], [1 if sp else None, None, None],
+        1 if sp else None),
+    "attention_sliding_window": lambda sp: (
+        layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, causal=True, sliding_window=3), [_x(B, S, H)],
+        [1 if sp else None], 1 if sp else None),
+    "attention_cross": lambda sp: (
+        layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, cross_attention=True, kv_input_size=ENC_H),
+        [_x(B, S, H), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), None, _x(B, ENC_S, ENC_H)],
+        [1 if sp else None, None, None, None], 1 if sp else None),
+    "layer_gpt2": lambda sp: (layers.TransformerLayer(H, HEADS, FFN, activation="gelu_new", causal=True),
+                              [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
+    "layer_bert_post_norm": lambda sp: (
+        layers.TransformerLayer(H, HEADS, FFN, pre_norm=False, norm_eps=1e-12), [_x(B, S, H), _padding_mask()],
+        [1 if sp else None, None], 1 if sp else None),
+    "layer_llama": lambda sp: (
+        layers.TransformerLayer(H, HEADS, FFN, num_kv_heads=KV_HEADS, norm="rmsnorm", norm_eps=1e-6,
+                                activation="silu", gated_mlp=True, bias=False, causal=True, rope_theta=500000.0),
+        [_x(B, S, H), _padding_mask()], [1 if sp else None, None], 1 if sp else None),
+    "layer_parallel_block": lambda sp: (
+        layers.TransformerLayer(H, HEADS, FFN, parallel_block=True, causal=True, rope_theta=10000.0),
+        [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
+    "layer_sliding_window": lambda sp: (
+        layers.TransformerLayer(H, HEADS, FFN, num_kv_heads=KV_HEADS, norm="rmsnorm", gated_mlp=True,
+                                activation="silu", causal=True, rope_theta=10000.0, sliding_window=4),
+        [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
+    "layer_decoder_cross": lambda sp: (
+        layers.TransformerLayer(H, HEADS, FFN, causal=True, cross_attention=True, encoder_hidden_size=ENC_H),
+        [_x(B, S, H), None, None, _x(B, ENC_S, ENC_H), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])],
+        [1 if sp else None, None, None, None, None], 1 if sp else None),
+    "cross_entropy_mean": lambda sp: _cross_entropy("mean"),
+    "cross_entropy_sum": lambda sp: _cross_entropy("sum"),
+    "cross_entropy_none": lambda sp: _cross_entropy("none"),
+    "sequence_scatter": lambda sp: (layers.SequenceScatter(), [_x(B, S, H)], [None], 1 if sp else None),
+    "sequence_gather": lambda sp: (layers.SequenceGather(), [_x(B, S, H)], [1 if sp else None], None),
+}
+
+
+def _cross_entropy(reduction: str):
+    target = torch.randint(0, VOCAB, (B, S))
+    target[0, :3] = -100
+    return layers.ParallelCrossEntropy(reduction=reduction), [_x(B, S, VOCAB) * 3, target], [-1, None], None
+
+
+def _part(t, dim, tp):
+    return t if dim is None or t is None else t.chunk(tp.size, dim)[tp.rank]
+
+
+def _max_diff(a, b) -> float:
+    a = a.full_tensor() if isinstance(a, DTensor) else a
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def _check_case(name: str, sp: bool) -> dict[str, float]:
+    torch.manual_seed(0)
+    layer, inputs, in_dims, out_dim = CASES[name](sp)
+    ref = copy.deepcopy(layer)
+    trainable = [x is not None and x.is_floating_point() for x in inputs]
+    ref_inputs = [x.clone().requires_grad_() if t else x for x, t in zip(inputs, trainable)]
+    ref_out = ref(*ref_inputs)
+    weights = torch.randn(ref_out.shape)
+    (ref_out * weights).sum().backward()
+
+    dist.shard(layer, sequence_parallel=sp)
+    tp = layer.tp
+    local_inputs = [_part(x, d, tp).clone().requires_grad_() if t else x
+                    for x, d, t in zip(inputs, in_dims, trainable)]
+    out = layer(*local_inputs)
+    (out * _part(weights, out_dim, tp)).sum().backward()
+    dist.finalize_grads(layer)
+
+    grads_in = [_max_diff(x.grad, _part(r.grad, d, tp))
+                for x, r, d, t in zip(local_inputs, ref_inputs, in_dims, trainable) if t]
+    ref_params = dict(ref.named_parameters())
+    grads_param = [_max_diff(p.grad, ref_params[n].grad) for n, p in layer.named_parameters()]
+    return {"out": _max_diff(out, _part(ref_out, out_dim, tp)), "input_grad": max(grads_in, default=0.0),
+            "param_grad": max(grads_param, default=0.0)}
+
+
+@contextmanager
+def _count_collectives():
+    """Count the c10d collectives issued by the layers (they look the functions up at call time)."""
+    counts: dict[str, int] = {}
+    names = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+             "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
+    originals = {n: getattr(torch_dist, n) for n in names if hasattr(torch_dist, n)}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[names[name]] = counts.get(names[name], 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for n, fn in originals.items():
+        setattr(torch_dist, n, counting(n, fn))
+    try:
+        yield counts
+    finally:
+        for n, fn in originals.items():
+            setattr(torch_dist, n, fn)
+
+
+def _count_layer_step(sp: bool, parallel_block: bool) -> dict[str, dict[str, int]]:
+    torch.manual_seed(0)
+    layer = layers.TransformerLayer(H, HEADS, FFN, causal=True, parallel_block=parallel_block)
+    dist.shard(layer, sequence_parallel=sp)
+    x = _x(B, S // layer.tp.size if sp else S, H).requires_grad_()
+    with _count_collectives() as forward:
+        out = layer(x)
+    with _count_collectives() as backward:
+        out.square().sum().backward()
+    with _count_collectives() as finalize:
+        dist.finalize_grads(layer)
+    return {"forward": forward, "backward": backward, "finalize": finalize}
+
+
+def _error(build) -> str:
+    try:
+        build()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _bad_inputs(tp_size: int) -> dict[str, str]:
+    shard = dist.shard
+    heads = 3 * tp_size // 2
+    return {
+        "num_heads": _error(lambda: shard(layers.Attention(8 * heads, heads))),
+        "num_kv_heads": _error(lambda: shard(layers.Attention(H, HEADS, num_kv_heads=tp_size // 2))),
+        "vocab": _error(lambda: shard(layers.VocabEmbedding(51, 8))),
+        "ffn": _error(lambda: shard(layers.MLP(H, 7 * tp_size // 2))),
+        "sequence": _error(lambda: shard(layers.SequenceScatter(), sequence_parallel=True)(_x(B, 9, H))),
+    }
+
+
+def _reference_layer(seed: int) -> layers.TransformerLayer:
+    torch.manual_seed(seed)
+    return layers.TransformerLayer(H, HEADS, FFN, num_kv_heads=KV_HEADS, norm="rmsnorm", activation="silu",
+                                   gated_mlp=True, causal=True, rope_theta=10000.0)
+
+
+def _checkpoint_input() -> torch.Tensor:
+    return torch.randn(B, S, H, generator=torch.Generator().manual_seed(7))
+
+
+def _save_sharded(ckpt_dir: str) -> dict[str, float]:
+    """Save a tp-sharded layer with DCP; check its state_dict holds global-shape DTensors."""
+    layer = dist.shard(_reference_layer(0))
+    full_shapes = {k: v.shape for k, v in _reference_layer(0).state_dict().items()}
+    state = layer.state_dict()
+    dcp.save(state, checkpoint_id=ckpt_dir)
+    return {"all_dtensors": float(all(isinstance(v, DTensor) for v in state.values())),
+            "global_shapes": float({k: v.shape for k, v in state.items()} == full_shapes),
+            "local_is_split": float(state["attn.qkv.weight"].to_local().shape[0]
+                                    == full_shapes["attn.qkv.weight"][0] // layer.tp.size)}
+
+
+def _load_resharded(ckpt_dir: str) -> float:
+    """Load the checkpoint saved at another tp into a differently initialized layer."""
+    layer = dist.shard(_reference_layer(1))
+    state = layer.state_dict()
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    layer.load_state_dict(state)
+    x = _checkpoint_input()
+    return _max_diff(layer(x), _reference_layer(0)(x))
+
+
+def _worker(tp_size: int, ckpt_dir: str, load: bool) -> dict:
+    dist.init(tp=tp_size)
+    results = {"cases": {(name, sp): _check_case(name, sp) for name in CASES for sp in (False, True)},
+               "counts": {(sp, pb): _count_layer_step(sp, pb) for sp in (False, True) for pb in (False, True)},
+               "errors": _bad_inputs(tp_size)}
+    if load:
+        results["reshard_diff"] = _load_resharded(ckpt_dir)
+    else:
+        results["saved"] = _save_sharded(ckpt_dir)
+    return results
+
+
+def _merge(per_rank: list[dict]) -> dict:
+    """Worst diff over ranks; counts and messages from rank 0 (and checked equal on all ranks)."""
+    merged = per_rank[0]
+    for key, diffs in merged["cases"].items():
+        merged["cases"][key] = {k: max(r["cases"][key][k] for r in per_rank) for k in diffs}
+    merged["counts_equal_on_ranks"] = all(r["counts"] == merged["counts"] for r in per_rank)
+    if "reshard_diff" in merged:
+        merged["reshard_diff"] = max(r["reshard_diff"] for r in per_rank)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tp2_checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoint_dir):
+    return _merge(run_distributed(_worker, 2, 2, checkpoint_dir, False))
+
+
+@pytest.fixture(scope="module")
+def tp4(tp2, checkpoint_dir):
+    return _merge(run_distributed(_worker, 4, 4, checkpoint_dir, True))
+
+
+@pytest.fixture(params=[2, 4], ids=["tp2", "tp4"])
+def results(request):
+    return request.getfixturevalue(f"tp{request.param}")
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["", "sp"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_matches_unsharded(results, name, sp):
+    diffs = results["cases"][(name, sp)]
+    assert diffs["out"] <= TOL, diffs
+    assert diffs["input_grad"] <= TOL, diffs
+    assert diffs["param_grad"] <= TOL, diffs
+
+
+def test_transformer_layer_issues_megatron_collectives(results):
+    counts = results["counts"]
+    assert results["counts_equal_on_ranks"]
+    # Megatron-LM: attention and MLP each one all-reduce forward (row output) and one backward (column input).
+    assert counts[(False, False)] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}, "finalize": {}}
+    # Sequence parallel: each all-reduce becomes an all-gather + reduce-scatter pair; the partial
+    # gradients of norms and row biases are summed once, in one coalesced all-reduce.
+    assert counts[(True, False)] == {"forward": {"all_gather": 2, "reduce_scatter": 2},
+                                     "backward": {"all_gather": 2, "reduce_scatter": 2},
+                                     "finalize": {"all_reduce": 1}}
+    # Parallel block: attention and MLP share one input sync and one output reduction.
+    assert counts[(False, True)] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}, "finalize": {}}
+    assert counts[(True, True)] == {"forward": {"all_gather": 1, "reduce_scatter": 1},
+                                    "backward": {"all_gather": 1, "reduce_scatter": 1},
+                                    "finalize": {"all_reduce": 1}}
+
+
+def test_bad_sizes_fail_with_the_fix(results):
+    errors = results["errors"]
+    assert "num_heads" in errors["num_heads"] and "not divisible by tp" in errors["num_heads"]
+    assert "num_kv_heads" in errors["num_kv_heads"] and "whole KV groups" in errors["num_kv_heads"]
+    assert "vocabulary size 51" in errors["vocab"] and "pad the vocabulary" in errors["vocab"]
+    assert "ffn_hidden_size" in errors["ffn"]
+    assert "size 9" in errors["sequence"] and "sequence length" in errors["sequence"]
+
+
+def test_sharded_state_dict_holds_global_dtensors(tp2):
+    assert tp2["saved"] == {"all_dtensors": 1.0, "global_shapes": 1.0, "local_is_split": 1.0}
+
+
+def test_checkpoint_saved_at_tp2_loads_at_tp4(tp4):
+    assert tp4["reshard_diff"] <= TOL
+
+
+def test_checkpoint_saved_at_tp2_loads_in_one_process(tp2, checkpoint_dir):
+    layer = _reference_layer(1)
+    state = layer.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    layer.load_state_dict(state)
+    x = _checkpoint_input()
+    assert _max_diff(layer(x), _reference_layer(0)(x)) <= TOL
+    assert os.listdir(checkpoint_dir)
