@@ -4,11 +4,11 @@ Each layer behaves like its `torch.nn` twin until `libai_zoo.dist.shard` splits 
 parallelism; model files are built from these and never mention process groups.
 """
 
-from .attention import Attention, fuse_qkv, split_qkv
+from .attention import Attention, fuse_kv, fuse_qkv, split_kv, split_qkv
 from .cross_entropy import ParallelCrossEntropy
 from .embedding import VocabEmbedding
 from .linear import Linear
-from .mlp import MLP, fuse_gate_up, split_gate_up
+from .mlp import MLP
 from .norm import LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
 from .rotary import RotaryEmbedding, apply_rotary
@@ -17,4 +17,4 @@ from .transformer_layer import TransformerLayer
 
 __all__ = ["Attention", "Linear", "VocabEmbedding", "MLP", "LayerNorm", "RMSNorm", "TransformerLayer",
            "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding", "ParallelLayer",
-           "apply_rotary", "fuse_qkv", "split_qkv", "fuse_gate_up", "split_gate_up"]
+           "apply_rotary", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv"]

@@ -17,7 +17,6 @@ from torch import nn
 
 from libai_zoo.dist import TensorParallel
 
-from .fused import interleave_groups, split_groups
 from .linear import Linear
 from .parallel_layer import ParallelLayer
 from .rotary import RotaryEmbedding, apply_rotary
@@ -27,8 +26,9 @@ class Attention(ParallelLayer, nn.Module):
     """Self- or cross-attention.
 
     Self-attention fuses Q, K and V in one column-parallel weight `qkv`, laid out per KV group
-    (`fuse_qkv`), so a tp split gives each rank whole groups; cross-attention has `q` on the
-    hidden states and a fused `kv` on the encoder states (whole sequence, replicated). `out` is
+    (`fuse_qkv`, Megatron-LM's order), so a tp split gives each rank whole groups at any tp and
+    one checkpoint serves every layout; cross-attention has `q` on the hidden states and a
+    grouped `kv` (`fuse_kv`) on the encoder states (whole sequence, replicated). `out` is
     row-parallel. ``sliding_window=w`` lets a query see keys less than w positions away (only
     earlier ones when causal). ``sync_input``/``reduce_output`` as in `Linear`.
     """
@@ -137,13 +137,37 @@ class Attention(ParallelLayer, nn.Module):
                 f"{', '.join(kinds)}{self.parallel_repr()}")
 
 
+def _interleave_groups(parts: list[torch.Tensor], num_groups: int) -> torch.Tensor:
+    """Cut each part into `num_groups` row blocks and put block i of every part side by side."""
+    blocks = [p.reshape(num_groups, p.shape[0] // num_groups, *p.shape[1:]) for p in parts]
+    fused = torch.cat(blocks, dim=1)
+    return fused.reshape(-1, *fused.shape[2:])
+
+
+def _split_groups(fused: torch.Tensor, num_groups: int, rows: list[int]) -> list[torch.Tensor]:
+    grouped = fused.reshape(num_groups, -1, *fused.shape[1:])
+    pieces = grouped.split([r // num_groups for r in rows], dim=1)
+    return [p.reshape(-1, *fused.shape[1:]) for p in pieces]
+
+
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Separate Q, K, V weights (or biases), heads along dim 0, -> the grouped `qkv` layout."""
-    return interleave_groups([q, k, v], num_kv_heads)
+    """Separate Q, K, V weights (or biases), heads along dim 0, -> the grouped `qkv` layout:
+    [g0: its q heads, k0, v0 | g1: ... ], so any equal tp split of the rows holds whole groups."""
+    return _interleave_groups([q, k, v], num_kv_heads)
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> list[torch.Tensor]:
     """The grouped `qkv` weight (or bias) -> [q, k, v], inverse of `fuse_qkv`."""
     head_dim = qkv.shape[0] // (num_heads + 2 * num_kv_heads)
     kv_rows = num_kv_heads * head_dim
-    return split_groups(qkv, num_kv_heads, [num_heads * head_dim, kv_rows, kv_rows])
+    return _split_groups(qkv, num_kv_heads, [num_heads * head_dim, kv_rows, kv_rows])
+
+
+def fuse_kv(k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Separate K, V weights (or biases) -> the grouped `kv` layout of cross-attention [k0, v0 | k1, v1 | ...]."""
+    return _interleave_groups([k, v], num_kv_heads)
+
+
+def split_kv(kv: torch.Tensor, num_kv_heads: int) -> list[torch.Tensor]:
+    """The grouped cross-attention `kv` weight (or bias) -> [k, v], inverse of `fuse_kv`."""
+    return _split_groups(kv, num_kv_heads, [kv.shape[0] // 2] * 2)

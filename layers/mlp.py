@@ -2,8 +2,9 @@
 
     x [B, S, h] -> up [h, S(ffn)] -> act -> down [S(ffn), h] -> all-reduce -> [B, S, h]
 
-With ``gated=True`` (SwiGLU, Llama) `up` fuses gate and up projections neuron by neuron
-(`fuse_gate_up`), so any tp split keeps each gate next to its up row: act(gate) * up.
+With ``gated=True`` (SwiGLU, Llama) a second column-parallel projection `gate` gives
+act(gate(x)) * up(x); both split the same neurons, so any tp keeps each gate with its up row.
+The two share one input sync (one all-reduce of the input gradient), as one fused weight would.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from libai_zoo.dist import TensorParallel
+from libai_zoo.dist.collectives import column_input
 
-from .fused import interleave_groups, split_groups
 from .linear import Linear
 from .parallel_layer import ParallelLayer
 
@@ -46,11 +47,12 @@ class MLP(ParallelLayer, nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
-        self.activation_name, self.act, self.gated = activation, ACTIVATIONS[activation], gated
+        self.activation_name, self.act = activation, ACTIVATIONS[activation]
         self.ffn_hidden_size = ffn_hidden_size
-        self.sequence_parallel = sequence_parallel
-        self.up = Linear(hidden_size, ffn_hidden_size * (2 if gated else 1), bias, "col", sync_input=sync_input,
-                         sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.sync_input, self.sequence_parallel = sync_input, sequence_parallel
+        col = dict(parallel="col", sync_input=False, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.gate = Linear(hidden_size, ffn_hidden_size, bias, **col) if gated else None
+        self.up = Linear(hidden_size, ffn_hidden_size, bias, **col)
         self.down = Linear(ffn_hidden_size, hidden_size, bias, "row", reduce_output=reduce_output,
                            sequence_parallel=sequence_parallel, device=device, dtype=dtype)
 
@@ -60,24 +62,10 @@ class MLP(ParallelLayer, nn.Module):
         super().shard_(tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.up(x)
-        if self.gated:
-            y = y.unflatten(-1, (-1, 2))
-            y = self.act(y[..., 0]) * y[..., 1]
-        else:
-            y = self.act(y)
-        return self.down(y)
+        if self.tp is not None and self.sync_input:
+            x = column_input(x, self.tp, self.sp)
+        h = self.act(self.up(x)) if self.gate is None else self.act(self.gate(x)) * self.up(x)
+        return self.down(h)
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation_name}, gated={self.gated}{self.parallel_repr()}"
-
-
-def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Separate gate and up weights [ffn, h] -> the fused `up` weight [2*ffn, h] of a gated MLP."""
-    return interleave_groups([gate, up], gate.shape[0])
-
-
-def split_gate_up(fused: torch.Tensor) -> list[torch.Tensor]:
-    """The fused `up` weight of a gated MLP -> [gate, up], inverse of `fuse_gate_up`."""
-    ffn = fused.shape[0] // 2
-    return split_groups(fused, ffn, [ffn, ffn])
+        return f"activation={self.activation_name}, gated={self.gate is not None}{self.parallel_repr()}"

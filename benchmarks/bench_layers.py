@@ -1,0 +1,137 @@
+"""Forward+backward time of libai_zoo's TransformerLayer against the Hugging Face block it replaces.
+
+Same sizes, same batch, same dtype, same process; the two alternate round by round so drift in
+clocks or load hits both. Prints per block the median step time of each, their ratio
+(libai_zoo / transformers: below 1 is faster) and, on CUDA, the peak memory of a step.
+
+    python benchmarks/bench_layers.py                       # CPU, fp32, small sizes
+    python benchmarks/bench_layers.py --device cuda --dtype bf16 --hidden 2048 --heads 16 --seq 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+
+import torch
+import transformers
+from transformers import BertConfig, GPT2Config, LlamaConfig
+from transformers.models.bert.modeling_bert import BertLayer
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from libai_zoo import layers
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_pairs(a) -> dict[str, tuple]:
+    """name -> (libai_zoo step input -> output, transformers step input -> output, modules)."""
+    h, nh, kv, ffn = a.hidden, a.heads, a.kv_heads, a.ffn
+    gpt2 = GPT2Block(GPT2Config(n_embd=h, n_head=nh, n_inner=ffn, activation_function="gelu_new",
+                                attn_implementation="sdpa", resid_pdrop=0.0, attn_pdrop=0.0), layer_idx=0)
+    ours_gpt2 = layers.TransformerLayer(h, nh, ffn, activation="gelu_new", causal=True)
+    bert = BertLayer(BertConfig(hidden_size=h, num_attention_heads=nh, intermediate_size=ffn,
+                                attn_implementation="sdpa", hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0))
+    ours_bert = layers.TransformerLayer(h, nh, ffn, pre_norm=False, norm_eps=1e-12)
+    llama_config = LlamaConfig(hidden_size=h, num_attention_heads=nh, num_key_value_heads=kv, intermediate_size=ffn,
+                               rope_theta=10000.0, attn_implementation="sdpa")
+    llama, rotary = LlamaDecoderLayer(llama_config, layer_idx=0), LlamaRotaryEmbedding(llama_config)
+    ours_llama = layers.TransformerLayer(h, nh, ffn, num_kv_heads=kv, norm="rmsnorm", activation="silu",
+                                         gated_mlp=True, bias=False, causal=True, rope_theta=10000.0)
+    positions = torch.arange(a.seq, device=a.device)[None].expand(a.batch, -1)
+
+    def hf_llama(x):
+        return llama(x, position_ids=positions, position_embeddings=rotary(x, positions))
+
+    return {"gpt2_block": (ours_gpt2, gpt2, (ours_gpt2, gpt2)),
+            "bert_layer": (ours_bert, bert, (ours_bert, bert)),
+            "llama_layer": (lambda x: ours_llama(x, position_ids=positions), hf_llama, (ours_llama, llama, rotary))}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_steps(step, x, grad, iters: int, device: str) -> float:
+    """Median-free mean over `iters` steps of one round, in ms (the caller takes the median of rounds)."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        x.grad = None
+        step(x).backward(grad)
+    sync(device)
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def peak_memory_mb(step, x, grad, device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step(x).backward(grad)
+    sync(device)
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=None, help="Llama KV heads (default heads / 4)")
+    parser.add_argument("--ffn", type=int, default=None, help="MLP size (default 4 × hidden)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=10, help="steps per round")
+    parser.add_argument("--out", help="also write the results as JSON here")
+    a = parser.parse_args()
+    a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
+    a.kv_heads = a.kv_heads or max(1, a.heads // 4)
+    a.ffn = a.ffn or 4 * a.hidden
+    dtype = DTYPES[a.dtype]
+    torch.manual_seed(0)
+
+    pairs = build_pairs(a)
+    results = {}
+    for name, (ours, hf, modules) in pairs.items():
+        for m in modules:
+            m.to(device=a.device, dtype=dtype if not isinstance(m, LlamaRotaryEmbedding) else None)
+        x = torch.randn(a.batch, a.seq, a.hidden, device=a.device, dtype=dtype, requires_grad=True)
+        grad = torch.randn_like(x)
+        for step in (ours, hf):  # warm-up: kernels, autotuning, allocator
+            time_steps(step, x, grad, 2, a.device)
+        times = {"libai_zoo": [], "transformers": []}
+        for _ in range(a.rounds):
+            times["libai_zoo"].append(time_steps(ours, x, grad, a.iters, a.device))
+            times["transformers"].append(time_steps(hf, x, grad, a.iters, a.device))
+        ms = {k: statistics.median(v) for k, v in times.items()}
+        results[name] = {"libai_zoo_ms": ms["libai_zoo"], "transformers_ms": ms["transformers"],
+                         "ratio": ms["libai_zoo"] / ms["transformers"],
+                         "libai_zoo_peak_mb": peak_memory_mb(ours, x, grad, a.device),
+                         "transformers_peak_mb": peak_memory_mb(hf, x, grad, a.device)}
+
+    device_name = torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or "cpu"
+    meta = {"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": datetime.date.today().isoformat(), "dtype": a.dtype, "batch": a.batch, "seq": a.seq,
+            "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads, "ffn": a.ffn, "threads": torch.get_num_threads()}
+    print(json.dumps(meta))
+    print(f"{'block':<12} {'libai_zoo ms':>13} {'transformers ms':>16} {'ratio':>7} {'peak MB ours/HF':>17}")
+    for name, r in results.items():
+        mem = "" if r["libai_zoo_peak_mb"] is None else f"{r['libai_zoo_peak_mb']:.0f}/{r['transformers_peak_mb']:.0f}"
+        print(f"{name:<12} {r['libai_zoo_ms']:>13.3f} {r['transformers_ms']:>16.3f} {r['ratio']:>7.3f} {mem:>17}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""tp=1 (no process group): every layer equals its torch.nn / functional reference, and the
+transformer layer equals the Hugging Face blocks it stands in for."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import BertConfig, GPT2Config, LlamaConfig
+from transformers.models.bert.modeling_bert import BertLayer
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from libai_zoo import layers
+
+TWIN_TOL = 1e-6
+HF_TOL = 1e-5
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach() - b.detach()).abs().max().item()
+
+
+def run_both(ours: nn.Module, ref: nn.Module, *inputs) -> tuple[float, float, float]:
+    """Forward both on the same inputs and backward sum(out * R); returns the max abs diffs of the
+    outputs, the input gradients and the parameter gradients (parameters matched by order)."""
+    ours_in = [x.clone().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    ref_in = [x.clone().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    out, ref_out = ours(*ours_in), ref(*ref_in)
+    weights = torch.randn(ref_out.shape)
+    (out * weights).sum().backward()
+    (ref_out * weights).sum().backward()
+    grads_in = [max_diff(a.grad, b.grad) for a, b in zip(ours_in, ref_in) if a.is_floating_point()]
+    grads_p = [max_diff(a.grad, b.grad) for a, b in zip(ours.parameters(), ref.parameters())]
+    return max_diff(out, ref_out), max(grads_in, default=0.0), max(grads_p, default=0.0)
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("parallel", ["col", "row", "data"])
+def test_linear_is_nn_linear(parallel):
+    ours = layers.Linear(16, 24, parallel=parallel)
+    ref = nn.Linear(16, 24)
+    ref.load_state_dict(ours.state_dict())
+    assert max(run_both(ours, ref, torch.randn(3, 5, 16))) <= TWIN_TOL
+
+
+def test_row_linear_partial_mode_leaves_bias_to_the_caller():
+    ours = layers.Linear(16, 8, parallel="row", reduce_output=False)
+    x = torch.randn(4, 16)
+    assert max_diff(ours(x), x @ ours.weight.T) == 0.0
+    assert max_diff(ours.add_bias(ours(x)), F.linear(x, ours.weight, ours.bias)) <= TWIN_TOL
+
+
+def test_vocab_embedding_is_nn_embedding():
+    ours = layers.VocabEmbedding(50, 12, padding_idx=3)
+    ref = nn.Embedding(50, 12, padding_idx=3)
+    ref.load_state_dict(ours.state_dict())
+    ids = torch.tensor([[3, 1, 49, 3], [0, 7, 7, 2]])
+    assert max(run_both(ours, ref, ids)) <= TWIN_TOL
+    assert ours.weight.grad[3].abs().max().item() == 0.0  # the padding row gets no gradient
+
+
+def test_layernorm_is_nn_layernorm():
+    ours, ref = layers.LayerNorm(20, eps=1e-6), nn.LayerNorm(20, eps=1e-6)
+    nn.init.normal_(ours.weight), nn.init.normal_(ours.bias)
+    ref.load_state_dict(ours.state_dict())
+    assert max(run_both(ours, ref, torch.randn(2, 3, 20))) <= TWIN_TOL
+
+
+def test_rmsnorm_is_nn_rmsnorm():
+    ours, ref = layers.RMSNorm(20, eps=1e-6), nn.RMSNorm(20, eps=1e-6)
+    nn.init.normal_(ours.weight)
+    ref.load_state_dict(ours.state_dict())
+    assert max(run_both(ours, ref, torch.randn(2, 3, 20))) <= TWIN_TOL
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_is_f_cross_entropy(reduction):
+    logits = torch.randn(2, 6, 30) * 4
+    target = torch.randint(0, 30, (2, 6))
+    target[0, :2] = -100
+    ce = layers.ParallelCrossEntropy(reduction=reduction)
+
+    def ref(lg, tg):
+        loss = F.cross_entropy(lg.reshape(-1, 30), tg.reshape(-1), ignore_index=-100, reduction=reduction)
+        return loss.view(2, 6) if reduction == "none" else loss
+
+    assert max(run_both(ce, ref_module(ref), logits, target)) <= TWIN_TOL
+
+
+def ref_module(fn) -> nn.Module:
+    """Wrap a function as a module without parameters, for run_both."""
+
+    class Fn(nn.Module):
+        def forward(self, *args):
+            return fn(*args)
+
+    return Fn()
+
+
+@pytest.mark.parametrize("activation,gated", [("gelu", False), ("gelu_new", False), ("relu", False),
+                                              ("silu", True)])
+def test_mlp_matches_functional(activation, gated):
+    mlp = layers.MLP(16, 40, activation=activation, gated=gated)
+    act = {"gelu": F.gelu, "gelu_new": lambda t: 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi)
+                                                                               * (t + 0.044715 * t ** 3))),
+           "relu": F.relu, "silu": F.silu}[activation]
+
+    def ref(x):
+        up = F.linear(x, mlp.up.weight, mlp.up.bias)
+        h = act(F.linear(x, mlp.gate.weight, mlp.gate.bias)) * up if gated else act(up)
+        return F.linear(h, mlp.down.weight, mlp.down.bias)
+
+    x = torch.randn(2, 5, 16)
+    assert max_diff(mlp(x), ref(x)) <= TWIN_TOL
+
+
+def rope_reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoFormer rotation written with complex numbers: pair (x_i, x_{i+d/2}) turns by pos / theta^(2i/d)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    angle = positions[:, None, :, None].double() * freqs
+    z = torch.complex(x[..., :half].double(), x[..., half:].double()) * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
+
+
+def attention_reference(attn: layers.Attention, x, mask=None, positions=None, encoder=None):
+    """Softmax attention spelled out: separate Q/K/V, repeated KV heads, explicit masks."""
+    nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    b, s = x.shape[:2]
+    if attn.cross_attention:
+        q = F.linear(x, attn.q.weight, attn.q.bias)
+        kv_w, kv_b = layers.split_kv(attn.kv.weight, nkv), layers.split_kv(attn.kv.bias, nkv)
+        k, v = (F.linear(encoder, w, bb) for w, bb in zip(kv_w, kv_b))
+    else:
+        ws = layers.split_qkv(attn.qkv.weight, nh, nkv)
+        bs = layers.split_qkv(attn.qkv.bias, nh, nkv) if attn.qkv.bias is not None else [None] * 3
+        q, k, v = (F.linear(x, w, bb) for w, bb in zip(ws, bs))
+    sk = k.shape[1]
+    q, k, v = (t.view(b, t.shape[1], -1, d).transpose(1, 2) for t in (q, k, v))
+    if attn.rotary is not None:
+        q = rope_reference(q, positions, attn.rotary.base)
+        k = rope_reference(k, positions, attn.rotary.base)
+    k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    i, j = torch.arange(s)[:, None], torch.arange(sk)[None, :]
+    allowed = torch.ones(s, sk, dtype=torch.bool)
+    if attn.causal:
+        allowed &= j <= i
+    if attn.sliding_window:
+        allowed &= ((i - j) if attn.causal else (i - j).abs()) < attn.sliding_window
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :].bool()
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    out = (probs @ v).transpose(1, 2).reshape(b, s, nh * d)
+    return F.linear(out, attn.out.weight, attn.out.bias)
+
+
+ATTENTION_CASES = {
+    "mha_causal": dict(kw=dict(causal=True), mask=False),
+    "mha_bidirectional_padded": dict(kw=dict(), mask=True),
+    "gqa_rope_causal_padded": dict(kw=dict(num_kv_heads=2, causal=True, rope_theta=10000.0, bias=False), mask=True),
+    "mqa_sliding_window": dict(kw=dict(num_kv_heads=1, causal=True, sliding_window=3), mask=False),
+    "bidirectional_window": dict(kw=dict(sliding_window=2), mask=False),
+    "cross_gqa": dict(kw=dict(num_kv_heads=2, cross_attention=True, kv_input_size=12), mask=True),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_matches_reference(case):
+    spec = ATTENTION_CASES[case]
+    attn = layers.Attention(32, 8, **spec["kw"])
+    b, s = 2, 7
+    x = torch.randn(b, s, 32)
+    encoder = torch.randn(b, 5, 12) if attn.cross_attention else None
+    mask = None
+    if spec["mask"]:  # right padding: every query still sees a real key
+        mask = torch.ones(b, encoder.shape[1] if encoder is not None else s, dtype=torch.long)
+        mask[1, -2:] = 0
+    positions = torch.arange(s).repeat(b, 1) + torch.tensor([[0], [3]])
+    out = attn(x, mask, positions, encoder)
+    assert max_diff(out, attention_reference(attn, x, mask, positions, encoder)) <= TWIN_TOL
+
+
+def test_attention_kv_offset_and_additive_mask():
+    """Queries that are the last positions of a longer key sequence (as with a KV cache), and a 4-D
+    additive mask, follow the same rules."""
+    attn = layers.Attention(16, 4, causal=True)
+    q_len, k_len = 2, 5
+    allowed, causal = attn._mask(None, q_len, k_len, "cpu")
+    assert not causal and allowed.tolist() == [[True, True, True, True, False], [True] * 5]
+    additive = torch.zeros(1, 1, q_len, k_len)
+    additive[..., 0] = -1e4
+    combined, _ = attn._mask(additive, q_len, k_len, "cpu")
+    assert combined[0, 0, 0].tolist() == [-1e4, 0.0, 0.0, 0.0, float("-inf")]
+
+
+def test_fused_layouts_round_trip():
+    q, k, v = torch.randn(8 * 4, 6), torch.randn(2 * 4, 6), torch.randn(2 * 4, 6)
+    fused = layers.fuse_qkv(q, k, v, num_kv_heads=2)
+    # group 0 holds q heads 0-3, then k head 0, then v head 0
+    assert torch.equal(fused[:16], q[:16]) and torch.equal(fused[16:20], k[:4]) and torch.equal(fused[20:24], v[:4])
+    assert all(torch.equal(a, b) for a, b in zip(layers.split_qkv(fused, 8, 2), (q, k, v)))
+    k, v = torch.randn(6, 3), torch.randn(6, 3)
+    fused = layers.fuse_kv(k, v, num_kv_heads=3)
+    assert torch.equal(fused[:2], k[:2]) and torch.equal(fused[2:4], v[:2])
+    assert all(torch.equal(a, b) for a, b in zip(layers.split_kv(fused, 3), (k, v)))
+
+
+def test_sequence_modules_are_identities_without_tp():
+    x = torch.randn(2, 5, 4)
+    assert layers.SequenceScatter()(x) is x and layers.SequenceGather()(x) is x
+
+
+# --- the transformer layer against the Hugging Face blocks it replaces ---------------------------
+
+def conv1d_t(w: torch.Tensor) -> torch.Tensor:
+    """GPT-2's Conv1D stores [in, out]; Linear stores [out, in]."""
+    return w.t()
+
+
+def load(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    module.load_state_dict({k: v.detach().clone().contiguous() for k, v in state.items()}, strict=True)
+
+
+def test_pre_norm_layer_is_gpt2_block():
+    config = GPT2Config(n_embd=32, n_head=4, n_inner=64, activation_function="gelu_new",
+                        attn_implementation="sdpa", resid_pdrop=0.0, attn_pdrop=0.0)
+    hf = GPT2Block(config, layer_idx=0).eval()
+    ours = layers.TransformerLayer(32, 4, 64, activation="gelu_new", causal=True, norm_eps=config.layer_norm_epsilon)
+    sd = hf.state_dict()
+    q, k, v = conv1d_t(sd["attn.c_attn.weight"]).chunk(3)
+    qb, kb, vb = sd["attn.c_attn.bias"].chunk(3)
+    load(ours, {"attn_norm.weight": sd["ln_1.weight"], "attn_norm.bias": sd["ln_1.bias"],
+                "attn.qkv.weight": layers.fuse_qkv(q, k, v, 4), "attn.qkv.bias": layers.fuse_qkv(qb, kb, vb, 4),
+                "attn.out.weight": conv1d_t(sd["attn.c_proj.weight"]), "attn.out.bias": sd["attn.c_proj.bias"],
+                "mlp_norm.weight": sd["ln_2.weight"], "mlp_norm.bias": sd["ln_2.bias"],
+                "mlp.up.weight": conv1d_t(sd["mlp.c_fc.weight"]), "mlp.up.bias": sd["mlp.c_fc.bias"],
+                "mlp.down.weight": conv1d_t(sd["mlp.c_proj.weight"]), "mlp.down.bias": sd["mlp.c_proj.bias"]})
+    x = torch.randn(2, 6, 32)
+    assert max_diff(ours(x), hf(x)) <= HF_TOL
+
+
+def test_post_norm_layer_is_bert_layer():
+    config = BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, attn_implementation="sdpa",
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    hf = BertLayer(config).eval()
+    ours = layers.TransformerLayer(32, 4, 64, pre_norm=False, activation="gelu", norm_eps=config.layer_norm_eps)
+    sd = hf.state_dict()
+    p = "attention.self."
+    load(ours, {"attn.qkv.weight": layers.fuse_qkv(sd[p + "query.weight"], sd[p + "key.weight"],
+                                                   sd[p + "value.weight"], 4),
+                "attn.qkv.bias": layers.fuse_qkv(sd[p + "query.bias"], sd[p + "key.bias"], sd[p + "value.bias"], 4),
+                "attn.out.weight": sd["attention.output.dense.weight"],
+                "attn.out.bias": sd["attention.output.dense.bias"],
+                "attn_norm.weight": sd["attention.output.LayerNorm.weight"],
+                "attn_norm.bias": sd["attention.output.LayerNorm.bias"],
+                "mlp.up.weight": sd["intermediate.dense.weight"], "mlp.up.bias": sd["intermediate.dense.bias"],
+                "mlp.down.weight": sd["output.dense.weight"], "mlp.down.bias": sd["output.dense.bias"],
+                "mlp_norm.weight": sd["output.LayerNorm.weight"], "mlp_norm.bias": sd["output.LayerNorm.bias"]})
+    x = torch.randn(2, 6, 32)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    hf_mask = (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+    assert max_diff(ours(x, mask), hf(x, attention_mask=hf_mask)) <= HF_TOL
+
+
+def test_llama_style_layer_is_llama_decoder_layer():
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                         rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="sdpa")
+    hf = LlamaDecoderLayer(config, layer_idx=0).eval()
+    ours = layers.TransformerLayer(32, 4, 48, num_kv_heads=2, norm="rmsnorm", norm_eps=1e-5, activation="silu",
+                                   gated_mlp=True, bias=False, causal=True, rope_theta=500000.0)
+    for p in hf.parameters():  # norms start at one; make them matter
+        nn.init.normal_(p, std=0.3)
+    sd = hf.state_dict()
+    a = "self_attn."
+    load(ours, {"attn_norm.weight": sd["input_layernorm.weight"],
+                "attn.qkv.weight": layers.fuse_qkv(sd[a + "q_proj.weight"], sd[a + "k_proj.weight"],
+                                                   sd[a + "v_proj.weight"], 2),
+                "attn.out.weight": sd[a + "o_proj.weight"], "mlp_norm.weight": sd["post_attention_layernorm.weight"],
+                "mlp.gate.weight": sd["mlp.gate_proj.weight"], "mlp.up.weight": sd["mlp.up_proj.weight"],
+                "mlp.down.weight": sd["mlp.down_proj.weight"]})
+    x = torch.randn(2, 6, 32)
+    positions = torch.arange(6).repeat(2, 1) + torch.tensor([[0], [5]])
+    cos_sin = LlamaRotaryEmbedding(config)(x, positions)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    hf_mask = causal[None, None] & mask[:, None, None, :].bool()
+    expected = hf(x, attention_mask=hf_mask, position_ids=positions, position_embeddings=cos_sin)
+    assert max_diff(ours(x, mask, positions), expected) <= HF_TOL
+
+
+def test_parallel_block_is_attention_plus_mlp():
+    layer = layers.TransformerLayer(32, 4, 64, parallel_block=True, causal=True, rope_theta=10000.0)
+    x = torch.randn(2, 6, 32)
+    h = layer.attn_norm(x)
+    # inside the block both output projections return partial sums; the block adds their biases once
+    expected = x + layer.attn(h) + layer.attn.out.bias + layer.mlp(h) + layer.mlp.down.bias
+    assert max_diff(layer(x), expected) <= TWIN_TOL
+
+
+def test_layer_options_are_checked():
+    with pytest.raises(ValueError, match="parallel_block"):
+        layers.TransformerLayer(32, 4, 64, parallel_block=True, pre_norm=False)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        layers.Attention(32, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="activation"):
+        layers.MLP(8, 16, activation="tanhh")
+    with pytest.raises(ValueError, match="parallel="):
+        layers.Linear(8, 8, parallel="column")
