@@ -1,0 +1,12 @@
+"""libai_zoo.dist: the parallel context, tensor-parallel sharding and its collectives.
+
+    ctx = dist.init(dp=2, tp=2, pp=1)   # reads torchrun's env; dist.init() alone = one process
+    model = dist.shard(model)           # every parallel layer keeps its own slice
+"""
+
+from .context import ParallelContext, destroy, get_context, init, resolve_sizes
+from .shard import finalize_grads, shard
+from .tensor_parallel import TensorParallel, local
+
+__all__ = ["ParallelContext", "TensorParallel", "init", "get_context", "destroy", "resolve_sizes",
+           "shard", "finalize_grads", "local"]

@@ -1,0 +1,185 @@
+"""Autograd-aware collectives over the tensor-parallel group (Megatron-LM's mappings).
+
+Each function is a pair: what it does forward and what its backward does with the gradient.
+
+    copy_to_tp            identity         | all-reduce      (input of a column-parallel layer)
+    reduce_from_tp        all-reduce       | identity        (output of a row-parallel layer)
+    gather_from_tp        all-gather       | split           (gather a split output for replicated use)
+    scatter_to_tp         split            | all-gather      (take this rank's part of a replicated tensor)
+    gather_from_sp        all-gather       | reduce-scatter  (sequence-parallel input of a column layer)
+    reduce_scatter_to_sp  reduce-scatter   | all-gather      (sequence-parallel output of a row layer)
+
+A column-parallel layer followed by a row-parallel one costs one all-reduce forward and one
+backward; with sequence parallelism each all-reduce becomes an all-gather + reduce-scatter pair
+of the same total volume. `reduce_from_tp` (forward) and `copy_to_tp` (backward) reduce in place:
+give them tensors nothing else reads, such as the fresh output (gradient) of a matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as torch_dist
+from torch.autograd import Function
+
+from .tensor_parallel import TensorParallel
+
+
+def _all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    # torch 2.13 renames all_gather_into_tensor to all_gather_single; 2.6-2.12 have only the old name.
+    gather = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def _reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    scatter = getattr(torch_dist, "reduce_scatter_single", None) or torch_dist.reduce_scatter_tensor
+    scatter(output, tensor, group=group)
+
+
+def _check_splittable(x: torch.Tensor, tp: TensorParallel, dim: int) -> None:
+    if x.shape[dim] % tp.size:
+        raise ValueError(
+            f"dim {dim} (size {x.shape[dim]}) of a tensor of shape {tuple(x.shape)} does not split evenly "
+            f"over tp = {tp.size}: pad it to a multiple of {tp.size} (under sequence parallelism this "
+            f"is the sequence length)")
+
+
+def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+    """Concatenate every tp rank's `x` along `dim` (no autograd)."""
+    x = x.contiguous()
+    out = x.new_empty((tp.size * x.shape[0], *x.shape[1:]))
+    _all_gather_into(out, x, tp.group)
+    if dim % x.dim() == 0:
+        return out
+    return torch.cat(out.chunk(tp.size), dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+    """Sum `x` over tp ranks and keep this rank's equal slice along `dim` (no autograd)."""
+    _check_splittable(x, tp, dim)
+    if dim % x.dim() == 0:
+        x = x.contiguous()
+    else:  # lay the slices one after another along dim 0, the layout the collective splits
+        x = torch.cat(x.chunk(tp.size, dim), dim=0)
+    out = x.new_empty((x.shape[0] // tp.size, *x.shape[1:]))
+    _reduce_scatter_into(out, x, tp.group)
+    return out
+
+
+def split(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+    """This rank's equal slice of `x` along `dim` (no communication, no autograd)."""
+    _check_splittable(x, tp, dim)
+    return x.chunk(tp.size, dim)[tp.rank].contiguous()
+
+
+def all_reduce_(x: torch.Tensor, tp: TensorParallel, op=torch_dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce `x` in place over the tp group (no autograd)."""
+    torch_dist.all_reduce(x, op=op, group=tp.group)
+    return x
+
+
+class _CopyToTP(Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_(grad.contiguous(), ctx.tp), None
+
+
+class _ReduceFromTP(Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.mark_dirty(x)
+        return all_reduce_(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(Function):
+    @staticmethod
+    def forward(ctx, x, tp, dim):
+        ctx.tp, ctx.dim = tp, dim
+        return all_gather(x, tp, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split(grad, ctx.tp, ctx.dim), None, None
+
+
+class _ScatterToTP(Function):
+    @staticmethod
+    def forward(ctx, x, tp, dim):
+        ctx.tp, ctx.dim = tp, dim
+        return split(x, tp, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.tp, ctx.dim), None, None
+
+
+class _GatherFromSP(Function):
+    @staticmethod
+    def forward(ctx, x, tp, dim):
+        ctx.tp, ctx.dim = tp, dim
+        return all_gather(x, tp, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.tp, ctx.dim), None, None
+
+
+class _ReduceScatterToSP(Function):
+    @staticmethod
+    def forward(ctx, x, tp, dim):
+        ctx.tp, ctx.dim = tp, dim
+        return reduce_scatter(x, tp, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.tp, ctx.dim), None, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (Megatron's f)."""
+    return _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """All-reduce (sum) forward, in place; identity backward (Megatron's g)."""
+    return _ReduceFromTP.apply(x, tp)
+
+
+def gather_from_tp(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tensor:
+    """All-gather along `dim` forward; take this rank's slice of the gradient backward."""
+    return _GatherFromTP.apply(x, tp, dim)
+
+
+def scatter_to_tp(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tensor:
+    """Take this rank's slice along `dim` forward; all-gather the gradient backward."""
+    return _ScatterToTP.apply(x, tp, dim)
+
+
+def gather_from_sp(x: torch.Tensor, tp: TensorParallel, dim: int = 1) -> torch.Tensor:
+    """All-gather the sequence forward; reduce-scatter the gradient backward."""
+    return _GatherFromSP.apply(x, tp, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, tp: TensorParallel, dim: int = 1) -> torch.Tensor:
+    """Reduce-scatter over the sequence forward; all-gather the gradient backward."""
+    return _ReduceScatterToSP.apply(x, tp, dim)
+
+
+def column_input(x: torch.Tensor, tp: TensorParallel, sequence_parallel: bool) -> torch.Tensor:
+    """Hand an activation to column-parallel layers: `copy_to_tp` of a replicated one, or the
+    all-gather of sequence shards (`gather_from_sp`) under sequence parallelism."""
+    return gather_from_sp(x, tp) if sequence_parallel else copy_to_tp(x, tp)
+
+
+def row_output(x: torch.Tensor, tp: TensorParallel, sequence_parallel: bool) -> torch.Tensor:
+    """Sum the partial outputs of row-parallel layers: `reduce_from_tp`, or a reduce-scatter onto
+    sequence shards (`reduce_scatter_to_sp`) under sequence parallelism."""
+    return reduce_scatter_to_sp(x, tp) if sequence_parallel else reduce_from_tp(x, tp)

@@ -1,0 +1,151 @@
+"""The parallel context: one object that owns the process layout of a run.
+
+`init(dp, tp, pp)` reads torchrun's environment, checks the degrees against the world size,
+and builds one named DeviceMesh ``("pp", "dp", "tp")`` with tensor parallelism innermost, so a
+tp group is made of neighbouring ranks (the same node on a GPU cluster). Launched without
+torchrun it is one process and needs no process group at all.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as torch_dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .tensor_parallel import TensorParallel
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+_current: ParallelContext | None = None
+
+
+class ParallelContext:
+    """Sizes, ranks, device and meshes of this process; build it with `init`."""
+
+    def __init__(self, dp: int, tp: int, pp: int, *, rank: int, local_rank: int,
+                 device: torch.device, mesh: DeviceMesh | None, sequence_parallel: bool,
+                 owns_process_group: bool):
+        self.dp, self.tp, self.pp = dp, tp, pp
+        self.world_size = dp * tp * pp
+        self.rank = rank
+        self.local_rank = local_rank
+        self.device = device
+        self.mesh = mesh
+        self.sequence_parallel = sequence_parallel
+        self.owns_process_group = owns_process_group
+        self.tensor_parallel = (TensorParallel(mesh["tp"], sequence_parallel=sequence_parallel)
+                                if tp > 1 else None)
+
+    def submesh(self, dim: str) -> DeviceMesh | None:
+        """The 1-D mesh of one dimension ("dp", "tp" or "pp"); None in a one-process run."""
+        return None if self.mesh is None else self.mesh[dim]
+
+    def group(self, dim: str) -> torch_dist.ProcessGroup | None:
+        """The process group of one dimension; None in a one-process run."""
+        sub = self.submesh(dim)
+        return None if sub is None else sub.get_group()
+
+    def rank_in(self, dim: str) -> int:
+        """This process's coordinate along one dimension."""
+        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank_in("dp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank_in("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank_in("pp")
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    def __repr__(self) -> str:
+        return (f"ParallelContext(world_size={self.world_size}, dp={self.dp}, tp={self.tp}, "
+                f"pp={self.pp}, rank={self.rank}, device={self.device}, "
+                f"sequence_parallel={self.sequence_parallel})")
+
+
+def resolve_sizes(world_size: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """Check the degrees against the world size and infer dp=-1; raise a ValueError that says the fix."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise ValueError(f"{name}={value} is invalid: parallel sizes are positive integers")
+    if dp == -1:
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp×pp = {tp}×{pp} = {tp * pp}, so dp "
+                f"cannot be inferred: launch a multiple of {tp * pp} processes "
+                f"(torchrun --nproc_per_node={tp * pp} ...) or change tp/pp")
+        dp = world_size // (tp * pp)
+    elif dp < 1:
+        raise ValueError(f"dp={dp} is invalid: use a positive integer, or -1 to infer it from the world size")
+    if dp * tp * pp != world_size:
+        raise ValueError(
+            f"world size {world_size} does not match dp×tp×pp = {dp}×{tp}×{pp} = {dp * tp * pp}: "
+            f"launch {dp * tp * pp} processes (torchrun --nproc_per_node={dp * tp * pp} ...) or "
+            f"choose dp, tp, pp whose product is {world_size} (dp=-1 infers dp)")
+    return dp, tp, pp
+
+
+def _default_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False,
+         backend: str | None = None) -> ParallelContext:
+    """Set up the process layout of this run and make it the current context.
+
+    Reads torchrun's ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``; without them this is a single
+    process and no process group is created. An already initialized default process group (from
+    ``accelerate`` or a test harness) is reused. The backend is nccl on CUDA and gloo on CPU.
+    ``sequence_parallel`` splits norms and dropout over the sequence inside the tp group.
+    """
+    global _current
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        world_size, rank = torch_dist.get_world_size(), torch_dist.get_rank()
+    else:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    dp, tp, pp = resolve_sizes(world_size, dp, tp, pp)
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel=True needs tp > 1: it splits the sequence over the tp group")
+
+    device = _default_device(local_rank)
+    mesh = None
+    owns_process_group = False
+    if world_size > 1:
+        if not torch_dist.is_initialized():
+            torch_dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"))
+            owns_process_group = True
+        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    _current = ParallelContext(dp, tp, pp, rank=rank, local_rank=local_rank, device=device,
+                               mesh=mesh, sequence_parallel=sequence_parallel,
+                               owns_process_group=owns_process_group)
+    return _current
+
+
+def get_context() -> ParallelContext:
+    """The context made by the last `init`."""
+    if _current is None:
+        raise RuntimeError("no parallel context: call libai_zoo.dist.init(dp=..., tp=..., pp=...) first")
+    return _current
+
+
+def destroy() -> None:
+    """Forget the current context and tear down the process group if `init` created it."""
+    global _current
+    if _current is not None and _current.owns_process_group and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+    _current = None

@@ -1,0 +1,58 @@
+"""Turn a model built at full size into this rank's slice, and finish its gradients."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from .context import ParallelContext, get_context
+from .tensor_parallel import TensorParallel
+
+
+def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
+          sequence_parallel: bool | None = None) -> nn.Module:
+    """Split every parallel layer of `model` over the tensor-parallel mesh, in place.
+
+    A parallel layer is any module with a ``shard_(tp)`` method (all of `libai_zoo.layers`);
+    it checks its sizes against tp, keeps its own slice of each weight as a DTensor and from then
+    on communicates in forward/backward. With tp=1 the model is returned unchanged. The model
+    ends on the context's device. ``sequence_parallel`` overrides the context's setting.
+    """
+    ctx = ctx or get_context()
+    tp = ctx.tensor_parallel
+    if tp is not None:
+        if sequence_parallel is not None and sequence_parallel != tp.sequence_parallel:
+            tp = TensorParallel(tp.mesh, sequence_parallel=sequence_parallel)
+        for module in model.modules():
+            shard_ = getattr(module, "shard_", None)
+            if callable(shard_):
+                shard_(tp)
+    return model.to(ctx.device)
+
+
+@torch.no_grad()
+def finalize_grads(model: nn.Module) -> None:
+    """Sum the partial gradients of replicated parameters over their mesh, one all-reduce per group.
+
+    Under sequence parallelism a norm weight (or a row-parallel bias) sees only this rank's part
+    of the sequence, so its gradient is a Partial DTensor. Call this after backward and before
+    clipping and the optimizer step: it reduces all of them in one coalesced all-reduce (as
+    Megatron-LM does once per step) and leaves replicated gradients. Without it DTensor reduces
+    each one lazily wherever it is used, which is correct but slower.
+    """
+    buckets: dict[tuple, list[nn.Parameter]] = {}
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
+            if grad.device_mesh.ndim != 1:
+                raise ValueError("finalize_grads handles partial gradients on 1-D (tp) meshes")
+            buckets.setdefault((grad.device_mesh, grad.dtype), []).append(param)
+    for (mesh, _), params in buckets.items():
+        locals_ = [p.grad.to_local() for p in params]
+        flat = torch.cat([g.reshape(-1) for g in locals_])
+        torch_dist.all_reduce(flat, group=mesh.get_group())
+        for param, piece in zip(params, flat.split([g.numel() for g in locals_])):
+            param.grad = DTensor.from_local(piece.view_as(param.grad.to_local()), mesh, [Replicate()],
+                                            run_check=False)

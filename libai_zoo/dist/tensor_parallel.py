@@ -1,0 +1,69 @@
+"""What a parallel layer needs to split itself over the tensor-parallel dimension.
+
+A sharded parameter is a DTensor on the tp mesh (global shape + placement), so checkpoints can
+reshard and FSDP2 can compose with it. Layers compute on its local tensor (`local`) with the
+explicit collectives of `libai_zoo.dist.collectives`, which is cheaper than DTensor dispatch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+
+class TensorParallel:
+    """The tp mesh a layer is split over, with its group, size and this rank's index."""
+
+    def __init__(self, mesh: DeviceMesh, *, sequence_parallel: bool = False):
+        if mesh.ndim != 1:
+            raise ValueError(f"the tensor-parallel mesh must be 1-D, got {mesh.ndim}-D")
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.sequence_parallel = sequence_parallel
+
+    def check_divisible(self, value: int, what: str, fix: str) -> None:
+        """Raise a ValueError naming the sizes when `value` does not split evenly over tp."""
+        if value % self.size:
+            raise ValueError(f"{what} = {value} is not divisible by tp = {self.size}: {fix}")
+
+    def local_range(self, total: int) -> tuple[int, int]:
+        """[start, end) of this rank's equal slice of `total` items."""
+        per_rank = total // self.size
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+    def shard_parameter(self, module: nn.Module, name: str, dim: int) -> None:
+        """Replace ``module.<name>`` by a DTensor parameter split along `dim` over tp."""
+        self._distribute(module, name, Shard(dim))
+
+    def replicate_parameter(self, module: nn.Module, name: str) -> None:
+        """Replace ``module.<name>`` by a DTensor parameter replicated over tp."""
+        self._distribute(module, name, Replicate())
+
+    def _distribute(self, module: nn.Module, name: str, placement) -> None:
+        param = getattr(module, name)
+        if param is None or isinstance(param, DTensor):
+            return
+        # distribute_tensor takes rank 0's values, so every rank ends up with one consistent model.
+        sharded = distribute_tensor(param.detach(), self.mesh, [placement])
+        setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    def __repr__(self) -> str:
+        return f"TensorParallel(size={self.size}, rank={self.rank}, sequence_parallel={self.sequence_parallel})"
+
+
+def local(param: torch.Tensor | None, *, partial_grad: bool = False) -> torch.Tensor | None:
+    """The local tensor of a (possibly DTensor) parameter, differentiable.
+
+    ``partial_grad=True`` is for a replicated parameter used on a shard of the data (a norm under
+    sequence parallelism): its gradient is then a Partial DTensor, each rank holding a summand,
+    which `finalize_grads` (or DTensor itself, lazily) sums over the tp group.
+    """
+    if not isinstance(param, DTensor):
+        return param
+    if partial_grad:
+        return param.to_local(grad_placements=[Partial()])
+    return param.to_local()
