@@ -2,7 +2,8 @@
 
 Same sizes, same batch, same dtype, same process; the two alternate round by round so drift in
 clocks or load hits both. Prints per block the median step time of each, their ratio
-(libai_zoo / transformers: below 1 is faster) and, on CUDA, the peak memory of a step.
+(libai_zoo / transformers: below 1 is faster), the matmul TFLOP/s libai_zoo reaches and, on
+CUDA, the peak memory of a step.
 
     python benchmarks/bench_layers.py                       # CPU, fp32, small sizes
     python benchmarks/bench_layers.py --device cuda --dtype bf16 --hidden 2048 --heads 16 --seq 2048
@@ -52,6 +53,16 @@ def build_pairs(a) -> dict[str, tuple]:
     return {"gpt2_block": (ours_gpt2, gpt2, (ours_gpt2, gpt2)),
             "bert_layer": (ours_bert, bert, (ours_bert, bert)),
             "llama_layer": (lambda x: ours_llama(x, position_ids=positions), hf_llama, (ours_llama, llama, rotary))}
+
+
+def step_flops(a, name: str) -> float:
+    """Matmul FLOPs of one forward+backward (3 × forward), attention scores included; causal halves them."""
+    d = a.hidden // a.heads
+    kv = a.kv_heads if name == "llama_layer" else a.heads
+    mlp_mats = 3 if name == "llama_layer" else 2
+    per_token = 2 * (a.hidden * (a.heads + 2 * kv) * d + a.hidden * a.hidden + mlp_mats * a.hidden * a.ffn)
+    attention = 4 * a.batch * a.seq * a.seq * a.hidden * (0.5 if name != "bert_layer" else 1.0)
+    return 3 * (per_token * a.batch * a.seq + attention)
 
 
 def sync(device: str) -> None:
@@ -116,6 +127,7 @@ def main() -> None:
         ms = {k: statistics.median(v) for k, v in times.items()}
         results[name] = {"libai_zoo_ms": ms["libai_zoo"], "transformers_ms": ms["transformers"],
                          "ratio": ms["libai_zoo"] / ms["transformers"],
+                         "libai_zoo_tflops": step_flops(a, name) / ms["libai_zoo"] / 1e9,
                          "libai_zoo_peak_mb": peak_memory_mb(ours, x, grad, a.device),
                          "transformers_peak_mb": peak_memory_mb(hf, x, grad, a.device)}
 
@@ -124,10 +136,12 @@ def main() -> None:
             "date": datetime.date.today().isoformat(), "dtype": a.dtype, "batch": a.batch, "seq": a.seq,
             "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads, "ffn": a.ffn, "threads": torch.get_num_threads()}
     print(json.dumps(meta))
-    print(f"{'block':<12} {'libai_zoo ms':>13} {'transformers ms':>16} {'ratio':>7} {'peak MB ours/HF':>17}")
+    print(f"{'block':<12} {'libai_zoo ms':>13} {'transformers ms':>16} {'ratio':>7} {'TFLOP/s ours':>13} "
+          f"{'peak MB ours/HF':>17}")
     for name, r in results.items():
         mem = "" if r["libai_zoo_peak_mb"] is None else f"{r['libai_zoo_peak_mb']:.0f}/{r['transformers_peak_mb']:.0f}"
-        print(f"{name:<12} {r['libai_zoo_ms']:>13.3f} {r['transformers_ms']:>16.3f} {r['ratio']:>7.3f} {mem:>17}")
+        print(f"{name:<12} {r['libai_zoo_ms']:>13.3f} {r['transformers_ms']:>16.3f} {r['ratio']:>7.3f} "
+              f"{r['libai_zoo_tflops']:>13.1f} {mem:>17}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)

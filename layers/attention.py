@@ -82,9 +82,13 @@ class Attention(ParallelLayer, nn.Module):
         q, k, v = self._project(hidden_states, encoder_hidden_states)
         if self.rotary is not None:
             if position_ids is None:
-                position_ids = torch.arange(k.shape[2] - q.shape[2], k.shape[2], device=q.device)[None]
+                position_ids = torch.arange(k.shape[1] - q.shape[1], k.shape[1], device=q.device)[None]
             cos, sin = self.rotary(position_ids)
+            cos, sin = cos[:, :, None, None], sin[:, :, None, None]  # broadcast over groups and heads
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            v = v.contiguous()  # q and k are new tensors now: copying v lets the fused qkv output go
+        # [B, S, groups, heads per group, d] -> [B, heads, S, d]; a view when rotary made q contiguous
+        q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
         mask, is_causal = self._mask(attention_mask, q.shape[2], k.shape[2], q.device)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal,
@@ -92,19 +96,20 @@ class Attention(ParallelLayer, nn.Module):
         return self.out(out.transpose(1, 2).flatten(2))
 
     def _project(self, x: torch.Tensor, encoder_states: torch.Tensor | None):
-        """q [B, heads, S, d], k and v [B, kv_heads, S_k, d] for this rank's heads."""
+        """This rank's q [B, S, groups, q heads per group, d] and k, v [B, S_k, groups, 1, d].
+
+        split/unbind (not indexing) take the parts apart, so backward writes one gradient
+        buffer instead of zero-filling one per part."""
         d = self.head_dim
         if self.cross_attention:
             if encoder_states is None:
                 raise ValueError("cross-attention needs encoder_hidden_states")
-            q = self.q(x)
-            q = q.unflatten(-1, (-1, d)).transpose(1, 2)
-            kv = self.kv(encoder_states).unflatten(-1, (-1, 2, d))
-            return q, kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)
+            q = self.q(x).unflatten(-1, (-1, 1, d))
+            k, v = self.kv(encoder_states).unflatten(-1, (-1, 2, d)).split(1, dim=-2)
+            return q, k, v
         per_group = self.num_heads // self.num_kv_heads
-        qkv = self.qkv(x).unflatten(-1, (-1, per_group + 2, d))  # [B, S, groups, q heads + k + v, d]
-        q = qkv[..., :per_group, :].flatten(2, 3).transpose(1, 2)
-        return q, qkv[..., per_group, :].transpose(1, 2), qkv[..., per_group + 1, :].transpose(1, 2)
+        qkv = self.qkv(x).unflatten(-1, (-1, per_group + 2, d))
+        return qkv.split([per_group, 1, 1], dim=-2)
 
     def _mask(self, attention_mask: torch.Tensor | None, q_len: int, k_len: int, device):
         """(attn_mask, is_causal) for SDPA; queries are the last q_len of the k_len positions."""

@@ -31,6 +31,5 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, S, dim] by the angles of cos/sin [B, S, dim]."""
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    """Rotate the last dimension of x by the angles whose cos/sin broadcast against x."""
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)

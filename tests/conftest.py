@@ -1,7 +1,11 @@
 import os
 import tempfile
 
-import torch
+# The suite is CPU + gloo by design (CI has no GPU): on a GPU host, hide the GPU before torch
+# looks for it, so dist.init picks gloo and the forked workers never touch CUDA.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
 
 # Multi-process tests fork this process (tests/distributed_runner.py): a parent that has used an
 # OpenMP pool can hang its forked children, and on 2 cores one thread per process is fastest.
