@@ -21,7 +21,8 @@ class Linear(ParallelLayer, nn.Linear):
         [B, h] x [h, S(out)] -> [B, S(out)]          (gather_output=True: all-gather to [B, out])
     parallel="row": weight split by input features. Input split, output summed over tp:
         [B, S(h)] x [S(h), out] -> [B, P(out)] -> all-reduce -> [B, out] + bias (added once)
-    parallel="data": replicated weight; plain nn.Linear on every rank.
+    parallel="data": replicated weight; plain nn.Linear on every rank (under sequence parallelism
+        it sees this rank's tokens, so its gradients are partial until `dist.finalize_grads`).
 
     Under sequence parallelism "col" all-gathers a sequence-split input and "row" reduce-scatters
     its output back onto sequence shards. ``sync_input=False`` (col) and ``reduce_output=False``

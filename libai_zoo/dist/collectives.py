@@ -99,48 +99,23 @@ class _ReduceFromTP(Function):
         return grad, None
 
 
-class _GatherFromTP(Function):
-    @staticmethod
-    def forward(ctx, x, tp, dim):
+def _autograd_pair(name: str, forward, backward) -> type[Function]:
+    """A Function computing forward(x, tp, dim) whose backward is backward(grad, tp, dim)."""
+
+    def fwd(ctx, x, tp, dim):
         ctx.tp, ctx.dim = tp, dim
-        return all_gather(x, tp, dim)
+        return forward(x, tp, dim)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.tp, ctx.dim), None, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.tp, ctx.dim), None, None
 
-
-class _ScatterToTP(Function):
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return split(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.tp, ctx.dim), None, None
+    return type(name, (Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _GatherFromSP(Function):
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return all_gather(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.tp, ctx.dim), None, None
-
-
-class _ReduceScatterToSP(Function):
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return reduce_scatter(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.tp, ctx.dim), None, None
+_GatherFromTP = _autograd_pair("_GatherFromTP", all_gather, split)
+_ScatterToTP = _autograd_pair("_ScatterToTP", split, all_gather)
+_GatherFromSP = _autograd_pair("_GatherFromSP", all_gather, reduce_scatter)
+_ReduceScatterToSP = _autograd_pair("_ReduceScatterToSP", reduce_scatter, all_gather)
 
 
 def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -1,0 +1,42 @@
+"""The launch users run: torchrun starts 2 processes, dist.init makes the process group from its
+environment, and a sharded TransformerLayer gives the unsharded numbers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import copy, torch
+    from libai_zoo import dist, layers
+
+    ctx = dist.init(tp=2, sequence_parallel=True)
+    torch.manual_seed(0)
+    layer = layers.TransformerLayer(32, 8, 64, num_kv_heads=4, norm="rmsnorm", gated_mlp=True,
+                                    activation="silu", causal=True, rope_theta=10000.0)
+    full = copy.deepcopy(layer)
+    x = torch.randn(2, 8, 32)
+    dist.shard(layer)
+    local = layer(x.chunk(2, dim=1)[ctx.tp_rank])
+    diff = (local - full(x).chunk(2, dim=1)[ctx.tp_rank]).abs().max().item()
+    print(f"rank {ctx.rank} owns_pg={ctx.owns_process_group} tp_rank={ctx.tp_rank} diff={diff:.3e}")
+    dist.destroy()
+""")
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes(tmp_path):
+    script = tmp_path / "tp2.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split(" diff=")[0] for line in lines] == ["rank 0 owns_pg=True tp_rank=0",
+                                                          "rank 1 owns_pg=True tp_rank=1"]
+    assert all(float(line.split("diff=")[1]) <= 1e-5 for line in lines)
