@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 SCRIPT = textwrap.dedent("""
-    import copy, torch
+    import copy, os, torch
     from libai_zoo import dist, layers
 
     ctx = dist.init(tp=2, sequence_parallel=True)
@@ -23,7 +23,8 @@ SCRIPT = textwrap.dedent("""
     dist.shard(layer)
     local = layer(x.chunk(2, dim=1)[ctx.tp_rank])
     diff = (local - full(x).chunk(2, dim=1)[ctx.tp_rank]).abs().max().item()
-    print(f"rank {ctx.rank} owns_pg={ctx.owns_process_group} tp_rank={ctx.tp_rank} diff={diff:.3e}")
+    with open(os.path.join(os.environ["RESULTS_DIR"], f"rank{ctx.rank}.txt"), "w") as f:
+        f.write(f"owns_pg={ctx.owns_process_group} tp_rank={ctx.tp_rank} diff={diff:.3e}")
     dist.destroy()
 """)
 
@@ -32,11 +33,10 @@ SCRIPT = textwrap.dedent("""
 def test_torchrun_two_processes(tmp_path):
     script = tmp_path / "tp2.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", RESULTS_DIR=str(tmp_path))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)],
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
-    assert [line.split(" diff=")[0] for line in lines] == ["rank 0 owns_pg=True tp_rank=0",
-                                                          "rank 1 owns_pg=True tp_rank=1"]
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert [line.split(" diff=")[0] for line in lines] == ["owns_pg=True tp_rank=0", "owns_pg=True tp_rank=1"]
     assert all(float(line.split("diff=")[1]) <= 1e-5 for line in lines)
