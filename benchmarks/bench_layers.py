@@ -71,7 +71,7 @@ def sync(device: str) -> None:
 
 
 def time_steps(step, x, grad, iters: int, device: str) -> float:
-    """Median-free mean over `iters` steps of one round, in ms (the caller takes the median of rounds)."""
+    """Mean time of one step over a round of `iters` steps, in ms (the caller takes the median of rounds)."""
     sync(device)
     start = time.perf_counter()
     for _ in range(iters):
@@ -134,7 +134,8 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or "cpu"
     meta = {"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
             "date": datetime.date.today().isoformat(), "dtype": a.dtype, "batch": a.batch, "seq": a.seq,
-            "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads, "ffn": a.ffn, "threads": torch.get_num_threads()}
+            "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads, "ffn": a.ffn,
+            "threads": torch.get_num_threads()}
     print(json.dumps(meta))
     print(f"{'block':<12} {'libai_zoo ms':>13} {'transformers ms':>16} {'ratio':>7} {'TFLOP/s ours':>13} "
           f"{'peak MB ours/HF':>17}")
