@@ -98,8 +98,8 @@ class Attention(ParallelLayer, nn.Module):
     def _project(self, x: torch.Tensor, encoder_states: torch.Tensor | None):
         """This rank's q [B, S, groups, q heads per group, d] and k, v [B, S_k, groups, 1, d].
 
-        split/unbind (not indexing) take the parts apart, so backward writes one gradient
-        buffer instead of zero-filling one per part."""
+        `split` (not indexing) takes the parts apart, so backward writes one gradient buffer
+        instead of zero-filling one per part."""
         d = self.head_dim
         if self.cross_attention:
             if encoder_states is None:

@@ -62,6 +62,16 @@ def output_and_input_grad(fn, x: torch.Tensor, weights: torch.Tensor) -> tuple[t
     return out, torch.autograd.grad((out * weights).sum(), x)[0]
 
 
+def ref_module(fn) -> nn.Module:
+    """Wrap a function as a module without parameters, for run_both."""
+
+    class Fn(nn.Module):
+        def forward(self, *args):
+            return fn(*args)
+
+    return Fn()
+
+
 @pytest.fixture(autouse=True)
 def seed():
     torch.manual_seed(0)
@@ -117,16 +127,6 @@ def test_cross_entropy_is_f_cross_entropy(reduction):
         return loss.view(2, 6) if reduction == "none" else loss
 
     assert max(run_both(ce, ref_module(ref), logits, target)) <= TWIN_TOL
-
-
-def ref_module(fn) -> nn.Module:
-    """Wrap a function as a module without parameters, for run_both."""
-
-    class Fn(nn.Module):
-        def forward(self, *args):
-            return fn(*args)
-
-    return Fn()
 
 
 @pytest.mark.parametrize("activation,gated", [("gelu", False), ("gelu_new", False), ("relu", False),

@@ -33,10 +33,13 @@ class ParallelContext:
         self.local_rank = local_rank
         self.device = device
         self.mesh = mesh
-        self.sequence_parallel = sequence_parallel
         self.owns_process_group = owns_process_group
         self.tensor_parallel = (TensorParallel(mesh["tp"], sequence_parallel=sequence_parallel)
                                 if tp > 1 else None)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tensor_parallel is not None and self.tensor_parallel.sequence_parallel
 
     def submesh(self, dim: str) -> DeviceMesh | None:
         """The 1-D mesh of one dimension ("dp", "tp" or "pp"); None in a one-process run."""

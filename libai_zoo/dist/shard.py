@@ -53,6 +53,5 @@ def finalize_grads(model: nn.Module) -> None:
         locals_ = [p.grad.to_local() for p in params]
         flat = torch.cat([g.reshape(-1) for g in locals_])
         torch_dist.all_reduce(flat, group=mesh.get_group())
-        for param, piece in zip(params, flat.split([g.numel() for g in locals_])):
-            param.grad = DTensor.from_local(piece.view_as(param.grad.to_local()), mesh, [Replicate()],
-                                            run_check=False)
+        for param, grad, piece in zip(params, locals_, flat.split([g.numel() for g in locals_])):
+            param.grad = DTensor.from_local(piece.view_as(grad), mesh, [Replicate()], run_check=False)
