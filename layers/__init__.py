@@ -6,8 +6,10 @@ parallelism; model files are built from these and never mention process groups.
 
 from .attention import Attention, fuse_kv, fuse_qkv, split_kv, split_qkv
 from .cross_entropy import ParallelCrossEntropy
-from .embedding import VocabEmbedding
+from .embedding import Embedding, VocabEmbedding
+from .kv_cache import KVCache
 from .linear import Linear
+from .lm_head import LMHead
 from .mlp import MLP
 from .norm import LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
@@ -15,6 +17,6 @@ from .rotary import RotaryEmbedding, apply_rotary
 from .sequence_parallel import SequenceGather, SequenceScatter
 from .transformer_layer import TransformerLayer
 
-__all__ = ["Attention", "Linear", "VocabEmbedding", "MLP", "LayerNorm", "RMSNorm", "TransformerLayer",
-           "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding", "ParallelLayer",
-           "apply_rotary", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv"]
+__all__ = ["Attention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCache", "MLP", "LayerNorm", "RMSNorm",
+           "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
+           "ParallelLayer", "apply_rotary", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv"]

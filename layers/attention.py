@@ -4,7 +4,7 @@
       -> out (row-parallel) -> all-reduce -> [B, S, h]
 
 Grouped-query attention (num_kv_heads < num_heads), rotary positions (Llama), causal and
-padding masks, sliding windows (MegaScale/Mistral) and cross-attention. The kernel is
+padding masks, sliding windows (MegaScale/Mistral), cross-attention and a KV cache for generation. The kernel is
 `torch.nn.functional.scaled_dot_product_attention`; with no mask beyond causality it gets
 ``is_causal=True`` so the flash kernels apply.
 """
@@ -18,6 +18,7 @@ from torch import nn
 from libai_zoo.dist import TensorParallel
 
 from .linear import Linear
+from .kv_cache import KVCache
 from .parallel_layer import ParallelLayer
 from .rotary import RotaryEmbedding, apply_rotary
 
@@ -66,7 +67,7 @@ class Attention(ParallelLayer, nn.Module):
         self.out = Linear(num_heads * head_dim, hidden_size, bias if out_bias is None else out_bias, "row",
                           reduce_output=reduce_output, sequence_parallel=sequence_parallel,
                           device=device, dtype=dtype)
-        self.rotary = RotaryEmbedding(head_dim, rope_theta, device=device) if rope_theta else None
+        self.rotary = RotaryEmbedding(head_dim, rope_theta) if rope_theta else None
 
     def shard_(self, tp: TensorParallel) -> None:
         fix = "choose a tp that divides both head counts"
@@ -76,17 +77,21 @@ class Attention(ParallelLayer, nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
-                encoder_hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                encoder_hidden_states: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         """hidden_states [B, S, h]; attention_mask [B, S_k] (1 = attend, 0 = padding) or a 4-D
-        boolean/additive mask; position_ids [B, S] for rotary; encoder_hidden_states for cross."""
+        boolean/additive mask; position_ids [B, S] for rotary; encoder_hidden_states for cross;
+        kv_cache holds earlier positions (S_k = cached + S) and takes this call's keys and values."""
         q, k, v = self._project(hidden_states, encoder_hidden_states)
+        past = 0 if kv_cache is None else kv_cache.length
         if self.rotary is not None:
             if position_ids is None:
-                position_ids = torch.arange(k.shape[1] - q.shape[1], k.shape[1], device=q.device)[None]
+                position_ids = torch.arange(past, past + q.shape[1], device=q.device)[None]
             cos, sin = self.rotary(position_ids)
             cos, sin = cos[:, :, None, None], sin[:, :, None, None]  # broadcast over groups and heads
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             v = v.contiguous()  # q and k are new tensors now: copying v lets the fused qkv output go
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
         # [B, S, groups, heads per group, d] -> [B, heads, S, d]; a view when rotary made q contiguous
         q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
         mask, is_causal = self._mask(attention_mask, q.shape[2], k.shape[2], q.device)
@@ -118,6 +123,8 @@ class Attention(ParallelLayer, nn.Module):
                 return None, False
             if q_len == k_len:
                 return None, True
+            if q_len == 1:  # one new token after cached ones sees them all
+                return None, False
         q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
         k_pos = torch.arange(k_len, device=device)[None, :]
         allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
@@ -129,6 +136,7 @@ class Attention(ParallelLayer, nn.Module):
         if attention_mask is None:
             return allowed, False
         if attention_mask.dim() == 2:  # [B, S_k] padding mask, 1 = token
+            # A query that may see nothing (left padding) gets zeros from SDPA (torch >= 2.5), as in transformers.
             return allowed & attention_mask[:, None, None, :].bool(), False
         if attention_mask.dtype == torch.bool:
             return allowed & attention_mask, False

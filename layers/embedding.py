@@ -55,3 +55,22 @@ class VocabEmbedding(ParallelLayer, nn.Embedding):
     def extra_repr(self) -> str:
         split = "" if self.tp is None else f", rows=[{self.vocab_start}, {self.vocab_end})"
         return super().extra_repr() + split + self.parallel_repr()
+
+
+class Embedding(ParallelLayer, nn.Embedding):
+    """`nn.Embedding` replicated over tp: the small tables (positions, token types).
+
+    Models add these to the token embeddings before the sequence-parallel region, so the default
+    is ``sequence_parallel=False``; looked up on a sequence shard, its gradient is partial.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__(num_embeddings, embedding_dim, padding_idx, device=device, dtype=dtype)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, local(self.weight, partial_grad=self.sp), self.padding_idx)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + self.parallel_repr()

@@ -35,6 +35,7 @@ ACTIVATIONS = {
     "relu": F.relu,
     "silu": F.silu,
     "swish": F.silu,
+    "tanh": torch.tanh,
 }
 
 

@@ -7,17 +7,23 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions, computed in float32 on the fly (no persistent state)."""
+    """cos/sin tables for positions, computed in float32 on the fly.
 
-    def __init__(self, dim: int, base: float = 10000.0, device=None):
+    It holds no tensors at all, so a model built on the meta device (as `from_pretrained` does)
+    needs nothing re-initialised once its weights are loaded.
+    """
+
+    def __init__(self, dim: int, base: float = 10000.0):
         super().__init__()
         self.dim, self.base = dim, base
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-        self.register_buffer("inv_freq", 1.0 / (base ** exponents), persistent=False)
+
+    def inv_freq(self, device) -> torch.Tensor:
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
+        return 1.0 / (self.base ** exponents)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, S] -> cos, sin of shape [B, S, dim] (float32)."""
-        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        freqs = position_ids[..., None].float() * self.inv_freq(position_ids.device)
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos(), angles.sin()
 

@@ -77,6 +77,12 @@ def all_reduce_(x: torch.Tensor, tp: TensorParallel, op=torch_dist.ReduceOp.SUM)
     return x
 
 
+def broadcast_(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Overwrite `x` in place with tp rank 0's (no autograd): one choice for every rank, e.g. a sampled token."""
+    torch_dist.broadcast(x, src=torch_dist.get_global_rank(tp.group, 0), group=tp.group)
+    return x
+
+
 class _CopyToTP(Function):
     @staticmethod
     def forward(ctx, x, tp):

@@ -17,19 +17,47 @@ def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
 
     A parallel layer is any module with a ``shard_(tp)`` method (all of `libai_zoo.layers`);
     it checks its sizes against tp, keeps its own slice of each weight as a DTensor and from then
-    on communicates in forward/backward. With tp=1 the model is returned unchanged. The model
-    ends on the context's device. ``sequence_parallel`` overrides the context's setting.
+    on communicates in forward/backward. Tied weights (an LM head sharing the token embedding)
+    stay one parameter. With tp=1 the model is returned unchanged. The model ends on the
+    context's device, unless it lives on the meta device (materialise it with ``to_empty``).
+    ``sequence_parallel`` overrides the context's setting.
     """
     ctx = ctx or get_context()
     tp = ctx.tensor_parallel
     if tp is not None:
         if sequence_parallel is not None and sequence_parallel != tp.sequence_parallel:
             tp = TensorParallel(tp.mesh, sequence_parallel=sequence_parallel)
+        uses = _parameter_uses(model)
         for module in model.modules():
             shard_ = getattr(module, "shard_", None)
             if callable(shard_):
                 shard_(tp)
+        _retie(uses)
+    if any(p.is_meta for p in model.parameters()):
+        return model
     return model.to(ctx.device)
+
+
+def _parameter_uses(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """For each parameter shared by several modules, every (module, name) that holds it."""
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            uses.setdefault(id(param), []).append((module, name))
+    return [places for places in uses.values() if len(places) > 1]
+
+
+def _retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
+    """Point every holder of a shared parameter at the first holder's (now sharded) one."""
+    for (first, first_name), *others in shared:
+        param = getattr(first, first_name)
+        for module, name in others:
+            sharded = getattr(module, name)
+            if isinstance(sharded, DTensor) and sharded.placements != param.placements:
+                raise ValueError(f"a tied parameter is split as {param.placements} in {type(first).__name__} "
+                                 f"but as {sharded.placements} in {type(module).__name__}: tie layers split "
+                                 f"the same way (a vocab embedding with a column-parallel head)")
+            setattr(module, name, param)
 
 
 @torch.no_grad()
