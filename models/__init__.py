@@ -1,2 +1,16 @@
-"""libai_zoo.models: GPT-2, BERT, ViT and Llama built from `libai_zoo.layers`, with Hugging Face
-weights in and out."""
+"""libai_zoo.models: Hugging Face-compatible models built from `libai_zoo.layers`.
+
+Each model reads its Hugging Face config.json unchanged, loads and saves Hugging Face weights
+(`from_pretrained` / `save_pretrained`, with tensor-parallel sharding while loading) and has
+the forward signature and outputs of its `transformers` twin.
+"""
+
+from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
+from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
+from .pretrained import PreTrainedModel
+from .vit import ViTConfig, ViTForImageClassification, ViTModel
+
+__all__ = ["PreTrainedModel", "GPT2Config", "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel",
+           "BertForMaskedLM", "BertForSequenceClassification", "ViTConfig", "ViTModel", "ViTForImageClassification",
+           "LlamaConfig", "LlamaModel", "LlamaForCausalLM"]

@@ -1,0 +1,82 @@
+"""Read the tensors of a Hugging Face model directory, whole or one slice at a time.
+
+Accepts what `transformers` writes: ``model.safetensors``, sharded
+``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, and the legacy
+``pytorch_model.bin`` (optionally sharded with its index), the latter only through
+``torch.load(weights_only=True)``. Slices come from ``safe_open(...).get_slice``, so a
+tensor-parallel rank reads only the bytes of its own shard; `bytes_read` counts them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+
+
+class HFWeightReader:
+    """Names, shapes and (sliced) contents of the weights in `path`; use as a context manager."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.bytes_read = 0
+        self._handles: dict[str, object] = {}
+        self._pickled: dict[str, dict[str, torch.Tensor]] = {}
+        self._file_of = self._index()
+
+    def _index(self) -> dict[str, str]:
+        for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (PICKLE, PICKLE_INDEX)):
+            if (self.path / index).is_file():
+                weight_map = json.loads((self.path / index).read_text())["weight_map"]
+                missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+                if missing:
+                    raise FileNotFoundError(f"{self.path / index} lists weight files that are not in {self.path}: "
+                                            f"{', '.join(missing)}; copy the whole checkpoint directory")
+                return weight_map
+            if (self.path / single).is_file():
+                return {name: single for name in self._open(single).keys()}
+        raise FileNotFoundError(f"no weights in {self.path}: expected {SAFETENSORS}, {SAFETENSORS_INDEX} "
+                                f"(sharded), {PICKLE} or {PICKLE_INDEX}")
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            if file.endswith(".safetensors"):
+                self._handles[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
+            else:
+                self._handles[file] = torch.load(self.path / file, map_location="cpu", weights_only=True, mmap=True)
+        return self._handles[file]
+
+    def keys(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        handle = self._open(self._file_of[name])
+        if isinstance(handle, dict):
+            return tuple(handle[name].shape)
+        return tuple(handle.get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The tensor `name`, or only its [start, end) range along `dim`."""
+        handle = self._open(self._file_of[name])
+        index = (slice(None),) * dim + (slice(start, end),) if dim is not None else ()
+        if isinstance(handle, dict):
+            tensor = handle[name][index].clone()
+        else:
+            sliced = handle.get_slice(name)
+            tensor = sliced[index] if index else sliced[:]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> HFWeightReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

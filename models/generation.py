@@ -1,0 +1,84 @@
+"""Autoregressive generation with a KV cache, for the causal language models of the zoo.
+
+Greedy decoding picks the most likely token; sampling applies temperature, then top-k, then
+top-p (nucleus) filtering, in the order transformers applies them. Under tensor parallelism
+every rank runs the loop on the same gathered logits; a sampled token is taken from tp rank 0
+so all ranks continue with the same sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from libai_zoo.dist.collectives import broadcast_
+from libai_zoo.layers import KVCache, ParallelLayer
+
+
+class GenerationMixin:
+    """Adds `generate` to a model whose forward takes ``past_key_values`` (one `KVCache` per
+    layer), ``position_ids`` and ``logits_to_keep`` and returns ``.logits``."""
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None) -> torch.Tensor:
+        """input_ids [B, S] (left-padded if their lengths differ, with attention_mask 0 on the
+        padding) -> [B, S + new] ids. Stops early once every sequence has produced
+        ``eos_token_id`` (default: the config's); finished sequences continue with
+        ``pad_token_id`` (default: the config's, else eos)."""
+        tp = next((m.tp for m in self.modules() if isinstance(m, ParallelLayer) and m.tp is not None), None)
+        if tp is not None and tp.sequence_parallel:
+            raise ValueError("generate does not run under sequence parallelism (new tokens come one at a "
+                             "time): shard the model for generation with dist.shard(model, sequence_parallel=False)")
+        if eos_token_id is None:
+            eos_token_id = getattr(self.config, "eos_token_id", None)
+        if isinstance(eos_token_id, list):
+            eos_token_id = eos_token_id[0]
+        if pad_token_id is None:
+            pad_token_id = getattr(self.config, "pad_token_id", None)
+            pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
+        if eos_token_id is not None and pad_token_id is None:
+            raise ValueError("generation that stops at eos_token_id needs a pad_token_id for finished sequences")
+        batch, length = input_ids.shape
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
+        caches = [KVCache(length + max_new_tokens) for _ in range(self.config.num_hidden_layers)]
+        # Positions count real tokens only, so a left-padded prompt starts at position 0 (as transformers does).
+        positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+        tokens, step_ids = input_ids, input_ids
+        unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            logits = self(step_ids, attention_mask=mask, position_ids=positions, past_key_values=caches,
+                          logits_to_keep=1).logits[:, -1].float()
+            if do_sample:
+                next_ids = torch.multinomial(_filter(logits, temperature, top_k, top_p).softmax(-1), 1).squeeze(-1)
+                if tp is not None:
+                    broadcast_(next_ids, tp)
+            else:
+                next_ids = logits.argmax(-1)
+            if eos_token_id is not None:
+                next_ids = torch.where(unfinished, next_ids, pad_token_id)
+                unfinished &= next_ids != eos_token_id
+            tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            step_ids, positions = next_ids[:, None], positions[:, -1:] + 1
+            if not unfinished.any():
+                break
+        return tokens
+
+
+def _filter(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Scale by temperature, keep the top_k most likely tokens, then the smallest set whose
+    probability reaches top_p; the others get -inf."""
+    if temperature <= 0:
+        raise ValueError(f"temperature = {temperature} must be positive (use do_sample=False for greedy)")
+    logits = logits / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)  # mass of the more likely ones
+        drop_sorted = before >= top_p  # the most likely token always stays
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits

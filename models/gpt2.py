@@ -1,0 +1,114 @@
+"""GPT-2 (Radford et al., 2019): a decoder-only transformer with learned positions and pre-norm.
+
+    ids -> wte + wpe -> dropout -> n_layer × [x + attn(ln_1(x)); x + mlp(ln_2(x))] -> ln_f
+        -> lm_head (tied to wte) -> logits
+
+Hugging Face's `GPT2Config` (config.json as it is) describes it; weights load from and save to
+Hugging Face GPT-2 checkpoints (`hf_maps/gpt2.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import transformers
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from libai_zoo.layers import (Embedding, KVCache, LayerNorm, LMHead, SequenceGather, SequenceScatter,
+                              TransformerLayer, VocabEmbedding)
+
+from .generation import GenerationMixin
+from .hf_maps.gpt2 import gpt2_weight_map
+from .pretrained import PreTrainedModel
+
+UNSUPPORTED = {"scale_attn_by_inverse_layer_idx": True, "reorder_and_upcast_attn": True,
+               "scale_attn_weights": False, "add_cross_attention": True}
+
+
+class GPT2Config(transformers.GPT2Config):
+    """Hugging Face's GPT2Config: reads a GPT-2 config.json unchanged and writes it back."""
+
+
+class GPT2Model(PreTrainedModel):
+    """The GPT-2 body: embeddings, transformer layers and the final norm."""
+
+    config_class = GPT2Config
+    base_model_prefix = "transformer"
+
+    def __init__(self, config: GPT2Config):
+        super().__init__(config)
+        for key, value in UNSUPPORTED.items():
+            if getattr(config, key, not value) == value:
+                raise ValueError(f"GPT2Config.{key}={value} is not supported by libai_zoo's GPT-2")
+        hidden = config.n_embd
+        self.wte = VocabEmbedding(config.vocab_size, hidden, sequence_parallel=False)
+        self.wpe = Embedding(config.n_positions, hidden)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.scatter = SequenceScatter()
+        self.h = nn.ModuleList(
+            TransformerLayer(hidden, config.n_head, config.n_inner or 4 * hidden, norm="layernorm",
+                             norm_eps=config.layer_norm_epsilon, activation=config.activation_function,
+                             attention_dropout=config.attn_pdrop, hidden_dropout=config.resid_pdrop, causal=True)
+            for _ in range(config.n_layer))
+        self.ln_f = LayerNorm(hidden, config.layer_norm_epsilon)
+        self.gather = SequenceGather()
+        self.post_init()
+
+    def _init_module(self, module: nn.Module) -> None:
+        super()._init_module(module)
+        if isinstance(module, TransformerLayer):  # GPT-2 scales the residual projections by 1/sqrt(2 n_layer)
+            std = self.config.initializer_range / math.sqrt(2 * self.config.n_layer)
+            module.attn.out.weight.normal_(0.0, std)
+            module.mlp.down.weight.normal_(0.0, std)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
+        if position_ids is None:
+            past = 0 if past_key_values is None else past_key_values[0].length
+            position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
+        x = self.wte(input_ids) + self.wpe(position_ids)
+        if token_type_ids is not None:
+            x = x + self.wte(token_type_ids)
+        x = self.scatter(self.drop(x))
+        for i, layer in enumerate(self.h):
+            cache = None if past_key_values is None else past_key_values[i]
+            x = layer(x, attention_mask, kv_cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.gather(self.ln_f(x)), past_key_values=past_key_values)
+
+    def hf_weight_map(self):
+        return gpt2_weight_map(self.config, prefix="")
+
+
+class GPT2LMHeadModel(GenerationMixin, PreTrainedModel):
+    """GPT-2 with its language-model head (tied to the token embedding unless the config says not)."""
+
+    config_class = GPT2Config
+    base_model_prefix = "transformer"
+
+    def __init__(self, config: GPT2Config):
+        super().__init__(config)
+        self.transformer = GPT2Model(config)
+        self.lm_head = LMHead(config.n_embd, config.vocab_size)
+        self.post_init()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, past_key_values: list[KVCache] | None = None,
+                logits_to_keep: int = 0, return_logits: bool = True) -> CausalLMOutputWithPast:
+        """labels [B, S]: token t is scored against labels[t + 1] (shifted here); -100 is ignored.
+        ``return_logits=False`` skips gathering the vocabulary-split logits (training)."""
+        hidden = self.transformer(input_ids, attention_mask, token_type_ids, position_ids,
+                                  past_key_values).last_hidden_state
+        loss, logits = self.lm_head(hidden, labels, shift_labels=True, logits_to_keep=logits_to_keep,
+                                    return_logits=return_logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+
+    def hf_weight_map(self):
+        return gpt2_weight_map(self.config, prefix="transformer.", lm_head=not self.config.tie_word_embeddings)

@@ -1,0 +1,1 @@
+"""Per-model maps between libai_zoo parameters and Hugging Face tensor names (see `rules`)."""

@@ -1,0 +1,115 @@
+"""Llama 2/3 (Touvron et al., 2023): a decoder-only transformer with rotary positions, RMSNorm,
+SwiGLU and grouped-query attention.
+
+    ids -> embed_tokens -> L × [x + attn(rmsnorm(x), RoPE); x + down(silu(gate(x')) * up(x'))]
+        -> norm -> lm_head (untied unless tie_word_embeddings) -> logits
+
+Hugging Face's `LlamaConfig` describes it; weights load from and save to Hugging Face Llama
+checkpoints (`hf_maps/llama.py`). ``attention_bias`` adds biases to q, k, v and o as Llama's
+config defines; Qwen2 checkpoints (``model_type: qwen2``: biases on q, k, v only) load too.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from libai_zoo.layers import KVCache, LMHead, RMSNorm, SequenceGather, TransformerLayer, VocabEmbedding
+
+from .generation import GenerationMixin
+from .hf_maps.llama import llama_weight_map
+from .pretrained import PreTrainedModel
+
+
+class LlamaConfig(transformers.LlamaConfig):
+    """Hugging Face's LlamaConfig: reads a Llama config.json unchanged and writes it back."""
+
+
+def rope_theta(config) -> float:
+    """The RoPE base, from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported by libai_zoo's Llama (only the default RoPE)")
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def qkv_bias(config) -> tuple[bool, bool]:
+    """(biases on q/k/v, bias on o): Llama's attention_bias sets both, Qwen2 has q/k/v only."""
+    if config.model_type == "qwen2":
+        return True, False
+    return config.attention_bias, config.attention_bias
+
+
+class LlamaModel(PreTrainedModel):
+    """The Llama body: token embedding, decoder layers and the final RMSNorm."""
+
+    config_class = LlamaConfig
+    other_configs = {"qwen2": transformers.Qwen2Config}
+    base_model_prefix = "model"
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config)
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention of Qwen2 is not supported by libai_zoo's Llama")
+        hidden = config.hidden_size
+        bias, out_bias = qkv_bias(config)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, hidden, config.pad_token_id)
+        self.layers = nn.ModuleList(
+            TransformerLayer(hidden, config.num_attention_heads, config.intermediate_size,
+                             num_kv_heads=config.num_key_value_heads, head_dim=getattr(config, "head_dim", None),
+                             norm="rmsnorm", norm_eps=config.rms_norm_eps, activation=config.hidden_act,
+                             gated_mlp=True, qkv_bias=bias, attention_out_bias=out_bias,
+                             mlp_bias=getattr(config, "mlp_bias", False), attention_dropout=config.attention_dropout,
+                             causal=True, rope_theta=rope_theta(config))
+            for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.gather = SequenceGather()
+        self.post_init()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
+        x = self.embed_tokens(input_ids)  # under sequence parallelism: already this rank's part of the sequence
+        for i, layer in enumerate(self.layers):
+            cache = None if past_key_values is None else past_key_values[i]
+            x = layer(x, attention_mask, position_ids, kv_cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.gather(self.norm(x)), past_key_values=past_key_values)
+
+    def hf_weight_map(self):
+        return llama_weight_map(self.config, prefix="", biases=qkv_bias(self.config))
+
+
+class LlamaForCausalLM(GenerationMixin, PreTrainedModel):
+    """Llama with its language-model head."""
+
+    config_class = LlamaConfig
+    other_configs = {"qwen2": transformers.Qwen2Config}
+    base_model_prefix = "model"
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config)
+        self.model = LlamaModel(config)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.post_init()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                past_key_values: list[KVCache] | None = None, logits_to_keep: int = 0,
+                return_logits: bool = True) -> CausalLMOutputWithPast:
+        """labels [B, S]: token t is scored against labels[t + 1] (shifted here); -100 is ignored.
+        ``return_logits=False`` skips gathering the vocabulary-split logits (training)."""
+        hidden = self.model(input_ids, attention_mask, position_ids, past_key_values).last_hidden_state
+        loss, logits = self.lm_head(hidden, labels, shift_labels=True, logits_to_keep=logits_to_keep,
+                                    return_logits=return_logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+
+    def hf_weight_map(self):
+        return llama_weight_map(self.config, prefix="model.", biases=qkv_bias(self.config),
+                                lm_head=not self.config.tie_word_embeddings)
