@@ -1,0 +1,141 @@
+"""Tiny Hugging Face models and inputs for every libai_zoo model class, shared by the model tests.
+
+Each case builds a `transformers` model from a small random config (dropout 0, sizes that split
+over tp = 2), the matching libai_zoo class, and a padded batch with labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Callable
+
+import torch
+import transformers
+
+from libai_zoo import models
+
+VOCAB, HIDDEN, HEADS, FFN, LAYERS, SEQ = 128, 32, 4, 64, 2, 12
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+@dataclass
+class Case:
+    hf_class: type
+    zoo_class: type
+    make_config: Callable[[], transformers.PretrainedConfig]
+    kind: str  # "causal", "mlm", "seq_cls", "encoder", "image_cls", "image"
+
+    @property
+    def generates(self) -> bool:
+        return self.kind == "causal"
+
+
+def gpt2_config(**kw):
+    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
+                                   n_positions=64, bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                   attn_pdrop=0.0, **kw)
+
+
+def llama_config(**kw):
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=64, rope_theta=500000.0,
+                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.LlamaConfig(**{**defaults, **kw})
+
+
+def qwen2_config():
+    return transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                    num_attention_heads=HEADS, num_key_value_heads=2, intermediate_size=FFN,
+                                    max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+
+
+def bert_config(**kw):
+    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=64,
+                                   num_labels=3, **NO_DROPOUT, **kw)
+
+
+def vit_config():
+    return transformers.ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                  intermediate_size=FFN, image_size=12, patch_size=4, num_labels=3, **NO_DROPOUT)
+
+
+CASES = {
+    "gpt2": Case(transformers.GPT2LMHeadModel, models.GPT2LMHeadModel, gpt2_config, "causal"),
+    "gpt2_body": Case(transformers.GPT2Model, models.GPT2Model, gpt2_config, "encoder"),
+    "llama": Case(transformers.LlamaForCausalLM, models.LlamaForCausalLM, llama_config, "causal"),
+    "llama_tied_bias": Case(transformers.LlamaForCausalLM, models.LlamaForCausalLM,
+                            lambda: llama_config(tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                                                 num_key_value_heads=4), "causal"),
+    "qwen2": Case(transformers.Qwen2ForCausalLM, models.LlamaForCausalLM, qwen2_config, "causal"),
+    "llama_body": Case(transformers.LlamaModel, models.LlamaModel, llama_config, "encoder"),
+    "bert": Case(transformers.BertModel, models.BertModel, bert_config, "encoder"),
+    "bert_mlm": Case(transformers.BertForMaskedLM, models.BertForMaskedLM, bert_config, "mlm"),
+    "bert_cls": Case(transformers.BertForSequenceClassification, models.BertForSequenceClassification,
+                     bert_config, "seq_cls"),
+    "vit": Case(transformers.ViTModel, models.ViTModel, vit_config, "image"),
+    "vit_cls": Case(transformers.ViTForImageClassification, models.ViTForImageClassification, vit_config,
+                    "image_cls"),
+}
+
+
+def make_hf_model(case: Case, seed: int = 0):
+    torch.manual_seed(seed)
+    return case.hf_class(case.make_config()).eval()
+
+
+def make_inputs(case: Case, seed: int = 1, batch: int = 2) -> tuple[dict, torch.Tensor]:
+    """(forward kwargs with labels, mask of the positions to compare: padding excluded)."""
+    g = torch.Generator().manual_seed(seed)
+    if case.kind.startswith("image"):
+        inputs = {"pixel_values": torch.randn(batch, 3, 12, 12, generator=g)}
+        if case.kind == "image_cls":
+            inputs["labels"] = torch.randint(0, 3, (batch,), generator=g)
+        return inputs, torch.ones(batch, 10, dtype=torch.bool)  # 9 patches + [CLS]: splits over tp = 2
+    ids = torch.randint(3, VOCAB, (batch, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[-1, -4:] = 0  # the last sequence is shorter: right padding
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if case.kind == "causal":
+        inputs["labels"] = ids.masked_fill(mask == 0, -100)
+    elif case.kind == "mlm":
+        chosen = (torch.rand(ids.shape, generator=g) < 0.3) & mask.bool()
+        chosen[0, 0] = True
+        inputs["labels"] = ids.masked_fill(~chosen, -100)
+    elif case.kind == "seq_cls":
+        inputs["labels"] = torch.randint(0, 3, (batch,), generator=g)
+    if case.hf_class.__name__.startswith("Bert"):
+        inputs["token_type_ids"] = (torch.arange(SEQ) >= SEQ // 2).long().expand(batch, -1).clone()
+    return inputs, mask.bool()
+
+
+def main_output(out) -> torch.Tensor:
+    """The tensor to compare: logits of a task model, last hidden state of a body."""
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def hf_checkpoint_grads(hf_model, directory) -> dict[str, torch.Tensor]:
+    """The transformers model's gradients under its checkpoint names (transformers 5 may name its
+    modules differently from the files it writes): saved as if they were the weights."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    grads = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for param, original in zip(grads.parameters(), hf_model.parameters()):
+            param.copy_(original.grad)
+    grads.save_pretrained(directory)
+    return load_file(f"{directory}/model.safetensors")
+
+
+def hf_named_grads(zoo_model) -> dict[str, torch.Tensor]:
+    """The zoo model's gradients under Hugging Face names (through its own weight map)."""
+    params = dict(zoo_model.named_parameters())
+    grads = {}
+    for rule in zoo_model.hf_weight_map().rules:
+        grad = params[rule.zoo].grad
+        if grad is not None:
+            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            grads.update(rule.save(grad))
+    return grads

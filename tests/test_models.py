@@ -1,0 +1,220 @@
+"""Every libai_zoo model against its `transformers` twin, in one process: Hugging Face
+checkpoints load with equal outputs, losses and gradients; our checkpoints load back in
+`transformers`; greedy generation picks the same tokens; bad input fails clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from libai_zoo import models
+from model_cases import CASES, hf_checkpoint_grads, hf_named_grads, main_output, make_hf_model, make_inputs
+
+TOL = 1e-5
+
+
+def compared(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return out[mask] if out.dim() >= 3 and out.shape[:2] == mask.shape else out
+
+
+def max_diff(a, b, mask) -> float:
+    return (compared(a, mask) - compared(b, mask)).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """case -> (transformers model, its save_pretrained directory, the same saved in small shards)."""
+    dirs = {}
+    for name, case in CASES.items():
+        hf = make_hf_model(case)
+        single, sharded = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(name + "_sharded")
+        hf.save_pretrained(single)
+        hf.save_pretrained(sharded, max_shard_size="20KB")
+        dirs[name] = hf, single, sharded
+    return dirs
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single_file", "sharded_index"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_loads_hf_checkpoint_with_equal_outputs_loss_and_grads(hf_dirs, name, sharded, tmp_path):
+    case = CASES[name]
+    hf, single, shards = hf_dirs[name]
+    path = shards if sharded else single
+    if sharded:
+        assert (path / "model.safetensors.index.json").is_file()
+    zoo, info = case.zoo_class.from_pretrained(path, output_loading_info=True)
+    assert info["missing_keys"] == [] and info["unexpected_keys"] == []
+    inputs, mask = make_inputs(case)
+    ours, theirs = zoo(**inputs), hf(**inputs)
+    assert max_diff(main_output(ours), main_output(theirs), mask) <= TOL
+    if getattr(theirs, "pooler_output", None) is not None:
+        assert (ours.pooler_output - theirs.pooler_output).abs().max().item() <= TOL
+    if "labels" not in inputs:
+        return
+    assert abs(ours.loss.item() - theirs.loss.item()) <= TOL
+    hf.zero_grad()
+    ours.loss.backward()
+    theirs.loss.backward()
+    grads = hf_named_grads(zoo)
+    hf_grads = hf_checkpoint_grads(hf, tmp_path)
+    assert set(grads) == set(hf_grads)
+    assert max((grads[n] - hf_grads[n]).abs().max().item() for n in grads) <= TOL
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_save_pretrained_loads_in_transformers(hf_dirs, name, tmp_path):
+    case = CASES[name]
+    hf, path, _ = hf_dirs[name]
+    zoo = case.zoo_class.from_pretrained(path)
+    zoo.save_pretrained(tmp_path / "single")
+    zoo.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    original = load_file(path / "model.safetensors")
+    assert load_file(tmp_path / "single" / "model.safetensors").keys() == original.keys()
+    for out in ("single", "sharded"):
+        reloaded = case.hf_class.from_pretrained(tmp_path / out).eval()
+        for key, tensor in reloaded.state_dict().items():  # bit-identical round trip
+            assert torch.equal(tensor, hf.state_dict()[key]), key
+        inputs, mask = make_inputs(case)
+        inputs.pop("labels", None)
+        assert max_diff(main_output(reloaded(**inputs)), main_output(zoo(**inputs)), mask) <= TOL
+    config = json.loads((tmp_path / "single" / "config.json").read_text())
+    assert config["architectures"] == [case.hf_class.__name__]
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.generates])
+def test_greedy_generate_equals_transformers(hf_dirs, name):
+    case = CASES[name]
+    hf, path, _ = hf_dirs[name]
+    zoo = case.zoo_class.from_pretrained(path)
+    ids = make_inputs(case)[0]["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0  # left padding, as generation wants it
+    theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    ours = zoo.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
+    assert ours.shape == (2, ids.shape[1] + 20)
+    assert torch.equal(ours, theirs)
+
+
+def test_generate_stops_at_eos_and_pads():
+    zoo = models.GPT2LMHeadModel(CASES["gpt2"].make_config()).eval()
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    first = zoo.generate(ids, max_new_tokens=1)[:, -1]
+    out = zoo.generate(ids, max_new_tokens=5, eos_token_id=int(first[0]), pad_token_id=0)
+    assert out[0, 3] == first[0] and (out[0, 4:] == 0).all()
+
+
+def test_sampling_filters_keep_top_k_and_nucleus():
+    from libai_zoo.models.generation import _filter
+
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert torch.isfinite(_filter(logits, 1.0, 2, None)).tolist() == [[True, True, False, False, False]]
+    probs = logits.softmax(-1)[0]  # 0.64, 0.24, 0.09, ...: the first two reach 0.85
+    kept = torch.isfinite(_filter(logits, 1.0, None, float(probs[:2].sum()) - 1e-3))
+    assert kept.tolist() == [[True, True, False, False, False]]
+    torch.manual_seed(0)
+    zoo = models.LlamaForCausalLM(CASES["llama"].make_config()).eval()
+    sampled = zoo.generate(torch.tensor([[5, 6]]), max_new_tokens=8, do_sample=True, top_k=1, eos_token_id=None)
+    assert torch.equal(sampled, zoo.generate(torch.tensor([[5, 6]]), max_new_tokens=8, eos_token_id=None))
+
+
+def test_base_model_loads_the_body_of_a_task_checkpoint(hf_dirs):
+    hf, path, _ = hf_dirs["gpt2"]
+    body = models.GPT2Model.from_pretrained(path)
+    inputs, mask = make_inputs(CASES["gpt2_body"])
+    inputs.pop("labels", None)
+    assert max_diff(body(**inputs).last_hidden_state, hf.transformer(**inputs).last_hidden_state, mask) <= TOL
+
+
+def test_new_head_needs_strict_false(hf_dirs):
+    _, path, _ = hf_dirs["bert_mlm"]
+    with pytest.raises(ValueError, match=r"(?s)missing tensor\(s\): bert\.pooler\.dense\.weight.*strict=False"):
+        models.BertForSequenceClassification.from_pretrained(path)
+    model, info = models.BertForSequenceClassification.from_pretrained(path, strict=False, output_loading_info=True)
+    assert sorted(info["missing_keys"]) == ["bert.pooler.dense.bias", "bert.pooler.dense.weight",
+                                            "classifier.bias", "classifier.weight"]
+    assert model.classifier.weight.std().item() == pytest.approx(0.02, rel=0.5)
+
+
+def test_pytorch_model_bin_loads(hf_dirs, tmp_path):
+    hf, _, _ = hf_dirs["llama"]
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    hf.config.save_pretrained(tmp_path)
+    zoo = models.LlamaForCausalLM.from_pretrained(tmp_path)
+    inputs, mask = make_inputs(CASES["llama"])
+    assert max_diff(zoo(**inputs).logits, hf(**inputs).logits, mask) <= TOL
+
+
+def test_dtype_auto_and_explicit(hf_dirs, tmp_path):
+    hf, _, _ = hf_dirs["gpt2"]
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)
+    hf.float()
+    assert models.GPT2LMHeadModel.from_pretrained(tmp_path).lm_head.weight.dtype == torch.bfloat16
+    assert models.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float32).lm_head.weight.dtype == torch.float32
+
+
+def test_config_round_trips_unknown_keys(hf_dirs, tmp_path):
+    _, path, _ = hf_dirs["llama"]
+    raw = json.loads((path / "config.json").read_text())
+    raw["my_custom_key"] = {"kept": True}
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "config.json").write_text(json.dumps(raw))
+    for file in path.glob("*.safetensors"):
+        (tmp_path / "in" / file.name).write_bytes(file.read_bytes())
+    models.LlamaForCausalLM.from_pretrained(tmp_path / "in").save_pretrained(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["my_custom_key"] == {"kept": True}
+    assert models.LlamaConfig.from_pretrained(tmp_path / "out").num_key_value_heads == 2
+
+
+# ------------------------------------------------------------------------------------- bad input
+def test_directory_without_config_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        models.GPT2LMHeadModel.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        models.GPT2LMHeadModel.from_pretrained(tmp_path / "nowhere")
+
+
+def test_model_type_mismatch(hf_dirs):
+    _, path, _ = hf_dirs["bert"]
+    with pytest.raises(ValueError, match="holds a 'bert' model .* GPT2LMHeadModel loads 'gpt2'"):
+        models.GPT2LMHeadModel.from_pretrained(path)
+
+
+def test_missing_and_misshaped_tensors_are_named(hf_dirs, tmp_path):
+    _, path, _ = hf_dirs["gpt2"]
+    tensors = load_file(path / "model.safetensors")
+    del tensors["transformer.h.1.mlp.c_fc.bias"]
+    tensors["transformer.ln_f.weight"] = torch.ones(31)
+    tensors["transformer.extra.weight"] = torch.ones(2)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ValueError) as error:
+        models.GPT2LMHeadModel.from_pretrained(tmp_path)
+    message = str(error.value)
+    assert "1 missing tensor(s): transformer.h.1.mlp.c_fc.bias" in message
+    assert "1 unexpected tensor(s): transformer.extra.weight" in message
+    assert "transformer.ln_f.weight: checkpoint (31,), model (32,)" in message
+
+
+def test_missing_weight_file_of_an_index(hf_dirs, tmp_path):
+    _, _, path = hf_dirs["gpt2"]
+    for file in path.iterdir():
+        if not file.name.startswith("model-00002"):
+            (tmp_path / file.name).write_bytes(file.read_bytes())
+    with pytest.raises(FileNotFoundError, match="model-00002-of-.*safetensors"):
+        models.GPT2LMHeadModel.from_pretrained(tmp_path)
+
+
+def test_unsupported_config_options_fail_clearly():
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn"):
+        models.GPT2Model(transformers.GPT2Config(reorder_and_upcast_attn=True))
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        models.LlamaModel(CASES["llama"].make_config().__class__(
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
+    with pytest.raises(ValueError, match="position_embedding_type"):
+        models.BertModel(transformers.BertConfig(position_embedding_type="relative_key"))
