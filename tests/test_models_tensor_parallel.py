@@ -23,6 +23,8 @@ pytestmark = pytest.mark.slow
 
 TP, TOL, NEW_TOKENS = 2, 1e-5, 20
 SEQUENCE_PARALLEL_CASES = ("gpt2", "llama", "bert_mlm", "vit_cls")
+TIED = {"gpt2": ("lm_head", "transformer.wte"), "llama_tied_bias": ("lm_head", "model.embed_tokens"),
+        "bert_mlm": ("mlm_head.decoder", "bert.embeddings.word_embeddings")}
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -56,6 +58,12 @@ def _ranks(paths: dict, refs: dict, out_dir: str) -> dict:
             ids, mask = ref["prompt"]
             generated = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None)
             results[name, "generate"] = torch.equal(generated, ref["generated"])
+            torch.manual_seed(ctx.rank)  # each rank draws differently: the tokens must still agree
+            results[name, "sampled"] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
+                                                      temperature=2.0, top_k=20, eos_token_id=None)
+        if name in TIED:
+            head, embedding = (model.get_submodule(m) for m in TIED[name])
+            results[name, "tied"] = head.weight is embedding.weight
         model.save_pretrained(os.path.join(out_dir, name), max_shard_size="20KB")
         full = dist.shard(case.zoo_class.from_pretrained(paths[name] / "single"))
         results[name, "dist.shard"] = _run_case(full, case, ref)
@@ -126,6 +134,19 @@ def test_tp2_sequence_parallel_equals_transformers(tp_results, name):
 def test_tp2_greedy_generate_equals_transformers(tp_results, name):
     results, _, _ = tp_results
     assert all(rank_results[name, "generate"] for rank_results in results)
+
+
+@pytest.mark.parametrize("name", list(TIED))
+def test_tp2_keeps_tied_weights_one_parameter(tp_results, name):
+    results, _, _ = tp_results
+    assert all(rank_results[name, "tied"] for rank_results in results)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.generates])
+def test_tp2_sampling_agrees_across_ranks(tp_results, name):
+    results, _, _ = tp_results
+    first, second = (rank_results[name, "sampled"] for rank_results in results)
+    assert torch.equal(first, second)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert_mlm"])
