@@ -12,22 +12,16 @@ CUDA, the peak memory of a step.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import statistics
-import time
 
 import torch
-import transformers
+from bench_common import DTYPES, alternate, peak_memory_mb, run_meta, write_json
 from transformers import BertConfig, GPT2Config, LlamaConfig
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from libai_zoo import layers
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_pairs(a) -> dict[str, tuple]:
@@ -65,30 +59,13 @@ def step_flops(a, name: str) -> float:
     return 3 * (per_token * a.batch * a.seq + attention)
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def time_steps(step, x, grad, iters: int, device: str) -> float:
-    """Mean time of one step over a round of `iters` steps, in ms (the caller takes the median of rounds)."""
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        x.grad = None
+def fwd_bwd(step, x, grad, drop_grad: bool = True):
+    """One step as a call: forward, then backward from `grad`, dropping the input's gradient first if asked."""
+    def run():
+        if drop_grad:
+            x.grad = None
         step(x).backward(grad)
-    sync(device)
-    return (time.perf_counter() - start) / iters * 1e3
-
-
-def peak_memory_mb(step, x, grad, device: str) -> float | None:
-    if not device.startswith("cuda"):
-        return None
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step(x).backward(grad)
-    sync(device)
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return run
 
 
 def main() -> None:
@@ -118,24 +95,16 @@ def main() -> None:
             m.to(device=a.device, dtype=dtype if not isinstance(m, LlamaRotaryEmbedding) else None)
         x = torch.randn(a.batch, a.seq, a.hidden, device=a.device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
-        for step in (ours, hf):  # warm-up: kernels, autotuning, allocator
-            time_steps(step, x, grad, 2, a.device)
-        times = {"libai_zoo": [], "transformers": []}
-        for _ in range(a.rounds):
-            times["libai_zoo"].append(time_steps(ours, x, grad, a.iters, a.device))
-            times["transformers"].append(time_steps(hf, x, grad, a.iters, a.device))
-        ms = {k: statistics.median(v) for k, v in times.items()}
+        ms = alternate({"libai_zoo": fwd_bwd(ours, x, grad), "transformers": fwd_bwd(hf, x, grad)},
+                       a.rounds, a.iters, warmup=2, device=a.device)
         results[name] = {"libai_zoo_ms": ms["libai_zoo"], "transformers_ms": ms["transformers"],
                          "ratio": ms["libai_zoo"] / ms["transformers"],
                          "libai_zoo_tflops": step_flops(a, name) / ms["libai_zoo"] / 1e9,
-                         "libai_zoo_peak_mb": peak_memory_mb(ours, x, grad, a.device),
-                         "transformers_peak_mb": peak_memory_mb(hf, x, grad, a.device)}
+                         "libai_zoo_peak_mb": peak_memory_mb(fwd_bwd(ours, x, grad, drop_grad=False), a.device),
+                         "transformers_peak_mb": peak_memory_mb(fwd_bwd(hf, x, grad, drop_grad=False), a.device)}
 
-    device_name = torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or "cpu"
-    meta = {"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.date.today().isoformat(), "dtype": a.dtype, "batch": a.batch, "seq": a.seq,
-            "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads, "ffn": a.ffn,
-            "threads": torch.get_num_threads()}
+    meta = run_meta(a.device, dtype=a.dtype, batch=a.batch, seq=a.seq, hidden=a.hidden, heads=a.heads,
+                    kv_heads=a.kv_heads, ffn=a.ffn)
     print(json.dumps(meta))
     print(f"{'block':<12} {'libai_zoo ms':>13} {'transformers ms':>16} {'ratio':>7} {'TFLOP/s ours':>13} "
           f"{'peak MB ours/HF':>17}")
@@ -144,8 +113,7 @@ def main() -> None:
         print(f"{name:<12} {r['libai_zoo_ms']:>13.3f} {r['transformers_ms']:>16.3f} {r['ratio']:>7.3f} "
               f"{r['libai_zoo_tflops']:>13.1f} {mem:>17}")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+        write_json(a.out, meta, results)
 
 
 if __name__ == "__main__":
