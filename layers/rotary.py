@@ -1,9 +1,19 @@
-"""Rotary position embedding (RoFormer), in the half-split layout of Llama / GPT-NeoX."""
+"""Rotary position embedding (RoFormer), in the half-split layout of Llama / GPT-NeoX.
+
+Context extension rescales the frequencies (``scaling``): "linear" divides them all by a
+factor (position interpolation); "llama3" (Llama 3.1) divides only the low frequencies, whose
+wavelength exceeds the original context / low_freq_factor, keeps those shorter than original
+context / high_freq_factor, and blends linearly in between.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+
+SCALINGS = ("linear", "llama3")
 
 
 class RotaryEmbedding(nn.Module):
@@ -13,13 +23,25 @@ class RotaryEmbedding(nn.Module):
     needs nothing re-initialised once its weights are loaded.
     """
 
-    def __init__(self, dim: int, base: float = 10000.0):
+    def __init__(self, dim: int, base: float = 10000.0, scaling: dict | None = None):
         super().__init__()
-        self.dim, self.base = dim, base
+        if scaling is not None and scaling.get("rope_type") not in SCALINGS:
+            raise ValueError(f"rope scaling {scaling.get('rope_type')!r} is not one of {SCALINGS}")
+        self.dim, self.base, self.scaling = dim, base, scaling
 
     def inv_freq(self, device) -> torch.Tensor:
         exponents = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
-        return 1.0 / (self.base ** exponents)
+        inv_freq = 1.0 / (self.base ** exponents)
+        if self.scaling is None:
+            return inv_freq
+        factor = self.scaling["factor"]
+        if self.scaling["rope_type"] == "linear":
+            return inv_freq / factor
+        context = self.scaling["original_max_position_embeddings"]
+        low, high = self.scaling["low_freq_factor"], self.scaling["high_freq_factor"]
+        wavelength = 2 * math.pi / inv_freq
+        blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short ones
+        return (1 - blend) * inv_freq / factor + blend * inv_freq
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, S] -> cos, sin of shape [B, S, dim] (float32)."""
@@ -28,7 +50,8 @@ class RotaryEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, base={self.base}"
+        scaling = f", scaling={self.scaling['rope_type']}" if self.scaling else ""
+        return f"dim={self.dim}, base={self.base}{scaling}"
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

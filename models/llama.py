@@ -27,13 +27,18 @@ class LlamaConfig(transformers.LlamaConfig):
     """Hugging Face's LlamaConfig: reads a Llama config.json unchanged and writes it back."""
 
 
-def rope_theta(config) -> float:
-    """The RoPE base, from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+def rope_settings(config) -> tuple[float, dict | None]:
+    """(base, scaling) of RoPE, from ``rope_parameters`` (transformers 5) or ``rope_theta`` and
+    ``rope_scaling`` (4.x). Scalings: none, "linear" and "llama3" (Llama 3.1 and later)."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported by libai_zoo's Llama (only the default RoPE)")
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported by libai_zoo's Llama "
+                         f"(supported: default, linear, llama3)")
+    return theta, {**params, "rope_type": rope_type}
 
 
 def qkv_bias(config) -> tuple[bool, bool]:
@@ -56,6 +61,7 @@ class LlamaModel(PreTrainedModel):
             raise ValueError("sliding-window attention of Qwen2 is not supported by libai_zoo's Llama")
         hidden = config.hidden_size
         bias, out_bias = qkv_bias(config)
+        theta, scaling = rope_settings(config)
         self.embed_tokens = VocabEmbedding(config.vocab_size, hidden, config.pad_token_id)
         self.layers = nn.ModuleList(
             TransformerLayer(hidden, config.num_attention_heads, config.intermediate_size,
@@ -63,7 +69,7 @@ class LlamaModel(PreTrainedModel):
                              norm="rmsnorm", norm_eps=config.rms_norm_eps, activation=config.hidden_act,
                              gated_mlp=True, qkv_bias=bias, attention_out_bias=out_bias,
                              mlp_bias=getattr(config, "mlp_bias", False), attention_dropout=config.attention_dropout,
-                             causal=True, rope_theta=rope_theta(config))
+                             causal=True, rope_theta=theta, rope_scaling=scaling)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.gather = SequenceGather()

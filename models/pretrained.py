@@ -133,6 +133,9 @@ class PreTrainedModel(nn.Module):
         """Fill this model's parameters (whole or this rank's shards) from Hugging Face tensors."""
         weight_map = self.hf_weight_map()
         params = dict(self.named_parameters())
+        uncovered = set(params) - {rule.zoo for rule in weight_map.rules}
+        if uncovered:
+            raise RuntimeError(f"{type(self).__name__}.hf_weight_map has no rule for {sorted(uncovered)}")
         available = self._checkpoint_names(reader.keys())
         expected: dict[str, torch.Size] = {}
         for rule in weight_map.rules:

@@ -67,6 +67,15 @@ CASES = {
     "llama_tied_bias": Case(transformers.LlamaForCausalLM, models.LlamaForCausalLM,
                             lambda: llama_config(tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
                                                  num_key_value_heads=4), "causal"),
+    # Llama 3.1's frequency rescaling: with head_dim 8 and an original context of 16 positions one
+    # frequency is kept, one blended and two divided by the factor.
+    "llama3_rope": Case(transformers.LlamaForCausalLM, models.LlamaForCausalLM,
+                        lambda: llama_config(rope_parameters={
+                            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), "causal"),
+    "llama_linear_rope": Case(transformers.LlamaForCausalLM, models.LlamaForCausalLM,
+                              lambda: llama_config(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                    "factor": 4.0}), "causal"),
     "qwen2": Case(transformers.Qwen2ForCausalLM, models.LlamaForCausalLM, qwen2_config, "causal"),
     "llama_body": Case(transformers.LlamaModel, models.LlamaModel, llama_config, "encoder"),
     "bert": Case(transformers.BertModel, models.BertModel, bert_config, "encoder"),
