@@ -1,0 +1,17 @@
+"""Configs are Python: recipes that say what to build, edited as data, saved beside every run.
+
+    from libai_zoo.config import LazyCall, LazyConfig, get_config, instantiate
+
+    cfg = LazyConfig.load("my_config.py")                   # or a saved config.yaml
+    LazyConfig.apply_overrides(cfg, ["train.max_iter=100"]) # command-line key=value items
+    model = instantiate(cfg.model)                           # LazyCall recipes become objects
+    LazyConfig.save(cfg, "output/config.yaml")
+
+A config file is plain Python; its module-level config values are the keys. Defaults every recipe
+builds on ship in ``libai_zoo/config/common/`` and load with ``get_config("common/train.py")``.
+"""
+
+from .instantiate import ConfigError, LazyCall, instantiate
+from .lazy_config import LazyConfig, get_config
+
+__all__ = ["ConfigError", "LazyCall", "LazyConfig", "get_config", "instantiate"]

@@ -1,0 +1,38 @@
+"""The run: `train` (loop, precision, memory, checkpoints, evaluation) and `dist` (the layout).
+
+    cfg = get_config("common/train.py")         # keys: train, dist
+    python tools/train.py RECIPE.py train.max_iter=100 train.amp.enabled=true dist.tp=2
+"""
+
+from libai_zoo.config import LazyCall
+
+train = dict(
+    output_dir="output",            # checkpoints, logs and the run's config.yaml go here
+    max_iter=1000,                  # optimizer steps in the run
+    seed=42,
+    micro_batch_size=8,             # samples in one forward/backward on one dp rank
+    global_batch_size=8,            # samples per optimizer step over all dp ranks:
+                                    # micro_batch_size × dp × gradient-accumulation steps
+    amp=dict(enabled=False, dtype="bf16"),       # autocast forward; dtype "bf16" or "fp16"
+    activation_checkpoint=dict(enabled=False),   # recompute layer activations in backward to save memory
+    zero_stage=0,                   # ZeRO: 0 off; 1 shards optimizer state, 2 + gradients, 3 + parameters
+    zero_offload=False,             # keep the sharded state in CPU memory
+    compile=False,                  # torch.compile the model
+    log_period=10,                  # iterations between metric logs
+    checkpoint=dict(period=500, max_to_keep=None),   # save every `period` iterations; None keeps all
+    eval=dict(period=0, max_batches=None),           # eval every `period` iterations (0: no periodic
+                                                     # eval); None: the whole eval set
+    clip_grad_norm=1.0,             # clip the global gradient norm to this; None: no clipping
+    load_weight=None,               # a checkpoint or Hugging Face directory to start from; None: fresh init
+    # The LR schedule; the trainer fills in the optimizer and the run length when it builds it.
+    # Also in libai_zoo.optim: WarmupLinearLR, ConstantLR.
+    scheduler=LazyCall("libai_zoo.optim.WarmupCosineLR")(warmup_iters=0, min_lr_ratio=0.0),
+    tensorboard=False,              # also write TensorBoard event files under output_dir
+    best_metric=None,               # an eval metric (e.g. "accuracy") whose best checkpoint is kept; None: none
+    best_mode="max",                # "max" or "min": which way best_metric improves
+)
+
+# Parallel layout, read by dist.init: data × tensor × pipeline = number of processes
+# (dp=-1 infers dp from the world size). sequence_parallel splits norms and dropout over the
+# sequence inside the tp group.
+dist = dict(dp=1, tp=1, pp=1, sequence_parallel=False)
