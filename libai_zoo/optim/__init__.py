@@ -1,0 +1,8 @@
+"""libai_zoo.optim: parameter groups, LAMB, and the learning-rate schedules of the trainer."""
+
+from .clip_grad import clip_grad_norm_
+from .lamb import Lamb
+from .lr_schedulers import ConstantLR, WarmupCosineLR, WarmupLinearLR
+from .param_groups import param_groups
+
+__all__ = ["param_groups", "clip_grad_norm_", "Lamb", "WarmupCosineLR", "WarmupLinearLR", "ConstantLR"]

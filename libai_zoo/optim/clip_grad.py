@@ -1,0 +1,52 @@
+"""Global gradient-norm clipping that knows which gradients are shards.
+
+A gradient split over a mesh (a DTensor with a Shard placement, e.g. a column-parallel weight)
+contributes the sum of its shards' squares, reduced over that mesh once; a replicated gradient
+(a Replicate DTensor or a plain tensor) is counted once, on every rank alike. Every rank then
+holds the same norm and scales by the same factor. Partial gradients must have been reduced
+first (`dist.finalize_grads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as torch_dist
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale all gradients so their global L2 norm is at most `max_norm` (no clipping when
+    max_norm <= 0); return the norm before clipping (float32, same on every rank)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    replicated = torch.zeros((), device=device)
+    sharded: dict[object, torch.Tensor] = {}
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        square = local.detach().float().pow(2).sum()
+        if isinstance(grad, DTensor):
+            if any(isinstance(p, Partial) for p in grad.placements):
+                raise ValueError("a gradient is still Partial: call libai_zoo.dist.finalize_grads before clipping")
+            dims = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Shard))
+            if dims:
+                key = (grad.device_mesh, dims)
+                sharded[key] = sharded.get(key, 0) + square
+                continue
+        replicated += square
+    total = replicated
+    for (mesh, dims), square in sharded.items():
+        groups = [mesh.get_group(d) for d in dims]
+        for group in groups:
+            torch_dist.all_reduce(square, group=group)
+        total = total + square
+    norm = total.sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.dtype))
+    return norm
