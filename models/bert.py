@@ -111,6 +111,7 @@ class BertForMaskedLM(PreTrainedModel):
 
     config_class = BertConfig
     base_model_prefix = "bert"
+    loss_targets = "tokens"
 
     def __init__(self, config: BertConfig):
         super().__init__(config)

@@ -87,6 +87,7 @@ class GPT2LMHeadModel(GenerationMixin, PreTrainedModel):
 
     config_class = GPT2Config
     base_model_prefix = "transformer"
+    loss_targets = "next_tokens"
 
     def __init__(self, config: GPT2Config):
         super().__init__(config)

@@ -94,6 +94,7 @@ class LlamaForCausalLM(GenerationMixin, PreTrainedModel):
     config_class = LlamaConfig
     other_configs = {"qwen2": transformers.Qwen2Config}
     base_model_prefix = "model"
+    loss_targets = "next_tokens"
 
     def __init__(self, config: LlamaConfig):
         super().__init__(config)

@@ -39,6 +39,9 @@ class PreTrainedModel(nn.Module):
     config_class: type[PretrainedConfig]
     other_configs: dict[str, type[PretrainedConfig]] = {}  # model types with the same architecture
     base_model_prefix: str
+    # What the loss averages over: one value per sample, the labelled tokens, or (causal LM) the
+    # labelled tokens that have a token before them. The trainer weights micro-batches by it.
+    loss_targets: str = "samples"
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -199,6 +202,14 @@ class PreTrainedModel(nn.Module):
             save_torch_state_dict(state, path, max_shard_size=max_shard_size)
         if torch_dist.is_initialized():
             torch_dist.barrier()
+
+    def num_loss_targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """How many terms the mean loss of a batch with these labels averages over."""
+        if self.loss_targets == "tokens":
+            return (labels != -100).sum()
+        if self.loss_targets == "next_tokens":
+            return (labels[..., 1:] != -100).sum()
+        return torch.tensor(labels.shape[0])
 
     def num_parameters(self) -> int:
         """Number of parameters of the whole (unsharded) model."""

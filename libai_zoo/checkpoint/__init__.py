@@ -1,5 +1,6 @@
-"""libai_zoo.checkpoint: reading and writing model weights in Hugging Face's file layout."""
+"""libai_zoo.checkpoint: Hugging Face weight files, and the trainer's resumable checkpoints."""
 
+from .checkpointer import Checkpointer
 from .hf_reader import HFWeightReader
 
-__all__ = ["HFWeightReader"]
+__all__ = ["HFWeightReader", "Checkpointer"]

@@ -1,0 +1,237 @@
+"""`DefaultTrainer(cfg)`: the standard recipe around the loop, every part overridable.
+
+    dist.init(cfg.dist) -> build_model (instantiate, dist.shard, activation checkpointing, compile)
+    -> build_optimizer -> build_lr_scheduler -> build_train_loader (resumable sampler)
+    -> hooks (timer, LR, eval, best checkpoint, periodic checkpoint, writers, progress bar)
+    -> resume_or_load -> train()
+
+Batch sizes: each process runs ``train.micro_batch_size`` samples per forward and accumulates
+``global_batch_size / (micro_batch_size × dp)`` micro-batches per optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader
+
+from libai_zoo import dist
+from libai_zoo.checkpoint import Checkpointer, HFWeightReader
+from libai_zoo.config import LazyConfig, instantiate
+from libai_zoo.data import MicroBatchSampler
+from libai_zoo.layers import TransformerLayer
+from libai_zoo.parallel import apply_activation_checkpointing
+from libai_zoo.utils import peak_flops, rng_state, seed_all, set_rng_state, setup_logging, training_flops_per_token
+
+from . import hooks
+from .evaluator import Evaluator, run_evaluation
+from .events import ConsoleWriter, JSONWriter, TensorBoardWriter
+from .train_step import AMP_DTYPES, TrainStep
+from .trainer_base import TrainerBase
+
+logger = logging.getLogger("libai_zoo")
+
+
+def _with(node: DictConfig, **given) -> dict:
+    """A LazyCall config as a plain dict, plus arguments only the trainer has (model, optimizer, ...)."""
+    return {**OmegaConf.to_container(node, resolve=True), **given}
+
+
+class DefaultTrainer(TrainerBase):
+    """Builds everything a run needs from `cfg` (see libai_zoo/config/common for the keys)."""
+
+    def __init__(self, cfg: DictConfig, *, fast_dev_run: bool = False):
+        super().__init__()
+        self.cfg, self.fast_dev_run = cfg, fast_dev_run
+        train = cfg.train
+        self.ctx = dist.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp,
+                             sequence_parallel=cfg.dist.get("sequence_parallel", False))
+        self._check_layout(cfg)
+        self.accumulation = self._accumulation(train, self.ctx.dp)
+        self.output_dir = Path(train.output_dir)
+        setup_logging(self.output_dir, self.ctx.rank)
+        logger.info("%s; %d micro-batch(es) of %d per step, global batch %d", self.ctx, self.accumulation,
+                    train.micro_batch_size, train.global_batch_size)
+        if self.ctx.is_main_process:
+            LazyConfig.save(cfg, self.output_dir / "config.yaml")
+        seed_all(train.seed)
+        self.amp_dtype = self._amp_dtype(train)
+        self.model = self.build_model(cfg)
+        self.optimizer = self.build_optimizer(cfg, self.model)
+        self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
+        self.checkpointer = Checkpointer(self.output_dir, self.model, self.optimizer)
+        self.step = TrainStep(self.model, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
+                              clip_grad_norm=train.get("clip_grad_norm", 0.0))
+        self.test_loader = self.build_test_loader(cfg)
+        self.evaluator = self.build_evaluator(cfg)
+        self.register_hooks(self.build_hooks())
+
+    # ---------------------------------------------------------------------------------- checks
+    @staticmethod
+    def _check_layout(cfg: DictConfig) -> None:
+        if cfg.dist.dp > 1 or cfg.dist.pp > 1:
+            raise ValueError(f"dist.dp = {cfg.dist.dp}, dist.pp = {cfg.dist.pp}: this trainer runs tensor "
+                             f"parallelism only so far; data and pipeline parallelism are not built yet "
+                             f"(set dist.dp=1 dist.pp=1)")
+        if cfg.train.zero_stage:
+            raise ValueError(f"train.zero_stage = {cfg.train.zero_stage} shards over data parallelism, which "
+                             f"this run does not have (dp = 1): use train.zero_stage=0")
+
+    @staticmethod
+    def _accumulation(train: DictConfig, dp: int) -> int:
+        per_step = train.micro_batch_size * dp
+        if train.global_batch_size % per_step:
+            raise ValueError(f"train.global_batch_size = {train.global_batch_size} is not a multiple of "
+                             f"micro_batch_size × dp = {train.micro_batch_size} × {dp} = {per_step}: change one "
+                             f"of them (the quotient is the number of accumulated micro-batches)")
+        return train.global_batch_size // per_step
+
+    @staticmethod
+    def _amp_dtype(train: DictConfig) -> torch.dtype | None:
+        if not train.amp.enabled:
+            return None
+        if train.amp.dtype not in AMP_DTYPES:
+            raise ValueError(f"train.amp.dtype = {train.amp.dtype!r} must be one of {sorted(AMP_DTYPES)}")
+        return AMP_DTYPES[train.amp.dtype]
+
+    # -------------------------------------------------------------------------------- builders
+    def build_model(self, cfg: DictConfig) -> nn.Module:
+        """instantiate(cfg.model) (a model or a from_pretrained call), split over tp, optionally with
+        activation checkpointing and torch.compile per layer; in train mode."""
+        model = dist.shard(instantiate(cfg.model), self.ctx)
+        if cfg.train.activation_checkpoint.enabled:
+            logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(model))
+        if cfg.train.get("compile", False):
+            for module in model.modules():
+                if isinstance(module, TransformerLayer):
+                    module.compile()
+        logger.info("model: %s, %.2fM parameters", type(model).__name__,
+                    sum(p.numel() for p in model.parameters()) / 1e6)
+        return model.train()
+
+    def build_optimizer(self, cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
+        """instantiate(cfg.optim) with its ``params`` built for `model` (param_groups by default)."""
+        node = _with(cfg.optim)
+        params = node.get("params")
+        node["params"] = instantiate({**params, "model": model}) if isinstance(params, dict) else model.parameters()
+        return instantiate(node)
+
+    def build_lr_scheduler(self, cfg: DictConfig, optimizer: torch.optim.Optimizer):
+        return instantiate(_with(cfg.train.scheduler, optimizer=optimizer, max_iter=cfg.train.max_iter))
+
+    def build_train_loader(self, cfg: DictConfig, consumed_samples: int = 0) -> DataLoader:
+        """The training data, resuming after `consumed_samples` (a global count)."""
+        dataset = instantiate(cfg.dataloader.train)
+        sampler = MicroBatchSampler(len(dataset), cfg.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
+                                    dp_size=self.ctx.dp, shuffle=cfg.dataloader.get("shuffle", True),
+                                    seed=cfg.train.seed, consumed_samples=consumed_samples)
+        # Its own generator: starting an iterator draws a seed, which must not move the global RNG
+        # (dropout) differently in a resumed run than in an uninterrupted one.
+        generator = torch.Generator().manual_seed(cfg.train.seed + consumed_samples)
+        return DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.dataloader.get("num_workers", 0),
+                          generator=generator)
+
+    def build_test_loader(self, cfg: DictConfig) -> DataLoader | None:
+        if cfg.dataloader.get("test") is None:
+            return None
+        return DataLoader(instantiate(cfg.dataloader.test), batch_size=cfg.train.micro_batch_size, shuffle=False)
+
+    def build_evaluator(self, cfg: DictConfig) -> Evaluator:
+        return instantiate(cfg.evaluator) if cfg.get("evaluator") is not None else Evaluator()
+
+    def build_hooks(self) -> list[hooks.HookBase]:
+        """The built-in hooks, then the config's own ``hooks`` list (LazyCalls of HookBase subclasses)."""
+        train = self.cfg.train
+        seq_len = self._sequence_length()
+        flops = training_flops_per_token(self.model, seq_len) if seq_len else None
+        result = [hooks.IterationTimer(flops, peak_flops(self.ctx.device, self.amp_dtype or torch.float32),
+                                       self.ctx.world_size),
+                  hooks.LRScheduler(self.optimizer, self.scheduler)]
+        eval_period = train.eval.period
+        if self.test_loader is not None:
+            result.append(hooks.EvalHook(1 if self.fast_dev_run else eval_period, self.test))
+            if train.get("best_metric"):
+                result.append(hooks.BestCheckpointer(train.best_metric, train.get("best_mode", "max")))
+        if not self.fast_dev_run:
+            result.append(hooks.PeriodicCheckpointer(self.checkpointer, train.checkpoint.period))
+        if self.ctx.is_main_process:
+            writers = [ConsoleWriter(train.max_iter), JSONWriter(self.output_dir / "metrics.json")]
+            if train.get("tensorboard", False):
+                writers.append(TensorBoardWriter(self.output_dir / "tensorboard"))
+            result += [hooks.PeriodicWriter(writers, 1 if self.fast_dev_run else train.log_period),
+                       hooks.ProgressBar()]
+        return result + [instantiate(hook) for hook in self.cfg.get("hooks") or []]
+
+    def _sequence_length(self) -> int | None:
+        dataset_cfg = self.cfg.dataloader.train
+        return dataset_cfg.get("seq_len") or dataset_cfg.get("max_length")
+
+    # ------------------------------------------------------------------------- state and resume
+    def trainer_state(self, iteration: int) -> dict:
+        """What besides model and optimizer a resume needs, for this rank."""
+        return {"iteration": iteration, "consumed_samples": iteration * self.cfg.train.global_batch_size,
+                "scheduler": self.scheduler.state_dict(), "scaler": self.step.scaler.state_dict(),
+                "rng": rng_state()}
+
+    def save_checkpoint(self, name: str, *, pointer: bool = True) -> Path:
+        return self.checkpointer.save(name, self.trainer_state(self.iter + 1), pointer=pointer)
+
+    def resume_or_load(self, resume: bool = True) -> None:
+        """With `resume` and a checkpoint in output_dir: restore everything from the newest
+        complete one. Otherwise start at 0, from ``train.load_weight`` if set (a Hugging Face
+        directory or a trainer checkpoint: weights only)."""
+        self.checkpointer.remove_incomplete()
+        path = self.checkpointer.last_checkpoint() if resume else None
+        if path is not None:
+            state = self.checkpointer.load(path)
+            self.start_iter = state["iteration"]
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step.scaler.load_state_dict(state["scaler"])
+            set_rng_state(state["rng"])
+            logger.info("resumed from %s at iteration %d", path, self.start_iter)
+            return
+        if resume:
+            logger.info("no checkpoint in %s: starting from scratch", self.output_dir)
+        self.start_iter = 0
+        weights = self.cfg.train.get("load_weight")
+        if weights:
+            self.load_weight(weights)
+
+    def load_weight(self, path: str | Path) -> None:
+        """Model weights only, from a Hugging Face directory or a trainer checkpoint."""
+        path = Path(path)
+        if (path / "config.json").is_file():
+            with HFWeightReader(path) as reader:
+                self.model.load_hf_weights(reader)
+        else:
+            self.checkpointer.load(path, with_optimizer=False)
+        logger.info("loaded weights from %s", path)
+
+    # ------------------------------------------------------------------------------- the loop
+    def train(self) -> None:
+        """Train from `start_iter` (set by resume_or_load) to ``train.max_iter``."""
+        max_iter = self.start_iter + 2 if self.fast_dev_run else self.cfg.train.max_iter
+        loader = self.build_train_loader(self.cfg, self.start_iter * self.cfg.train.global_batch_size)
+        self._data = iter(loader)
+        super().train(self.start_iter, max_iter)
+
+    def run_step(self) -> None:
+        start = time.perf_counter()
+        micro_batches = [next(self._data) for _ in range(self.accumulation)]
+        data_time = time.perf_counter() - start
+        metrics = self.step(micro_batches)
+        self.storage.put_scalars(data_time=data_time, **metrics)
+
+    def test(self) -> dict[str, float]:
+        """Evaluate on the test loader (``train.eval.max_batches`` batches at most)."""
+        if self.test_loader is None:
+            raise ValueError("no test data: set dataloader.test in the config")
+        max_batches = 2 if self.fast_dev_run else self.cfg.train.eval.get("max_batches")
+        return run_evaluation(self.model, self.test_loader, self.evaluator, device=self.ctx.device,
+                              amp_dtype=self.amp_dtype, max_batches=max_batches)
+

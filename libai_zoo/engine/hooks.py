@@ -1,0 +1,176 @@
+"""The built-in hooks of `DefaultTrainer`: timing, LR schedule, checkpoints, evaluation,
+best-checkpoint keeping, log writing and a progress bar."""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import sys
+import time
+
+import torch
+
+from libai_zoo.checkpoint import Checkpointer
+
+from .trainer_base import HookBase
+
+logger = logging.getLogger("libai_zoo")
+
+
+class IterationTimer(HookBase):
+    """Step time, and from it samples/s, tokens/s, MFU and peak memory (the step records how many
+    samples and tokens it processed as "samples"/"tokens")."""
+
+    def __init__(self, flops_per_token: float | None = None, peak_flops: float | None = None, world_size: int = 1):
+        self.flops_per_token, self.peak_flops, self.world_size = flops_per_token, peak_flops, world_size
+        self._start = 0.0
+
+    def before_train(self) -> None:
+        self._train_start = time.perf_counter()
+
+    def before_step(self) -> None:
+        self._start = time.perf_counter()
+
+    def after_step(self) -> None:
+        storage = self.trainer.storage
+        elapsed = time.perf_counter() - self._start
+        latest = storage.latest()
+        storage.put_scalar("time", elapsed)
+        if "samples" in latest:
+            storage.put_scalar("samples_per_s", latest["samples"][0] / elapsed)
+        if "tokens" in latest:
+            tokens_per_s = latest["tokens"][0] / elapsed
+            storage.put_scalar("tokens_per_s", tokens_per_s)
+            if self.flops_per_token and self.peak_flops:
+                storage.put_scalar("mfu", tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size))
+        if torch.cuda.is_available():
+            storage.put_scalar("max_mem_mb", torch.cuda.max_memory_allocated() / 2**20)
+        else:  # the process's peak resident memory (Linux reports KiB)
+            storage.put_scalar("max_mem_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+    def after_train(self) -> None:
+        steps = self.trainer.iter - self.trainer.start_iter
+        total = time.perf_counter() - self._train_start
+        if steps:
+            logger.info("trained %d steps in %.1f s (%.4f s/step)", steps, total, total / steps)
+
+
+class LRScheduler(HookBase):
+    """Record the learning rate used by the step, then advance the schedule."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler):
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def after_step(self) -> None:
+        self.trainer.storage.put_scalar("lr", self.optimizer.param_groups[0]["lr"])
+        self.scheduler.step()
+
+
+class PeriodicCheckpointer(HookBase):
+    """Save `model_{steps:07d}` every `period` steps and after the last one (period 0: only the last)."""
+
+    def __init__(self, checkpointer: Checkpointer, period: int):
+        self.checkpointer, self.period = checkpointer, period
+
+    def after_step(self) -> None:
+        done = self.trainer.iter + 1
+        if (self.period and done % self.period == 0) or done == self.trainer.max_iter:
+            self.trainer.save_checkpoint(f"model_{done:07d}")
+
+
+class EvalHook(HookBase):
+    """Run `eval_function()` (a dict of metrics) every `period` steps and after the last; record
+    them as "eval/<name>"."""
+
+    def __init__(self, period: int, eval_function):
+        self.period, self.eval_function = period, eval_function
+
+    def after_step(self) -> None:
+        done = self.trainer.iter + 1
+        if (self.period and done % self.period == 0) or done == self.trainer.max_iter:
+            results = self.eval_function()
+            self.trainer.storage.put_scalars(**{f"eval/{name}": value for name, value in results.items()})
+            logger.info("evaluation after %d steps: %s", done,
+                        ", ".join(f"{name} = {value:.4f}" for name, value in results.items()))
+
+
+class BestCheckpointer(HookBase):
+    """After each evaluation, save `model_best` when "eval/<metric>" improved (mode "max" or "min")."""
+
+    def __init__(self, metric: str, mode: str = "max"):
+        if mode not in ("max", "min"):
+            raise ValueError(f"train.best_mode = {mode!r} must be 'max' or 'min'")
+        self.metric, self.mode = f"eval/{metric}", mode
+        self.best = -math.inf if mode == "max" else math.inf
+
+    def after_step(self) -> None:
+        latest = self.trainer.storage.latest().get(self.metric)
+        if latest is None or latest[1] != self.trainer.iter:
+            return
+        value = latest[0]
+        if (value > self.best) if self.mode == "max" else (value < self.best):
+            logger.info("%s improved from %.4f to %.4f: saving model_best", self.metric, self.best, value)
+            self.best = value
+            self.trainer.save_checkpoint("model_best", pointer=False)
+
+
+class PeriodicWriter(HookBase):
+    """Call every writer every `period` steps and after the last step."""
+
+    def __init__(self, writers: list, period: int):
+        self.writers, self.period = writers, period
+
+    def after_step(self) -> None:
+        done = self.trainer.iter + 1
+        if done % self.period == 0 or done == self.trainer.max_iter:
+            for writer in self.writers:
+                writer.write(self.trainer.storage)
+
+    def after_train(self) -> None:
+        for writer in self.writers:
+            close = getattr(writer, "close", None)
+            if close is not None:
+                close()
+
+
+class ProgressBar(HookBase):
+    """A tqdm bar of the steps, on an interactive terminal only (logs stay one line per period)."""
+
+    def before_train(self) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.trainer.max_iter, initial=self.trainer.start_iter, dynamic_ncols=True,
+                        leave=False, disable=not sys.stderr.isatty())
+
+    def after_step(self) -> None:
+        latest = self.trainer.storage.latest()
+        if "loss" in latest:
+            self.bar.set_postfix(loss=f"{latest['loss'][0]:.4f}", refresh=False)
+        self.bar.update(1)
+
+    def after_train(self) -> None:
+        self.bar.close()
+
+
+class GenerateSample(HookBase):
+    """After training, let a causal LM continue `prompt` (greedy) and log the text: a quick look at
+    what the model learned. ``tokenizer`` is a Hugging Face tokenizer directory."""
+
+    def __init__(self, tokenizer: str, prompt: str, max_new_tokens: int = 40):
+        self.tokenizer, self.prompt, self.max_new_tokens = tokenizer, prompt, max_new_tokens
+
+    def after_train(self) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+        model = self.trainer.model
+        ids = tokenizer(self.prompt, return_tensors="pt").input_ids.to(self.trainer.ctx.device)
+        was_training = model.training
+        model.eval()
+        try:
+            tokens = model.generate(ids, max_new_tokens=self.max_new_tokens)
+        finally:
+            model.train(was_training)
+        self.text = tokenizer.decode(tokens[0], skip_special_tokens=True)
+        logger.info("sample after %d steps: %r", self.trainer.iter, self.text)

@@ -1,0 +1,236 @@
+"""DefaultTrainer end to end on a tiny GPT-2 and a slice of the shipped corpus (one process):
+resume equals an uninterrupted run, a crash while checkpointing resumes from the previous
+checkpoint, accumulation and activation checkpointing change no numbers, AMP works on CPU,
+and the run writes config.yaml and metrics.json."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from libai_zoo import dist
+from libai_zoo.config import LazyConfig
+from libai_zoo.engine import DefaultTrainer, HookBase, TrainStep
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel
+from libai_zoo.parallel import apply_activation_checkpointing
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIG = '''
+from libai_zoo.config import LazyCall, get_config
+from libai_zoo.data import build_gpt_dataset
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel
+
+train = get_config("common/train.py").train
+dist = get_config("common/train.py").dist
+optim = get_config("common/optim.py").optim
+model = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
+    vocab_size=8192, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=32,
+                                                    cache_dir="{cache}"),
+                  test=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=32,
+                                                   cache_dir="{cache}"))
+'''
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("trainer")
+    documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:300]
+    (root / "text.txt").write_text("\n\n".join(documents))
+    path = root / "config.py"
+    path.write_text(CONFIG.format(text=root / "text.txt", tokenizer=ROOT / "data/tokenizer", cache=root / "cache"))
+    return path
+
+
+class Interrupt(HookBase):
+    """Stop the run after `steps` steps, as a killed job would (after that step's checkpoint)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def after_step(self) -> None:
+        if self.trainer.iter + 1 == self.steps:
+            raise KeyboardInterrupt(f"stopped after {self.steps} steps")
+
+
+def run(config_file: Path, output_dir: Path, *overrides: str, resume: bool = False,
+        interrupt_after: int | None = None) -> DefaultTrainer:
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(str(config_file)), [
+        f"train.output_dir={output_dir}", "train.max_iter=20", "train.micro_batch_size=4", "train.global_batch_size=4",
+        "train.log_period=1", "train.checkpoint.period=5", "optim.lr=1e-3", *overrides])
+    trainer = DefaultTrainer(cfg)
+    if interrupt_after is not None:
+        trainer.register_hooks([Interrupt(interrupt_after)])
+    try:
+        trainer.resume_or_load(resume=resume)
+        trainer.train()
+    finally:
+        dist.destroy()
+    return trainer
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.json").read_text().splitlines()]
+    return {r["iteration"]: r["loss"] for r in records}
+
+
+@pytest.fixture(scope="module")
+def straight(config_file, tmp_path_factory) -> Path:
+    output_dir = tmp_path_factory.mktemp("straight")
+    run(config_file, output_dir)
+    return output_dir
+
+
+def test_run_writes_config_metrics_and_checkpoints(straight):
+    saved = LazyConfig.load(str(straight / "config.yaml"))
+    assert saved.train.max_iter == 20 and saved.model.config.n_layer == 2
+    records = [json.loads(line) for line in (straight / "metrics.json").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, 21))
+    assert {"iteration", "loss", "lr", "tokens_per_s", "grad_norm", "samples_per_s"} <= set(records[-1])
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert (straight / "last_checkpoint").read_text() == "model_0000020"
+    assert sorted(p.name for p in straight.glob("model_*")) == [f"model_{i:07d}" for i in (5, 10, 15, 20)]
+
+
+def test_resume_equals_uninterrupted_run(config_file, straight, tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        run(config_file, tmp_path, interrupt_after=10)
+    first = losses(tmp_path)
+    (tmp_path / "metrics.json").unlink()
+    run(config_file, tmp_path, resume=True)
+    second = losses(tmp_path)
+    assert sorted(first) == list(range(1, 11)) and sorted(second) == list(range(11, 21))
+    reference = losses(straight)
+    assert max(abs({**first, **second}[i] - reference[i]) for i in reference) <= 1e-6
+
+
+def test_crash_while_checkpointing_resumes_from_previous(config_file, straight, tmp_path, monkeypatch):
+    import libai_zoo.checkpoint.checkpointer as checkpointer
+
+    real_save, calls = checkpointer.dcp.save, []
+
+    def dying_save(state, checkpoint_id):
+        calls.append(checkpoint_id)
+        real_save(state, checkpoint_id=checkpoint_id)
+        if len(calls) == 2:  # the second checkpoint (after step 10) dies with its files half written
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(checkpointer.dcp, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        run(config_file, tmp_path)
+    monkeypatch.setattr(checkpointer.dcp, "save", real_save)
+    assert (tmp_path / "last_checkpoint").read_text() == "model_0000005"
+    assert (tmp_path / "model_0000010.tmp").is_dir()
+    (tmp_path / "metrics.json").unlink()
+    trainer = run(config_file, tmp_path, resume=True)
+    assert trainer.start_iter == 5 and not (tmp_path / "model_0000010.tmp").exists()
+    resumed, reference = losses(tmp_path), losses(straight)
+    assert sorted(resumed) == list(range(6, 21))
+    assert max(abs(resumed[i] - reference[i]) for i in resumed) <= 1e-6
+
+
+def test_periodic_evaluation_is_logged(config_file, tmp_path):
+    run(config_file, tmp_path, "train.max_iter=10", "train.eval.period=5", "train.eval.max_batches=2")
+    records = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
+    evaluated = {r["iteration"]: r for r in records if "eval/loss" in r}
+    assert sorted(evaluated) == [5, 10]
+    assert evaluated[10]["eval/perplexity"] == pytest.approx(math.exp(evaluated[10]["eval/loss"]), rel=1e-6)
+
+
+def load_train_tool():
+    spec = importlib.util.spec_from_file_location("train_tool", ROOT / "tools" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_tool_fast_dev_run_and_eval_only(config_file, straight, tmp_path):
+    tool = load_train_tool()
+    batch_sizes = ["train.micro_batch_size=4", "train.global_batch_size=4"]
+    tool.main([str(config_file), f"train.output_dir={tmp_path}", *batch_sizes, "--fast-dev-run"])
+    records = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2] and "eval/loss" in records[-1]
+    assert not list(tmp_path.glob("model_*"))
+    results = tool.main([str(config_file), f"train.output_dir={straight}", *batch_sizes, "train.eval.max_batches=2",
+                         "--resume", "--eval-only"])
+    assert set(results) == {"loss", "perplexity"} and results["loss"] < 9.0  # below ln(8192): it learned
+
+
+def test_train_tool_help():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    assert all(flag in out for flag in ("--resume", "--eval-only", "--fast-dev-run", "key=value"))
+
+
+# ------------------------------------------------------------------------------ the step itself
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, resid_pdrop=0.0))
+
+
+def batch(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (n, 16), generator=g)
+    labels = ids.clone()
+    labels[::3, 10:] = -100  # uneven padding: micro-batches hold different numbers of targets
+    return {"input_ids": ids, "labels": labels}
+
+
+def sgd_step(model, micro_batches, **kwargs) -> tuple[float, list[torch.Tensor]]:
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"), **kwargs)
+    metrics = step(micro_batches)
+    return metrics, [p.detach().clone() for p in model.parameters()]
+
+
+def test_accumulation_equals_one_big_batch():
+    whole = batch(8, seed=1)
+    micro = [{k: v[i:i + 2] for k, v in whole.items()} for i in range(0, 8, 2)]
+    one, params_one = sgd_step(tiny_gpt2(), [whole])
+    four, params_four = sgd_step(tiny_gpt2(), micro)
+    assert abs(one["loss"] - four["loss"]) <= 1e-6
+    assert max((a - b).abs().max().item() for a, b in zip(params_one, params_four)) <= 1e-6
+
+
+def test_activation_checkpointing_gives_equal_gradients():
+    plain, checkpointed = tiny_gpt2(), tiny_gpt2()
+    assert apply_activation_checkpointing(checkpointed) == 2
+    b = batch(4, seed=2)
+    plain(**b).loss.backward()
+    checkpointed(**b).loss.backward()
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-6, name
+    assert set(dict(plain.state_dict())) == set(dict(checkpointed.state_dict()))
+
+
+def test_bf16_autocast_trains_on_cpu():
+    model = tiny_gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics, after = sgd_step(model, [batch(4, seed=3)], amp_dtype=torch.bfloat16)
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["skipped"] == 0.0
+    assert all(p.dtype == torch.float32 for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_fp16_scaler_skips_overflowed_step_and_lowers_scale():
+    model = tiny_gpt2()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"),
+                     amp_dtype=torch.float16)
+    before = copy.deepcopy(model.state_dict())
+    hook = model.transformer.ln_f.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    metrics = step([batch(4, seed=4)])
+    hook.remove()
+    assert metrics["skipped"] == 1.0 and metrics["loss_scale"] == 2.0**15  # 2**16 halved
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    metrics = step([batch(4, seed=5)])
+    assert metrics["skipped"] == 0.0 and metrics["loss_scale"] == 2.0**15
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
