@@ -84,7 +84,7 @@ class PreTrainedModel(nn.Module):
     # ------------------------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | str | None = None, shard: bool = False,
-                        strict: bool = True, output_loading_info: bool = False):
+                        strict: bool = True, output_loading_info: bool = False, **config_overrides):
         """Load a Hugging Face model directory (config.json + safetensors, sharded or not; or
         pytorch_model.bin through ``torch.load(weights_only=True)``).
 
@@ -95,9 +95,15 @@ class PreTrainedModel(nn.Module):
         tensors raise one error listing them; strict=False loads what matches and initialises the
         rest (a new task head), still refusing misshaped tensors. The model is returned in eval
         mode; ``output_loading_info=True`` also returns what was missing/unexpected and the bytes read.
+        Other keyword arguments override config.json's values (``num_labels=3`` for a new head), as
+        in transformers.
         """
         path = Path(path)
         config = cls._load_config(path)
+        for key, value in config_overrides.items():
+            if not hasattr(config, key):
+                raise ValueError(f"{key}={value!r}: {type(config).__name__} has no attribute {key!r}")
+            setattr(config, key, value)
         dtype = _resolve_dtype(dtype, config)
         with torch.device("meta"):
             model = cls(config).to(dtype)

@@ -138,6 +138,10 @@ def test_new_head_needs_strict_false(hf_dirs):
     assert sorted(info["missing_keys"]) == ["bert.pooler.dense.bias", "bert.pooler.dense.weight",
                                             "classifier.bias", "classifier.weight"]
     assert model.classifier.weight.std().item() == pytest.approx(0.02, rel=0.5)
+    three = models.BertForSequenceClassification.from_pretrained(path, strict=False, num_labels=3)
+    assert three.classifier.weight.shape == (3, 32) and three.config.num_labels == 3
+    with pytest.raises(ValueError, match="has no attribute 'num_lables'"):
+        models.BertForSequenceClassification.from_pretrained(path, strict=False, num_lables=3)
 
 
 def test_pytorch_model_bin_loads(hf_dirs, tmp_path):

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
 from libai_zoo import dist
+from libai_zoo.optim import clip_grad_norm_
 from model_cases import CASES, hf_checkpoint_grads, hf_named_grads, main_output, make_hf_model, make_inputs
 
 pytestmark = pytest.mark.slow
@@ -43,6 +44,8 @@ def _run_case(model, case, ref) -> dict:
         out.loss.backward()
         grads = hf_named_grads(model)  # gathered: every rank takes part
         result["grad_names"] = set(grads) == set(ref["grads"])
+        dist.finalize_grads(model)
+        result["grad_norm"] = abs(clip_grad_norm_(model.parameters(), 0.0).item() - ref["grad_norm"])
         result["grads"] = max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads)
     return result
 
@@ -98,6 +101,7 @@ def tp_results(tmp_path_factory):
             out.loss.backward()
             ref["loss"] = out.loss.item()
             ref["grads"] = hf_checkpoint_grads(hf, root / f"{name}_grads")
+            ref["grad_norm"] = torch.stack([g.norm() for g in ref["grads"].values()]).norm().item()
         if case.generates:
             ids = inputs["input_ids"]
             mask = torch.ones_like(ids)
@@ -123,14 +127,16 @@ def test_tp2_equals_transformers(tp_results, name, how):
         assert r["output"] <= TOL
         if "loss" in refs[name]:
             assert r["loss"] <= TOL and r["grad_names"] and r["grads"] <= TOL
+            assert r["grad_norm"] <= 1e-5 * refs[name]["grad_norm"]  # the global norm over shards, counted once
 
 
 @pytest.mark.parametrize("name", SEQUENCE_PARALLEL_CASES)
 def test_tp2_sequence_parallel_equals_transformers(tp_results, name):
-    results, _, _ = tp_results
+    results, refs, _ = tp_results
     for rank_results in results:
         r = rank_results[name, "sequence_parallel"]
         assert r["output"] <= TOL and r["loss"] <= TOL and r["grads"] <= TOL
+        assert r["grad_norm"] <= 1e-5 * refs[name]["grad_norm"]
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.generates])

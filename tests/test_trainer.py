@@ -78,9 +78,12 @@ def run(config_file: Path, output_dir: Path, *overrides: str, resume: bool = Fal
     return trainer
 
 
+def records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.json").read_text().splitlines()]
+
+
 def losses(output_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (output_dir / "metrics.json").read_text().splitlines()]
-    return {r["iteration"]: r["loss"] for r in records}
+    return {r["iteration"]: r["loss"] for r in records(output_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +96,10 @@ def straight(config_file, tmp_path_factory) -> Path:
 def test_run_writes_config_metrics_and_checkpoints(straight):
     saved = LazyConfig.load(str(straight / "config.yaml"))
     assert saved.train.max_iter == 20 and saved.model.config.n_layer == 2
-    records = [json.loads(line) for line in (straight / "metrics.json").read_text().splitlines()]
-    assert [r["iteration"] for r in records] == list(range(1, 21))
-    assert {"iteration", "loss", "lr", "tokens_per_s", "grad_norm", "samples_per_s"} <= set(records[-1])
-    assert records[-1]["loss"] < records[0]["loss"]
+    logged = records(straight)
+    assert [r["iteration"] for r in logged] == list(range(1, 21))
+    assert {"iteration", "loss", "lr", "tokens_per_s", "grad_norm", "samples_per_s"} <= set(logged[-1])
+    assert logged[-1]["loss"] < logged[0]["loss"]
     assert (straight / "last_checkpoint").read_text() == "model_0000020"
     assert sorted(p.name for p in straight.glob("model_*")) == [f"model_{i:07d}" for i in (5, 10, 15, 20)]
 
@@ -138,10 +141,19 @@ def test_crash_while_checkpointing_resumes_from_previous(config_file, straight, 
     assert max(abs(resumed[i] - reference[i]) for i in resumed) <= 1e-6
 
 
+def test_tensorboard_writer_writes_events(config_file, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(config_file, tmp_path, "train.max_iter=3", "train.tensorboard=true")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([r["loss"] for r in records(tmp_path)])
+
+
 def test_periodic_evaluation_is_logged(config_file, tmp_path):
     run(config_file, tmp_path, "train.max_iter=10", "train.eval.period=5", "train.eval.max_batches=2")
-    records = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
-    evaluated = {r["iteration"]: r for r in records if "eval/loss" in r}
+    evaluated = {r["iteration"]: r for r in records(tmp_path) if "eval/loss" in r}
     assert sorted(evaluated) == [5, 10]
     assert evaluated[10]["eval/perplexity"] == pytest.approx(math.exp(evaluated[10]["eval/loss"]), rel=1e-6)
 
@@ -157,8 +169,8 @@ def test_train_tool_fast_dev_run_and_eval_only(config_file, straight, tmp_path):
     tool = load_train_tool()
     batch_sizes = ["train.micro_batch_size=4", "train.global_batch_size=4"]
     tool.main([str(config_file), f"train.output_dir={tmp_path}", *batch_sizes, "--fast-dev-run"])
-    records = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
-    assert [r["iteration"] for r in records] == [1, 2] and "eval/loss" in records[-1]
+    logged = records(tmp_path)
+    assert [r["iteration"] for r in logged] == [1, 2] and "eval/loss" in logged[-1]
     assert not list(tmp_path.glob("model_*"))
     results = tool.main([str(config_file), f"train.output_dir={straight}", *batch_sizes, "train.eval.max_batches=2",
                          "--resume", "--eval-only"])
@@ -234,3 +246,22 @@ def test_fp16_scaler_skips_overflowed_step_and_lowers_scale():
     metrics = step([batch(4, seed=5)])
     assert metrics["skipped"] == 0.0 and metrics["loss_scale"] == 2.0**15
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_best_checkpoint_and_max_to_keep(config_file, tmp_path):
+    run(config_file, tmp_path, "train.eval.period=5", "train.eval.max_batches=1", "train.best_metric=loss",
+        "train.best_mode=min", "train.checkpoint.max_to_keep=2")
+    assert sorted(p.name for p in tmp_path.glob("model_*")) == ["model_0000015", "model_0000020", "model_best"]
+    assert (tmp_path / "last_checkpoint").read_text() == "model_0000020"
+
+
+def test_load_weight_from_a_hugging_face_directory(config_file, tmp_path):
+    import transformers
+
+    torch.manual_seed(3)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=32, n_layer=2,
+                                                              n_head=4)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    trainer = run(config_file, tmp_path / "run", "train.max_iter=0", f"train.load_weight={tmp_path / 'hf'}")
+    ids = torch.randint(0, 8192, (2, 16))
+    assert (trainer.model.eval()(ids).logits - hf(ids).logits).abs().max().item() <= 1e-5

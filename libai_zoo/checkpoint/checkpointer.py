@@ -114,6 +114,14 @@ class Checkpointer:
                 return torch.load(file, weights_only=True)
         return {}
 
+    def prune(self, max_to_keep: int | None) -> None:
+        """Keep only the newest `max_to_keep` periodic checkpoints (model_XXXXXXX; model_best stays)."""
+        if max_to_keep is None or _rank() != 0:
+            return
+        periodic = sorted(p for p in self.output_dir.glob("model_*") if p.is_dir() and p.name[6:].isdigit())
+        for old in periodic[:-max_to_keep]:
+            shutil.rmtree(old)
+
     def remove_incomplete(self) -> None:
         """Delete checkpoints whose writing was interrupted (rank 0)."""
         if _rank() == 0 and self.output_dir.is_dir():

@@ -158,7 +158,8 @@ class DefaultTrainer(TrainerBase):
             if train.get("best_metric"):
                 result.append(hooks.BestCheckpointer(train.best_metric, train.get("best_mode", "max")))
         if not self.fast_dev_run:
-            result.append(hooks.PeriodicCheckpointer(self.checkpointer, train.checkpoint.period))
+            result.append(hooks.PeriodicCheckpointer(self.checkpointer, train.checkpoint.period,
+                                                     train.checkpoint.get("max_to_keep")))
         if self.ctx.is_main_process:
             writers = [ConsoleWriter(train.max_iter), JSONWriter(self.output_dir / "metrics.json")]
             if train.get("tensorboard", False):

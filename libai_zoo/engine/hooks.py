@@ -68,15 +68,19 @@ class LRScheduler(HookBase):
 
 
 class PeriodicCheckpointer(HookBase):
-    """Save `model_{steps:07d}` every `period` steps and after the last one (period 0: only the last)."""
+    """Save `model_{steps:07d}` every `period` steps and after the last one (period 0: only the last),
+    keeping the newest `max_to_keep` (None: all)."""
 
-    def __init__(self, checkpointer: Checkpointer, period: int):
-        self.checkpointer, self.period = checkpointer, period
+    def __init__(self, checkpointer: Checkpointer, period: int, max_to_keep: int | None = None):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"train.checkpoint.max_to_keep = {max_to_keep} must be at least 1 (None keeps all)")
+        self.checkpointer, self.period, self.max_to_keep = checkpointer, period, max_to_keep
 
     def after_step(self) -> None:
         done = self.trainer.iter + 1
         if (self.period and done % self.period == 0) or done == self.trainer.max_iter:
             self.trainer.save_checkpoint(f"model_{done:07d}")
+            self.checkpointer.prune(self.max_to_keep)
 
 
 class EvalHook(HookBase):
@@ -116,14 +120,15 @@ class BestCheckpointer(HookBase):
 
 
 class PeriodicWriter(HookBase):
-    """Call every writer every `period` steps and after the last step."""
+    """Call every writer after the run's first step (the starting loss), every `period` steps and
+    after the last step."""
 
     def __init__(self, writers: list, period: int):
         self.writers, self.period = writers, period
 
     def after_step(self) -> None:
         done = self.trainer.iter + 1
-        if done % self.period == 0 or done == self.trainer.max_iter:
+        if done % self.period == 0 or done == self.trainer.max_iter or self.trainer.iter == self.trainer.start_iter:
             for writer in self.writers:
                 writer.write(self.trainer.storage)
 

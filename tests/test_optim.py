@@ -1,0 +1,70 @@
+"""Parameter groups, LAMB, the LR schedules and global-norm clipping, checked against numbers
+computed by hand (one process; the tensor-parallel clipping is in test_models_tensor_parallel)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel
+from libai_zoo.optim import ConstantLR, Lamb, WarmupCosineLR, WarmupLinearLR, clip_grad_norm_, param_groups
+
+
+def test_param_groups_exempt_biases_and_norms_and_count_tied_once():
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    decay, no_decay = param_groups(model, weight_decay=0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(names[id(p)].endswith(("bias", "norm.weight", "ln_f.weight")) for p in no_decay["params"])
+    assert sum(p is model.lm_head.weight for p in decay["params"]) == 1  # tied to wte: once
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def lrs(scheduler_cls, steps: int, **kwargs) -> list[float]:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = scheduler_cls(optimizer, max_iter=steps, **kwargs)
+    values = []
+    for _ in range(steps):
+        values.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return values
+
+
+def test_schedules():
+    assert lrs(WarmupCosineLR, 10, warmup_iters=4, min_lr_ratio=0.1)[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    cosine = lrs(WarmupCosineLR, 10, warmup_iters=4, min_lr_ratio=0.1)
+    assert cosine[7] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
+    assert lrs(WarmupLinearLR, 6, warmup_iters=2)[1:] == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25])
+    assert lrs(ConstantLR, 5, warmup_iters=2) == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="warmup_iters = 20 must be between 0 and max_iter = 10"):
+        lrs(WarmupCosineLR, 10, warmup_iters=20)
+
+
+def test_lamb_step_matches_the_formula():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    g = torch.randn(4, 3)
+    w0 = w.detach().clone()
+    w.grad = g.clone()
+    Lamb([w], lr=0.1, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01).step()
+    m_hat, v_hat = g, g * g  # after one step the bias corrections undo the (1 - beta) factors
+    update = m_hat / (v_hat.sqrt() + 1e-6) + 0.01 * w0
+    expected = w0 - 0.1 * (w0.norm() / update.norm()) * update
+    assert (w.detach() - expected).abs().max().item() <= 1e-6
+
+
+def test_clip_grad_norm_matches_torch():
+    torch.manual_seed(1)
+    ours = [torch.nn.Parameter(torch.randn(5, 5)) for _ in range(3)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(5, 5)
+        b.grad = a.grad.clone()
+    norm = clip_grad_norm_(ours, 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert max((a.grad - b.grad).abs().max().item() for a, b in zip(ours, theirs)) <= 1e-6
+    assert clip_grad_norm_(ours, 0.0).item() == pytest.approx(1.0, rel=1e-5)  # 0: measure only

@@ -1,0 +1,69 @@
+"""The recipes under projects/ run: each for two steps (--fast-dev-run), and the README's main job
+(GPT-2 pretraining) long enough to show its loss falling."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """Stand-in Hugging Face directories for the fine-tuning recipes, and a shared data cache."""
+    root = tmp_path_factory.mktemp("projects")
+    for kind in ("bert", "llama"):
+        subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_hf_model.py"), kind, str(root / kind)],
+                       check=True, capture_output=True)
+    return root
+
+
+def records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.json").read_text().splitlines()]
+
+
+RECIPES = {
+    "gpt2_pretrain": ["dataloader.train.cache_dir={cache}", "dataloader.test.cache_dir={cache}"],
+    "llama_finetune": ["model.path={root}/llama", "dataloader.train.cache_dir={cache}",
+                       "dataloader.test.cache_dir={cache}"],
+    "bert_finetune": ["model.path={root}/bert"],
+    "vit_classification": [],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recipe_fast_dev_run(recipe, workdir, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # recipes name the shipped data relative to the repository
+    overrides = [o.format(root=workdir, cache=workdir / "cache") for o in RECIPES[recipe]]
+    load_tool("train").main([f"projects/{recipe}/config.py", f"train.output_dir={tmp_path}", *overrides,
+                             "--fast-dev-run"])
+    logged = records(tmp_path)
+    assert [r["iteration"] for r in logged] == [1, 2] and "eval/loss" in logged[-1]
+    assert (tmp_path / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_gpt2_pretrain_loss_falls(workdir, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    overrides = [o.format(root=workdir, cache=workdir / "cache") for o in RECIPES["gpt2_pretrain"]]
+    load_tool("train").main(["projects/gpt2_pretrain/config.py", f"train.output_dir={tmp_path}", *overrides,
+                             "train.max_iter=40", "train.log_period=10", "train.eval.period=0",
+                             "train.checkpoint.period=0", "train.scheduler.warmup_iters=10", "hooks=[]"])
+    logged = records(tmp_path)
+    assert logged[0]["iteration"] == 1 and logged[-1]["iteration"] == 40
+    assert logged[0]["loss"] > 8.5  # ln(8192) = 9.01: an untrained model
+    assert logged[-1]["loss"] < logged[0]["loss"] - 1.5

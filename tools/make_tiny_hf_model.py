@@ -1,0 +1,54 @@
+"""Write a small, randomly initialised Hugging Face model directory with `transformers` itself.
+
+The Hugging Face hub is out of reach on the machines this project is built on, so the fine-tuning
+recipes start from one of these; with a real checkpoint, point the recipe at it instead.
+
+    python tools/make_tiny_hf_model.py bert output/tiny_bert
+    python tools/make_tiny_hf_model.py llama output/tiny_llama --hidden 256 --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import transformers
+
+VOCAB = 8192  # data/tokenizer
+
+
+def make_config(kind: str, hidden: int, layers: int, heads: int) -> transformers.PretrainedConfig:
+    common = dict(num_hidden_layers=layers, num_attention_heads=heads, hidden_size=hidden,
+                  intermediate_size=4 * hidden)
+    if kind == "bert":
+        return transformers.BertConfig(vocab_size=VOCAB, pad_token_id=1, max_position_embeddings=512, **common)
+    if kind == "llama":
+        return transformers.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=max(1, heads // 2), bos_token_id=0,
+                                        eos_token_id=0, max_position_embeddings=2048, **common)
+    if kind == "gpt2":
+        return transformers.GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads,
+                                       bos_token_id=0, eos_token_id=0)
+    return transformers.ViTConfig(image_size=8, patch_size=2, num_channels=1, num_labels=10, **common)
+
+
+MODELS = {"bert": "BertForMaskedLM", "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel",
+          "vit": "ViTForImageClassification"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=sorted(MODELS), help="which model family")
+    parser.add_argument("output_dir", help="where to write config.json and model.safetensors")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    config = make_config(args.kind, args.hidden, args.layers, args.heads)
+    getattr(transformers, MODELS[args.kind])(config).save_pretrained(args.output_dir)
+    print(f"wrote a random {MODELS[args.kind]} to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
