@@ -265,3 +265,23 @@ def test_load_weight_from_a_hugging_face_directory(config_file, tmp_path):
     trainer = run(config_file, tmp_path / "run", "train.max_iter=0", f"train.load_weight={tmp_path / 'hf'}")
     ids = torch.randint(0, 8192, (2, 16))
     assert (trainer.model.eval()(ids).logits - hf(ids).logits).abs().max().item() <= 1e-5
+
+
+def _tp2_losses(config_file: str, output_dir: str) -> dict[int, float]:
+    run(Path(config_file), Path(output_dir), "dist.tp=2", "train.checkpoint.period=0", "train.max_iter=6")
+    return losses(Path(output_dir)) if torch.distributed.get_rank() == 0 else {}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_run_equals_one_process(config_file, tmp_path):
+    """The same recipe at dist.tp=2 (two gloo processes) logs the one-process losses."""
+    from distributed_runner import run_distributed
+
+    no_dropout = tmp_path / "no_dropout.py"  # dropout masks of split activations depend on the layout
+    no_dropout.write_text(config_file.read_text().replace(
+        "n_head=4,", "n_head=4, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0,"))
+    run(no_dropout, tmp_path / "one", "train.checkpoint.period=0", "train.max_iter=6")
+    tp2 = run_distributed(_tp2_losses, 2, str(no_dropout), str(tmp_path / "tp2"))[0]
+    one = losses(tmp_path / "one")
+    assert sorted(tp2) == list(range(1, 7))
+    assert max(abs(tp2[i] - one[i]) / one[i] for i in one) <= 1e-5
