@@ -36,6 +36,8 @@ class GPT2Model(PreTrainedModel):
 
     config_class = GPT2Config
     base_model_prefix = "transformer"
+    # For pipeline stages: the layer stack, and what only the first / last stage holds.
+    layers_name, first_stage_modules, last_stage_modules = "h", ("wte", "wpe"), ("ln_f",)
 
     def __init__(self, config: GPT2Config):
         super().__init__(config)
@@ -63,20 +65,29 @@ class GPT2Model(PreTrainedModel):
             module.attn.out.weight.normal_(0.0, std)
             module.mlp.down.weight.normal_(0.0, std)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, past: int = 0) -> torch.Tensor:
+        """Token + position (+ token type) embeddings, dropout; this rank's part of the sequence under SP."""
         if position_ids is None:
-            past = 0 if past_key_values is None else past_key_values[0].length
             position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
         x = self.wte(input_ids) + self.wpe(position_ids)
         if token_type_ids is not None:
             x = x + self.wte(token_type_ids)
-        x = self.scatter(self.drop(x))
+        return self.scatter(self.drop(x))
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """ln_f, and the whole sequence again under SP."""
+        return self.gather(self.ln_f(x))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
+        past = 0 if past_key_values is None else past_key_values[0].length
+        x = self.embed(input_ids, token_type_ids, position_ids, past)
         for i, layer in enumerate(self.h):
             cache = None if past_key_values is None else past_key_values[i]
             x = layer(x, attention_mask, kv_cache=cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.gather(self.ln_f(x)), past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.final_norm(x), past_key_values=past_key_values)
 
     def hf_weight_map(self):
         return gpt2_weight_map(self.config, prefix="")

@@ -54,6 +54,8 @@ class LlamaModel(PreTrainedModel):
     config_class = LlamaConfig
     other_configs = {"qwen2": transformers.Qwen2Config}
     base_model_prefix = "model"
+    # For pipeline stages: the layer stack, and what only the first / last stage holds.
+    layers_name, first_stage_modules, last_stage_modules = "layers", ("embed_tokens",), ("norm",)
 
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
@@ -75,14 +77,22 @@ class LlamaModel(PreTrainedModel):
         self.gather = SequenceGather()
         self.post_init()
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; under sequence parallelism already this rank's part of the sequence."""
+        return self.embed_tokens(input_ids)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last RMSNorm, and the whole sequence again under SP."""
+        return self.gather(self.norm(x))
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
                 past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
-        x = self.embed_tokens(input_ids)  # under sequence parallelism: already this rank's part of the sequence
+        x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             cache = None if past_key_values is None else past_key_values[i]
             x = layer(x, attention_mask, position_ids, kv_cache=cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.gather(self.norm(x)), past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.final_norm(x), past_key_values=past_key_values)
 
     def hf_weight_map(self):
         return llama_weight_map(self.config, prefix="", biases=qkv_bias(self.config))
