@@ -30,6 +30,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 logger = logging.getLogger("libai_zoo")
 
 POINTER = "last_checkpoint"
+# ZeroRedundancyOptimizer's state is consolidated on rank 0 and saved whole (DCP cannot shard it).
+ZERO1_OPTIMIZER = "optimizer_zero1.pt"
+
+
+def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
 
 
 def _rank() -> int:
@@ -52,12 +58,23 @@ def _one_process_ok():
 class Checkpointer:
     """Saves and loads a model, its optimizer and a per-rank trainer state under `output_dir`."""
 
-    def __init__(self, output_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    def __init__(self, output_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 *, aliases: dict[str, str] | None = None):
+        """``aliases``: this rank's name of a parameter -> the name its optimizer state may be saved
+        under instead (a pipeline's last stage holds a copy of the embedding tied to its head; a
+        layout without that copy saves the state under the embedding's name)."""
         self.output_dir = Path(output_dir)
         self.model, self.optimizer = model, optimizer
+        self.aliases = aliases or {}
+
+    def _sharded_optimizers(self, with_optimizer: bool = True) -> list[torch.optim.Optimizer]:
+        """The optimizer when DCP saves it with the model (ZeRO-1's is saved whole, see `_zero1`)."""
+        if not with_optimizer or self.optimizer is None or _is_zero1(self.optimizer):
+            return []
+        return [self.optimizer]
 
     def _state(self) -> dict:
-        optimizers = [self.optimizer] if self.optimizer is not None else []
+        optimizers = self._sharded_optimizers()
         model_state, optim_state = get_state_dict(self.model, optimizers)
         return {"model": model_state, "optim": optim_state} if optimizers else {"model": model_state}
 
@@ -71,6 +88,10 @@ class Checkpointer:
         with _one_process_ok():
             dcp.save(self._state(), checkpoint_id=str(tmp))
         torch.save(trainer_state, tmp / f"trainer_state_rank{_rank()}.pt")
+        if self.optimizer is not None and _is_zero1(self.optimizer):
+            self.optimizer.consolidate_state_dict(to=0)  # every rank sends its shard to rank 0
+            if _rank() == 0:
+                torch.save(self.optimizer.state_dict(), tmp / ZERO1_OPTIMIZER)
         _barrier()
         if _rank() == 0:
             if final.exists():
@@ -100,13 +121,22 @@ class Checkpointer:
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path} is not a libai_zoo checkpoint (no .metadata): pass a model_XXXXXXX "
                                     f"directory written by the trainer")
-        optimizers = [self.optimizer] if with_optimizer and self.optimizer is not None else []
+        optimizers = self._sharded_optimizers(with_optimizer)
         model_state, optim_state = get_state_dict(self.model, optimizers)
         state = {"model": model_state, "optim": optim_state} if optimizers else {"model": model_state}
+        if "optim" in state:
+            _rename_state(state["optim"], self.aliases)
         with _one_process_ok():
             dcp.load(state, checkpoint_id=str(path))
+        if "optim" in state:
+            _rename_state(state["optim"], {saved: own for own, saved in self.aliases.items()})
         set_state_dict(self.model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))
+        if with_optimizer and self.optimizer is not None and _is_zero1(self.optimizer):
+            if not (path / ZERO1_OPTIMIZER).is_file():
+                raise FileNotFoundError(f"{path} holds no {ZERO1_OPTIMIZER}: it was not saved under "
+                                        f"train.zero_stage=1; resume with the stage it was saved with")
+            self.optimizer.load_state_dict(torch.load(path / ZERO1_OPTIMIZER, weights_only=True))
         own = path / f"trainer_state_rank{_rank()}.pt"
         fallback = path / "trainer_state_rank0.pt"
         for file in (own, fallback):
@@ -129,3 +159,12 @@ class Checkpointer:
                 logger.warning("removing %s: an interrupted checkpoint write", tmp)
                 shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink()
         _barrier()
+
+
+def _rename_state(optim_state: dict, names: dict[str, str]) -> None:
+    """Rename parameters in an FQN-keyed optimizer state dict (as get_state_dict returns it), in place."""
+    for old, new in names.items():
+        if old in optim_state.get("state", {}) and new not in optim_state["state"]:
+            optim_state["state"][new] = optim_state["state"].pop(old)
+            for group in optim_state.get("param_groups", []):
+                group["params"] = [new if name == old else name for name in group["params"]]

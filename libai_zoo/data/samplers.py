@@ -28,13 +28,15 @@ class MicroBatchSampler:
     workers); when that matters, checkpoint the trainer's own count (steps x global batch) and pass
     it as `consumed_samples` when resuming rather than this sampler's state.
 
-    drop_last=True drops the tail of each epoch's permutation that does not fill a whole chunk;
-    drop_last=False fills that last chunk with the first indices of the same permutation (as
+    An epoch is a whole number of `global_batch_size` samples (default: one chunk).
+    drop_last=True drops the tail of each epoch's permutation that does not fill a whole one;
+    drop_last=False fills that last one with the first indices of the same permutation (as
     DistributedSampler pads), so every sample is seen each epoch and every batch stays full.
     """
 
     def __init__(self, dataset_size: int, micro_batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
-                 shuffle: bool = True, seed: int = 0, consumed_samples: int = 0, drop_last: bool = True):
+                 shuffle: bool = True, seed: int = 0, consumed_samples: int = 0, drop_last: bool = True,
+                 global_batch_size: int | None = None):
         if micro_batch_size < 1 or dp_size < 1:
             raise ValueError(f"micro_batch_size ({micro_batch_size}) and dp_size ({dp_size}) must be >= 1")
         if not 0 <= dp_rank < dp_size:
@@ -44,6 +46,12 @@ class MicroBatchSampler:
             raise ValueError(f"the dataset has {dataset_size} samples, fewer than one step needs "
                              f"(micro_batch_size {micro_batch_size} x dp_size {dp_size} = {self.chunk}); "
                              f"lower micro_batch_size or use more data")
+        # An epoch is a whole number of global batches, so its length (and every later sample) is
+        # the same for any split of the global batch into dp ranks and micro-batches.
+        self.global_batch_size = global_batch_size or self.chunk
+        if self.global_batch_size % self.chunk or dataset_size < self.global_batch_size:
+            raise ValueError(f"global_batch_size {self.global_batch_size} must be a multiple of micro_batch_size x "
+                             f"dp_size = {self.chunk} and at most the dataset size {dataset_size}")
         self.dataset_size = dataset_size
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
@@ -52,7 +60,7 @@ class MicroBatchSampler:
         self.seed = seed
         self.drop_last = drop_last
         # Indices each epoch yields over all ranks: a whole number of chunks.
-        self.samples_per_epoch = _epoch_length(dataset_size, self.chunk, drop_last)
+        self.samples_per_epoch = _epoch_length(dataset_size, self.global_batch_size, drop_last)
         self.consumed_samples = self._checked(consumed_samples)
 
     def _checked(self, consumed_samples: int) -> int:
@@ -91,7 +99,8 @@ class MicroBatchSampler:
     def state_dict(self) -> dict:
         """The position (`consumed_samples`, over all dp ranks) and the settings that fix the order."""
         return {"consumed_samples": self.consumed_samples, "epoch": self.epoch, "dataset_size": self.dataset_size,
-                "micro_batch_size": self.micro_batch_size, "dp_size": self.dp_size, "shuffle": self.shuffle,
+                "micro_batch_size": self.micro_batch_size, "dp_size": self.dp_size,
+                "global_batch_size": self.global_batch_size, "shuffle": self.shuffle,
                 "seed": self.seed, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: dict) -> None:
@@ -104,7 +113,8 @@ class MicroBatchSampler:
                                  f"{key}={getattr(self, key)!r}; the sample order would differ. Build the sampler "
                                  f"with the saved settings, or pass consumed_samples= to accept a new order")
         saved_chunk = state.get("micro_batch_size", self.micro_batch_size) * state.get("dp_size", self.dp_size)
-        if _epoch_length(self.dataset_size, saved_chunk, self.drop_last) != self.samples_per_epoch:
+        saved_unit = state.get("global_batch_size", saved_chunk)
+        if _epoch_length(self.dataset_size, saved_unit, self.drop_last) != self.samples_per_epoch:
             raise ValueError(f"the sampler state was saved with micro_batch_size x dp_size = {saved_chunk}, this "
                              f"sampler uses {self.chunk} and that changes the epoch length; resume with the saved "
                              f"sizes")

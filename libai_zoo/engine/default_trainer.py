@@ -25,7 +25,7 @@ from libai_zoo.checkpoint import Checkpointer, HFWeightReader
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import MicroBatchSampler
 from libai_zoo.layers import TransformerLayer
-from libai_zoo.parallel import apply_activation_checkpointing
+from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpointing
 from libai_zoo.utils import peak_flops, rng_state, seed_all, set_rng_state, setup_logging, training_flops_per_token
 
 from . import hooks
@@ -61,12 +61,18 @@ class DefaultTrainer(TrainerBase):
             LazyConfig.save(cfg, self.output_dir / "config.yaml")
         seed_all(train.seed)
         self.amp_dtype = self._amp_dtype(train)
+        self.data_parallel = DataParallel(
+            self.ctx, train.zero_stage, offload=train.get("zero_offload", False),
+            param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 and train.zero_stage >= 2 else None)
+        self.pipeline: Pipeline | None = None
         self.model = self.build_model(cfg)
         self.optimizer = self.build_optimizer(cfg, self.model)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
-        self.checkpointer = Checkpointer(self.output_dir, self.model, self.optimizer)
+        self.checkpointer = Checkpointer(self.output_dir, self.model, self.optimizer,
+                                         aliases=self.pipeline.tied_aliases() if self.pipeline else None)
         self.step = TrainStep(self.model, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
-                              clip_grad_norm=train.get("clip_grad_norm", 0.0))
+                              clip_grad_norm=train.get("clip_grad_norm", 0.0), data_parallel=self.data_parallel,
+                              pipeline=self.pipeline)
         self.test_loader = self.build_test_loader(cfg)
         self.evaluator = self.build_evaluator(cfg)
         self.register_hooks(self.build_hooks())
@@ -74,13 +80,9 @@ class DefaultTrainer(TrainerBase):
     # ---------------------------------------------------------------------------------- checks
     @staticmethod
     def _check_layout(cfg: DictConfig) -> None:
-        if cfg.dist.dp > 1 or cfg.dist.pp > 1:
-            raise ValueError(f"dist.dp = {cfg.dist.dp}, dist.pp = {cfg.dist.pp}: this trainer runs tensor "
-                             f"parallelism only so far; data and pipeline parallelism are not built yet "
-                             f"(set dist.dp=1 dist.pp=1)")
-        if cfg.train.zero_stage:
-            raise ValueError(f"train.zero_stage = {cfg.train.zero_stage} shards over data parallelism, which "
-                             f"this run does not have (dp = 1): use train.zero_stage=0")
+        if cfg.dist.pp > 1 and cfg.train.zero_stage:
+            raise ValueError(f"train.zero_stage = {cfg.train.zero_stage} with dist.pp = {cfg.dist.pp}: ZeRO does not "
+                             f"combine with pipeline stages here yet; use train.zero_stage=0 (or dist.pp=1)")
 
     @staticmethod
     def _accumulation(train: DictConfig, dp: int) -> int:
@@ -101,9 +103,19 @@ class DefaultTrainer(TrainerBase):
 
     # -------------------------------------------------------------------------------- builders
     def build_model(self, cfg: DictConfig) -> nn.Module:
-        """instantiate(cfg.model) (a model or a from_pretrained call), split over tp, optionally with
-        activation checkpointing and torch.compile per layer; in train mode."""
+        """instantiate(cfg.model) (a model or a from_pretrained call), split over tp, cut into this
+        rank's pipeline stages (pp > 1: `self.pipeline`; the model returned is then the union of
+        this rank's stages), optionally with activation checkpointing and torch.compile per layer,
+        wrapped for ZeRO 2/3; in train mode."""
         model = dist.shard(instantiate(cfg.model), self.ctx)
+        self.flops_per_token = training_flops_per_token(model, self._sequence_length() or 0)
+        if self.ctx.pp > 1:
+            pipe = cfg.train.get("pipeline") or {}
+            self.pipeline = Pipeline(model, self.ctx, schedule=pipe.get("schedule", "1f1b"),
+                                     num_micro_batches=self.accumulation,
+                                     virtual_stages=pipe.get("virtual_stages", 1), boundaries=pipe.get("boundaries"))
+            logger.info("%s", self.pipeline)
+            model = self.pipeline.merged_model()
         if cfg.train.activation_checkpoint.enabled:
             logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(model))
         if cfg.train.get("compile", False):
@@ -112,14 +124,14 @@ class DefaultTrainer(TrainerBase):
                     module.compile()
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
-        return model.train()
+        return self.data_parallel.wrap_model(model).train()
 
     def build_optimizer(self, cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
         """instantiate(cfg.optim) with its ``params`` built for `model` (param_groups by default)."""
         node = _with(cfg.optim)
         params = node.get("params")
         node["params"] = instantiate({**params, "model": model}) if isinstance(params, dict) else model.parameters()
-        return instantiate(node)
+        return self.data_parallel.wrap_optimizer(instantiate(node))
 
     def build_lr_scheduler(self, cfg: DictConfig, optimizer: torch.optim.Optimizer):
         return instantiate(_with(cfg.train.scheduler, optimizer=optimizer, max_iter=cfg.train.max_iter))
@@ -129,7 +141,8 @@ class DefaultTrainer(TrainerBase):
         dataset = instantiate(cfg.dataloader.train)
         sampler = MicroBatchSampler(len(dataset), cfg.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
                                     dp_size=self.ctx.dp, shuffle=cfg.dataloader.get("shuffle", True),
-                                    seed=cfg.train.seed, consumed_samples=consumed_samples)
+                                    seed=cfg.train.seed, consumed_samples=consumed_samples,
+                                    global_batch_size=cfg.train.global_batch_size)
         # Its own generator: starting an iterator draws a seed, which must not move the global RNG
         # (dropout) differently in a resumed run than in an uninterrupted one.
         generator = torch.Generator().manual_seed(cfg.train.seed + consumed_samples)
@@ -147,13 +160,14 @@ class DefaultTrainer(TrainerBase):
     def build_hooks(self) -> list[hooks.HookBase]:
         """The built-in hooks, then the config's own ``hooks`` list (LazyCalls of HookBase subclasses)."""
         train = self.cfg.train
-        seq_len = self._sequence_length()
-        flops = training_flops_per_token(self.model, seq_len) if seq_len else None
+        flops = self.flops_per_token if self._sequence_length() else None
         result = [hooks.IterationTimer(flops, peak_flops(self.ctx.device, self.amp_dtype or torch.float32),
                                        self.ctx.world_size),
                   hooks.LRScheduler(self.optimizer, self.scheduler)]
         eval_period = train.eval.period
-        if self.test_loader is not None:
+        if self.test_loader is not None and self.pipeline is not None:
+            logger.warning("no evaluation under pipeline parallelism yet: evaluate a checkpoint with dist.pp=1")
+        elif self.test_loader is not None:
             result.append(hooks.EvalHook(1 if self.fast_dev_run else eval_period, self.test))
             if train.get("best_metric"):
                 result.append(hooks.BestCheckpointer(train.best_metric, train.get("best_mode", "max")))
@@ -232,6 +246,9 @@ class DefaultTrainer(TrainerBase):
         """Evaluate on the test loader (``train.eval.max_batches`` batches at most)."""
         if self.test_loader is None:
             raise ValueError("no test data: set dataloader.test in the config")
+        if self.pipeline is not None:
+            raise ValueError("evaluation does not run under pipeline parallelism yet: evaluate the checkpoint "
+                             "with dist.pp=1 (checkpoints load at any layout)")
         max_batches = 2 if self.fast_dev_run else self.cfg.train.eval.get("max_batches")
         return run_evaluation(self.model, self.test_loader, self.evaluator, device=self.ctx.device,
                               amp_dtype=self.amp_dtype, max_batches=max_batches)

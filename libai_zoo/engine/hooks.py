@@ -168,6 +168,9 @@ class GenerateSample(HookBase):
     def after_train(self) -> None:
         from transformers import AutoTokenizer
 
+        if self.trainer.pipeline is not None:
+            logger.warning("no sample under pipeline parallelism: generate from a checkpoint with dist.pp=1")
+            return
         tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
         model = self.trainer.model
         ids = tokenizer(self.prompt, return_tensors="pt").input_ids.to(self.trainer.ctx.device)

@@ -13,26 +13,34 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as torch_dist
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, sum_over: Iterable = (),
+                    exclude: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most `max_norm` (no clipping when
-    max_norm <= 0); return the norm before clipping (float32, same on every rank)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    max_norm <= 0); return the norm before clipping (float32, same on every rank).
+
+    ``sum_over``: process groups whose ranks hold different parameters (pipeline stages): their
+    squares are added up. ``exclude``: parameters scaled but not counted (a tied weight's second copy).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
         return torch.zeros(())
+    grads = [p.grad for p in params]
+    skip = {id(p) for p in exclude}
     device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
     replicated = torch.zeros((), device=device)
     sharded: dict[object, torch.Tensor] = {}
-    for grad in grads:
+    for grad in (p.grad for p in params if id(p) not in skip):
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         square = local.detach().float().pow(2).sum()
         if isinstance(grad, DTensor):
             if any(isinstance(p, Partial) for p in grad.placements):
                 raise ValueError("a gradient is still Partial: call libai_zoo.dist.finalize_grads before clipping")
-            dims = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Shard))
+            # Shard and FSDP's strided shards alike: every placement but Replicate splits the tensor.
+            dims = tuple(i for i, p in enumerate(grad.placements) if not isinstance(p, Replicate))
             if dims:
                 key = (grad.device_mesh, dims)
                 sharded[key] = sharded.get(key, 0) + square
@@ -40,10 +48,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
         replicated += square
     total = replicated
     for (mesh, dims), square in sharded.items():
-        groups = [mesh.get_group(d) for d in dims]
-        for group in groups:
+        for group in (mesh.get_group(d) for d in dims):
             torch_dist.all_reduce(square, group=group)
         total = total + square
+    for group in sum_over:
+        if group is not None:
+            torch_dist.all_reduce(total, group=group)
     norm = total.sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

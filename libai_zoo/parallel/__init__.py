@@ -1,6 +1,8 @@
-"""libai_zoo.parallel: how a model is wrapped for training (activation checkpointing; ZeRO and
-pipeline stages come here too)."""
+"""libai_zoo.parallel: how a model is wrapped for training: activation checkpointing, data
+parallelism with ZeRO 0-3 (FSDP2), pipeline stages (torch.distributed.pipelining)."""
 
 from .activation_checkpoint import apply_activation_checkpointing
+from .data_parallel import DataParallel
+from .pipeline import SCHEDULES, Pipeline, split_layers
 
-__all__ = ["apply_activation_checkpointing"]
+__all__ = ["apply_activation_checkpointing", "DataParallel", "Pipeline", "SCHEDULES", "split_layers"]

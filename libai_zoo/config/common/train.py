@@ -30,6 +30,11 @@ train = dict(
     tensorboard=False,              # also write TensorBoard event files under output_dir
     best_metric=None,               # an eval metric (e.g. "accuracy") whose best checkpoint is kept; None: none
     best_mode="max",                # "max" or "min": which way best_metric improves
+    # Pipeline parallelism (dist.pp > 1): the schedule ("gpipe", "1f1b", "interleaved_1f1b",
+    # "zero_bubble", "zbv"), stages per rank (>= 2 for the interleaved ones) and, optionally, the
+    # first layer of each stage after the first. The micro-batches a step pipelines are
+    # global_batch_size / (micro_batch_size × dp).
+    pipeline=dict(schedule="1f1b", virtual_stages=1, boundaries=None),
 )
 
 # Parallel layout, read by dist.init: data × tensor × pipeline = number of processes

@@ -1,0 +1,210 @@
+"""3-D parallel training equals one process: the same config, global batch and data trained for
+10 steps under data, tensor and pipeline parallelism and ZeRO 1-3 logs the one-process loss at
+every step (≤ 1e-5 relative), for a tiny GPT-2 and a tiny Llama; a checkpoint written at
+dp2×tp2 with ZeRO-3 resumes at other layouts; bad layouts fail before the first step.
+
+All 2-process layouts share one pair of forked gloo processes and all 4-process layouts one
+quartet (start-up dominates on CPU); the parent runs the one-process references.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed_runner import run_distributed
+from libai_zoo import dist
+from libai_zoo.config import LazyConfig
+from libai_zoo.engine import DefaultTrainer, HookBase
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, GLOBAL_BATCH, TOL = 10, 8, 1e-5
+
+CONFIG = '''
+from libai_zoo.config import LazyCall, get_config
+from libai_zoo.data import build_gpt_dataset
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+train = get_config("common/train.py").train
+dist = get_config("common/train.py").dist
+optim = get_config("common/optim.py").optim
+models = dict(
+    gpt2=LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
+        vocab_size=8192, n_positions=32, n_embd=32, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0,
+        embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)),
+    llama=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
+        vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
+)
+model = models["gpt2"]
+dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
+                                                    cache_dir="{cache}"))
+'''
+
+# name -> overrides; every layout trains the same global batch of 8 sequences for 10 steps.
+LAYOUTS_2 = {
+    "dp2": ["dist.dp=2", "train.micro_batch_size=4"],
+    "tp2": ["dist.tp=2", "train.micro_batch_size=8"],
+    "tp2_sp": ["dist.tp=2", "dist.sequence_parallel=true", "train.micro_batch_size=8"],
+    "dp2_zero1": ["dist.dp=2", "train.zero_stage=1", "train.micro_batch_size=4"],
+    "dp2_zero2": ["dist.dp=2", "train.zero_stage=2", "train.micro_batch_size=4"],
+    "dp2_zero3": ["dist.dp=2", "train.zero_stage=3", "train.micro_batch_size=4"],
+    "dp2_accum_ac": ["dist.dp=2", "train.micro_batch_size=1", "train.activation_checkpoint.enabled=true"],
+    "pp2_1f1b": ["dist.pp=2", "train.micro_batch_size=4"],
+    "pp2_interleaved": ["dist.pp=2", "train.micro_batch_size=2", "train.pipeline.schedule=interleaved_1f1b",
+                        "train.pipeline.virtual_stages=2"],
+    "pp2_1f1b_ac": ["dist.pp=2", "train.micro_batch_size=2", "train.activation_checkpoint.enabled=true"],
+}
+LAYOUTS_4 = {
+    "dp4": ["dist.dp=4", "train.micro_batch_size=2"],
+    "tp4": ["dist.tp=4", "train.micro_batch_size=8"],
+    "dp4_zero3": ["dist.dp=4", "train.zero_stage=3", "train.micro_batch_size=2"],
+    "dp2_tp2": ["dist.dp=2", "dist.tp=2", "train.micro_batch_size=4"],
+    "dp2_tp2_zero3": ["dist.dp=2", "dist.tp=2", "train.zero_stage=3", "train.micro_batch_size=4"],
+    "dp2_tp2_zero3_accum_ac": ["dist.dp=2", "dist.tp=2", "train.zero_stage=3", "train.micro_batch_size=2",
+                               "train.activation_checkpoint.enabled=true"],
+    "pp4_gpipe": ["dist.pp=4", "train.micro_batch_size=2", "train.pipeline.schedule=gpipe"],
+    "tp2_pp2": ["dist.tp=2", "dist.pp=2", "train.micro_batch_size=4"],
+    "dp2_pp2": ["dist.dp=2", "dist.pp=2", "train.micro_batch_size=2"],
+}
+MODELS = ("gpt2", "llama")
+
+
+class Interrupt(HookBase):
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def after_step(self) -> None:
+        if self.trainer.iter + 1 == self.steps:
+            raise KeyboardInterrupt
+
+
+def train(config_file: str, output_dir: str, model: str, overrides: list[str], *, resume: bool = False,
+          interrupt_after: int | None = None) -> dict[int, float]:
+    """Run the trainer; return {step: loss} as rank 0 logged it (empty on other ranks)."""
+    cfg = LazyConfig.load(config_file)
+    cfg.model = cfg.models[model]
+    cfg = LazyConfig.apply_overrides(cfg, [
+        f"train.output_dir={output_dir}", f"train.max_iter={STEPS}", f"train.global_batch_size={GLOBAL_BATCH}",
+        "train.log_period=1", "train.checkpoint.period=0", "optim.lr=3e-3", "train.clip_grad_norm=1.0",
+        *overrides])
+    trainer = DefaultTrainer(cfg)
+    if interrupt_after is not None:
+        trainer.register_hooks([Interrupt(interrupt_after)])
+    try:
+        trainer.resume_or_load(resume=resume)
+        trainer.train()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        dist.destroy()
+    metrics = Path(output_dir) / "metrics.json"
+    if not metrics.is_file():
+        return {}
+    return {r["iteration"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())}
+
+
+def _layouts(config_file: str, out: str, layouts: dict, extra) -> dict:
+    results = {}
+    for model in MODELS:
+        for name, overrides in layouts.items():
+            results[model, name] = train(config_file, f"{out}/{model}_{name}", model, overrides)
+    if extra is not None:
+        results.update(extra(config_file, out))
+    return results
+
+
+def _errors(config_file: str, out: str) -> dict:
+    """Bad layouts fail in the constructor, before the first step; the message names the fix."""
+    errors = {}
+    for name, overrides in {"zero_dp1": ["dist.tp=4", "train.zero_stage=2"],
+                            "batch": ["dist.dp=4", "train.micro_batch_size=3"],
+                            "pp_layers": ["dist.pp=4", "train.micro_batch_size=1", "train.pipeline.virtual_stages=2",
+                                          "train.pipeline.schedule=interleaved_1f1b"],
+                            "few_micro_batches": ["dist.pp=4", "train.micro_batch_size=4"]}.items():
+        try:
+            train(config_file, f"{out}/error_{name}", "gpt2", overrides)
+        except Exception as error:  # noqa: BLE001 - the message is what is checked
+            errors["error", name] = str(error)
+    return {"errors": errors}
+
+
+def _checkpoint_at_dp2_tp2_zero3(config_file: str, out: str) -> dict:
+    train(config_file, f"{out}/ckpt", "gpt2", [*LAYOUTS_4["dp2_tp2_zero3"], "train.checkpoint.period=5"],
+          interrupt_after=5)
+    return {}
+
+
+def _resume_at(layout: list[str]):
+    def resume(config_file: str, out: str) -> dict:
+        name = "_".join(o.split("=")[0].split(".")[-1] + o.split("=")[1] for o in layout if o.startswith("dist"))
+        target = f"{out}/resume_{name}"
+        if torch.distributed.get_rank() == 0:
+            shutil.copytree(f"{out}/ckpt", target)
+            (Path(target) / "metrics.json").unlink()
+        torch.distributed.barrier()
+        return {("resume", name): train(config_file, target, "gpt2", [*layout, "train.checkpoint.period=5"],
+                                        resume=True)}
+    return resume
+
+
+def _four_process_extras(config_file: str, out: str) -> dict:
+    results = _checkpoint_at_dp2_tp2_zero3(config_file, out)
+    results.update(_resume_at(["dist.tp=4", "train.micro_batch_size=8"])(config_file, out))
+    results.update(_resume_at(["dist.tp=2", "dist.pp=2", "train.micro_batch_size=4"])(config_file, out))
+    results.update(_errors(config_file, out))
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:200]
+    (root / "text.txt").write_text("\n\n".join(documents))
+    config_file = root / "config.py"
+    config_file.write_text(CONFIG.format(text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
+                                         cache=root / "cache"))
+    reference = {model: train(str(config_file), str(root / f"one_{model}"), model, ["train.micro_batch_size=8"])
+                 for model in MODELS}
+    two = run_distributed(_layouts, 2, str(config_file), str(root), LAYOUTS_2, None)[0]
+    four = run_distributed(_layouts, 4, str(config_file), str(root), LAYOUTS_4, _four_process_extras)[0]
+    resumed_here = root / "resume_one_process"
+    shutil.copytree(root / "ckpt", resumed_here)
+    (resumed_here / "metrics.json").unlink()
+    four["resume", "one_process"] = train(str(config_file), str(resumed_here), "gpt2",
+                                          ["train.micro_batch_size=8", "train.checkpoint.period=5"], resume=True)
+    return reference, {**two, **four}
+
+
+def _assert_same(losses: dict[int, float], reference: dict[int, float], steps) -> None:
+    assert sorted(losses) == list(steps)
+    worst = max(abs(losses[i] - reference[i]) / abs(reference[i]) for i in steps)
+    assert worst <= TOL, (worst, losses, reference)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
+def test_layout_equals_one_process(runs, layout, model):
+    reference, results = runs
+    _assert_same(results[model, layout], reference[model], range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("where", ["tp4", "tp2_pp2", "one_process"])
+def test_checkpoint_from_dp2_tp2_zero3_resumes_elsewhere(runs, where):
+    reference, results = runs
+    _assert_same(results["resume", where], reference["gpt2"], range(6, STEPS + 1))
+
+
+def test_bad_layouts_fail_before_the_first_step(runs):
+    _, results = runs
+    errors = results["errors"]
+    assert "train.zero_stage = 2 shards over data parallelism, but dist.dp = 1" in errors["error", "zero_dp1"]
+    assert "global_batch_size = 8 is not a multiple of micro_batch_size × dp = 3 × 4" in errors["error", "batch"]
+    assert "pp × virtual stages = 8 is larger than the number of layers 4" in errors["error", "pp_layers"]
+    assert "1F1B needs at least pp = 4 micro-batches per step, got 2" in errors["error", "few_micro_batches"]
