@@ -20,6 +20,7 @@ from distributed_runner import run_distributed
 from libai_zoo import dist
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer, HookBase
+from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +128,9 @@ def _errors(config_file: str, out: str) -> dict:
                             "batch": ["dist.dp=4", "train.micro_batch_size=3"],
                             "pp_layers": ["dist.pp=4", "train.micro_batch_size=1", "train.pipeline.virtual_stages=2",
                                           "train.pipeline.schedule=interleaved_1f1b"],
-                            "few_micro_batches": ["dist.pp=4", "train.micro_batch_size=4"]}.items():
+                            "few_micro_batches": ["dist.pp=4", "train.micro_batch_size=4"],
+                            "offload_on_cpu": ["dist.dp=4", "train.zero_stage=3", "train.zero_offload=true",
+                                               "train.micro_batch_size=2"]}.items():
         try:
             train(config_file, f"{out}/error_{name}", "gpt2", overrides)
         except Exception as error:  # noqa: BLE001 - the message is what is checked
@@ -154,8 +157,29 @@ def _resume_at(layout: list[str]):
     return resume
 
 
+def state_bytes(config_file: str, output_dir: str, overrides: list[str]) -> int:
+    """Parameter + gradient + optimizer-state bytes this rank holds after one step and a backward."""
+    cfg = LazyConfig.load(config_file)
+    cfg.model = cfg.models["gpt2"]
+    cfg = LazyConfig.apply_overrides(cfg, [f"train.output_dir={output_dir}", "train.max_iter=1",
+                                           f"train.global_batch_size={GLOBAL_BATCH}", "train.checkpoint.period=0",
+                                           *overrides])
+    trainer = DefaultTrainer(cfg)
+    try:
+        trainer.resume_or_load(resume=False)
+        trainer.train()  # creates the optimizer state
+        batch = next(iter(trainer.build_train_loader(cfg)))
+        trainer.model(**batch).loss.backward()
+        return (parameter_bytes(trainer.model) + gradient_bytes(trainer.model)
+                + optimizer_state_bytes(trainer.optimizer))
+    finally:
+        dist.destroy()
+
+
 def _four_process_extras(config_file: str, out: str) -> dict:
-    results = _checkpoint_at_dp2_tp2_zero3(config_file, out)
+    results = {"zero3_bytes": state_bytes(config_file, f"{out}/bytes_dp4_zero3",
+                                          ["dist.dp=4", "train.zero_stage=3", "train.micro_batch_size=2"])}
+    results.update(_checkpoint_at_dp2_tp2_zero3(config_file, out))
     results.update(_resume_at(["dist.tp=4", "train.micro_batch_size=8"])(config_file, out))
     results.update(_resume_at(["dist.tp=2", "dist.pp=2", "train.micro_batch_size=4"])(config_file, out))
     results.update(_errors(config_file, out))
@@ -174,11 +198,13 @@ def runs(tmp_path_factory):
                  for model in MODELS}
     two = run_distributed(_layouts, 2, str(config_file), str(root), LAYOUTS_2, None)[0]
     four = run_distributed(_layouts, 4, str(config_file), str(root), LAYOUTS_4, _four_process_extras)[0]
+    four["one_process_bytes"] = state_bytes(str(config_file), str(root / "bytes_one"), ["train.micro_batch_size=8"])
     resumed_here = root / "resume_one_process"
     shutil.copytree(root / "ckpt", resumed_here)
     (resumed_here / "metrics.json").unlink()
     four["resume", "one_process"] = train(str(config_file), str(resumed_here), "gpt2",
                                           ["train.micro_batch_size=8", "train.checkpoint.period=5"], resume=True)
+    four["checkpoint_dir"] = root / "ckpt"
     return reference, {**two, **four}
 
 
@@ -201,6 +227,28 @@ def test_checkpoint_from_dp2_tp2_zero3_resumes_elsewhere(runs, where):
     _assert_same(results["resume", where], reference["gpt2"], range(6, STEPS + 1))
 
 
+def test_zero3_at_dp4_holds_under_a_third_of_the_state(runs):
+    """Parameters, gradients and AdamW moments per rank under FSDP2 at dp=4 vs one process: ~1/4."""
+    _, results = runs
+    ratio = results["zero3_bytes"] / results["one_process_bytes"]
+    assert 0.2 <= ratio <= 0.3, ratio
+
+
+def test_checkpoint_from_dp2_tp2_zero3_exports_to_transformers(runs, tmp_path):
+    import transformers
+
+    from libai_zoo.checkpoint import export_to_hf, load_checkpoint_model
+
+    reference, results = runs
+    checkpoint = results["checkpoint_dir"] / "model_0000005"
+    ours = export_to_hf(checkpoint, tmp_path / "hf")
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 8192, (2, 16))
+    assert (ours(ids).logits - theirs(ids).logits).abs().max().item() <= 1e-5
+    again = load_checkpoint_model(checkpoint)
+    assert torch.equal(again(ids).logits, ours(ids).logits)
+
+
 def test_bad_layouts_fail_before_the_first_step(runs):
     _, results = runs
     errors = results["errors"]
@@ -208,3 +256,4 @@ def test_bad_layouts_fail_before_the_first_step(runs):
     assert "global_batch_size = 8 is not a multiple of micro_batch_size × dp = 3 × 4" in errors["error", "batch"]
     assert "pp × virtual stages = 8 is larger than the number of layers 4" in errors["error", "pp_layers"]
     assert "1F1B needs at least pp = 4 micro-batches per step, got 2" in errors["error", "few_micro_batches"]
+    assert "this run is already on the CPU" in errors["error", "offload_on_cpu"]

@@ -43,6 +43,9 @@ class DataParallel:
                              f"use train.zero_stage=0, or more processes with dist.dp > 1")
         if offload and zero_stage < 2:
             raise ValueError("train.zero_offload=True offloads FSDP's shards to CPU: it needs train.zero_stage 2 or 3")
+        if offload and ctx.device.type == "cpu":
+            raise ValueError("train.zero_offload=True keeps FSDP's shards in CPU memory while an accelerator "
+                             "computes; this run is already on the CPU: set train.zero_offload=false")
         self.ctx, self.zero_stage, self.offload, self.param_dtype = ctx, zero_stage, offload, param_dtype
         self.group = ctx.group("dp") if ctx.dp > 1 else None
         self._fsdp_modules: list[FSDPModule] = []
