@@ -222,7 +222,8 @@ def test_get_config_train_has_the_contract_keys():
         zero_offload=False, compile=False, log_period=10, checkpoint=dict(period=500, max_to_keep=None),
         eval=dict(period=0, max_batches=None), clip_grad_norm=1.0, load_weight=None,
         scheduler={"_target_": "libai_zoo.optim.WarmupCosineLR", "warmup_iters": 0, "min_lr_ratio": 0.0},
-        tensorboard=False, best_metric=None, best_mode="max")
+        tensorboard=False, best_metric=None, best_mode="max",
+        pipeline=dict(schedule="1f1b", virtual_stages=1, boundaries=None))
     assert LazyConfig.to_container(cfg.dist) == dict(dp=1, tp=1, pp=1, sequence_parallel=False)
     cfg.train.max_iter = 1
     assert get_config("common/train.py").train.max_iter == 1000      # a fresh config every call
