@@ -26,10 +26,10 @@ class LMHead(Linear):
         super().__init__(hidden_size, vocab_size, bias, "col", sequence_parallel=False, device=device, dtype=dtype)
         self.loss_fn = ParallelCrossEntropy(ignore_index)
 
-    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None, *, shift_labels: bool = False,
+    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None, *, shift: bool = False,
                 logits_to_keep: int = 0, return_logits: bool = True
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(loss, logits). ``shift_labels``: position t predicts labels[t + 1] (causal LM);
+        """(loss, logits). ``shift``: position t predicts labels[t + 1] (causal LM);
         ``logits_to_keep=n`` projects only the last n positions (generation)."""
         if logits_to_keep:
             if labels is not None:
@@ -38,7 +38,7 @@ class LMHead(Linear):
         logits = super().forward(hidden_states)
         loss = None
         if labels is not None:
-            if shift_labels:
+            if shift:
                 labels = F.pad(labels, (0, 1), value=self.loss_fn.ignore_index)[..., 1:]
             loss = self.loss_fn(logits, labels.to(logits.device))
         if not return_logits:

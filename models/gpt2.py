@@ -113,12 +113,16 @@ class GPT2LMHeadModel(GenerationMixin, PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, past_key_values: list[KVCache] | None = None,
-                logits_to_keep: int = 0, return_logits: bool = True) -> CausalLMOutputWithPast:
+                logits_to_keep: int = 0, return_logits: bool = True,
+                shift_labels: torch.Tensor | None = None) -> CausalLMOutputWithPast:
         """labels [B, S]: token t is scored against labels[t + 1] (shifted here); -100 is ignored.
+        shift_labels [B, S] (transformers' name): targets already aligned, token t against
+        shift_labels[t] — e.g. tokens[1:] of a window of S + 1 tokens, so no position goes unscored.
         ``return_logits=False`` skips gathering the vocabulary-split logits (training)."""
         hidden = self.transformer(input_ids, attention_mask, token_type_ids, position_ids,
                                   past_key_values).last_hidden_state
-        loss, logits = self.lm_head(hidden, labels, shift_labels=True, logits_to_keep=logits_to_keep,
+        targets = labels if shift_labels is None else shift_labels
+        loss, logits = self.lm_head(hidden, targets, shift=shift_labels is None, logits_to_keep=logits_to_keep,
                                     return_logits=return_logits)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
 

@@ -209,8 +209,12 @@ class PreTrainedModel(nn.Module):
         if torch_dist.is_initialized():
             torch_dist.barrier()
 
-    def num_loss_targets(self, labels: torch.Tensor) -> torch.Tensor:
-        """How many terms the mean loss of a batch with these labels averages over."""
+    def num_loss_targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """How many terms the mean loss of this batch (its labels, or already aligned shift_labels)
+        averages over."""
+        if batch.get("shift_labels") is not None:
+            return (batch["shift_labels"] != -100).sum()
+        labels = batch["labels"]
         if self.loss_targets == "tokens":
             return (labels != -100).sum()
         if self.loss_targets == "next_tokens":

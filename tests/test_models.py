@@ -222,3 +222,17 @@ def test_unsupported_config_options_fail_clearly():
             rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
     with pytest.raises(ValueError, match="position_embedding_type"):
         models.BertModel(transformers.BertConfig(position_embedding_type="relative_key"))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_shift_labels_scores_every_position(hf_dirs, name):
+    """shift_labels (transformers' name): a window of S + 1 tokens gives S inputs and S aligned targets."""
+    import torch.nn.functional as F
+
+    hf, path, _ = hf_dirs[name]
+    zoo = CASES[name].zoo_class.from_pretrained(path)
+    window = torch.randint(3, 128, (2, 13))
+    ours = zoo(window[:, :-1], shift_labels=window[:, 1:])
+    expected = F.cross_entropy(hf(window[:, :-1]).logits.flatten(0, 1), window[:, 1:].flatten())
+    assert abs(ours.loss.item() - expected.item()) <= TOL
+    assert int(zoo.num_loss_targets({"input_ids": window[:, :-1], "shift_labels": window[:, 1:]})) == 24

@@ -22,9 +22,9 @@ class Evaluator:
         self._language_model = False
 
     def process(self, model, batch: dict, outputs) -> None:
-        labels = batch["labels"]
+        labels = batch.get("labels", batch.get("shift_labels"))
         counter = getattr(model, "num_loss_targets", None)
-        count = int(counter(labels)) if counter is not None else labels.shape[0]
+        count = int(counter(batch)) if counter is not None else labels.shape[0]
         self._language_model = getattr(model, "loss_targets", "samples") != "samples"
         self._loss_sum += outputs.loss.float().item() * count
         self._targets += count

@@ -52,10 +52,10 @@ class TrainStep:
     def _counts(self, batches: list[dict]) -> tuple[list[float], float]:
         """Targets per micro-batch (labelled tokens, or samples) and their total over the global batch."""
         counter = getattr(self.model, "num_loss_targets", None)
-        if counter is None or any("labels" not in b for b in batches):
+        if counter is None or any("labels" not in b and "shift_labels" not in b for b in batches):
             counts = [float(_batch_size(b)) for b in batches]
         else:
-            counts = [float(counter(b["labels"])) for b in batches]
+            counts = [float(counter(b)) for b in batches]
         total = torch.tensor(sum(counts), dtype=torch.float64, device=self.device)
         if self.data_parallel is not None:
             self.data_parallel.all_reduce_sum(total)
@@ -72,8 +72,10 @@ class TrainStep:
         loss = torch.zeros((), device=self.device)
         if self.pipeline is not None:
             local = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+            shifted = "shift_labels" in local
             with self._autocast():
-                summed = self.pipeline.step(local["input_ids"], local["labels"], loss_scale=self.dp / total)
+                summed = self.pipeline.step(local["input_ids"], local["shift_labels" if shifted else "labels"],
+                                            loss_scale=self.dp / total, shifted=shifted)
             loss += self.pipeline.broadcast_loss(summed) / self.dp
             self.pipeline.sync_tied_grads()
         else:

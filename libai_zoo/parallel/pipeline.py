@@ -327,7 +327,7 @@ class Pipeline:
         head = model.lm_head
         self._cross_entropy = ParallelCrossEntropy(head.loss_fn.ignore_index, reduction="sum")
         self._cross_entropy.tp = head.tp
-        self._loss_scale = 1.0
+        self._loss_scale, self._shifted = 1.0, False
 
         # A head tied to an embedding: the first and the last stage each hold a copy.
         self.tied_name = next((f"{prefix}.{name}.weight" for name in body.first_stage_modules
@@ -419,9 +419,9 @@ class Pipeline:
     # ---- one training step
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel cross entropy, summed over the micro-batch's targets (position t scored
-        against labels[t + 1]), times the step's loss_scale."""
+        against labels[t + 1], or labels[t] when they come shifted), times the step's loss_scale."""
         ignore = self._cross_entropy.ignore_index
-        targets = F.pad(labels, (0, 1), value=ignore)[..., 1:]
+        targets = labels if self._shifted else F.pad(labels, (0, 1), value=ignore)[..., 1:]
         return self._cross_entropy(logits, targets.to(logits.device)) * self._loss_scale
 
     def _build_schedule(self) -> None:
@@ -431,10 +431,12 @@ class Pipeline:
         kwargs = dict(n_microbatches=self.num_micro_batches, loss_fn=self._loss, scale_grads=False)
         self._schedule = self.kind.cls(stages if self.kind.multi else stages[0], **kwargs)
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor | None:
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: float, *,
+             shifted: bool = False) -> torch.Tensor | None:
         """Forward and backward of this rank's stages over the local batch [B, S], split into
         num_micro_batches. Each micro-batch's loss is the sum of its token losses times
         `loss_scale`; gradients accumulate into ``.grad`` (summed over micro-batches).
+        ``shifted``: `labels` are already aligned with the positions (a model's shift_labels).
         Returns the sum of the micro-batch losses (detached) on the rank holding the last stage,
         None elsewhere. Every rank of the pp group passes a batch of the same shape."""
         if input_ids.dim() != 2 or labels.shape != input_ids.shape:
@@ -447,7 +449,7 @@ class Pipeline:
         if self._schedule is None or shape != self._shape:
             self._build_schedule()  # shapes are inferred again from the new batch
             self._shape = shape
-        self._loss_scale = float(loss_scale)
+        self._loss_scale, self._shifted = float(loss_scale), shifted
         device = self.ctx.device
         args = (input_ids.to(device),) if self.has_first else ()
         target = labels.to(device) if self.has_last else None
