@@ -9,7 +9,6 @@ quartet (start-up dominates on CPU); the parent runs the one-process references.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -19,8 +18,9 @@ import torch
 from distributed_runner import run_distributed
 from libai_zoo import dist
 from libai_zoo.config import LazyConfig
-from libai_zoo.engine import DefaultTrainer, HookBase
+from libai_zoo.engine import DefaultTrainer
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from trainer_runs import losses, run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -77,15 +77,6 @@ LAYOUTS_4 = {
 MODELS = ("gpt2", "llama")
 
 
-class Interrupt(HookBase):
-    def __init__(self, steps: int):
-        self.steps = steps
-
-    def after_step(self) -> None:
-        if self.trainer.iter + 1 == self.steps:
-            raise KeyboardInterrupt
-
-
 def train(config_file: str, output_dir: str, model: str, overrides: list[str], *, resume: bool = False,
           interrupt_after: int | None = None) -> dict[int, float]:
     """Run the trainer; return {step: loss} as rank 0 logged it (empty on other ranks)."""
@@ -95,20 +86,11 @@ def train(config_file: str, output_dir: str, model: str, overrides: list[str], *
         f"train.output_dir={output_dir}", f"train.max_iter={STEPS}", f"train.global_batch_size={GLOBAL_BATCH}",
         "train.log_period=1", "train.checkpoint.period=0", "optim.lr=3e-3", "train.clip_grad_norm=1.0",
         *overrides])
-    trainer = DefaultTrainer(cfg)
-    if interrupt_after is not None:
-        trainer.register_hooks([Interrupt(interrupt_after)])
     try:
-        trainer.resume_or_load(resume=resume)
-        trainer.train()
+        run_trainer(cfg, resume=resume, interrupt_after=interrupt_after)
     except KeyboardInterrupt:
         pass
-    finally:
-        dist.destroy()
-    metrics = Path(output_dir) / "metrics.json"
-    if not metrics.is_file():
-        return {}
-    return {r["iteration"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())}
+    return losses(Path(output_dir))
 
 
 def _layouts(config_file: str, out: str, layouts: dict, extra) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import math
 import subprocess
 import sys
@@ -16,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from libai_zoo import dist
 from libai_zoo.config import LazyConfig
-from libai_zoo.engine import DefaultTrainer, HookBase, TrainStep
+from libai_zoo.engine import DefaultTrainer, TrainStep
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel
 from libai_zoo.parallel import apply_activation_checkpointing
+from trainer_runs import losses, records, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,39 +50,12 @@ def config_file(tmp_path_factory) -> Path:
     return path
 
 
-class Interrupt(HookBase):
-    """Stop the run after `steps` steps, as a killed job would (after that step's checkpoint)."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-
-    def after_step(self) -> None:
-        if self.trainer.iter + 1 == self.steps:
-            raise KeyboardInterrupt(f"stopped after {self.steps} steps")
-
-
 def run(config_file: Path, output_dir: Path, *overrides: str, resume: bool = False,
         interrupt_after: int | None = None) -> DefaultTrainer:
     cfg = LazyConfig.apply_overrides(LazyConfig.load(str(config_file)), [
         f"train.output_dir={output_dir}", "train.max_iter=20", "train.micro_batch_size=4", "train.global_batch_size=4",
         "train.log_period=1", "train.checkpoint.period=5", "optim.lr=1e-3", *overrides])
-    trainer = DefaultTrainer(cfg)
-    if interrupt_after is not None:
-        trainer.register_hooks([Interrupt(interrupt_after)])
-    try:
-        trainer.resume_or_load(resume=resume)
-        trainer.train()
-    finally:
-        dist.destroy()
-    return trainer
-
-
-def records(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.json").read_text().splitlines()]
-
-
-def losses(output_dir: Path) -> dict[int, float]:
-    return {r["iteration"]: r["loss"] for r in records(output_dir)}
+    return run_trainer(cfg, resume=resume, interrupt_after=interrupt_after)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,46 @@
+"""Running DefaultTrainer from tests: a hook that stops a run as a killed job would, and the
+losses a run logged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from libai_zoo import dist
+from libai_zoo.engine import DefaultTrainer, HookBase
+
+
+class Interrupt(HookBase):
+    """Stop the run after `steps` steps (after that step's checkpoint), raising KeyboardInterrupt."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def after_step(self) -> None:
+        if self.trainer.iter + 1 == self.steps:
+            raise KeyboardInterrupt(f"stopped after {self.steps} steps")
+
+
+def run_trainer(cfg, *, resume: bool = False, interrupt_after: int | None = None) -> DefaultTrainer:
+    """Build, resume or load, and train; the parallel context is torn down whatever happens."""
+    trainer = DefaultTrainer(cfg)
+    if interrupt_after is not None:
+        trainer.register_hooks([Interrupt(interrupt_after)])
+    try:
+        trainer.resume_or_load(resume=resume)
+        trainer.train()
+    finally:
+        dist.destroy()
+    return trainer
+
+
+def records(output_dir: Path) -> list[dict]:
+    """The lines of a run's metrics.json."""
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.json").read_text().splitlines()]
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    """{iteration: loss} of a run's metrics.json ({} when the rank wrote none)."""
+    if not (Path(output_dir) / "metrics.json").is_file():
+        return {}
+    return {r["iteration"]: r["loss"] for r in records(output_dir)}
