@@ -2,13 +2,23 @@
 
 Every dataset returns dicts of tensors, so `torch.utils.data.default_collate` batches them and
 `model(**batch)` takes a batch as it is.
+
+Pre-training data at scale lives in Megatron-LM's indexed format (.bin/.idx, written by
+tools/preprocess_data.py): `IndexedDataset` reads it, `build_indexed_gpt_dataset` and
+`build_indexed_mlm_dataset` make GPT and BERT samples of it, and `Prefetcher` reads batches ahead.
 """
 
+from .bert_dataset import IndexedMLMDataset, build_indexed_mlm_dataset
 from .gpt_dataset import PackedTokenDataset, build_gpt_dataset, read_documents
+from .gpt_indexed_dataset import BlendedDataset, IndexedGPTDataset, build_indexed_gpt_dataset
 from .image_dataset import DigitsDataset
+from .indexed_dataset import IndexedDataset, IndexedDatasetWriter, best_fitting_dtype
+from .prefetch import Prefetcher
 from .samplers import MicroBatchSampler
 from .text_classification import build_text_classification_dataset
 from .tokenizer import load_tokenizer
 
 __all__ = ["MicroBatchSampler", "PackedTokenDataset", "build_gpt_dataset", "read_documents",
-           "build_text_classification_dataset", "DigitsDataset", "load_tokenizer"]
+           "build_text_classification_dataset", "DigitsDataset", "load_tokenizer",
+           "IndexedDataset", "IndexedDatasetWriter", "best_fitting_dtype", "IndexedGPTDataset", "BlendedDataset",
+           "build_indexed_gpt_dataset", "IndexedMLMDataset", "build_indexed_mlm_dataset", "Prefetcher"]

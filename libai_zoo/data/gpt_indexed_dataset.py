@@ -1,0 +1,267 @@
+"""GPT pre-training samples from Megatron-format indexed datasets (.bin/.idx), one or several blended.
+
+    train = build_indexed_gpt_dataset(["out/wiki_text_document", "out/code_text_document"], [0.7, 0.3],
+                                      seq_len=1024, seed=1234, num_samples=320_000, cache_dir="out/index-cache")
+    train[0]  # {"input_ids": LongTensor[1024], "shift_labels": LongTensor[1024]}
+
+One dataset's sequences are read as one token stream in file order (crossing document boundaries, as
+Megatron-LM does). Sample j of an epoch is the window of seq_len + 1 tokens starting at stream token
+j x seq_len, so consecutive windows overlap by one token and every token but the first is a target
+exactly once per epoch; the tail that does not fill a window (< seq_len tokens) is left out.
+`input_ids` = window[:-1] and `shift_labels` = window[1:] (targets already aligned with positions).
+
+The indices, each computed once and cached as .npy in `cache_dir`:
+- sample index [samples per epoch, 2]: (sequence, token offset) where each window starts;
+- shuffle index [num_samples]: for each sample of the dataset, which window of its epoch it is
+  (epoch e is a permutation seeded by (seed, e); the identity with shuffle=False);
+- blending index [num_samples] x 2: which dataset each global sample comes from and which of that
+  dataset's samples it is, by Megatron's greedy rule (give the next sample to the dataset furthest
+  below its weight x samples so far), so every prefix of the blend follows the weights to within a
+  sample or two (at most 1.6 measured over random blends of 2-11 datasets; within 1 for a few).
+Their names carry a hash of what decides them (the .idx contents, seq_len, seed, weights, num_samples),
+so a change of any gives new files and the same inputs reuse the old ones. Files are written under
+a temporary name and renamed, so ranks that build concurrently never read a partial file.
+
+The dataset is map-style with a fixed length (num_samples), so the trainer's MicroBatchSampler
+resumes at the exact sample from `consumed_samples`. The sampler shuffles too; with the dataset's own
+shuffle, `dataloader.shuffle=False` in a config gives Megatron's sequential reading.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .indexed_dataset import IndexedDataset, index_path
+
+CACHE_FORMAT = "libai-zoo-indexed-v1"  # change it when an index's meaning changes, so old caches are not reused
+
+
+# ------------------------------------------------------------------------------------------ caching
+def index_fingerprint(prefix: str) -> str:
+    """A hash of PREFIX.idx's contents: the indices depend on nothing else of the files. Reading the
+    .idx costs 20 bytes per document, and the hash is the same on every node that holds a copy
+    (remembered per process while the file's size and mtime stay the same)."""
+    stat = os.stat(index_path(prefix))
+    return _fingerprint(os.path.abspath(index_path(prefix)), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _fingerprint(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cached_array(cache_dir: str | None, name: str, key: dict, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """`compute()`, saved as CACHE_DIR/NAME-HASH.npy (HASH of `key`) and memory-mapped from there on
+    later calls with the same key; computed in memory when cache_dir is None."""
+    if cache_dir is None:
+        return compute()
+    text = json.dumps({"format": CACHE_FORMAT, "name": name, **key}, sort_keys=True)
+    path = Path(cache_dir) / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:20]}.npy"
+    if not path.is_file():
+        array = compute()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".npy.tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, array)
+            os.replace(tmp, path)
+        except BaseException:
+            os.remove(tmp)
+            raise
+        # A description beside it, for people who find the cache directory.
+        path.with_suffix(".json").write_text(text + "\n")
+    return np.load(path, mmap_mode="r")
+
+
+# ------------------------------------------------------------------------------------------ indices
+def build_sample_index(sequence_lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """[(T - 1) // seq_len, 2] int64: (sequence, offset) of stream token j x seq_len for every window j
+    of a stream of T tokens made of sequences of `sequence_lengths`."""
+    ends = np.cumsum(sequence_lengths, dtype=np.int64)
+    total = int(ends[-1]) if len(ends) else 0
+    starts = np.arange(max(total - 1, 0) // seq_len, dtype=np.int64) * seq_len
+    sequence = np.searchsorted(ends, starts, side="right")  # skips empty sequences
+    offset = starts - (ends[sequence] - np.asarray(sequence_lengths, dtype=np.int64)[sequence])
+    return np.stack([sequence, offset], axis=1)
+
+
+def build_shuffle_index(samples_per_epoch: int, num_samples: int, seed: int, shuffle: bool = True) -> np.ndarray:
+    """[num_samples] int64: the window each sample reads; epoch e is a permutation of the epoch's
+    windows seeded by (seed, e), so a longer run keeps the samples of a shorter one."""
+    epochs = -(-num_samples // samples_per_epoch) if samples_per_epoch else 0
+    parts = [np.random.default_rng([seed, epoch]).permutation(samples_per_epoch) if shuffle
+             else np.arange(samples_per_epoch) for epoch in range(epochs)]
+    return np.concatenate(parts)[:num_samples].astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def build_blending_indices(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron's greedy blend: sample i goes to the dataset whose count lags its share most,
+    argmax_d(weights[d] x max(i, 1) - count[d]) (first on ties). Returns (dataset index [num_samples]
+    int16, sample index within that dataset [num_samples] int64). O(num_samples x datasets) in
+    Python: about a second per million samples, once, as the result is cached."""
+    weights = [float(w) for w in weights]
+    counts = [0] * len(weights)
+    dataset_index = np.empty(num_samples, dtype=np.int16)
+    sample_index = np.empty(num_samples, dtype=np.int64)
+    pairs = list(enumerate(weights))
+    for i in range(num_samples):
+        scale = float(max(i, 1))
+        best, best_error = 0, weights[0] * scale - counts[0]
+        for d, weight in pairs[1:]:
+            error = weight * scale - counts[d]
+            if error > best_error:
+                best, best_error = d, error
+        dataset_index[i] = best
+        sample_index[i] = counts[best]
+        counts[best] += 1
+    return dataset_index, sample_index
+
+
+def normalized_weights(weights: Sequence[float] | None, count: int) -> list[float]:
+    """`weights` scaled to sum to 1 (equal weights when None), after checking them."""
+    if weights is None:
+        return [1.0 / count] * count
+    weights = [float(w) for w in weights]
+    if len(weights) != count:
+        raise ValueError(f"{len(weights)} weights for {count} datasets: give one weight per prefix")
+    if any(not w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights {weights} must be non-negative with a positive sum")
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def read_stream(data: IndexedDataset, sequence: int, offset: int, length: int) -> np.ndarray:
+    """`length` tokens of `data`'s stream from token `offset` of `sequence` on, across sequences."""
+    lengths = data.sequence_lengths
+    pieces = []
+    while length > 0:
+        if sequence >= len(lengths):
+            raise IndexError(f"a read runs past the end of {data.prefix} (sequence {sequence})")
+        take = min(length, int(lengths[sequence]) - offset)
+        if take > 0:
+            pieces.append(data.get(sequence, offset, take))
+            length -= take
+        sequence, offset = sequence + 1, 0
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+# ----------------------------------------------------------------------------------------- datasets
+def gpt_sample_index(data: IndexedDataset, seq_len: int, cache_dir: str | None,
+                     fingerprint: str | None = None) -> np.ndarray:
+    """The (cached) sample index of `data` for windows of seq_len + 1 tokens."""
+    key = {"idx": fingerprint or index_fingerprint(data.prefix), "seq_len": seq_len}
+    return cached_array(cache_dir, f"{Path(data.prefix).name}-gpt-sample-index", key,
+                        lambda: build_sample_index(data.sequence_lengths, seq_len))
+
+
+class IndexedGPTDataset(Dataset):
+    """`num_samples` windows of seq_len + 1 tokens from one indexed dataset (default: one epoch);
+    more than an epoch's worth repeats the data with a new shuffle per epoch."""
+
+    def __init__(self, prefix: str | IndexedDataset, seq_len: int, *, num_samples: int | None = None, seed: int = 0,
+                 shuffle: bool = True, cache_dir: str | None = None):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.data = prefix if isinstance(prefix, IndexedDataset) else IndexedDataset(prefix)
+        self.seq_len, self.seed, self.shuffle = seq_len, seed, shuffle
+        self.fingerprint = index_fingerprint(self.data.prefix)
+        self.sample_index = gpt_sample_index(self.data, seq_len, cache_dir, self.fingerprint)
+        self.samples_per_epoch = len(self.sample_index)
+        if self.samples_per_epoch == 0:
+            raise ValueError(f"{self.data.prefix} has {self.data.num_tokens} tokens, fewer than one sample of "
+                             f"seq_len + 1 = {seq_len + 1}; use more data or a shorter seq_len")
+        self.num_samples = self.samples_per_epoch if num_samples is None else int(num_samples)
+        if self.num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        key = {"idx": self.fingerprint, "seq_len": seq_len, "seed": seed, "num_samples": self.num_samples,
+               "shuffle": shuffle}
+        self.shuffle_index = cached_array(
+            cache_dir, f"{Path(self.data.prefix).name}-gpt-shuffle-index", key,
+            lambda: build_shuffle_index(self.samples_per_epoch, self.num_samples, seed, shuffle))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def window(self, index: int) -> np.ndarray:
+        """The seq_len + 1 tokens of sample `index`."""
+        if not -self.num_samples <= index < self.num_samples:
+            raise IndexError(f"sample {index} is out of range for {self.num_samples} samples")
+        sequence, offset = self.sample_index[int(self.shuffle_index[index])]
+        return read_stream(self.data, int(sequence), int(offset), self.seq_len + 1)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        window = torch.from_numpy(self.window(index).astype(np.int64))
+        return {"input_ids": window[:-1], "shift_labels": window[1:]}
+
+
+def cached_blending_indices(weights: Sequence[float], num_samples: int, cache_dir: str | None,
+                            key: dict) -> tuple[np.ndarray, np.ndarray]:
+    """build_blending_indices, cached under `key` (what identifies the datasets) + weights + num_samples."""
+    blend = cached_array(cache_dir, "blend", {**key, "weights": list(weights), "num_samples": num_samples},
+                         lambda: np.stack(build_blending_indices(weights, num_samples)).astype(np.int64))
+    return blend[0], blend[1]
+
+
+class BlendedDataset(Dataset):
+    """Global sample i is sample `dataset_sample_index[i]` of dataset `dataset_index[i]` (a blending
+    index, see build_blending_indices); a dataset shorter than that is read modulo its length."""
+
+    def __init__(self, datasets: Sequence[Dataset], dataset_index: np.ndarray, dataset_sample_index: np.ndarray):
+        if len(dataset_index) != len(dataset_sample_index):
+            raise ValueError(f"the blending index has {len(dataset_index)} dataset entries but "
+                             f"{len(dataset_sample_index)} sample entries; they must match")
+        self.datasets = list(datasets)
+        self.dataset_index, self.dataset_sample_index = dataset_index, dataset_sample_index
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, index: int):
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} is out of range for {len(self)} samples")
+        dataset = self.datasets[int(self.dataset_index[index])]
+        return dataset[int(self.dataset_sample_index[index]) % len(dataset)]
+
+
+def as_prefix_list(prefixes: str | os.PathLike | Sequence[str]) -> list[str]:
+    prefixes = [prefixes] if isinstance(prefixes, (str, os.PathLike)) else [os.fspath(p) for p in prefixes]
+    if not prefixes:
+        raise ValueError("no prefixes: pass at least one .bin/.idx prefix, e.g. out/corpus_text_document")
+    return [os.fspath(p) for p in prefixes]
+
+
+def build_indexed_gpt_dataset(prefixes: str | Sequence[str], weights: Sequence[float] | None = None, *, seq_len: int,
+                              seed: int = 0, num_samples: int | None = None, cache_dir: str | None = None,
+                              shuffle: bool = True) -> Dataset:
+    """GPT samples ({"input_ids", "shift_labels"}, seq_len each) from Megatron-format datasets
+    (prefixes without .bin/.idx), blended by `weights` (default equal) when there are several.
+    `num_samples` defaults to one epoch of every dataset (the sum of their windows)."""
+    prefixes = as_prefix_list(prefixes)
+    weights = normalized_weights(weights, len(prefixes))
+    if len(prefixes) == 1:
+        return IndexedGPTDataset(prefixes[0], seq_len, num_samples=num_samples, seed=seed, shuffle=shuffle,
+                                 cache_dir=cache_dir)
+    data = [IndexedDataset(p) for p in prefixes]
+    fingerprints = [index_fingerprint(p) for p in prefixes]
+    if num_samples is None:
+        num_samples = sum(len(gpt_sample_index(d, seq_len, cache_dir, f)) for d, f in zip(data, fingerprints))
+    dataset_index, dataset_sample_index = cached_blending_indices(
+        weights, int(num_samples), cache_dir, {"idx": fingerprints, "seq_len": seq_len, "seed": seed})
+    counts = np.bincount(np.asarray(dataset_index), minlength=len(prefixes))
+    datasets = [IndexedGPTDataset(d, seq_len, num_samples=int(n), seed=seed, shuffle=shuffle, cache_dir=cache_dir)
+                for d, n in zip(data, counts)]
+    return BlendedDataset(datasets, dataset_index, dataset_sample_index)
