@@ -7,12 +7,17 @@
 
 Batch sizes: each process runs ``train.micro_batch_size`` samples per forward and accumulates
 ``global_batch_size / (micro_batch_size × dp)`` micro-batches per optimizer step.
+
+``dataloader`` keys: ``train`` (a dataset recipe), ``test`` (optional, for evaluation),
+``num_workers`` (0), ``shuffle`` (True) and ``prefetch`` (2: batches a background thread reads
+ahead of the step; 0 turns it off).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -23,7 +28,7 @@ from torch.utils.data import DataLoader
 from libai_zoo import dist
 from libai_zoo.checkpoint import Checkpointer, HFWeightReader
 from libai_zoo.config import LazyConfig, instantiate
-from libai_zoo.data import MicroBatchSampler
+from libai_zoo.data import MicroBatchSampler, Prefetcher
 from libai_zoo.layers import TransformerLayer
 from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpointing
 from libai_zoo.utils import peak_flops, rng_state, seed_all, set_rng_state, setup_logging, training_flops_per_token
@@ -232,8 +237,11 @@ class DefaultTrainer(TrainerBase):
         """Train from `start_iter` (set by resume_or_load) to ``train.max_iter``."""
         max_iter = self.start_iter + 2 if self.fast_dev_run else self.cfg.train.max_iter
         loader = self.build_train_loader(self.cfg, self.start_iter * self.cfg.train.global_batch_size)
-        self._data = iter(loader)
-        super().train(self.start_iter, max_iter)
+        depth = self.cfg.dataloader.get("prefetch", 2)
+        batches = Prefetcher(loader, depth) if depth else nullcontext(loader)
+        with batches as source:  # a thread reads `prefetch` batches ahead of the step (0: none)
+            self._data = iter(source)
+            super().train(self.start_iter, max_iter)
 
     def run_step(self) -> None:
         start = time.perf_counter()
