@@ -18,6 +18,7 @@ import torch
 from distributed_runner import run_distributed
 from libai_zoo import dist
 from libai_zoo.config import LazyConfig
+from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from trainer_runs import losses, run_trainer
@@ -91,6 +92,21 @@ def train(config_file: str, output_dir: str, model: str, overrides: list[str], *
     except KeyboardInterrupt:
         pass
     return losses(Path(output_dir))
+
+
+INDEXED_LAYOUTS = {  # Megatron-format data: windows of 17 tokens as 16 inputs + 16 shift_labels
+    "indexed_dp2": ["dist.dp=2", "train.micro_batch_size=4"],
+    "indexed_pp2": ["dist.pp=2", "train.micro_batch_size=4"],
+}
+
+
+def _indexed_config(config_file: str) -> str:
+    return str(Path(config_file).with_name("config_indexed.py"))
+
+
+def _two_process_extras(config_file: str, out: str) -> dict:
+    return {("gpt2", name): train(_indexed_config(config_file), f"{out}/gpt2_{name}", "gpt2", overrides)
+            for name, overrides in INDEXED_LAYOUTS.items()}
 
 
 def _layouts(config_file: str, out: str, layouts: dict, extra) -> dict:
@@ -178,7 +194,18 @@ def runs(tmp_path_factory):
                                          cache=root / "cache"))
     reference = {model: train(str(config_file), str(root / f"one_{model}"), model, ["train.micro_batch_size=8"])
                  for model in MODELS}
-    two = run_distributed(_layouts, 2, str(config_file), str(root), LAYOUTS_2, None)[0]
+    tokenizer = load_tokenizer(ROOT / "data/tokenizer")
+    with IndexedDatasetWriter(root / "corpus_text_document") as writer:
+        for document in documents:
+            writer.add_document(tokenizer(document).input_ids + [tokenizer.eos_token_id])
+    text_data = 'LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,'
+    indexed_data = f'LazyCall(build_indexed_gpt_dataset)(prefixes=["{root}/corpus_text_document"], seq_len=16,'
+    indexed = CONFIG.replace(text_data, indexed_data).replace(
+        "import build_gpt_dataset", "import build_gpt_dataset, build_indexed_gpt_dataset")
+    (root / "config_indexed.py").write_text(indexed.format(cache=root / "cache"))
+    reference["indexed"] = train(str(root / "config_indexed.py"), str(root / "one_indexed"), "gpt2",
+                                 ["train.micro_batch_size=8"])
+    two = run_distributed(_layouts, 2, str(config_file), str(root), LAYOUTS_2, _two_process_extras)[0]
     four = run_distributed(_layouts, 4, str(config_file), str(root), LAYOUTS_4, _four_process_extras)[0]
     four["one_process_bytes"] = state_bytes(str(config_file), str(root / "bytes_one"), ["train.micro_batch_size=8"])
     resumed_here = root / "resume_one_process"
@@ -201,6 +228,13 @@ def _assert_same(losses: dict[int, float], reference: dict[int, float], steps) -
 def test_layout_equals_one_process(runs, layout, model):
     reference, results = runs
     _assert_same(results[model, layout], reference[model], range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("layout", list(INDEXED_LAYOUTS))
+def test_megatron_format_data_trains_alike_under_dp_and_pp(runs, layout):
+    """Windows of seq_len + 1 tokens give shift_labels; the pipeline scores them unshifted too."""
+    reference, results = runs
+    _assert_same(results["gpt2", layout], reference["indexed"], range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("where", ["tp4", "tp2_pp2", "one_process"])
