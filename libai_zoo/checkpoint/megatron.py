@@ -1,0 +1,505 @@
+"""Megatron-LM GPT checkpoints (the legacy per-rank `torch` format) -> Hugging Face GPT-2.
+
+The layout read, as Megatron-LM's checkpointing writes it:
+
+    MEGATRON_DIR/
+      latest_checkpointed_iteration.txt      "1000", or "release"
+      iter_0001000/ (or release/)
+        mp_rank_{t:02d}/model_optim_rng.pt             pp = 1: one file per tensor-parallel rank t
+        mp_rank_{t:02d}_{p:03d}/model_optim_rng.pt     pp > 1: one per (tensor rank t, pipeline rank p)
+
+    each file: {"args": argparse.Namespace (num_layers, hidden_size, num_attention_heads, ...),
+                "checkpoint_version": 3.0, "iteration": 1000,
+                "model": {
+                    "language_model": {
+                        "embedding": {"word_embeddings": {"weight"},              first stage only
+                                      "position_embeddings": {"weight"}},
+                        "encoder" (older: "transformer"): {"layers.{i}.<tensor>", ...,
+                                                           "final_layernorm.weight/bias" (last stage)},
+                        "output_layer": {"weight"}},                              untied head, last stage
+                    "word_embeddings_for_head": {"weight"}},                      tied head, last stage, pp > 1
+                "optimizer", "rng_state", ...}                                    not read
+
+Layer indices are local to a pipeline stage (stage p's layer 0 is the first it holds); stage p's
+global offset is the number of layers in stages 0..p-1. Tensor-parallel splits:
+
+    word_embeddings, output_layer              rows (the padded vocabulary)       -> concatenated
+    self_attention.query_key_value             rows (column parallel, whole heads)-> see below
+    mlp.dense_h_to_4h (weight and bias)        rows (column parallel)             -> concatenated
+    self_attention.dense, mlp.dense_4h_to_h    columns (row parallel); bias whole -> concatenated
+    norms, position embeddings, row biases     replicated                         -> rank 0's
+
+Fused QKV: each rank holds the rows of its heads. From checkpoint_version 2 on, the rows are
+grouped per head, [head][q, k, v][head_dim]; version 1.0 stored [head][head_dim][q, k, v] and
+version 0 [q, k, v][head][head_dim] (both per rank), and are reordered the way Megatron-LM's
+loader does. Hugging Face's GPT-2 wants c_attn = [q | k | v] (all heads of q, then k, then v)
+as Conv1D weights ([in, out], the transpose of a Linear's), and ties lm_head to wte.
+
+GELU: the tanh approximation ("gelu_new") when args.openai_gelu or the fused bias-GELU kernel
+(Megatron-LM's default) computed it, exact erf GELU ("gelu") otherwise. args.apply_layernorm_1p
+(LayerNorm1P stores gamma - 1) adds the 1 back.
+
+Every file goes through ``torch.load(weights_only=True)`` with only `argparse.Namespace` allowed
+beyond tensors (and, with ``allow_numpy``, numpy arrays: Megatron saves its RNG state with them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("libai_zoo")
+
+TRACKER = "latest_checkpointed_iteration.txt"
+SHARD_FILE = "model_optim_rng.pt"
+SHARD_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+# Layer tensors: name within a layer -> how its tensor-parallel shards combine.
+LAYER_TENSORS = {
+    "input_layernorm.weight": "replicated", "input_layernorm.bias": "replicated",
+    "self_attention.query_key_value.weight": "qkv", "self_attention.query_key_value.bias": "qkv",
+    "self_attention.dense.weight": "columns", "self_attention.dense.bias": "replicated",
+    "post_attention_layernorm.weight": "replicated", "post_attention_layernorm.bias": "replicated",
+    "mlp.dense_h_to_4h.weight": "rows", "mlp.dense_h_to_4h.bias": "rows",
+    "mlp.dense_4h_to_h.weight": "columns", "mlp.dense_4h_to_h.bias": "replicated",
+}
+OTHER_TENSORS = {
+    "embedding.word_embeddings.weight": "rows", "embedding.position_embeddings.weight": "replicated",
+    "final_layernorm.weight": "replicated", "final_layernorm.bias": "replicated",
+    "output_layer.weight": "rows", "word_embeddings_for_head.weight": "rows",
+}
+LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)$")
+
+
+def _numpy_globals() -> list:
+    """What numpy arrays and dtypes unpickle through (numpy 2 and numpy 1 spellings): data only."""
+    import numpy as np
+
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray
+
+    return [multiarray._reconstruct, (multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+            multiarray.scalar, (multiarray.scalar, "numpy.core.multiarray.scalar"), np.ndarray, np.dtype,
+            *(type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64))]
+
+
+def load_file(path: str | Path, *, allow_numpy: bool = False) -> dict:
+    """One Megatron .pt file through ``torch.load(weights_only=True)`` (memory-mapped), allowing
+    argparse.Namespace (Megatron's "args") and, with `allow_numpy`, numpy arrays."""
+    path = Path(path)
+    allowed = [argparse.Namespace, *(_numpy_globals() if allow_numpy else [])]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        import pickle
+
+        if not isinstance(error, pickle.UnpicklingError):
+            raise ValueError(f"{path} is not a readable torch checkpoint file: {error}") from error
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        unsafe = [name for name in unsafe if name != "argparse.Namespace"]
+        if unsafe and all(name.startswith("numpy.") for name in unsafe) and not allow_numpy:
+            raise ValueError(f"{path} pickles numpy objects ({', '.join(unsafe)}; Megatron-LM saves its RNG state "
+                             f"with them): pass --allow-numpy to load them as data (no code runs), or save the "
+                             f"checkpoint with --no-save-rng") from None
+        raise ValueError(f"{path} pickles objects that are not loaded for safety (weights_only): "
+                         f"{', '.join(unsafe) or error}; only tensors, containers and argparse.Namespace are "
+                         f"read") from None
+
+
+@dataclass
+class MegatronCheckpoint:
+    """Where the shards of one Megatron-LM checkpoint are, and its run arguments."""
+
+    directory: Path                       # iter_XXXXXXX or release
+    iteration: str                        # "1000" or "release"
+    tp: int
+    pp: int
+    files: dict[tuple[int, int], Path]    # (tensor rank, pipeline rank) -> model_optim_rng.pt
+    args: argparse.Namespace | None = None
+    checkpoint_version: float = 0.0
+    allow_numpy: bool = False
+    source: str = ""                      # how the iteration was found
+
+    def arg(self, name: str, default=None):
+        return getattr(self.args, name, default) if self.args is not None else default
+
+    def load(self, tp_rank: int, pp_rank: int) -> dict:
+        return load_file(self.files[tp_rank, pp_rank], allow_numpy=self.allow_numpy)
+
+
+def shard_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """Megatron-LM's name of the directory of one (tensor, pipeline) rank's file."""
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _iteration_directory(path: Path) -> tuple[Path, str, str]:
+    """(iteration directory, iteration, how it was found) for a checkpoint root or an iteration directory."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist: pass a Megatron-LM checkpoint directory (holding {TRACKER} "
+                                f"and iter_XXXXXXX/mp_rank_XX/{SHARD_FILE})")
+    tracker = path / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            directory = path / "release"
+        elif text.isdigit():
+            directory = path / f"iter_{int(text):07d}"
+        else:
+            raise ValueError(f"{tracker} holds {text!r}; Megatron-LM writes an iteration number or 'release'")
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{tracker} names iteration {text}, but {directory} does not exist: restore it, "
+                                    f"or pass the iteration directory to convert")
+        return directory, text, f"{TRACKER}"
+    if any(SHARD_DIR.match(p.name) for p in path.glob("mp_rank_*")):
+        name = path.name
+        iteration = (name[5:].lstrip("0") or "0") if name.startswith("iter_") else name
+        return path, iteration, "the directory given"
+    if (path / ".metadata").is_file() or any(path.glob("iter_*/.metadata")):
+        raise ValueError(f"{path} is a Megatron-LM checkpoint in the torch_dist (distributed) format: convert it to "
+                         f"the legacy per-rank format first (Megatron-LM: --ckpt-convert-format torch)")
+    iterations = sorted(p.name for p in path.glob("iter_*") if p.is_dir())
+    hint = f"; it holds {', '.join(iterations)}: pass one of them" if iterations else ""
+    raise FileNotFoundError(f"{path} is not a Megatron-LM checkpoint: no {TRACKER} and no mp_rank_XX "
+                            f"directories{hint}")
+
+
+def find_checkpoint(path: str | Path, *, allow_numpy: bool = False) -> MegatronCheckpoint:
+    """Locate the shard files of the checkpoint at `path` (a checkpoint root or an iteration
+    directory), read the run arguments from the first, and check that every shard of the tp × pp
+    grid is there; a missing one is an error naming the expected file."""
+    directory, iteration, source = _iteration_directory(Path(path))
+    found: dict[tuple[int, int], Path] = {}
+    odd = []
+    for sub in sorted(directory.glob("mp_rank_*")):
+        match = SHARD_DIR.match(sub.name)
+        if not match or not sub.is_dir():
+            odd.append(sub.name)
+            continue
+        found[int(match[1]), int(match[2]) if match[2] is not None else -1] = sub / SHARD_FILE
+    if odd:
+        raise ValueError(f"{directory} holds {', '.join(odd)}: expert-parallel or unknown shard directories; this "
+                         f"converter reads mp_rank_TT (pp = 1) and mp_rank_TT_PPP (pp > 1)")
+    if not found:
+        raise FileNotFoundError(f"{directory} holds no mp_rank_XX directories: it is not a Megatron-LM checkpoint")
+    stages_named = {p for _, p in found}
+    if -1 in stages_named and len(stages_named) > 1:
+        raise ValueError(f"{directory} mixes mp_rank_TT and mp_rank_TT_PPP directories: keep one checkpoint per "
+                         f"iteration directory")
+    plain_names = stages_named == {-1}
+    found = {(t, max(p, 0)): file for (t, p), file in found.items()}
+    first = next((file for _, file in sorted(found.items()) if file.is_file()), None)
+    if first is None:
+        raise FileNotFoundError(f"no {SHARD_FILE} in any mp_rank directory of {directory}: expected "
+                                f"{directory / shard_dir_name(0, 0, 1 if plain_names else 2) / SHARD_FILE}")
+    state = load_file(first, allow_numpy=allow_numpy)
+    args = state.get("args")
+    tp = getattr(args, "tensor_model_parallel_size", None) or max(t for t, _ in found) + 1
+    pp = getattr(args, "pipeline_model_parallel_size", None) or (1 if plain_names else max(p for _, p in found) + 1)
+    if (pp == 1) != plain_names:
+        raise ValueError(f"{first}: args.pipeline_model_parallel_size = {pp}, but the shard directories are named "
+                         f"{'mp_rank_TT (pp = 1)' if plain_names else 'mp_rank_TT_PPP (pp > 1)'}: the checkpoint "
+                         f"is inconsistent")
+    expected = {(t, p): directory / shard_dir_name(t, p, pp) / SHARD_FILE for t in range(tp) for p in range(pp)}
+    missing = [str(file) for key, file in expected.items() if not file.is_file()]
+    if missing:
+        raise FileNotFoundError(f"Megatron-LM checkpoint {directory} (tp = {tp}, pp = {pp}) is missing "
+                                f"{len(missing)} shard file(s): {', '.join(missing)}; copy the whole checkpoint")
+    extra = sorted(str(file.parent.name) for key, file in found.items() if key not in expected)
+    if extra:
+        raise ValueError(f"{directory} holds {', '.join(extra)}, outside the tp = {tp} × pp = {pp} grid that "
+                         f"args names: the checkpoint is inconsistent")
+    if any(key.startswith("model") and key[5:].isdigit() for key in state):
+        raise ValueError(f"{first} holds model0, model1, ...: a virtual-pipeline (interleaved) checkpoint, which "
+                         f"this converter does not read; re-save it without virtual pipeline stages")
+    return MegatronCheckpoint(directory, iteration, tp, pp, expected, args, float(state.get("checkpoint_version", 0)),
+                              allow_numpy, source)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Nested state dicts -> {"a.b.c": tensor}; non-tensors and TransformerEngine's _extra_state are left out."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        elif isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
+            flat[name] = value
+    return flat
+
+
+def stage_tensors(state: dict, file: Path) -> dict[str, torch.Tensor]:
+    """One shard's model tensors under uniform names: "embedding.*", "layers.{local i}.*",
+    "final_layernorm.*", "output_layer.weight", "word_embeddings_for_head.weight"."""
+    model = state.get("model")
+    if not isinstance(model, dict):
+        raise ValueError(f"{file} has no 'model' state dict (keys: {', '.join(map(str, state)) or 'none'}): it is not "
+                         f"a Megatron-LM model checkpoint file")
+    language_model = model.get("language_model")
+    if not isinstance(language_model, dict):
+        raise ValueError(f"{file}: model holds {', '.join(list(map(str, model))[:5])}... but no 'language_model': "
+                         f"only the legacy GPT layout (model.language_model.embedding/encoder) is read, not "
+                         f"Megatron-Core's (decoder.layers...)")
+    tensors = {}
+    for key, value in language_model.items():
+        sub = _flatten(value) if isinstance(value, dict) else {}
+        if key in ("encoder", "transformer"):
+            tensors.update(sub)
+        else:
+            tensors.update({f"{key}.{name}": tensor for name, tensor in sub.items()})
+    head = model.get("word_embeddings_for_head")
+    if isinstance(head, dict) and isinstance(head.get("weight"), torch.Tensor):
+        tensors["word_embeddings_for_head.weight"] = head["weight"]
+    # Megatron-LM before mid-2021 named the attention block "attention".
+    return {re.sub(r"^(layers\.\d+\.)attention\.", r"\1self_attention.", name): t for name, t in tensors.items()}
+
+
+def _qkv_per_head(shard: torch.Tensor, heads: int, head_dim: int, version: float, file: Path) -> torch.Tensor:
+    """One rank's fused QKV rows as [its heads, 3 (q, k, v), head_dim, ...]."""
+    rest = shard.shape[1:]
+    if shard.shape[0] != 3 * heads * head_dim:
+        raise ValueError(f"{file}: query_key_value has {shard.shape[0]} rows, expected 3 × {heads} heads × "
+                         f"{head_dim} = {3 * heads * head_dim}: num_attention_heads or tp is wrong")
+    if version >= 2.0:
+        return shard.reshape(heads, 3, head_dim, *rest)
+    if version == 1.0:
+        return shard.reshape(heads, head_dim, 3, *rest).transpose(1, 2)
+    if version == 0:
+        return shard.reshape(3, heads, head_dim, *rest).transpose(0, 1)
+    raise ValueError(f"{file}: checkpoint_version {version} is unknown (0, 1.0, 2.0 and 3.0 are read)")
+
+
+def merge_tensor_parallel(checkpoint: MegatronCheckpoint, pp_rank: int, *, heads: int,
+                          head_dim: int) -> dict[str, torch.Tensor]:
+    """The tensors of pipeline stage `pp_rank` with their tensor-parallel shards joined (QKV as
+    [heads, 3, head_dim, ...]); names as `stage_tensors` gives them."""
+    files = [checkpoint.files[t, pp_rank] for t in range(checkpoint.tp)]
+    shards = [stage_tensors(checkpoint.load(t, pp_rank), files[t]) for t in range(checkpoint.tp)]
+    names = set(shards[0])
+    for file, shard in zip(files[1:], shards[1:]):
+        if set(shard) != names:
+            raise ValueError(f"{file} and {files[0]} hold different tensors ({sorted(set(shard) ^ names)[:6]}): "
+                             f"the shards come from different checkpoints")
+    unknown = sorted(n for n in names if (LAYER_NAME.match(n) and LAYER_NAME.match(n)[2] not in LAYER_TENSORS)
+                     or (not LAYER_NAME.match(n) and n not in OTHER_TENSORS))
+    if unknown:
+        raise ValueError(f"{files[0]} holds tensors a GPT-2 model does not have: {', '.join(unknown[:8])}; this "
+                         f"converter reads Megatron-LM GPT checkpoints with learned positions, LayerNorm, biases and "
+                         f"a GELU MLP")
+    if heads % checkpoint.tp:
+        raise ValueError(f"num_attention_heads = {heads} is not divisible by tp = {checkpoint.tp}")
+    merged = {}
+    differing = []
+    for name in sorted(names):
+        parts = [shard[name] for shard in shards]
+        shapes = {tuple(p.shape) for p in parts}
+        if len(shapes) != 1:
+            raise ValueError(f"{name} has different shapes in the tensor-parallel shards of stage {pp_rank} "
+                             f"({', '.join(f'{f.parent.name}: {tuple(p.shape)}' for f, p in zip(files, parts))})")
+        layer = LAYER_NAME.match(name)
+        kind = LAYER_TENSORS[layer[2]] if layer else OTHER_TENSORS[name]
+        if kind == "replicated":
+            merged[name] = parts[0]
+            if any(not torch.equal(parts[0], p) for p in parts[1:]):
+                differing.append(name)
+        elif kind == "rows":
+            merged[name] = torch.cat(parts, dim=0)
+        elif kind == "columns":
+            merged[name] = torch.cat(parts, dim=1)
+        else:
+            local_heads = heads // checkpoint.tp
+            merged[name] = torch.cat([_qkv_per_head(p, local_heads, head_dim, checkpoint.checkpoint_version, f)
+                                      for p, f in zip(parts, files)])
+    if differing:
+        logger.warning("stage %d: %d replicated tensor(s) differ between tensor-parallel ranks (rank 0's kept): %s",
+                       pp_rank, len(differing), ", ".join(differing[:5]))
+    return merged
+
+
+def _activation(checkpoint: MegatronCheckpoint) -> str:
+    """Megatron-LM's GELU as Hugging Face names it: the tanh approximation when --openai-gelu or
+    the fused bias-GELU kernel (on by default) computed it, exact erf GELU otherwise."""
+    if checkpoint.args is None:
+        return "gelu_new"
+    for flag in ("swiglu", "squared_relu"):
+        if checkpoint.arg(flag, False):
+            raise ValueError(f"{checkpoint.directory}: args.{flag} = True; GPT-2 has a GELU MLP")
+    if checkpoint.arg("openai_gelu", False):
+        return "gelu_new"
+    if checkpoint.arg("bias_gelu_fusion", False) and checkpoint.arg("add_bias_linear", True):
+        return "gelu_new"
+    return "gelu"
+
+
+def _check_args(checkpoint: MegatronCheckpoint) -> None:
+    """Refuse architectures that GPT-2 cannot express, naming the argument."""
+    bad = {"position_embedding_type": lambda v: v not in (None, "learned_absolute"),
+           "normalization": lambda v: v not in (None, "LayerNorm"),
+           "apply_residual_connection_post_layernorm": bool,
+           "group_query_attention": bool, "num_experts": lambda v: v not in (None, 0, 1),
+           "add_bias_linear": lambda v: v is False}
+    problems = [f"args.{name} = {checkpoint.arg(name)!r}" for name, is_bad in bad.items()
+                if checkpoint.args is not None and hasattr(checkpoint.args, name) and is_bad(checkpoint.arg(name))]
+    if problems:
+        raise ValueError(f"{checkpoint.directory} is not a GPT-2-style model ({'; '.join(problems)}): this converter "
+                         f"writes Hugging Face GPT-2 (learned positions, pre-LayerNorm, biases, GELU, no GQA/MoE)")
+
+
+def megatron_to_hf_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: int | None = None,
+                              num_attention_heads: int | None = None):
+    """(Hugging Face GPT-2 state dict, transformers.GPT2Config) for a Megatron-LM GPT checkpoint.
+
+    ``vocab_size`` keeps the first rows of the padded vocabulary (default: all of them, as
+    args.padded_vocab_size); ``num_attention_heads`` is needed when the files hold no args."""
+    import transformers
+
+    _check_args(checkpoint)
+    heads = num_attention_heads or checkpoint.arg("num_attention_heads")
+    if heads is None:
+        raise ValueError(f"{checkpoint.directory}: the files hold no args, so the number of attention heads is "
+                         f"unknown: pass --num-attention-heads")
+    hidden = checkpoint.arg("hidden_size")
+    if hidden is None:  # no args: read it off the first norm
+        probe = stage_tensors(checkpoint.load(0, 0), checkpoint.files[0, 0])
+        hidden = next(t.shape[-1] for n, t in probe.items() if n.endswith("layernorm.weight"))
+    head_dim = checkpoint.arg("kv_channels") or hidden // heads
+    if head_dim * heads != hidden:
+        raise ValueError(f"{checkpoint.directory}: {heads} heads × kv_channels {head_dim} != hidden_size {hidden}: "
+                         f"GPT-2 needs head_dim = hidden_size / heads")
+    stages = [merge_tensor_parallel(checkpoint, p, heads=heads, head_dim=head_dim) for p in range(checkpoint.pp)]
+
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    other: dict[str, torch.Tensor] = {}
+    last = checkpoint.pp - 1
+    home = {"embedding": 0, "final_layernorm": last, "output_layer": last, "word_embeddings_for_head": last}
+    offset = 0
+    for p, stage in enumerate(stages):
+        local = sorted({int(LAYER_NAME.match(n)[1]) for n in stage if LAYER_NAME.match(n)})
+        if local != list(range(len(local))):
+            raise ValueError(f"{checkpoint.files[0, p].parent}: layer indices {local} are not 0..{len(local) - 1}: "
+                             f"pipeline stages hold consecutive layers numbered from 0")
+        for name, tensor in stage.items():
+            match = LAYER_NAME.match(name)
+            if match:
+                layers.setdefault(offset + int(match[1]), {})[match[2]] = tensor
+            elif home[name.split(".")[0]] != p:
+                raise ValueError(f"{checkpoint.files[0, p]} holds {name}, which Megatron-LM keeps on pipeline stage "
+                                 f"{home[name.split('.')[0]]}: the shard directories are mislabelled")
+            else:
+                other[name] = tensor
+        offset += len(local)
+    num_layers = checkpoint.arg("num_layers", offset)
+    if offset != num_layers:
+        raise ValueError(f"{checkpoint.directory}: the stages hold {offset} layers, args.num_layers = {num_layers}")
+    required = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "final_layernorm.weight",
+                "final_layernorm.bias"]
+    missing = [n for n in required if n not in other]
+    missing += [f"layers.{i}.{n}" for i in range(num_layers) for n in LAYER_TENSORS if n not in layers[i]]
+    if missing:
+        raise ValueError(f"{checkpoint.directory} lacks {len(missing)} tensor(s) of a GPT-2 model: "
+                         f"{', '.join(missing[:8])}")
+
+    words = other["embedding.word_embeddings.weight"]
+    padded = words.shape[0]
+    if checkpoint.arg("padded_vocab_size") not in (None, padded):
+        raise ValueError(f"{checkpoint.directory}: the word embeddings have {padded} rows, args.padded_vocab_size = "
+                         f"{checkpoint.arg('padded_vocab_size')}")
+    vocab = vocab_size or padded
+    if not 0 < vocab <= padded:
+        raise ValueError(f"--vocab-size {vocab} must be between 1 and the padded vocabulary {padded}")
+    head = other.get("word_embeddings_for_head.weight")
+    if head is not None and not torch.equal(head, words):
+        logger.warning("the last stage's copy of the word embeddings differs from the first stage's; the first "
+                       "stage's is kept (the head is tied to it)")
+    if words.shape[1] != hidden:
+        raise ValueError(f"{checkpoint.directory}: the word embeddings are {words.shape[1]} wide, "
+                         f"hidden_size = {hidden}")
+
+    def conv1d(weight: torch.Tensor) -> torch.Tensor:  # Linear [out, in] -> Conv1D [in, out]
+        return weight.t().contiguous()
+
+    shift = 1.0 if checkpoint.arg("apply_layernorm_1p", False) else 0.0  # LayerNorm1P stores gamma - 1
+    state = {"transformer.wte.weight": words[:vocab].clone(),
+             "transformer.wpe.weight": other["embedding.position_embeddings.weight"].contiguous(),
+             "transformer.ln_f.weight": other["final_layernorm.weight"] + shift,
+             "transformer.ln_f.bias": other["final_layernorm.bias"].contiguous()}
+    for i in range(num_layers):
+        layer, h = layers[i], f"transformer.h.{i}."
+        qkv_w = layer["self_attention.query_key_value.weight"]     # [heads, 3, head_dim, hidden]
+        qkv_b = layer["self_attention.query_key_value.bias"]       # [heads, 3, head_dim]
+        state.update({
+            h + "ln_1.weight": layer["input_layernorm.weight"] + shift,
+            h + "ln_1.bias": layer["input_layernorm.bias"].contiguous(),
+            h + "attn.c_attn.weight": qkv_w.transpose(0, 1).reshape(3 * hidden, hidden).t().contiguous(),
+            h + "attn.c_attn.bias": qkv_b.transpose(0, 1).reshape(3 * hidden).contiguous(),
+            h + "attn.c_proj.weight": conv1d(layer["self_attention.dense.weight"]),
+            h + "attn.c_proj.bias": layer["self_attention.dense.bias"].contiguous(),
+            h + "ln_2.weight": layer["post_attention_layernorm.weight"] + shift,
+            h + "ln_2.bias": layer["post_attention_layernorm.bias"].contiguous(),
+            h + "mlp.c_fc.weight": conv1d(layer["mlp.dense_h_to_4h.weight"]),
+            h + "mlp.c_fc.bias": layer["mlp.dense_h_to_4h.bias"].contiguous(),
+            h + "mlp.c_proj.weight": conv1d(layer["mlp.dense_4h_to_h.weight"]),
+            h + "mlp.c_proj.bias": layer["mlp.dense_4h_to_h.bias"].contiguous(),
+        })
+    untied = "output_layer.weight" in other
+    if untied:
+        state["lm_head.weight"] = other["output_layer.weight"][:vocab].clone()
+    ffn = layers[0]["mlp.dense_h_to_4h.weight"].shape[0]
+    eos = 50256 if vocab > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
+    config = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=state["transformer.wpe.weight"].shape[0], n_embd=hidden, n_layer=num_layers,
+        n_head=heads, n_inner=ffn, activation_function=_activation(checkpoint),
+        layer_norm_epsilon=checkpoint.arg("layernorm_epsilon", 1e-5),
+        resid_pdrop=checkpoint.arg("hidden_dropout", 0.1), embd_pdrop=checkpoint.arg("hidden_dropout", 0.1),
+        attn_pdrop=checkpoint.arg("attention_dropout", 0.1), tie_word_embeddings=not untied,
+        bos_token_id=eos, eos_token_id=eos, architectures=["GPT2LMHeadModel"])
+    return state, config
+
+
+def _check_against_transformers(state: dict[str, torch.Tensor], config) -> None:
+    """Every tensor transformers' GPT2LMHeadModel of `config` expects is there with its shape (built on meta)."""
+    import transformers
+
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in transformers.GPT2LMHeadModel(config).state_dict().items()
+                    if not name.endswith((".attn.bias", ".attn.masked_bias"))}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = [f"{n}: {tuple(state[n].shape)} vs {expected[n]}" for n in expected
+                 if n in state and tuple(state[n].shape) != expected[n]]
+    if missing or unexpected or misshaped:
+        raise RuntimeError(f"the reconstructed GPT-2 does not fit transformers' GPT2LMHeadModel: "
+                           f"missing {missing[:5]}, unexpected {unexpected[:5]}, misshaped {misshaped[:5]}")
+
+
+def megatron_to_hf(path: str | Path, output_dir: str | Path, *, vocab_size: int | None = None,
+                   num_attention_heads: int | None = None, dtype: torch.dtype | str | None = None,
+                   max_shard_size: int | str = "5GB", allow_numpy: bool = False):
+    """Convert the Megatron-LM GPT checkpoint at `path` (its root, or an iteration directory) into
+    a Hugging Face GPT-2 directory; return (the checkpoint found, the GPT2Config written)."""
+    from huggingface_hub import save_torch_state_dict
+
+    checkpoint = find_checkpoint(path, allow_numpy=allow_numpy)
+    state, config = megatron_to_hf_state_dict(checkpoint, vocab_size=vocab_size,
+                                              num_attention_heads=num_attention_heads)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if dtype is not None:
+        state = {name: tensor.to(dtype) for name, tensor in state.items()}
+    config.dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    _check_against_transformers(state, config)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(output_dir)
+    save_torch_state_dict(state, output_dir, max_shard_size=max_shard_size)
+    logger.info("wrote %s from %s (tp = %d, pp = %d)", output_dir, checkpoint.directory, checkpoint.tp, checkpoint.pp)
+    return checkpoint, config

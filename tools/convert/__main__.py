@@ -1,0 +1,172 @@
+"""Convert checkpoints between Hugging Face, libai_zoo's sharded checkpoints and Megatron-LM.
+
+    python tools/convert hf-to-zoo HF_DIR OUT_DIR [--dp N --tp N --pp N]
+    python tools/convert zoo-to-hf CHECKPOINT_DIR OUT_DIR [--max-shard-size 5GB]
+    python tools/convert megatron-to-hf MEGATRON_DIR OUT_DIR [--vocab-size N]
+    python tools/convert inspect PATH
+
+libai_zoo checkpoints (torch.distributed.checkpoint) keep every tensor's global shape, so a
+checkpoint written at one layout loads at any other: conversions run in one process, and a run
+started from a converted checkpoint reads only its own shards (train.load_weight=OUT_DIR/model_0000000).
+Untrusted files are read through safetensors or torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+# Run from a checkout without installing: the repository root holds libai_zoo/. Heavy imports
+# (torch, transformers) wait until a command runs, so --help answers at once.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+PROG = "python tools/convert"
+
+
+def _size(text: str) -> int | str:
+    """--max-shard-size: bytes, or a number with KB/MB/GB/TB (decimal units, as save_pretrained takes them)."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]B)", text, flags=re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a number with KB, MB, GB or TB "
+                                         f"(e.g. 500MB, 5GB)")
+    return match[1] + match[2].upper()
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=raw)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser(
+        "hf-to-zoo", formatter_class=raw, help="Hugging Face directory -> libai_zoo checkpoint for a dp/tp/pp layout",
+        description="Write a Hugging Face model as a libai_zoo checkpoint (one process; the checkpoint is sharded\n"
+                    "on load by whatever layout reads it). The layout is checked against the model up front\n"
+                    "(heads, KV heads, MLP size and vocabulary divisible by tp; layers >= pp; pp only for causal\n"
+                    "LMs) and recorded in OUT_DIR/config.yaml.\n\n"
+                    "    OUT_DIR/model_0000000/   the checkpoint (a run starts from it with\n"
+                    "                             train.load_weight=OUT_DIR/model_0000000)\n"
+                    "    OUT_DIR/last_checkpoint  names it\n"
+                    "    OUT_DIR/config.yaml      the model (libai_zoo class + config) and the target layout\n"
+                    "    OUT_DIR/hf_config.json   the source's config.json")
+    p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
+    p.add_argument("--dp", type=_positive, default=1, metavar="N",
+                   help="data-parallel size of the target run (default 1)")
+    p.add_argument("--tp", type=_positive, default=1, metavar="N",
+                   help="tensor-parallel size of the target run (default 1)")
+    p.add_argument("--pp", type=_positive, default=1, metavar="N",
+                   help="pipeline-parallel size of the target run (default 1)")
+    p.add_argument("--model-class", help="libai_zoo class to load (default: from config.json's model_type and "
+                                         "architectures), e.g. BertForSequenceClassification")
+    p.add_argument("--dtype", choices=DTYPES, help="store the weights in this dtype (default: as in HF_DIR)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT_DIR")
+
+    p = commands.add_parser(
+        "zoo-to-hf", formatter_class=raw,
+        help="libai_zoo checkpoint (any layout, ZeRO or not) -> Hugging Face directory",
+        description="Write a libai_zoo checkpoint as a Hugging Face directory that transformers loads. The model is\n"
+                    "rebuilt from the run's config.yaml next to the checkpoint and read whole in one process,\n"
+                    "whatever dp/tp/pp/ZeRO layout wrote it.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                   help="a model_XXXXXXX directory, or a run's output_dir (its last_checkpoint is used)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                   help="split the safetensors above this size, with an index (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT_DIR")
+
+    p = commands.add_parser(
+        "megatron-to-hf", formatter_class=raw, help="Megatron-LM GPT checkpoint (tp/pp shards) -> Hugging Face GPT-2",
+        description="Join a Megatron-LM GPT checkpoint's tensor- and pipeline-parallel shards\n"
+                    "(iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt, legacy torch format) into a Hugging Face\n"
+                    "GPT-2 directory. Every shard of the tp x pp grid must be present; the result is checked\n"
+                    "against transformers' GPT2LMHeadModel.")
+    p.add_argument("megatron_dir", metavar="MEGATRON_DIR",
+                   help="checkpoint root (with latest_checkpointed_iteration.txt) or one iter_XXXXXXX directory")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
+    p.add_argument("--vocab-size", type=_positive, metavar="N",
+                   help="keep only this many vocabulary rows (the tokenizer's size; Megatron pads the vocabulary to "
+                        "a multiple of 128 x tp); default: args.padded_vocab_size")
+    p.add_argument("--num-attention-heads", type=_positive, metavar="N",
+                   help="only for checkpoints saved without args")
+    p.add_argument("--dtype", choices=DTYPES, help="write the weights in this dtype (default: as saved)")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                   help="split the safetensors above this size, with an index (default 5GB)")
+    p.add_argument("--allow-numpy", action="store_true",
+                   help="also unpickle numpy arrays (Megatron's saved RNG state) as data; nothing else is allowed")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT_DIR")
+
+    p = commands.add_parser(
+        "inspect", formatter_class=raw, help="print a checkpoint's tensors, shapes, dtypes and layout",
+        description="Print what a checkpoint holds: a Hugging Face directory (tensors, shapes, dtypes), a libai_zoo\n"
+                    "checkpoint or run output_dir (global shapes and the chunks each tensor was saved in, which\n"
+                    "show the layout; trainer state; last_checkpoint), or a Megatron-LM checkpoint (iteration,\n"
+                    "tp/pp, args, tensors of every shard).")
+    p.add_argument("path", metavar="PATH", help="the checkpoint directory")
+    p.add_argument("--allow-numpy", action="store_true", help="Megatron files: also unpickle numpy arrays as data")
+    return parser
+
+
+def run(args: argparse.Namespace) -> str:
+    """Carry out one parsed command; return what to print."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    if args.command == "inspect":
+        from libai_zoo.checkpoint.describe import describe
+
+        return describe(args.path, allow_numpy=args.allow_numpy)
+    if args.command == "hf-to-zoo":
+        from libai_zoo.checkpoint.convert import hf_to_zoo
+
+        checkpoint = hf_to_zoo(args.hf_dir, args.out_dir, dp=args.dp, tp=args.tp, pp=args.pp,
+                               model_class=args.model_class, dtype=args.dtype, overwrite=args.overwrite)
+        world = args.dp * args.tp * args.pp
+        return (f"wrote libai_zoo checkpoint {checkpoint} for dp={args.dp} tp={args.tp} pp={args.pp} "
+                f"({world} process{'es' if world > 1 else ''})\n"
+                f"start a run from it with train.load_weight={checkpoint}")
+    if args.command == "zoo-to-hf":
+        from libai_zoo.checkpoint.convert import zoo_to_hf
+
+        checkpoint, model = zoo_to_hf(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size,
+                                      overwrite=args.overwrite)
+        return f"wrote Hugging Face {type(model).__name__} to {args.out_dir} from {checkpoint}"
+    from libai_zoo.checkpoint.convert import check_output_dir
+    from libai_zoo.checkpoint.megatron import megatron_to_hf
+
+    check_output_dir(args.out_dir, args.overwrite)
+    checkpoint, config = megatron_to_hf(args.megatron_dir, args.out_dir, vocab_size=args.vocab_size,
+                                        num_attention_heads=args.num_attention_heads, dtype=args.dtype,
+                                        max_shard_size=args.max_shard_size, allow_numpy=args.allow_numpy)
+    return (f"wrote Hugging Face GPT-2 ({config.n_layer} layers, hidden {config.n_embd}, vocabulary "
+            f"{config.vocab_size}) to {args.out_dir} from {checkpoint.directory} (tp={checkpoint.tp}, "
+            f"pp={checkpoint.pp})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (1 with a one-line error for a bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        print(run(args))
+    except (OSError, ValueError) as error:
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
