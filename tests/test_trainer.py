@@ -257,3 +257,15 @@ def test_tensor_parallel_run_equals_one_process(config_file, tmp_path):
     one = losses(tmp_path / "one")
     assert sorted(tp2) == list(range(1, 7))
     assert max(abs(tp2[i] - one[i]) / one[i] for i in one) <= 1e-5
+
+
+def test_resume_from_a_weights_only_checkpoint_says_use_load_weight(config_file, tmp_path):
+    import transformers
+
+    from libai_zoo.checkpoint import hf_to_zoo
+
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=32, n_layer=2,
+                                                         n_head=4)).save_pretrained(tmp_path / "hf")
+    hf_to_zoo(tmp_path / "hf", tmp_path / "run")
+    with pytest.raises(ValueError, match=r"holds model weights only .* train.load_weight="):
+        run(config_file, tmp_path / "run", resume=True)

@@ -208,6 +208,9 @@ class DefaultTrainer(TrainerBase):
         self.checkpointer.remove_incomplete()
         path = self.checkpointer.last_checkpoint() if resume else None
         if path is not None:
+            if not any(path.glob("trainer_state_rank*.pt")):
+                raise ValueError(f"{path} holds model weights only (e.g. from tools/convert hf-to-zoo), not a run to "
+                                 f"resume: start from it with train.load_weight={path} instead of --resume")
             state = self.checkpointer.load(path)
             self.start_iter = state["iteration"]
             self.scheduler.load_state_dict(state["scheduler"])
