@@ -21,7 +21,7 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
-from trainer_runs import losses, run_trainer
+from trainer_runs import losses, records, run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,9 @@ models = dict(
 )
 model = models["gpt2"]
 dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
-                                                    cache_dir="{cache}"))
+                                                    cache_dir="{cache}"),
+                  test=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
+                                                   cache_dir="{cache}"))
 '''
 
 # name -> overrides; every layout trains the same global batch of 8 sequences for 10 steps.
@@ -86,7 +88,7 @@ def train(config_file: str, output_dir: str, model: str, overrides: list[str], *
     cfg = LazyConfig.apply_overrides(cfg, [
         f"train.output_dir={output_dir}", f"train.max_iter={STEPS}", f"train.global_batch_size={GLOBAL_BATCH}",
         "train.log_period=1", "train.checkpoint.period=0", "optim.lr=3e-3", "train.clip_grad_norm=1.0",
-        *overrides])
+        "train.eval.max_batches=1", *overrides])
     try:
         run_trainer(cfg, resume=resume, interrupt_after=interrupt_after)
     except KeyboardInterrupt:
@@ -105,8 +107,17 @@ def _indexed_config(config_file: str) -> str:
 
 
 def _two_process_extras(config_file: str, out: str) -> dict:
-    return {("gpt2", name): train(_indexed_config(config_file), f"{out}/gpt2_{name}", "gpt2", overrides)
-            for name, overrides in INDEXED_LAYOUTS.items()}
+    results = {}
+    for name, overrides in INDEXED_LAYOUTS.items():
+        results["gpt2", name] = train(_indexed_config(config_file), f"{out}/gpt2_{name}", "gpt2", overrides)
+        results["gpt2", name, "eval"] = final_eval_loss(f"{out}/gpt2_{name}")
+    return results
+
+
+def final_eval_loss(output_dir: str) -> float | None:
+    """The evaluation loss logged after the last step (one test batch of 8 sequences)."""
+    path = Path(output_dir) / "metrics.json"
+    return records(output_dir)[-1].get("eval/loss") if path.is_file() else None
 
 
 def _layouts(config_file: str, out: str, layouts: dict, extra) -> dict:
@@ -114,6 +125,7 @@ def _layouts(config_file: str, out: str, layouts: dict, extra) -> dict:
     for model in MODELS:
         for name, overrides in layouts.items():
             results[model, name] = train(config_file, f"{out}/{model}_{name}", model, overrides)
+            results[model, name, "eval"] = final_eval_loss(f"{out}/{model}_{name}")
     if extra is not None:
         results.update(extra(config_file, out))
     return results
@@ -194,6 +206,7 @@ def runs(tmp_path_factory):
                                          cache=root / "cache"))
     reference = {model: train(str(config_file), str(root / f"one_{model}"), model, ["train.micro_batch_size=8"])
                  for model in MODELS}
+    reference.update({(model, "eval"): final_eval_loss(str(root / f"one_{model}")) for model in MODELS})
     tokenizer = load_tokenizer(ROOT / "data/tokenizer")
     with IndexedDatasetWriter(root / "corpus_text_document") as writer:
         for document in documents:
@@ -205,6 +218,7 @@ def runs(tmp_path_factory):
     (root / "config_indexed.py").write_text(indexed.format(cache=root / "cache"))
     reference["indexed"] = train(str(root / "config_indexed.py"), str(root / "one_indexed"), "gpt2",
                                  ["train.micro_batch_size=8"])
+    reference["indexed", "eval"] = final_eval_loss(str(root / "one_indexed"))
     two = run_distributed(_layouts, 2, str(config_file), str(root), LAYOUTS_2, _two_process_extras)[0]
     four = run_distributed(_layouts, 4, str(config_file), str(root), LAYOUTS_4, _four_process_extras)[0]
     four["one_process_bytes"] = state_bytes(str(config_file), str(root / "bytes_one"), ["train.micro_batch_size=8"])
@@ -228,6 +242,26 @@ def _assert_same(losses: dict[int, float], reference: dict[int, float], steps) -
 def test_layout_equals_one_process(runs, layout, model):
     reference, results = runs
     _assert_same(results[model, layout], reference[model], range(1, STEPS + 1))
+
+
+# Layouts whose one evaluation batch holds the same 8 sequences as the one-process run's
+# (under pp an evaluation batch is all the micro-batches of a step).
+SAME_EVAL_BATCH = ["tp2", "tp4", "pp2_1f1b", "pp2_interleaved", "pp4_gpipe", "tp2_pp2"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("layout", SAME_EVAL_BATCH)
+def test_evaluation_equals_one_process(runs, layout, model):
+    """Evaluation after the last step, pipelined (forward-only schedule) or not."""
+    reference, results = runs
+    ours, theirs = results[model, layout, "eval"], reference[model, "eval"]
+    assert ours is not None and abs(ours - theirs) / theirs <= TOL, (ours, theirs)
+
+
+def test_pipelined_evaluation_of_megatron_format_data(runs):
+    reference, results = runs
+    ours, theirs = results["gpt2", "indexed_pp2", "eval"], reference["indexed", "eval"]
+    assert ours is not None and abs(ours - theirs) / theirs <= TOL, (ours, theirs)
 
 
 @pytest.mark.parametrize("layout", list(INDEXED_LAYOUTS))

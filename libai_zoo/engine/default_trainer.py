@@ -34,7 +34,7 @@ from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpoi
 from libai_zoo.utils import peak_flops, rng_state, seed_all, set_rng_state, setup_logging, training_flops_per_token
 
 from . import hooks
-from .evaluator import Evaluator, run_evaluation
+from .evaluator import Evaluator, run_evaluation, run_pipelined_evaluation
 from .events import ConsoleWriter, JSONWriter, TensorBoardWriter
 from .train_step import AMP_DTYPES, TrainStep
 from .trainer_base import TrainerBase
@@ -155,9 +155,14 @@ class DefaultTrainer(TrainerBase):
                           generator=generator)
 
     def build_test_loader(self, cfg: DictConfig) -> DataLoader | None:
+        """The evaluation data in order; under pp in batches of all the micro-batches of a step (the
+        pipeline splits them), dropping a last batch that does not fill them."""
         if cfg.dataloader.get("test") is None:
             return None
-        return DataLoader(instantiate(cfg.dataloader.test), batch_size=cfg.train.micro_batch_size, shuffle=False)
+        if self.pipeline is None:
+            return DataLoader(instantiate(cfg.dataloader.test), batch_size=cfg.train.micro_batch_size, shuffle=False)
+        return DataLoader(instantiate(cfg.dataloader.test), batch_size=cfg.train.micro_batch_size * self.accumulation,
+                          shuffle=False, drop_last=True)
 
     def build_evaluator(self, cfg: DictConfig) -> Evaluator:
         return instantiate(cfg.evaluator) if cfg.get("evaluator") is not None else Evaluator()
@@ -170,9 +175,7 @@ class DefaultTrainer(TrainerBase):
                                        self.ctx.world_size),
                   hooks.LRScheduler(self.optimizer, self.scheduler)]
         eval_period = train.eval.period
-        if self.test_loader is not None and self.pipeline is not None:
-            logger.warning("no evaluation under pipeline parallelism yet: evaluate a checkpoint with dist.pp=1")
-        elif self.test_loader is not None:
+        if self.test_loader is not None:
             result.append(hooks.EvalHook(1 if self.fast_dev_run else eval_period, self.test))
             if train.get("best_metric"):
                 result.append(hooks.BestCheckpointer(train.best_metric, train.get("best_mode", "max")))
@@ -257,10 +260,10 @@ class DefaultTrainer(TrainerBase):
         """Evaluate on the test loader (``train.eval.max_batches`` batches at most)."""
         if self.test_loader is None:
             raise ValueError("no test data: set dataloader.test in the config")
-        if self.pipeline is not None:
-            raise ValueError("evaluation does not run under pipeline parallelism yet: evaluate the checkpoint "
-                             "with dist.pp=1 (checkpoints load at any layout)")
         max_batches = 2 if self.fast_dev_run else self.cfg.train.eval.get("max_batches")
+        if self.pipeline is not None:
+            return run_pipelined_evaluation(self.pipeline, self.model, self.test_loader, amp_dtype=self.amp_dtype,
+                                            max_batches=max_batches)
         return run_evaluation(self.model, self.test_loader, self.evaluator, device=self.ctx.device,
                               amp_dtype=self.amp_dtype, max_batches=max_batches)
 

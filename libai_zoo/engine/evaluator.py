@@ -62,3 +62,30 @@ def run_evaluation(model, loader, evaluator: Evaluator, *, device: torch.device,
     finally:
         model.train(was_training)
     return evaluator.evaluate()
+
+
+@torch.no_grad()
+def run_pipelined_evaluation(pipeline, model, loader, *, amp_dtype: torch.dtype | None,
+                             max_batches: int | None = None) -> dict[str, float]:
+    """Mean loss and perplexity over `loader` through the pipeline's forward-only schedule (a
+    causal LM: no logits leave the last stage). `model` is this rank's merged stages (it counts
+    the targets)."""
+    was_training = model.training
+    model.eval()
+    loss_sum, targets = 0.0, 0
+    device = pipeline.ctx.device
+    try:
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            shifted = "shift_labels" in batch
+            labels = batch["shift_labels" if shifted else "labels"]
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss_sum += pipeline.eval_step(batch["input_ids"], labels, shifted=shifted)
+            targets += int(model.num_loss_targets(batch))
+    finally:
+        model.train(was_training)
+    if not targets:
+        raise ValueError("the evaluator saw no batches: is the test dataset smaller than one pipelined batch?")
+    loss = loss_sum / targets
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}

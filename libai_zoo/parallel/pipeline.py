@@ -21,9 +21,10 @@ rank of the neighbouring stage, over the pp group of its (dp, tp) coordinate.
 Shapes: `PipelineStage` is built without example tensors, so torch infers the shapes, dtypes
 and requires_grad of everything sent between stages from the first micro-batch of the first
 step (one extra forward/backward of that micro-batch per stage, outside the training graph and
-with the RNG state restored). The schedule is rebuilt, and shapes inferred again, whenever the
-local batch shape changes; every rank of a pp group must therefore call `Pipeline.step` with a
-batch of the same shape (they hold the same dp shard of the data anyway).
+with the RNG state restored). One schedule is built per local batch shape (training and
+evaluation batches differ) and kept; every rank of a pp group must therefore call
+`Pipeline.step` / `eval_step` with a batch of the same shape (they hold the same dp shard of the
+data anyway).
 """
 
 from __future__ import annotations
@@ -341,8 +342,7 @@ class Pipeline:
                     group = torch_dist.new_group(pair)  # every rank creates every group, in the same order
                     if ctx.rank in pair:
                         self._tied_group = group
-        self._schedule = None
-        self._shape: tuple | None = None
+        self._schedules: dict[tuple, object] = {}
 
     # ---- what the trainer hands to the optimizer, clipping and checkpoints
     def modules(self) -> list[nn.Module]:
@@ -424,12 +424,37 @@ class Pipeline:
         targets = labels if self._shifted else F.pad(labels, (0, 1), value=ignore)[..., 1:]
         return self._cross_entropy(logits, targets.to(logits.device)) * self._loss_scale
 
-    def _build_schedule(self) -> None:
-        device, group = self.ctx.device, self.pp_group
-        stages = [PipelineStage(stage, stage.stage_index, self.num_stages, device, group=group)
-                  for stage in self.stages]
-        kwargs = dict(n_microbatches=self.num_micro_batches, loss_fn=self._loss, scale_grads=False)
-        self._schedule = self.kind.cls(stages if self.kind.multi else stages[0], **kwargs)
+    def _schedule_for(self, shape: tuple) -> object:
+        """The schedule for local batches of `shape`, built (and its shapes inferred) once per shape."""
+        if shape not in self._schedules:
+            device, group = self.ctx.device, self.pp_group
+            stages = [PipelineStage(stage, stage.stage_index, self.num_stages, device, group=group)
+                      for stage in self.stages]
+            kwargs = dict(n_microbatches=self.num_micro_batches, loss_fn=self._loss, scale_grads=False)
+            self._schedules[shape] = self.kind.cls(stages if self.kind.multi else stages[0], **kwargs)
+        return self._schedules[shape]
+
+    def _run(self, train: bool, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: float,
+             shifted: bool) -> torch.Tensor | None:
+        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+            raise ValueError(f"input_ids and labels must both be [batch, sequence], got {tuple(input_ids.shape)} "
+                             f"and {tuple(labels.shape)}")
+        if input_ids.shape[0] % self.num_micro_batches:
+            raise ValueError(f"the local batch of {input_ids.shape[0]} sequences does not split into "
+                             f"num_micro_batches = {self.num_micro_batches} equal micro-batches")
+        schedule = self._schedule_for(tuple(input_ids.shape))
+        self._loss_scale, self._shifted = float(loss_scale), shifted
+        device = self.ctx.device
+        args = (input_ids.to(device),) if self.has_first else ()
+        target = labels.to(device) if self.has_last else None
+        losses: list[torch.Tensor] = []
+        if train:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            schedule.eval(*args, target=target, losses=losses)
+        if not self.has_last:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).sum()
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: float, *,
              shifted: bool = False) -> torch.Tensor | None:
@@ -439,25 +464,11 @@ class Pipeline:
         ``shifted``: `labels` are already aligned with the positions (a model's shift_labels).
         Returns the sum of the micro-batch losses (detached) on the rank holding the last stage,
         None elsewhere. Every rank of the pp group passes a batch of the same shape."""
-        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-            raise ValueError(f"input_ids and labels must both be [batch, sequence], got {tuple(input_ids.shape)} "
-                             f"and {tuple(labels.shape)}")
-        if input_ids.shape[0] % self.num_micro_batches:
-            raise ValueError(f"the local batch of {input_ids.shape[0]} sequences does not split into "
-                             f"num_micro_batches = {self.num_micro_batches} equal micro-batches")
-        shape = tuple(input_ids.shape)
-        if self._schedule is None or shape != self._shape:
-            self._build_schedule()  # shapes are inferred again from the new batch
-            self._shape = shape
-        self._loss_scale, self._shifted = float(loss_scale), shifted
-        device = self.ctx.device
-        args = (input_ids.to(device),) if self.has_first else ()
-        target = labels.to(device) if self.has_last else None
-        losses: list[torch.Tensor] = []
-        self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        if not self.has_last:
-            return None
-        return torch.stack([loss.detach() for loss in losses]).sum()
+        return self._run(True, input_ids, labels, loss_scale, shifted)
+
+    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor, *, shifted: bool = False) -> float:
+        """Forward only: the sum of the local batch's token losses, on every rank of the pp group."""
+        return self.broadcast_loss(self._run(False, input_ids, labels, 1.0, shifted))
 
     def broadcast_loss(self, loss: torch.Tensor | None) -> float:
         """The last stage's value of `loss` on every rank of the pp group (call it on all of them)."""
