@@ -11,6 +11,8 @@ padding masks, sliding windows (MegaScale/Mistral), cross-attention and a KV cac
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,9 +98,12 @@ class Attention(ParallelLayer, nn.Module):
         # [B, S, groups, heads per group, d] -> [B, heads, S, d]; a view when rotary made q contiguous
         q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
         mask, is_causal = self._mask(attention_mask, q.shape[2], k.shape[2], q.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal,
-            scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        dropout = self.dropout if self.training else 0.0
+        # This rank's heads draw their own dropout masks (the tp rank's stream), as one process would.
+        with self.tp.rng.fork() if self.tp is not None and dropout else nullcontext():
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=self.softmax_scale,
+                enable_gqa=q.shape[1] != k.shape[1])
         return self.out(out.transpose(1, 2).flatten(2))
 
     def _project(self, x: torch.Tensor, encoder_states: torch.Tensor | None):

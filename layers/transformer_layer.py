@@ -79,22 +79,29 @@ class TransformerLayer(ParallelLayer, nn.Module):
                        sync_input=fused_comm, reduce_output=fused_comm, **factory)
         self.dropout = nn.Dropout(hidden_dropout)
 
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual-branch dropout; on a sequence shard (SP) from this tp rank's own random stream."""
+        if self.sp and self.training and self.dropout.p:
+            with self.tp.rng.fork():
+                return self.dropout(x)
+        return self.dropout(x)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
                 encoder_attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         x = hidden_states
         if self.parallel_block:
-            return x + self.dropout(self._parallel_branches(self.attn_norm(x), attention_mask, position_ids, kv_cache))
+            return x + self._dropout(self._parallel_branches(self.attn_norm(x), attention_mask, position_ids, kv_cache))
         cross = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask)
         if self.pre_norm:
-            x = x + self.dropout(self.attn(self.attn_norm(x), attention_mask, position_ids, kv_cache=kv_cache))
+            x = x + self._dropout(self.attn(self.attn_norm(x), attention_mask, position_ids, kv_cache=kv_cache))
             if self.cross_attn is not None:
-                x = x + self.dropout(self.cross_attn(self.cross_attn_norm(x), **cross))
-            return x + self.dropout(self.mlp(self.mlp_norm(x)))
-        x = self.attn_norm(x + self.dropout(self.attn(x, attention_mask, position_ids, kv_cache=kv_cache)))
+                x = x + self._dropout(self.cross_attn(self.cross_attn_norm(x), **cross))
+            return x + self._dropout(self.mlp(self.mlp_norm(x)))
+        x = self.attn_norm(x + self._dropout(self.attn(x, attention_mask, position_ids, kv_cache=kv_cache)))
         if self.cross_attn is not None:
-            x = self.cross_attn_norm(x + self.dropout(self.cross_attn(x, **cross)))
-        return self.mlp_norm(x + self.dropout(self.mlp(x)))
+            x = self.cross_attn_norm(x + self._dropout(self.cross_attn(x, **cross)))
+        return self.mlp_norm(x + self._dropout(self.mlp(x)))
 
     def _parallel_branches(self, h: torch.Tensor, attention_mask, position_ids, kv_cache) -> torch.Tensor:
         """attn(h) + mlp(h) with one input sync and one output reduction for both."""

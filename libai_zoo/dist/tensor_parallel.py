@@ -12,6 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from .rng import ParallelRNG, tensor_parallel_rng
+
 
 class TensorParallel:
     """The tp mesh a layer is split over, with its group, size and this rank's index."""
@@ -24,6 +26,15 @@ class TensorParallel:
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.sequence_parallel = sequence_parallel
+        self._rng: ParallelRNG | None = None
+
+    @property
+    def rng(self) -> ParallelRNG:
+        """This rank's own random stream, for dropout on split activations (created on first use,
+        from the seed the default generator was given)."""
+        if self._rng is None:
+            self._rng = tensor_parallel_rng(self.rank, self.mesh.device_type)
+        return self._rng
 
     def check_divisible(self, value: int, what: str, fix: str) -> None:
         """Raise a ValueError naming the sizes when `value` does not split evenly over tp."""

@@ -1,0 +1,63 @@
+"""Dropout under tensor parallelism (2 gloo processes): split activations draw masks from each tp
+rank's own stream, replicated ones from the shared default stream, and activation
+checkpointing replays both exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from distributed_runner import run_distributed
+from libai_zoo import dist, layers
+from libai_zoo.parallel import apply_activation_checkpointing
+
+pytestmark = pytest.mark.slow
+
+
+def _checks() -> dict:
+    ctx = dist.init(tp=2)
+    tp = dist.shard(layers.Linear(4, 4, parallel="col"), ctx).tp
+    torch.manual_seed(0)
+    with tp.rng.fork():
+        own = torch.rand(4)
+    shared = torch.rand(4)  # the default stream continues as if the fork had not happened
+    torch.manual_seed(0)
+    untouched = torch.rand(4)
+
+    results = {"own": own, "shared": shared, "untouched": untouched}
+    for sp in (False, True):
+        torch.manual_seed(1)
+        layer = layers.TransformerLayer(16, 4, 32, attention_dropout=0.3, hidden_dropout=0.2, causal=True)
+        checkpointed = copy.deepcopy(layer)
+        dist.shard(layer, ctx, sequence_parallel=sp)
+        dist.shard(checkpointed, ctx, sequence_parallel=sp)
+        apply_activation_checkpointing(checkpointed)
+        x = torch.randn(2, 8 if not sp else 4, 16)
+        grads = []
+        start = layer.tp.rng.get_state()
+        for module in (layer, checkpointed):  # same default and tp streams for both
+            torch.manual_seed(2)
+            module.tp.rng.set_state(start)
+            module(x.clone().requires_grad_()).sum().backward()
+            grads.append(torch.cat([p.grad.to_local().flatten() for p in module.parameters()]))
+        results["grad_diff", sp] = (grads[0] - grads[1]).abs().max().item()
+    dist.destroy()
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(_checks, 2)
+
+
+def test_each_tp_rank_has_its_own_stream_and_the_shared_one_is_untouched(ranks):
+    first, second = ranks
+    assert not torch.equal(first["own"], second["own"])
+    assert torch.equal(first["shared"], second["shared"]) and torch.equal(first["shared"], first["untouched"])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_activation_checkpointing_replays_the_dropout_masks(ranks, sequence_parallel):
+    assert all(rank["grad_diff", sequence_parallel] <= 1e-6 for rank in ranks)
