@@ -183,7 +183,7 @@ class DefaultTrainer(TrainerBase):
             result.append(hooks.PeriodicCheckpointer(self.checkpointer, train.checkpoint.period,
                                                      train.checkpoint.get("max_to_keep")))
         if self.ctx.is_main_process:
-            writers = [ConsoleWriter(train.max_iter), JSONWriter(self.output_dir / "metrics.json")]
+            writers = [ConsoleWriter(), JSONWriter(self.output_dir / "metrics.json")]
             if train.get("tensorboard", False):
                 writers.append(TensorBoardWriter(self.output_dir / "tensorboard"))
             result += [hooks.PeriodicWriter(writers, 1 if self.fast_dev_run else train.log_period),

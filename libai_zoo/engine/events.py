@@ -25,8 +25,8 @@ def get_event_storage() -> EventStorage:
 class EventStorage:
     """Scalars by name, each with the iteration it was recorded at and a window of history."""
 
-    def __init__(self, start_iter: int = 0, window: int = 20):
-        self.iter = start_iter
+    def __init__(self, start_iter: int = 0, max_iter: int | None = None, window: int = 20):
+        self.iter, self.max_iter = start_iter, max_iter
         self.window = window
         self._history: dict[str, deque[tuple[float, int]]] = defaultdict(lambda: deque(maxlen=window))
 
@@ -58,22 +58,20 @@ class EventStorage:
 
 
 class ConsoleWriter:
-    """One line per logged iteration: progress, ETA, loss, lr, grad norm, throughput, MFU, memory."""
+    """One line per logged iteration: progress (of the running loop's max_iter), ETA, loss, lr, grad
+    norm, throughput, MFU, memory."""
 
     FIELDS = (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.3e}"), ("grad_norm", "grad_norm", "{:.3f}"),
               ("samples_per_s", "samples/s", "{:.1f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
               ("mfu", "mfu", "{:.1%}"), ("max_mem_mb", "max_mem", "{:.0f}M"), ("loss_scale", "loss_scale", "{:g}"))
 
-    def __init__(self, max_iter: int):
-        self.max_iter = max_iter
-
     def write(self, storage: EventStorage) -> None:
         latest = storage.latest()
         iteration = storage.iter + 1
-        parts = [f"iter: {iteration}/{self.max_iter}"]
+        parts = [f"iter: {iteration}/{storage.max_iter}"]
         step_time = storage.median("time")
-        if step_time is not None:
-            eta = datetime.timedelta(seconds=int(step_time * (self.max_iter - iteration)))
+        if step_time is not None and storage.max_iter is not None:
+            eta = datetime.timedelta(seconds=int(step_time * (storage.max_iter - iteration)))
             parts.append(f"eta: {eta}")
         for key, label, fmt in self.FIELDS:
             if key in latest:

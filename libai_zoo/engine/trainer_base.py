@@ -56,7 +56,7 @@ class TrainerBase:
         logger.info("starting training from iteration %d", start_iter)
         self.iter = self.start_iter = start_iter
         self.max_iter = max_iter
-        with EventStorage(start_iter) as self.storage:
+        with EventStorage(start_iter, max_iter) as self.storage:
             try:
                 self._call("before_train")
                 for self.iter in range(start_iter, max_iter):
