@@ -269,3 +269,11 @@ def test_resume_from_a_weights_only_checkpoint_says_use_load_weight(config_file,
     hf_to_zoo(tmp_path / "hf", tmp_path / "run")
     with pytest.raises(ValueError, match=r"holds model weights only .* train.load_weight="):
         run(config_file, tmp_path / "run", resume=True)
+
+
+def test_compiled_layers_train_like_eager_ones(config_file, straight, tmp_path):
+    """train.compile names a torch.compile backend (aot_eager here: inductor's cold compile is too slow
+    for CI); the compiled run logs the eager losses."""
+    run(config_file, tmp_path, "train.checkpoint.period=0", "train.compile=aot_eager")
+    compiled, eager = losses(tmp_path), losses(straight)
+    assert max(abs(compiled[i] - eager[i]) for i in compiled) <= 1e-5

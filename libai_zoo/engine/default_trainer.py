@@ -123,10 +123,12 @@ class DefaultTrainer(TrainerBase):
             model = self.pipeline.merged_model()
         if cfg.train.activation_checkpoint.enabled:
             logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(model))
-        if cfg.train.get("compile", False):
+        compile_with = cfg.train.get("compile", False)
+        if compile_with:  # True: inductor; a string names another torch.compile backend
+            backend = "inductor" if compile_with is True else compile_with
             for module in model.modules():
                 if isinstance(module, TransformerLayer):
-                    module.compile()
+                    module.compile(backend=backend)
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
         return self.data_parallel.wrap_model(model).train()

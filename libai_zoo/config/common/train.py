@@ -17,7 +17,7 @@ train = dict(
     activation_checkpoint=dict(enabled=False),   # recompute layer activations in backward to save memory
     zero_stage=0,                   # ZeRO: 0 off; 1 shards optimizer state, 2 + gradients, 3 + parameters
     zero_offload=False,             # keep the sharded state in CPU memory
-    compile=False,                  # torch.compile the model
+    compile=False,                  # torch.compile each transformer layer (True: inductor; or a backend name)
     log_period=10,                  # iterations between metric logs
     checkpoint=dict(period=500, max_to_keep=None),   # save every `period` iterations; None keeps all
     eval=dict(period=0, max_batches=None),           # eval every `period` iterations (0: no periodic
