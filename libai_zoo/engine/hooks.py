@@ -12,6 +12,7 @@ import time
 import torch
 
 from libai_zoo.checkpoint import Checkpointer
+from libai_zoo.utils import mfu
 
 from .trainer_base import HookBase
 
@@ -43,7 +44,7 @@ class IterationTimer(HookBase):
             tokens_per_s = latest["tokens"][0] / elapsed
             storage.put_scalar("tokens_per_s", tokens_per_s)
             if self.flops_per_token and self.peak_flops:
-                storage.put_scalar("mfu", tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size))
+                storage.put_scalar("mfu", mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size))
         if torch.cuda.is_available():
             storage.put_scalar("max_mem_mb", torch.cuda.max_memory_allocated() / 2**20)
         else:  # the process's peak resident memory (Linux reports KiB)
