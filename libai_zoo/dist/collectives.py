@@ -77,6 +77,19 @@ def all_reduce_(x: torch.Tensor, tp: TensorParallel, op=torch_dist.ReduceOp.SUM)
     return x
 
 
+def all_reduce_coalesced_(tensors: list[torch.Tensor], group, *, scale: float = 1.0) -> None:
+    """Sum `tensors` (one dtype and device) over `group` in place with one all-reduce of their
+    concatenation, then multiply by `scale` (e.g. 1/dp for a mean: gloo has no AVG)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    torch_dist.all_reduce(flat, group=group)
+    if scale != 1.0:
+        flat.mul_(scale)
+    for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        tensor.copy_(piece.view_as(tensor))
+
+
 def broadcast_(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Overwrite `x` in place with tp rank 0's (no autograd): one choice for every rank, e.g. a sampled token."""
     torch_dist.broadcast(x, src=torch_dist.get_global_rank(tp.group, 0), group=tp.group)

@@ -7,6 +7,7 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from .collectives import all_reduce_coalesced_
 from .context import ParallelContext, get_context
 from .tensor_parallel import TensorParallel
 
@@ -79,7 +80,6 @@ def finalize_grads(model: nn.Module) -> None:
             buckets.setdefault((grad.device_mesh, grad.dtype), []).append(param)
     for (mesh, _), params in buckets.items():
         locals_ = [p.grad.to_local() for p in params]
-        flat = torch.cat([g.reshape(-1) for g in locals_])
-        torch_dist.all_reduce(flat, group=mesh.get_group())
-        for param, grad, piece in zip(params, locals_, flat.split([g.numel() for g in locals_])):
-            param.grad = DTensor.from_local(piece.view_as(grad), mesh, [Replicate()], run_check=False)
+        all_reduce_coalesced_(locals_, mesh.get_group())
+        for param, grad in zip(params, locals_):
+            param.grad = DTensor.from_local(grad, mesh, [Replicate()], run_check=False)

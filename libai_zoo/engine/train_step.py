@@ -89,7 +89,7 @@ class TrainStep:
                     self.scaler.scale(micro_loss * (count * self.dp / total)).backward()
                 loss += micro_loss.detach().float() * (count / total)
         if self.data_parallel is not None:
-            self.data_parallel.reduce_gradients([self.model])
+            self.data_parallel.reduce_gradients(self.model)
             self.data_parallel.all_reduce_sum(loss)
         dist.finalize_grads(self.model)
         self.scaler.unscale_(self.optimizer)

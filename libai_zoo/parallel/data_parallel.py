@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from libai_zoo.dist import ParallelContext
+from libai_zoo.dist.collectives import all_reduce_coalesced_
 from libai_zoo.layers import TransformerLayer
 
 
@@ -93,25 +94,17 @@ class DataParallel:
         yield
 
     @torch.no_grad()
-    def reduce_gradients(self, modules: list[nn.Module]) -> None:
+    def reduce_gradients(self, model: nn.Module) -> None:
         """ZeRO 0/1: average the gradients over dp in one all-reduce per dtype (FSDP did its own)."""
         if self.group is None or self.shards_parameters:
             return
         buckets: dict[tuple, list[torch.Tensor]] = {}
-        seen: set[int] = set()
-        for module in modules:
-            for param in module.parameters():
-                if param.grad is None or id(param) in seen:
-                    continue
-                seen.add(id(param))
+        for param in model.parameters():
+            if param.grad is not None:
                 grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                 buckets.setdefault((grad.dtype, grad.device), []).append(grad)
         for grads in buckets.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            torch_dist.all_reduce(flat, group=self.group)  # gloo has no AVG: sum, then divide
-            flat.div_(self.ctx.dp)
-            for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
-                grad.copy_(piece.view_as(grad))
+            all_reduce_coalesced_(grads, self.group, scale=1.0 / self.ctx.dp)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over dp (in place), e.g. target counts and the logged loss."""
