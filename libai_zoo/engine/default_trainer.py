@@ -34,7 +34,7 @@ from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpoi
 from libai_zoo.utils import peak_flops, rng_state, seed_all, set_rng_state, setup_logging, training_flops_per_token
 
 from . import hooks
-from .evaluator import Evaluator, run_evaluation, run_pipelined_evaluation
+from .evaluator import Evaluator, pipelined_forward, run_evaluation
 from .events import ConsoleWriter, JSONWriter, TensorBoardWriter
 from .train_step import AMP_DTYPES, TrainStep
 from .trainer_base import TrainerBase
@@ -161,10 +161,9 @@ class DefaultTrainer(TrainerBase):
         pipeline splits them), dropping a last batch that does not fill them."""
         if cfg.dataloader.get("test") is None:
             return None
-        if self.pipeline is None:
-            return DataLoader(instantiate(cfg.dataloader.test), batch_size=cfg.train.micro_batch_size, shuffle=False)
-        return DataLoader(instantiate(cfg.dataloader.test), batch_size=cfg.train.micro_batch_size * self.accumulation,
-                          shuffle=False, drop_last=True)
+        pipelined = self.pipeline is not None
+        batch_size = cfg.train.micro_batch_size * (self.accumulation if pipelined else 1)
+        return DataLoader(instantiate(cfg.dataloader.test), batch_size=batch_size, shuffle=False, drop_last=pipelined)
 
     def build_evaluator(self, cfg: DictConfig) -> Evaluator:
         return instantiate(cfg.evaluator) if cfg.get("evaluator") is not None else Evaluator()
@@ -199,9 +198,8 @@ class DefaultTrainer(TrainerBase):
     # ------------------------------------------------------------------------- state and resume
     def trainer_state(self, iteration: int) -> dict:
         """What besides model and optimizer a resume needs, for this rank."""
-        return {"iteration": iteration, "consumed_samples": iteration * self.cfg.train.global_batch_size,
-                "scheduler": self.scheduler.state_dict(), "scaler": self.step.scaler.state_dict(),
-                "rng": rng_state()}
+        return {"iteration": iteration, "scheduler": self.scheduler.state_dict(),
+                "scaler": self.step.scaler.state_dict(), "rng": rng_state()}
 
     def save_checkpoint(self, name: str, *, pointer: bool = True) -> Path:
         return self.checkpointer.save(name, self.trainer_state(self.iter + 1), pointer=pointer)
@@ -263,9 +261,7 @@ class DefaultTrainer(TrainerBase):
         if self.test_loader is None:
             raise ValueError("no test data: set dataloader.test in the config")
         max_batches = 2 if self.fast_dev_run else self.cfg.train.eval.get("max_batches")
-        if self.pipeline is not None:
-            return run_pipelined_evaluation(self.pipeline, self.model, self.test_loader, amp_dtype=self.amp_dtype,
-                                            max_batches=max_batches)
+        forward = pipelined_forward(self.pipeline, self.model) if self.pipeline is not None else None
         return run_evaluation(self.model, self.test_loader, self.evaluator, device=self.ctx.device,
-                              amp_dtype=self.amp_dtype, max_batches=max_batches)
+                              amp_dtype=self.amp_dtype, max_batches=max_batches, forward=forward)
 

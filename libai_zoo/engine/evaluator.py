@@ -4,8 +4,12 @@ accuracy for classifiers."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+from transformers.modeling_outputs import ModelOutput
+
+from .train_step import count_targets
 
 
 class Evaluator:
@@ -23,8 +27,7 @@ class Evaluator:
 
     def process(self, model, batch: dict, outputs) -> None:
         labels = batch.get("labels", batch.get("shift_labels"))
-        counter = getattr(model, "num_loss_targets", None)
-        count = int(counter(batch)) if counter is not None else labels.shape[0]
+        count = count_targets(model, batch)
         self._language_model = getattr(model, "loss_targets", "samples") != "samples"
         self._loss_sum += outputs.loss.float().item() * count
         self._targets += count
@@ -46,8 +49,10 @@ class Evaluator:
 
 @torch.no_grad()
 def run_evaluation(model, loader, evaluator: Evaluator, *, device: torch.device, amp_dtype: torch.dtype | None,
-                   max_batches: int | None = None) -> dict[str, float]:
-    """Evaluate `model` on `loader` in eval mode (then back to train mode)."""
+                   max_batches: int | None = None, forward: Callable[[dict], object] | None = None) -> dict[str, float]:
+    """Evaluate `model` on `loader` in eval mode (then back to train mode). ``forward(batch)`` returns
+    outputs with ``.loss`` (and ``.logits``); default: ``model(**batch)``."""
+    forward = forward or (lambda batch: model(**batch))
     was_training = model.training
     model.eval()
     evaluator.reset()
@@ -57,35 +62,18 @@ def run_evaluation(model, loader, evaluator: Evaluator, *, device: torch.device,
                 break
             batch = {k: v.to(device) for k, v in batch.items()}
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                outputs = model(**batch)
+                outputs = forward(batch)
             evaluator.process(model, batch, outputs)
     finally:
         model.train(was_training)
     return evaluator.evaluate()
 
 
-@torch.no_grad()
-def run_pipelined_evaluation(pipeline, model, loader, *, amp_dtype: torch.dtype | None,
-                             max_batches: int | None = None) -> dict[str, float]:
-    """Mean loss and perplexity over `loader` through the pipeline's forward-only schedule (a
-    causal LM: no logits leave the last stage). `model` is this rank's merged stages (it counts
-    the targets)."""
-    was_training = model.training
-    model.eval()
-    loss_sum, targets = 0.0, 0
-    device = pipeline.ctx.device
-    try:
-        for i, batch in enumerate(loader):
-            if max_batches is not None and i >= max_batches:
-                break
-            shifted = "shift_labels" in batch
-            labels = batch["shift_labels" if shifted else "labels"]
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss_sum += pipeline.eval_step(batch["input_ids"], labels, shifted=shifted)
-            targets += int(model.num_loss_targets(batch))
-    finally:
-        model.train(was_training)
-    if not targets:
-        raise ValueError("the evaluator saw no batches: is the test dataset smaller than one pipelined batch?")
-    loss = loss_sum / targets
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+def pipelined_forward(pipeline, model) -> Callable[[dict], ModelOutput]:
+    """``forward`` for `run_evaluation` through the pipeline's forward-only schedule: the batch's
+    mean loss (a causal LM; no logits leave the last stage). `model` is this rank's merged stages."""
+    def forward(batch: dict) -> ModelOutput:
+        shifted = "shift_labels" in batch
+        total = pipeline.eval_step(batch["input_ids"], batch["shift_labels" if shifted else "labels"], shifted=shifted)
+        return ModelOutput(loss=torch.tensor(total / count_targets(model, batch)))
+    return forward

@@ -50,12 +50,8 @@ class TrainStep:
         self._forward_kwargs = {"return_logits": False} if "return_logits" in accepts else {}
 
     def _counts(self, batches: list[dict]) -> tuple[list[float], float]:
-        """Targets per micro-batch (labelled tokens, or samples) and their total over the global batch."""
-        counter = getattr(self.model, "num_loss_targets", None)
-        if counter is None or any("labels" not in b and "shift_labels" not in b for b in batches):
-            counts = [float(_batch_size(b)) for b in batches]
-        else:
-            counts = [float(counter(b)) for b in batches]
+        """Targets per micro-batch and their total over the global batch."""
+        counts = [float(count_targets(self.model, b)) for b in batches]
         total = torch.tensor(sum(counts), dtype=torch.float64, device=self.device)
         if self.data_parallel is not None:
             self.data_parallel.all_reduce_sum(total)
@@ -120,3 +116,12 @@ class TrainStep:
 
 def _batch_size(batch: dict) -> int:
     return next(iter(batch.values())).shape[0]
+
+
+def count_targets(model: nn.Module, batch: dict) -> int:
+    """The terms the batch's mean loss averages over: the model's count of labelled tokens
+    (`num_loss_targets`), or the samples for models and batches without one."""
+    counter = getattr(model, "num_loss_targets", None)
+    if counter is None or ("labels" not in batch and "shift_labels" not in batch):
+        return _batch_size(batch)
+    return int(counter(batch))

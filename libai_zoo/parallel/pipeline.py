@@ -355,8 +355,8 @@ class Pipeline:
         schedule). With one stage per rank it is that stage's pruned model itself."""
         models = self.modules()
         merged = models[0] if len(models) == 1 else _merge(models)
-        if merged is not models[0]:
-            merged.num_loss_targets = models[0].num_loss_targets
+        if merged is not models[0]:  # what the step and evaluation ask of the model
+            merged.num_loss_targets, merged.loss_targets = models[0].num_loss_targets, models[0].loss_targets
         return merged
 
     def parameters(self) -> list[nn.Parameter]:
