@@ -73,8 +73,9 @@ class Checkpointer:
             return []
         return [self.optimizer]
 
-    def _state(self) -> dict:
-        optimizers = self._sharded_optimizers()
+    def _state(self, with_optimizer: bool = True) -> dict:
+        """The FQN-keyed state DCP saves and loads: {"model": ..., ["optim": ...]}."""
+        optimizers = self._sharded_optimizers(with_optimizer)
         model_state, optim_state = get_state_dict(self.model, optimizers)
         return {"model": model_state, "optim": optim_state} if optimizers else {"model": model_state}
 
@@ -122,8 +123,7 @@ class Checkpointer:
             raise FileNotFoundError(f"{path} is not a libai_zoo checkpoint (no .metadata): pass a model_XXXXXXX "
                                     f"directory written by the trainer")
         optimizers = self._sharded_optimizers(with_optimizer)
-        model_state, optim_state = get_state_dict(self.model, optimizers)
-        state = {"model": model_state, "optim": optim_state} if optimizers else {"model": model_state}
+        state = self._state(with_optimizer)
         if "optim" in state:
             _rename_state(state["optim"], self.aliases)
         with _one_process_ok():
