@@ -113,7 +113,8 @@ class DefaultTrainer(TrainerBase):
         this rank's stages), optionally with activation checkpointing and torch.compile per layer,
         wrapped for ZeRO 2/3; in train mode."""
         model = dist.shard(instantiate(cfg.model), self.ctx)
-        self.flops_per_token = training_flops_per_token(model, self._sequence_length() or 0)
+        seq_len = self._sequence_length()  # MFU needs it; of the whole model, before pipeline stages cut it
+        self.flops_per_token = training_flops_per_token(model, seq_len) if seq_len else None
         if self.ctx.pp > 1:
             pipe = cfg.train.get("pipeline") or {}
             self.pipeline = Pipeline(model, self.ctx, schedule=pipe.get("schedule", "1f1b"),
@@ -171,9 +172,8 @@ class DefaultTrainer(TrainerBase):
     def build_hooks(self) -> list[hooks.HookBase]:
         """The built-in hooks, then the config's own ``hooks`` list (LazyCalls of HookBase subclasses)."""
         train = self.cfg.train
-        flops = self.flops_per_token if self._sequence_length() else None
-        result = [hooks.IterationTimer(flops, peak_flops(self.ctx.device, self.amp_dtype or torch.float32),
-                                       self.ctx.world_size),
+        peak = peak_flops(self.ctx.device, self.amp_dtype or torch.float32)
+        result = [hooks.IterationTimer(self.flops_per_token, peak, self.ctx.world_size),
                   hooks.LRScheduler(self.optimizer, self.scheduler)]
         eval_period = train.eval.period
         if self.test_loader is not None:
