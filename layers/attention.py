@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.dist import TensorParallel
 
 from .linear import Linear
 from .kv_cache import KVCache
-from .parallel_layer import ParallelLayer
+from .parallel_layer import ParallelLayer, indivisible
 from .rotary import RotaryEmbedding, apply_rotary
 
 
@@ -72,11 +71,13 @@ class Attention(ParallelLayer, nn.Module):
                           device=device, dtype=dtype)
         self.rotary = RotaryEmbedding(head_dim, rope_theta, rope_scaling) if rope_theta else None
 
-    def shard_(self, tp: TensorParallel) -> None:
+    def tp_problems(self, tp_size: int) -> list[str]:
         fix = "choose a tp that divides both head counts"
-        tp.check_divisible(self.num_heads, "num_heads", fix)
-        tp.check_divisible(self.num_kv_heads, "num_kv_heads", fix + " (each rank needs whole KV groups)")
-        super().shard_(tp)
+        problems = indivisible(self.num_heads, tp_size, "num_heads", fix)
+        if self.num_kv_heads != self.num_heads:
+            problems += indivisible(self.num_kv_heads, tp_size, "num_kv_heads",
+                                    fix + " (each rank needs whole KV groups)")
+        return problems
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,

@@ -9,7 +9,7 @@ from torch import nn
 from libai_zoo.dist import TensorParallel, local
 from libai_zoo.dist.collectives import row_output
 
-from .parallel_layer import ParallelLayer
+from .parallel_layer import ParallelLayer, indivisible
 
 
 class VocabEmbedding(ParallelLayer, nn.Embedding):
@@ -28,13 +28,10 @@ class VocabEmbedding(ParallelLayer, nn.Embedding):
         self.sequence_parallel = sequence_parallel
         self.vocab_start, self.vocab_end = 0, num_embeddings
 
+    def tp_problems(self, tp_size: int) -> list[str]:
+        return vocabulary_problems(self.num_embeddings, tp_size)
+
     def shard_(self, tp: TensorParallel) -> None:
-        if self.num_embeddings % tp.size:
-            padded = -(-self.num_embeddings // tp.size) * tp.size
-            raise ValueError(
-                f"vocabulary size {self.num_embeddings} is not divisible by tp = {tp.size}: pad the "
-                f"vocabulary to a multiple of tp (e.g. {padded}; the extra rows are never looked up "
-                f"and the tokenizer is unchanged)")
         tp.shard_parameter(self, "weight", 0)
         self.vocab_start, self.vocab_end = tp.local_range(self.num_embeddings)
         super().shard_(tp)
@@ -74,3 +71,11 @@ class Embedding(ParallelLayer, nn.Embedding):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + self.parallel_repr()
+
+
+def vocabulary_problems(vocab_size: int, tp_size: int) -> list[str]:
+    """What a vocabulary split over tp (token embedding, LM head) needs."""
+    padded = -(-vocab_size // tp_size) * tp_size
+    return indivisible(vocab_size, tp_size, "vocabulary size",
+                       f"pad the vocabulary to a multiple of tp (e.g. {padded}; the extra rows are never looked up "
+                       f"and the tokenizer is unchanged), or lower tp")

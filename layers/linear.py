@@ -9,7 +9,7 @@ from torch import nn
 from libai_zoo.dist import TensorParallel, local
 from libai_zoo.dist.collectives import column_input, gather_from_tp, row_output
 
-from .parallel_layer import ParallelLayer
+from .parallel_layer import ParallelLayer, indivisible
 
 PARALLEL_MODES = ("col", "row", "data")
 
@@ -42,15 +42,19 @@ class Linear(ParallelLayer, nn.Linear):
         self.reduce_output = reduce_output
         self.sequence_parallel = sequence_parallel
 
+    def tp_problems(self, tp_size: int) -> list[str]:
+        fix = "choose a size that is a multiple of tp, or lower tp"
+        if self.parallel == "col":
+            return indivisible(self.out_features, tp_size, "out_features of a column-parallel Linear", fix)
+        if self.parallel == "row":
+            return indivisible(self.in_features, tp_size, "in_features of a row-parallel Linear", fix)
+        return []
+
     def shard_(self, tp: TensorParallel) -> None:
         if self.parallel == "col":
-            tp.check_divisible(self.out_features, "out_features of a column-parallel Linear",
-                               "choose a size that is a multiple of tp")
             tp.shard_parameter(self, "weight", 0)
             tp.shard_parameter(self, "bias", 0)
         elif self.parallel == "row":
-            tp.check_divisible(self.in_features, "in_features of a row-parallel Linear",
-                               "choose a size that is a multiple of tp")
             tp.shard_parameter(self, "weight", 1)
         super().shard_(tp)
 

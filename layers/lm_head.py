@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from libai_zoo.dist.collectives import gather_from_tp
+from libai_zoo.dist.collectives import broadcast_, gather_from_tp
 
 from .cross_entropy import ParallelCrossEntropy
+from .embedding import vocabulary_problems
 from .linear import Linear
 
 
@@ -25,6 +26,9 @@ class LMHead(Linear):
                  device=None, dtype=None):
         super().__init__(hidden_size, vocab_size, bias, "col", sequence_parallel=False, device=device, dtype=dtype)
         self.loss_fn = ParallelCrossEntropy(ignore_index)
+
+    def tp_problems(self, tp_size: int) -> list[str]:
+        return vocabulary_problems(self.out_features, tp_size)
 
     def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None, *, shift: bool = False,
                 logits_to_keep: int = 0, return_logits: bool = True
@@ -44,3 +48,8 @@ class LMHead(Linear):
         if not return_logits:
             return loss, None
         return loss, logits if self.tp is None else gather_from_tp(logits, self.tp, dim=-1)
+
+    def agree(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens tp rank 0 chose, on every tp rank (each rank samples from its own random
+        stream; all must continue with the same sequence). Without tp, `tokens` as they are."""
+        return tokens if self.tp is None else broadcast_(tokens, self.tp)

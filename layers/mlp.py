@@ -15,11 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.dist import TensorParallel
 from libai_zoo.dist.collectives import column_input
 
 from .linear import Linear
-from .parallel_layer import ParallelLayer
+from .parallel_layer import ParallelLayer, indivisible
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -57,10 +56,9 @@ class MLP(ParallelLayer, nn.Module):
         self.down = Linear(ffn_hidden_size, hidden_size, bias, "row", reduce_output=reduce_output,
                            sequence_parallel=sequence_parallel, device=device, dtype=dtype)
 
-    def shard_(self, tp: TensorParallel) -> None:
-        tp.check_divisible(self.ffn_hidden_size, "ffn_hidden_size (MLP hidden neurons)",
-                           "choose an intermediate size that is a multiple of tp")
-        super().shard_(tp)
+    def tp_problems(self, tp_size: int) -> list[str]:
+        return indivisible(self.ffn_hidden_size, tp_size, "ffn_hidden_size (MLP hidden neurons)",
+                           "choose an intermediate size that is a multiple of tp, or lower tp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is not None and self.sync_input:

@@ -1,8 +1,10 @@
 """The contract every parallel layer follows, shared by all of `libai_zoo.layers`.
 
 A parallel layer is built at full size and behaves exactly like its `torch.nn` twin until
-`libai_zoo.dist.shard` calls its ``shard_(tp)``: it then checks its sizes against tp, keeps its
-own slice of each parameter as a DTensor on the tp mesh, and communicates in forward/backward.
+`libai_zoo.dist.shard` calls its ``shard_(tp)``: it then keeps its own slice of each parameter as
+a DTensor on the tp mesh and communicates in forward/backward. Which sizes must divide by tp is
+the layer's own knowledge (`tp_problems`): `dist.shard` asks every layer before splitting any,
+and a layout can be checked on a model built on the meta device, without a process group.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ class ParallelLayer:
         """True when sharded with sequence parallelism on and this layer taking part."""
         return self.tp is not None and self.tp.sequence_parallel and self.sequence_parallel
 
+    def tp_problems(self, tp_size: int) -> list[str]:
+        """Why this layer cannot be split over `tp_size` ranks ([] when it can)."""
+        return []
+
     def shard_(self, tp: TensorParallel) -> None:
         """Keep this rank's slice of the parameters; subclasses split, this replicates the rest."""
         for name, _ in list(self.named_parameters(recurse=False)):
@@ -36,3 +42,8 @@ class ParallelLayer:
     def parallel_repr(self) -> str:
         """Text for extra_repr: the split, and the tp size once sharded."""
         return "" if self.tp is None else f", tp={self.tp.size}" + (", sequence_parallel" if self.sp else "")
+
+
+def indivisible(value: int, tp_size: int, what: str, fix: str) -> list[str]:
+    """[the problem] when `value` does not split evenly over `tp_size` ranks, else []."""
+    return [f"{what} = {value} is not divisible by tp = {tp_size}: {fix}"] if value % tp_size else []

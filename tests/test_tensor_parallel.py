@@ -296,7 +296,7 @@ def test_bad_sizes_fail_with_the_fix(results):
     errors = results["errors"]
     assert "num_heads" in errors["num_heads"] and "not divisible by tp" in errors["num_heads"]
     assert "num_kv_heads" in errors["num_kv_heads"] and "whole KV groups" in errors["num_kv_heads"]
-    assert "vocabulary size 51" in errors["vocab"] and "pad the vocabulary" in errors["vocab"]
+    assert "vocabulary size = 51" in errors["vocab"] and "pad the vocabulary" in errors["vocab"]
     assert "ffn_hidden_size" in errors["ffn"]
     assert "size 9" in errors["sequence"] and "sequence length" in errors["sequence"]
 

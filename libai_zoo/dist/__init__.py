@@ -5,8 +5,8 @@
 """
 
 from .context import ParallelContext, destroy, get_context, init, resolve_sizes
-from .shard import finalize_grads, shard
-from .tensor_parallel import TensorParallel, local
+from .shard import finalize_grads, shard, tp_problems
+from .tensor_parallel import TensorParallel, local, local_range
 
 __all__ = ["ParallelContext", "TensorParallel", "init", "get_context", "destroy", "resolve_sizes",
-           "shard", "finalize_grads", "local"]
+           "shard", "tp_problems", "finalize_grads", "local", "local_range"]

@@ -16,9 +16,10 @@ def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
           sequence_parallel: bool | None = None) -> nn.Module:
     """Split every parallel layer of `model` over the tensor-parallel mesh, in place.
 
-    A parallel layer is any module with a ``shard_(tp)`` method (all of `libai_zoo.layers`);
-    it checks its sizes against tp, keeps its own slice of each weight as a DTensor and from then
-    on communicates in forward/backward. Tied weights (an LM head sharing the token embedding)
+    A parallel layer is any module with a ``shard_(tp)`` method (all of `libai_zoo.layers`); it
+    keeps its own slice of each weight as a DTensor and from then on communicates in
+    forward/backward. Sizes that do not split over tp (`tp_problems`) are one error, raised before
+    anything is split. Tied weights (an LM head sharing the token embedding)
     stay one parameter. With tp=1 the model is returned unchanged. The model ends on the
     context's device, unless it lives on the meta device (materialise it with ``to_empty``).
     ``sequence_parallel`` overrides the context's setting.
@@ -28,6 +29,10 @@ def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
     if tp is not None:
         if sequence_parallel is not None and sequence_parallel != tp.sequence_parallel:
             tp = TensorParallel(tp.mesh, sequence_parallel=sequence_parallel)
+        problems = tp_problems(model, tp.size)
+        if problems:
+            raise ValueError(f"{type(model).__name__} cannot be split over tp = {tp.size}:\n  "
+                             + "\n  ".join(problems))
         uses = _parameter_uses(model)
         for module in model.modules():
             shard_ = getattr(module, "shard_", None)
@@ -37,6 +42,22 @@ def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
     if any(p.is_meta for p in model.parameters()):
         return model
     return model.to(ctx.device)
+
+
+def tp_problems(model: nn.Module, tp_size: int) -> list[str]:
+    """Why `model` cannot be split over `tp_size` ranks ([] when it can), asked of every parallel
+    layer (``tp_problems``); the layers inside one that already said no are not asked again, and
+    each problem is named once. Needs no process group: the model may live on the meta device."""
+    problems: list[str] = []
+    refused: list[str] = []
+    for name, module in model.named_modules():
+        if name and any(name.startswith(prefix) for prefix in refused):
+            continue
+        found = module.tp_problems(tp_size) if callable(getattr(module, "tp_problems", None)) else []
+        if found:
+            refused.append(f"{name}." if name else "")  # the root: every other module is inside it
+            problems += [p for p in found if p not in problems]
+    return problems
 
 
 def _parameter_uses(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

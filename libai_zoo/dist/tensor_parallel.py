@@ -36,15 +36,9 @@ class TensorParallel:
             self._rng = tensor_parallel_rng(self.rank, self.mesh.device_type)
         return self._rng
 
-    def check_divisible(self, value: int, what: str, fix: str) -> None:
-        """Raise a ValueError naming the sizes when `value` does not split evenly over tp."""
-        if value % self.size:
-            raise ValueError(f"{what} = {value} is not divisible by tp = {self.size}: {fix}")
-
     def local_range(self, total: int) -> tuple[int, int]:
         """[start, end) of this rank's equal slice of `total` items."""
-        per_rank = total // self.size
-        return self.rank * per_rank, (self.rank + 1) * per_rank
+        return local_range(total, self.rank, self.size)
 
     def shard_parameter(self, module: nn.Module, name: str, dim: int) -> None:
         """Replace ``module.<name>`` by a DTensor parameter split along `dim` over tp."""
@@ -64,6 +58,12 @@ class TensorParallel:
 
     def __repr__(self) -> str:
         return f"TensorParallel(size={self.size}, rank={self.rank}, sequence_parallel={self.sequence_parallel})"
+
+
+def local_range(total: int, index: int, count: int) -> tuple[int, int]:
+    """[start, end) of slice `index` when `total` items are cut into `count` equal slices."""
+    per_slice = total // count
+    return index * per_slice, (index + 1) * per_slice
 
 
 def local(param: torch.Tensor | None, *, partial_grad: bool = False) -> torch.Tensor | None:
