@@ -2,21 +2,21 @@
 
 Greedy decoding picks the most likely token; sampling applies temperature, then top-k, then
 top-p (nucleus) filtering, in the order transformers applies them. Under tensor parallelism
-every rank runs the loop on the same gathered logits; a sampled token is taken from tp rank 0
-so all ranks continue with the same sequence.
+every rank runs the loop on the same gathered logits; the LM head makes the ranks agree on a
+sampled token (`LMHead.agree`), so all continue with the same sequence.
 """
 
 from __future__ import annotations
 
 import torch
 
-from libai_zoo.dist.collectives import broadcast_
 from libai_zoo.layers import KVCache, ParallelLayer
 
 
 class GenerationMixin:
     """Adds `generate` to a model whose forward takes ``past_key_values`` (one `KVCache` per
-    layer), ``position_ids`` and ``logits_to_keep`` and returns ``.logits``."""
+    layer), ``position_ids`` and ``logits_to_keep`` and returns ``.logits``, and whose head is
+    ``lm_head`` (a `layers.LMHead`)."""
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -27,8 +27,7 @@ class GenerationMixin:
         padding) -> [B, S + new] ids. Stops early once every sequence has produced
         ``eos_token_id`` (default: the config's); finished sequences continue with
         ``pad_token_id`` (default: the config's, else eos)."""
-        tp = next((m.tp for m in self.modules() if isinstance(m, ParallelLayer) and m.tp is not None), None)
-        if tp is not None and tp.sequence_parallel:
+        if any(isinstance(m, ParallelLayer) and m.sp for m in self.modules()):
             raise ValueError("generate does not run under sequence parallelism (new tokens come one at a "
                              "time): shard the model for generation with dist.shard(model, sequence_parallel=False)")
         if eos_token_id is None:
@@ -52,8 +51,7 @@ class GenerationMixin:
                           logits_to_keep=1).logits[:, -1].float()
             if do_sample:
                 next_ids = torch.multinomial(_filter(logits, temperature, top_k, top_p).softmax(-1), 1).squeeze(-1)
-                if tp is not None:
-                    broadcast_(next_ids, tp)
+                next_ids = self.lm_head.agree(next_ids)
             else:
                 next_ids = logits.argmax(-1)
             if eos_token_id is not None:

@@ -235,7 +235,7 @@ def test_inspect_libai_zoo_checkpoints(runs):
 def test_hf_to_zoo_refuses_a_layout_the_model_cannot_take(hf_dir, tmp_path):
     status, _, err = convert("hf-to-zoo", hf_dir, tmp_path / "a", "--tp", 3)
     assert status == 1
-    assert "attention heads = 4 is not divisible by tp = 3" in err and "vocabulary size = 128" in err
+    assert "num_heads = 4 is not divisible by tp = 3" in err and "vocabulary size = 128" in err
     status, _, err = convert("hf-to-zoo", hf_dir, tmp_path / "b", "--pp", 5)
     assert "pp = 5 is larger than the number of layers 4" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
@@ -243,7 +243,7 @@ def test_hf_to_zoo_refuses_a_layout_the_model_cannot_take(hf_dir, tmp_path):
 
 def test_hf_to_zoo_loads_in_one_process_and_exports_back(hf_dir, tmp_path):
     """No process group: the checkpoint loads whole (load_checkpoint_model) and exports unchanged."""
-    from libai_zoo.checkpoint import load_checkpoint_model
+    from libai_zoo.convert import load_checkpoint_model
 
     ok("hf-to-zoo", hf_dir, tmp_path / "zoo")
     model = load_checkpoint_model(tmp_path / "zoo" / "model_0000000")

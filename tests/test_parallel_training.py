@@ -287,7 +287,7 @@ def test_zero3_at_dp4_holds_under_a_third_of_the_state(runs):
 def test_checkpoint_from_dp2_tp2_zero3_exports_to_transformers(runs, tmp_path):
     import transformers
 
-    from libai_zoo.checkpoint import export_to_hf, load_checkpoint_model
+    from libai_zoo.convert import export_to_hf, load_checkpoint_model
 
     reference, results = runs
     checkpoint = results["checkpoint_dir"] / "model_0000005"

@@ -262,7 +262,7 @@ def test_tensor_parallel_run_equals_one_process(config_file, tmp_path):
 def test_resume_from_a_weights_only_checkpoint_says_use_load_weight(config_file, tmp_path):
     import transformers
 
-    from libai_zoo.checkpoint import hf_to_zoo
+    from libai_zoo.convert import hf_to_zoo
 
     transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=32, n_layer=2,
                                                          n_head=4)).save_pretrained(tmp_path / "hf")

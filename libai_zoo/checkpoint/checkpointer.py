@@ -3,21 +3,22 @@
     output_dir/
       model_0000500/         model + optimizer (torch.distributed.checkpoint: every rank writes
                              its own shards; DTensors keep their global shapes, so a checkpoint
-                             loads at another tp) and trainer_state_rank{r}.pt (iteration,
-                             schedule, loss scaler, RNG states, data position)
+                             loads at another dp × tp × pp) and trainer_state_rank{r}.pt
+                             (iteration, RNG states, and the state of the run's other stateful
+                             objects: LR schedule, loss scaler)
       last_checkpoint        the name of the newest complete checkpoint
 
-A checkpoint is written to ``<name>.tmp`` and renamed when every rank has finished, and only
-then does `last_checkpoint` move (itself replaced atomically): a run killed while writing
-resumes from the previous checkpoint.
+A checkpoint counts only once complete (`commit`: written under ``<name>.tmp``, renamed when every
+rank has finished, then named by `last_checkpoint`): a run killed while writing resumes from the
+previous one.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,9 +28,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from libai_zoo.utils import rng_state, set_rng_state
+
+from . import commit
+
 logger = logging.getLogger("libai_zoo")
 
-POINTER = "last_checkpoint"
 # ZeroRedundancyOptimizer's state is consolidated on rank 0 and saved whole (DCP cannot shard it).
 ZERO1_OPTIMIZER = "optimizer_zero1.pt"
 
@@ -56,19 +60,28 @@ def _one_process_ok():
 
 
 class Checkpointer:
-    """Saves and loads a model, its optimizer and a per-rank trainer state under `output_dir`."""
+    """Saves and loads this rank's model parts, their optimizer and the run's other state under
+    `output_dir`.
 
-    def __init__(self, output_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 *, aliases: dict[str, str] | None = None):
-        """``aliases``: this rank's name of a parameter -> the name its optimizer state may be saved
-        under instead (a pipeline's last stage holds a copy of the embedding tied to its head; a
-        layout without that copy saves the state under the embedding's name)."""
+    ``model_parts``: the modules this rank trains (one model, or its pipeline stages' pruned copies,
+    which keep the full model's parameter names). ``stateful``: other objects with
+    ``state_dict``/``load_state_dict`` saved per rank (the LR schedule, the loss scaler).
+    ``aliases``: this rank's name of a parameter -> the name its optimizer state may be saved
+    under instead (a pipeline's last stage holds a copy of the embedding tied to its head; a
+    layout without that copy saves the state under the embedding's name).
+    """
+
+    def __init__(self, output_dir: str | Path, model_parts: Sequence[nn.Module],
+                 optimizer: torch.optim.Optimizer | None = None, *, stateful: dict[str, object] | None = None,
+                 aliases: dict[str, str] | None = None):
         self.output_dir = Path(output_dir)
-        self.model, self.optimizer = model, optimizer
+        self.model = _one_module(list(model_parts))
+        self.optimizer = optimizer
+        self.stateful = stateful or {}
         self.aliases = aliases or {}
 
     def _sharded_optimizers(self, with_optimizer: bool = True) -> list[torch.optim.Optimizer]:
-        """The optimizer when DCP saves it with the model (ZeRO-1's is saved whole, see `_zero1`)."""
+        """The optimizer when DCP saves it with the model (ZeRO-1's is saved whole, see `save`)."""
         if not with_optimizer or self.optimizer is None or _is_zero1(self.optimizer):
             return []
         return [self.optimizer]
@@ -79,45 +92,57 @@ class Checkpointer:
         model_state, optim_state = get_state_dict(self.model, optimizers)
         return {"model": model_state, "optim": optim_state} if optimizers else {"model": model_state}
 
-    def save(self, name: str, trainer_state: dict, *, pointer: bool = True) -> Path:
-        """Write checkpoint `name` (every rank must call this); move `last_checkpoint` to it if `pointer`."""
-        final, tmp = self.output_dir / name, self.output_dir / f"{name}.tmp"
+    # ------------------------------------------------------------------------------------ saving
+    def save(self, name: str, iteration: int, *, pointer: bool = True) -> Path:
+        """Write checkpoint `name` after `iteration` steps (every rank must call this); with
+        `pointer`, `last_checkpoint` names it once it is complete."""
+        final = self.output_dir / name
+        staged = commit.staging_dir(final)
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            commit.start(final)
         _barrier()
         with _one_process_ok():
-            dcp.save(self._state(), checkpoint_id=str(tmp))
-        torch.save(trainer_state, tmp / f"trainer_state_rank{_rank()}.pt")
+            dcp.save(self._state(), checkpoint_id=str(staged))
+        trainer_state = {"iteration": iteration, "rng": rng_state(),
+                         **{key: obj.state_dict() for key, obj in self.stateful.items()}}
+        torch.save(trainer_state, staged / f"trainer_state_rank{_rank()}.pt")
         if self.optimizer is not None and _is_zero1(self.optimizer):
             self.optimizer.consolidate_state_dict(to=0)  # every rank sends its shard to rank 0
             if _rank() == 0:
-                torch.save(self.optimizer.state_dict(), tmp / ZERO1_OPTIMIZER)
+                torch.save(self.optimizer.state_dict(), staged / ZERO1_OPTIMIZER)
         _barrier()
         if _rank() == 0:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            if pointer:
-                (self.output_dir / f"{POINTER}.tmp").write_text(name)
-                os.replace(self.output_dir / f"{POINTER}.tmp", self.output_dir / POINTER)
+            commit.finish(final, pointer=pointer)
             logger.info("saved checkpoint %s", final)
         _barrier()
         return final
 
+    def prune(self, max_to_keep: int | None) -> None:
+        """Keep only the newest `max_to_keep` periodic checkpoints (model_XXXXXXX; model_best stays)."""
+        if max_to_keep is None or _rank() != 0:
+            return
+        periodic = sorted(p for p in self.output_dir.glob("model_*") if p.is_dir() and p.name[6:].isdigit())
+        for old in periodic[:-max_to_keep]:
+            shutil.rmtree(old)
+
+    # ----------------------------------------------------------------------------------- loading
     def last_checkpoint(self) -> Path | None:
-        """The checkpoint `last_checkpoint` names, or None when there is none yet."""
-        pointer = self.output_dir / POINTER
-        if not pointer.is_file():
-            return None
-        path = self.output_dir / pointer.read_text().strip()
-        if not path.is_dir():
-            raise FileNotFoundError(f"{pointer} names {path.name}, which does not exist: restore it or delete "
-                                    f"{pointer} to start from scratch")
+        """The newest complete checkpoint (named by `last_checkpoint`), or None when there is none yet;
+        interrupted writes are removed first (every rank must call this)."""
+        if _rank() == 0 and self.output_dir.is_dir():
+            for tmp in self.output_dir.glob("*.tmp"):
+                logger.warning("removing %s: an interrupted checkpoint write", tmp)
+                shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink()
+        _barrier()
+        path = commit.pointed_to(self.output_dir)
+        if path is not None and not path.is_dir():
+            raise FileNotFoundError(f"{self.output_dir / commit.POINTER} names {path.name}, which does not exist: "
+                                    f"restore it or delete {commit.POINTER} to start from scratch")
         return path
 
-    def load(self, path: str | Path, *, with_optimizer: bool = True) -> dict:
-        """Load model (and optimizer) from checkpoint `path`; return this rank's trainer state ({} if none)."""
+    def load(self, path: str | Path, *, with_optimizer: bool = False) -> None:
+        """Load the model parts' weights (and, `with_optimizer`, the optimizer) from checkpoint `path`,
+        whatever layout wrote it."""
         path = Path(path)
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path} is not a libai_zoo checkpoint (no .metadata): pass a model_XXXXXXX "
@@ -137,28 +162,41 @@ class Checkpointer:
                 raise FileNotFoundError(f"{path} holds no {ZERO1_OPTIMIZER}: it was not saved under "
                                         f"train.zero_stage=1; resume with the stage it was saved with")
             self.optimizer.load_state_dict(torch.load(path / ZERO1_OPTIMIZER, weights_only=True))
-        own = path / f"trainer_state_rank{_rank()}.pt"
-        fallback = path / "trainer_state_rank0.pt"
-        for file in (own, fallback):
-            if file.is_file():
-                return torch.load(file, weights_only=True)
-        return {}
 
-    def prune(self, max_to_keep: int | None) -> None:
-        """Keep only the newest `max_to_keep` periodic checkpoints (model_XXXXXXX; model_best stays)."""
-        if max_to_keep is None or _rank() != 0:
-            return
-        periodic = sorted(p for p in self.output_dir.glob("model_*") if p.is_dir() and p.name[6:].isdigit())
-        for old in periodic[:-max_to_keep]:
-            shutil.rmtree(old)
+    def resume(self, path: str | Path) -> int:
+        """Restore everything a run saved in checkpoint `path` (model, optimizer, stateful objects,
+        RNG states); return the number of steps it had done."""
+        path = Path(path)
+        states = [path / f"trainer_state_rank{_rank()}.pt", path / "trainer_state_rank0.pt"]
+        state_file = next((file for file in states if file.is_file()), None)
+        if state_file is None:
+            raise ValueError(f"{path} holds model weights only (e.g. from tools/convert hf-to-zoo), not a run to "
+                             f"resume: start from it with train.load_weight={path} instead of --resume")
+        self.load(path, with_optimizer=True)
+        state = torch.load(state_file, weights_only=True)
+        for key, obj in self.stateful.items():
+            obj.load_state_dict(state[key])
+        set_rng_state(state["rng"])
+        return state["iteration"]
 
-    def remove_incomplete(self) -> None:
-        """Delete checkpoints whose writing was interrupted (rank 0)."""
-        if _rank() == 0 and self.output_dir.is_dir():
-            for tmp in self.output_dir.glob("*.tmp"):
-                logger.warning("removing %s: an interrupted checkpoint write", tmp)
-                shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink()
-        _barrier()
+
+def _one_module(parts: list[nn.Module]) -> nn.Module:
+    """The model parts as one module whose parameter names are the full model's: what DCP's
+    state-dict functions take to name one optimizer's parameters. The parts themselves when there
+    is one; else a module whose children are the union of theirs (pipeline stages of one model
+    keep its names and hold disjoint layers), sharing their submodules."""
+    if len(parts) == 1 or all(part is parts[0] for part in parts):
+        return parts[0]
+    union = nn.Module()
+    for name in dict.fromkeys(n for part in parts for n in part._modules):
+        children = [part._modules[name] for part in parts if part._modules.get(name) is not None]
+        if children:
+            union.add_module(name, _one_module(children))
+    for name in dict.fromkeys(n for part in parts for n in part._parameters):
+        param = next((part._parameters[name] for part in parts if part._parameters.get(name) is not None), None)
+        if param is not None:
+            union.register_parameter(name, param)
+    return union
 
 
 def _rename_state(optim_state: dict, names: dict[str, str]) -> None:

@@ -26,12 +26,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from libai_zoo import dist
-from libai_zoo.checkpoint import Checkpointer, HFWeightReader
+from libai_zoo.checkpoint import Checkpointer
+from libai_zoo.hf import HFWeightReader, load_hf_weights
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import MicroBatchSampler, Prefetcher
 from libai_zoo.layers import TransformerLayer
 from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpointing
-from libai_zoo.utils import peak_flops, rng_state, seed_all, set_rng_state, setup_logging, training_flops_per_token
+from libai_zoo.utils import peak_flops, seed_all, setup_logging, training_flops_per_token
 
 from . import hooks
 from .evaluator import Evaluator, pipelined_forward, run_evaluation
@@ -73,11 +74,12 @@ class DefaultTrainer(TrainerBase):
         self.model = self.build_model(cfg)
         self.optimizer = self.build_optimizer(cfg, self.model)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
-        self.checkpointer = Checkpointer(self.output_dir, self.model, self.optimizer,
-                                         aliases=self.pipeline.tied_aliases() if self.pipeline else None)
         self.step = TrainStep(self.model, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
                               clip_grad_norm=train.get("clip_grad_norm", 0.0), data_parallel=self.data_parallel,
                               pipeline=self.pipeline)
+        self.checkpointer = Checkpointer(self.output_dir, [self.model], self.optimizer,
+                                         stateful={"scheduler": self.scheduler, "scaler": self.step.scaler},
+                                         aliases=self.pipeline.tied_aliases() if self.pipeline else None)
         self.test_loader = self.build_test_loader(cfg)
         self.evaluator = self.build_evaluator(cfg)
         self.register_hooks(self.build_hooks())
@@ -179,7 +181,7 @@ class DefaultTrainer(TrainerBase):
         if self.test_loader is not None:
             result.append(hooks.EvalHook(1 if self.fast_dev_run else eval_period, self.test))
             if train.get("best_metric"):
-                result.append(hooks.BestCheckpointer(train.best_metric, train.get("best_mode", "max")))
+                result.append(hooks.BestCheckpointer(self.checkpointer, train.best_metric, train.get("best_mode", "max")))
         if not self.fast_dev_run:
             result.append(hooks.PeriodicCheckpointer(self.checkpointer, train.checkpoint.period,
                                                      train.checkpoint.get("max_to_keep")))
@@ -195,30 +197,14 @@ class DefaultTrainer(TrainerBase):
         dataset_cfg = self.cfg.dataloader.train
         return dataset_cfg.get("seq_len") or dataset_cfg.get("max_length")
 
-    # ------------------------------------------------------------------------- state and resume
-    def trainer_state(self, iteration: int) -> dict:
-        """What besides model and optimizer a resume needs, for this rank."""
-        return {"iteration": iteration, "scheduler": self.scheduler.state_dict(),
-                "scaler": self.step.scaler.state_dict(), "rng": rng_state()}
-
-    def save_checkpoint(self, name: str, *, pointer: bool = True) -> Path:
-        return self.checkpointer.save(name, self.trainer_state(self.iter + 1), pointer=pointer)
-
+    # ------------------------------------------------------------------------------------ resume
     def resume_or_load(self, resume: bool = True) -> None:
         """With `resume` and a checkpoint in output_dir: restore everything from the newest
         complete one. Otherwise start at 0, from ``train.load_weight`` if set (a Hugging Face
         directory or a trainer checkpoint: weights only)."""
-        self.checkpointer.remove_incomplete()
         path = self.checkpointer.last_checkpoint() if resume else None
         if path is not None:
-            if not any(path.glob("trainer_state_rank*.pt")):
-                raise ValueError(f"{path} holds model weights only (e.g. from tools/convert hf-to-zoo), not a run to "
-                                 f"resume: start from it with train.load_weight={path} instead of --resume")
-            state = self.checkpointer.load(path)
-            self.start_iter = state["iteration"]
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.step.scaler.load_state_dict(state["scaler"])
-            set_rng_state(state["rng"])
+            self.start_iter = self.checkpointer.resume(path)
             logger.info("resumed from %s at iteration %d", path, self.start_iter)
             return
         if resume:
@@ -233,9 +219,9 @@ class DefaultTrainer(TrainerBase):
         path = Path(path)
         if (path / "config.json").is_file():
             with HFWeightReader(path) as reader:
-                self.model.load_hf_weights(reader)
+                load_hf_weights(self.model, reader)
         else:
-            self.checkpointer.load(path, with_optimizer=False)
+            self.checkpointer.load(path)
         logger.info("loaded weights from %s", path)
 
     # ------------------------------------------------------------------------------- the loop

@@ -80,7 +80,7 @@ class PeriodicCheckpointer(HookBase):
     def after_step(self) -> None:
         done = self.trainer.iter + 1
         if (self.period and done % self.period == 0) or done == self.trainer.max_iter:
-            self.trainer.save_checkpoint(f"model_{done:07d}")
+            self.checkpointer.save(f"model_{done:07d}", done)
             self.checkpointer.prune(self.max_to_keep)
 
 
@@ -103,10 +103,10 @@ class EvalHook(HookBase):
 class BestCheckpointer(HookBase):
     """After each evaluation, save `model_best` when "eval/<metric>" improved (mode "max" or "min")."""
 
-    def __init__(self, metric: str, mode: str = "max"):
+    def __init__(self, checkpointer: Checkpointer, metric: str, mode: str = "max"):
         if mode not in ("max", "min"):
             raise ValueError(f"train.best_mode = {mode!r} must be 'max' or 'min'")
-        self.metric, self.mode = f"eval/{metric}", mode
+        self.checkpointer, self.metric, self.mode = checkpointer, f"eval/{metric}", mode
         self.best = -math.inf if mode == "max" else math.inf
 
     def after_step(self) -> None:
@@ -117,7 +117,7 @@ class BestCheckpointer(HookBase):
         if (value > self.best) if self.mode == "max" else (value < self.best):
             logger.info("%s improved from %.4f to %.4f: saving model_best", self.metric, self.best, value)
             self.best = value
-            self.trainer.save_checkpoint("model_best", pointer=False)
+            self.checkpointer.save("model_best", self.trainer.iter + 1, pointer=False)
 
 
 class PeriodicWriter(HookBase):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .rules import Same, WeightMap, linear, qkv
+from libai_zoo.hf.rules import Same, WeightMap, linear, qkv
 
 
 def bert_weight_map(config, prefix: str, *, pooler: bool, mlm_head: bool = False,

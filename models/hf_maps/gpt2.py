@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .rules import PackedQKV, Same, WeightMap, linear
+from libai_zoo.hf.rules import PackedQKV, Same, WeightMap, linear
 
 
 def gpt2_weight_map(config, prefix: str, lm_head: bool = False) -> WeightMap:

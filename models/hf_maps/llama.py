@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .rules import Same, WeightMap, linear, qkv
+from libai_zoo.hf.rules import Same, WeightMap, linear, qkv
 
 
 def llama_weight_map(config, prefix: str, *, biases: tuple[bool, bool], lm_head: bool = False) -> WeightMap:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .rules import Reshaped, Same, WeightMap, linear, qkv
+from libai_zoo.hf.rules import Reshaped, Same, WeightMap, linear, qkv
 
 
 def vit_weight_map(config, prefix: str, *, pooler: bool, classifier: bool = False) -> WeightMap:

@@ -126,11 +126,11 @@ def run(args: argparse.Namespace) -> str:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     if args.command == "inspect":
-        from libai_zoo.checkpoint.describe import describe
+        from libai_zoo.convert import describe
 
         return describe(args.path, allow_numpy=args.allow_numpy)
     if args.command == "hf-to-zoo":
-        from libai_zoo.checkpoint.convert import hf_to_zoo
+        from libai_zoo.convert import hf_to_zoo
 
         checkpoint = hf_to_zoo(args.hf_dir, args.out_dir, dp=args.dp, tp=args.tp, pp=args.pp,
                                model_class=args.model_class, dtype=args.dtype, overwrite=args.overwrite)
@@ -139,13 +139,13 @@ def run(args: argparse.Namespace) -> str:
                 f"({world} process{'es' if world > 1 else ''})\n"
                 f"start a run from it with train.load_weight={checkpoint}")
     if args.command == "zoo-to-hf":
-        from libai_zoo.checkpoint.convert import zoo_to_hf
+        from libai_zoo.convert import zoo_to_hf
 
         checkpoint, model = zoo_to_hf(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size,
                                       overwrite=args.overwrite)
         return f"wrote Hugging Face {type(model).__name__} to {args.out_dir} from {checkpoint}"
-    from libai_zoo.checkpoint.convert import check_output_dir
-    from libai_zoo.checkpoint.megatron import megatron_to_hf
+    from libai_zoo.convert import megatron_to_hf
+    from libai_zoo.convert.hf_zoo import check_output_dir
 
     check_output_dir(args.out_dir, args.overwrite)
     checkpoint, config = megatron_to_hf(args.megatron_dir, args.out_dir, vocab_size=args.vocab_size,

@@ -1,5 +1,9 @@
 """Megatron-LM GPT checkpoints (the legacy per-rank `torch` format) -> Hugging Face GPT-2.
 
+The shards are joined into whole tensors under Megatron-LM's names, renamed to libai_zoo's GPT-2
+parameters (`LAYER_TENSORS`, `OTHER_TENSORS`), loaded into a `GPT2LMHeadModel` and written with its
+`save_pretrained`, so the Hugging Face names and layouts come from the one GPT-2 weight map.
+
 The layout read, as Megatron-LM's checkpointing writes it:
 
     MEGATRON_DIR/
@@ -32,8 +36,8 @@ global offset is the number of layers in stages 0..p-1. Tensor-parallel splits:
 Fused QKV: each rank holds the rows of its heads. From checkpoint_version 2 on, the rows are
 grouped per head, [head][q, k, v][head_dim]; version 1.0 stored [head][head_dim][q, k, v] and
 version 0 [q, k, v][head][head_dim] (both per rank), and are reordered the way Megatron-LM's
-loader does. Hugging Face's GPT-2 wants c_attn = [q | k | v] (all heads of q, then k, then v)
-as Conv1D weights ([in, out], the transpose of a Linear's), and ties lm_head to wte.
+loader does. Per head [q, k, v] is the layout of libai_zoo's fused `qkv` (grouped per KV head,
+and GPT-2 has one head per group), so the joined rows are the parameter as they are.
 
 GELU: the tanh approximation ("gelu_new") when args.openai_gelu or the fused bias-GELU kernel
 (Megatron-LM's default) computed it, exact erf GELU ("gelu") otherwise. args.apply_layernorm_1p
@@ -53,26 +57,40 @@ from pathlib import Path
 
 import torch
 
+from libai_zoo import models
+
 logger = logging.getLogger("libai_zoo")
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
 SHARD_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?$")
 
-# Layer tensors: name within a layer -> how its tensor-parallel shards combine.
+# Megatron-LM's name of a tensor in a layer -> (how its tensor-parallel shards combine, the name of the
+# libai_zoo GPT-2 parameter in layer i it becomes).
 LAYER_TENSORS = {
-    "input_layernorm.weight": "replicated", "input_layernorm.bias": "replicated",
-    "self_attention.query_key_value.weight": "qkv", "self_attention.query_key_value.bias": "qkv",
-    "self_attention.dense.weight": "columns", "self_attention.dense.bias": "replicated",
-    "post_attention_layernorm.weight": "replicated", "post_attention_layernorm.bias": "replicated",
-    "mlp.dense_h_to_4h.weight": "rows", "mlp.dense_h_to_4h.bias": "rows",
-    "mlp.dense_4h_to_h.weight": "columns", "mlp.dense_4h_to_h.bias": "replicated",
+    "input_layernorm.weight": ("replicated", "attn_norm.weight"),
+    "input_layernorm.bias": ("replicated", "attn_norm.bias"),
+    "self_attention.query_key_value.weight": ("qkv", "attn.qkv.weight"),
+    "self_attention.query_key_value.bias": ("qkv", "attn.qkv.bias"),
+    "self_attention.dense.weight": ("columns", "attn.out.weight"),
+    "self_attention.dense.bias": ("replicated", "attn.out.bias"),
+    "post_attention_layernorm.weight": ("replicated", "mlp_norm.weight"),
+    "post_attention_layernorm.bias": ("replicated", "mlp_norm.bias"),
+    "mlp.dense_h_to_4h.weight": ("rows", "mlp.up.weight"),
+    "mlp.dense_h_to_4h.bias": ("rows", "mlp.up.bias"),
+    "mlp.dense_4h_to_h.weight": ("columns", "mlp.down.weight"),
+    "mlp.dense_4h_to_h.bias": ("replicated", "mlp.down.bias"),
 }
+# The other tensors: (how the shards combine, the libai_zoo name; None: a copy of another tensor).
 OTHER_TENSORS = {
-    "embedding.word_embeddings.weight": "rows", "embedding.position_embeddings.weight": "replicated",
-    "final_layernorm.weight": "replicated", "final_layernorm.bias": "replicated",
-    "output_layer.weight": "rows", "word_embeddings_for_head.weight": "rows",
+    "embedding.word_embeddings.weight": ("rows", "transformer.wte.weight"),
+    "embedding.position_embeddings.weight": ("replicated", "transformer.wpe.weight"),
+    "final_layernorm.weight": ("replicated", "transformer.ln_f.weight"),
+    "final_layernorm.bias": ("replicated", "transformer.ln_f.bias"),
+    "output_layer.weight": ("rows", "lm_head.weight"),
+    "word_embeddings_for_head.weight": ("rows", None),
 }
+NORMS = ("attn_norm.weight", "mlp_norm.weight", "transformer.ln_f.weight")
 LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)$")
 
 
@@ -223,13 +241,13 @@ def find_checkpoint(path: str | Path, *, allow_numpy: bool = False) -> MegatronC
                               allow_numpy, source)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+def flatten(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     """Nested state dicts -> {"a.b.c": tensor}; non-tensors and TransformerEngine's _extra_state are left out."""
     flat = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            flat.update(_flatten(value, name + "."))
+            flat.update(flatten(value, name + "."))
         elif isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
             flat[name] = value
     return flat
@@ -249,7 +267,7 @@ def stage_tensors(state: dict, file: Path) -> dict[str, torch.Tensor]:
                          f"Megatron-Core's (decoder.layers...)")
     tensors = {}
     for key, value in language_model.items():
-        sub = _flatten(value) if isinstance(value, dict) else {}
+        sub = flatten(value) if isinstance(value, dict) else {}
         if key in ("encoder", "transformer"):
             tensors.update(sub)
         else:
@@ -304,7 +322,7 @@ def merge_tensor_parallel(checkpoint: MegatronCheckpoint, pp_rank: int, *, heads
             raise ValueError(f"{name} has different shapes in the tensor-parallel shards of stage {pp_rank} "
                              f"({', '.join(f'{f.parent.name}: {tuple(p.shape)}' for f, p in zip(files, parts))})")
         layer = LAYER_NAME.match(name)
-        kind = LAYER_TENSORS[layer[2]] if layer else OTHER_TENSORS[name]
+        kind = (LAYER_TENSORS[layer[2]] if layer else OTHER_TENSORS[name])[0]
         if kind == "replicated":
             merged[name] = parts[0]
             if any(not torch.equal(parts[0], p) for p in parts[1:]):
@@ -352,14 +370,12 @@ def _check_args(checkpoint: MegatronCheckpoint) -> None:
                          f"writes Hugging Face GPT-2 (learned positions, pre-LayerNorm, biases, GELU, no GQA/MoE)")
 
 
-def megatron_to_hf_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: int | None = None,
-                              num_attention_heads: int | None = None):
-    """(Hugging Face GPT-2 state dict, transformers.GPT2Config) for a Megatron-LM GPT checkpoint.
+def megatron_to_zoo_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: int | None = None,
+                               num_attention_heads: int | None = None):
+    """(state dict of libai_zoo's GPT2LMHeadModel, its GPT2Config) for a Megatron-LM GPT checkpoint.
 
     ``vocab_size`` keeps the first rows of the padded vocabulary (default: all of them, as
     args.padded_vocab_size); ``num_attention_heads`` is needed when the files hold no args."""
-    import transformers
-
     _check_args(checkpoint)
     heads = num_attention_heads or checkpoint.arg("num_attention_heads")
     if heads is None:
@@ -375,10 +391,10 @@ def megatron_to_hf_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: int
                          f"GPT-2 needs head_dim = hidden_size / heads")
     stages = [merge_tensor_parallel(checkpoint, p, heads=heads, head_dim=head_dim) for p in range(checkpoint.pp)]
 
-    layers: dict[int, dict[str, torch.Tensor]] = {}
-    other: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
     last = checkpoint.pp - 1
     home = {"embedding": 0, "final_layernorm": last, "output_layer": last, "word_embeddings_for_head": last}
+    head_copy = None
     offset = 0
     for p, stage in enumerate(stages):
         local = sorted({int(LAYER_NAME.match(n)[1]) for n in stage if LAYER_NAME.match(n)})
@@ -388,25 +404,26 @@ def megatron_to_hf_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: int
         for name, tensor in stage.items():
             match = LAYER_NAME.match(name)
             if match:
-                layers.setdefault(offset + int(match[1]), {})[match[2]] = tensor
+                state[f"transformer.h.{offset + int(match[1])}.{LAYER_TENSORS[match[2]][1]}"] = tensor
             elif home[name.split(".")[0]] != p:
                 raise ValueError(f"{checkpoint.files[0, p]} holds {name}, which Megatron-LM keeps on pipeline stage "
                                  f"{home[name.split('.')[0]]}: the shard directories are mislabelled")
+            elif OTHER_TENSORS[name][1] is None:
+                head_copy = tensor
             else:
-                other[name] = tensor
+                state[OTHER_TENSORS[name][1]] = tensor
         offset += len(local)
     num_layers = checkpoint.arg("num_layers", offset)
     if offset != num_layers:
         raise ValueError(f"{checkpoint.directory}: the stages hold {offset} layers, args.num_layers = {num_layers}")
-    required = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "final_layernorm.weight",
-                "final_layernorm.bias"]
-    missing = [n for n in required if n not in other]
-    missing += [f"layers.{i}.{n}" for i in range(num_layers) for n in LAYER_TENSORS if n not in layers[i]]
+    required = {f"transformer.h.{i}.{zoo}" for i in range(num_layers) for _, zoo in LAYER_TENSORS.values()}
+    required |= {zoo for _, zoo in OTHER_TENSORS.values() if zoo not in (None, "lm_head.weight")}
+    missing = sorted(required - set(state))
     if missing:
-        raise ValueError(f"{checkpoint.directory} lacks {len(missing)} tensor(s) of a GPT-2 model: "
+        raise ValueError(f"{checkpoint.directory} lacks {len(missing)} tensor(s) of a GPT-2 model (libai_zoo names): "
                          f"{', '.join(missing[:8])}")
 
-    words = other["embedding.word_embeddings.weight"]
+    words = state["transformer.wte.weight"]
     padded = words.shape[0]
     if checkpoint.arg("padded_vocab_size") not in (None, padded):
         raise ValueError(f"{checkpoint.directory}: the word embeddings have {padded} rows, args.padded_vocab_size = "
@@ -414,71 +431,30 @@ def megatron_to_hf_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: int
     vocab = vocab_size or padded
     if not 0 < vocab <= padded:
         raise ValueError(f"--vocab-size {vocab} must be between 1 and the padded vocabulary {padded}")
-    head = other.get("word_embeddings_for_head.weight")
-    if head is not None and not torch.equal(head, words):
+    if head_copy is not None and not torch.equal(head_copy, words):
         logger.warning("the last stage's copy of the word embeddings differs from the first stage's; the first "
                        "stage's is kept (the head is tied to it)")
     if words.shape[1] != hidden:
         raise ValueError(f"{checkpoint.directory}: the word embeddings are {words.shape[1]} wide, "
                          f"hidden_size = {hidden}")
-
-    def conv1d(weight: torch.Tensor) -> torch.Tensor:  # Linear [out, in] -> Conv1D [in, out]
-        return weight.t().contiguous()
-
-    shift = 1.0 if checkpoint.arg("apply_layernorm_1p", False) else 0.0  # LayerNorm1P stores gamma - 1
-    state = {"transformer.wte.weight": words[:vocab].clone(),
-             "transformer.wpe.weight": other["embedding.position_embeddings.weight"].contiguous(),
-             "transformer.ln_f.weight": other["final_layernorm.weight"] + shift,
-             "transformer.ln_f.bias": other["final_layernorm.bias"].contiguous()}
-    for i in range(num_layers):
-        layer, h = layers[i], f"transformer.h.{i}."
-        qkv_w = layer["self_attention.query_key_value.weight"]     # [heads, 3, head_dim, hidden]
-        qkv_b = layer["self_attention.query_key_value.bias"]       # [heads, 3, head_dim]
-        state.update({
-            h + "ln_1.weight": layer["input_layernorm.weight"] + shift,
-            h + "ln_1.bias": layer["input_layernorm.bias"].contiguous(),
-            h + "attn.c_attn.weight": qkv_w.transpose(0, 1).reshape(3 * hidden, hidden).t().contiguous(),
-            h + "attn.c_attn.bias": qkv_b.transpose(0, 1).reshape(3 * hidden).contiguous(),
-            h + "attn.c_proj.weight": conv1d(layer["self_attention.dense.weight"]),
-            h + "attn.c_proj.bias": layer["self_attention.dense.bias"].contiguous(),
-            h + "ln_2.weight": layer["post_attention_layernorm.weight"] + shift,
-            h + "ln_2.bias": layer["post_attention_layernorm.bias"].contiguous(),
-            h + "mlp.c_fc.weight": conv1d(layer["mlp.dense_h_to_4h.weight"]),
-            h + "mlp.c_fc.bias": layer["mlp.dense_h_to_4h.bias"].contiguous(),
-            h + "mlp.c_proj.weight": conv1d(layer["mlp.dense_4h_to_h.weight"]),
-            h + "mlp.c_proj.bias": layer["mlp.dense_4h_to_h.bias"].contiguous(),
-        })
-    untied = "output_layer.weight" in other
-    if untied:
-        state["lm_head.weight"] = other["output_layer.weight"][:vocab].clone()
-    ffn = layers[0]["mlp.dense_h_to_4h.weight"].shape[0]
+    untied = "lm_head.weight" in state
+    state["transformer.wte.weight"] = words[:vocab]
+    state["lm_head.weight"] = state["lm_head.weight"][:vocab] if untied else state["transformer.wte.weight"]
+    for i in range(num_layers):  # attention rows: [heads, (q, k, v), head_dim] is the fused qkv
+        for suffix in ("weight", "bias"):
+            name = f"transformer.h.{i}.attn.qkv.{suffix}"
+            state[name] = state[name].reshape(3 * hidden, *state[name].shape[3:])
+    if checkpoint.arg("apply_layernorm_1p", False):  # LayerNorm1P stores gamma - 1
+        state.update({name: tensor + 1.0 for name, tensor in state.items() if name.endswith(NORMS)})
     eos = 50256 if vocab > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
-    config = transformers.GPT2Config(
+    config = models.GPT2Config(
         vocab_size=vocab, n_positions=state["transformer.wpe.weight"].shape[0], n_embd=hidden, n_layer=num_layers,
-        n_head=heads, n_inner=ffn, activation_function=_activation(checkpoint),
-        layer_norm_epsilon=checkpoint.arg("layernorm_epsilon", 1e-5),
+        n_head=heads, n_inner=state["transformer.h.0.mlp.up.weight"].shape[0],
+        activation_function=_activation(checkpoint), layer_norm_epsilon=checkpoint.arg("layernorm_epsilon", 1e-5),
         resid_pdrop=checkpoint.arg("hidden_dropout", 0.1), embd_pdrop=checkpoint.arg("hidden_dropout", 0.1),
         attn_pdrop=checkpoint.arg("attention_dropout", 0.1), tie_word_embeddings=not untied,
-        bos_token_id=eos, eos_token_id=eos, architectures=["GPT2LMHeadModel"])
+        bos_token_id=eos, eos_token_id=eos)
     return state, config
-
-
-def _check_against_transformers(state: dict[str, torch.Tensor], config) -> None:
-    """Every tensor transformers' GPT2LMHeadModel of `config` expects is there with its shape (built on meta)."""
-    import transformers
-
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in transformers.GPT2LMHeadModel(config).state_dict().items()
-                    if not name.endswith((".attn.bias", ".attn.masked_bias"))}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    misshaped = [f"{n}: {tuple(state[n].shape)} vs {expected[n]}" for n in expected
-                 if n in state and tuple(state[n].shape) != expected[n]]
-    if missing or unexpected or misshaped:
-        raise RuntimeError(f"the reconstructed GPT-2 does not fit transformers' GPT2LMHeadModel: "
-                           f"missing {missing[:5]}, unexpected {unexpected[:5]}, misshaped {misshaped[:5]}")
 
 
 def megatron_to_hf(path: str | Path, output_dir: str | Path, *, vocab_size: int | None = None,
@@ -486,20 +462,16 @@ def megatron_to_hf(path: str | Path, output_dir: str | Path, *, vocab_size: int 
                    max_shard_size: int | str = "5GB", allow_numpy: bool = False):
     """Convert the Megatron-LM GPT checkpoint at `path` (its root, or an iteration directory) into
     a Hugging Face GPT-2 directory; return (the checkpoint found, the GPT2Config written)."""
-    from huggingface_hub import save_torch_state_dict
-
     checkpoint = find_checkpoint(path, allow_numpy=allow_numpy)
-    state, config = megatron_to_hf_state_dict(checkpoint, vocab_size=vocab_size,
-                                              num_attention_heads=num_attention_heads)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    if dtype is not None:
-        state = {name: tensor.to(dtype) for name, tensor in state.items()}
-    config.dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    _check_against_transformers(state, config)
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(output_dir)
-    save_torch_state_dict(state, output_dir, max_shard_size=max_shard_size)
+    state, config = megatron_to_zoo_state_dict(checkpoint, vocab_size=vocab_size,
+                                               num_attention_heads=num_attention_heads)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or state["transformer.wte.weight"].dtype
+    config.dtype = str(dtype).removeprefix("torch.")
+    with torch.device("meta"):
+        model = models.GPT2LMHeadModel(config).to(dtype)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.load_state_dict(state)  # strict: every parameter, and nothing else
+    model.save_pretrained(output_dir, max_shard_size=max_shard_size)
     logger.info("wrote %s from %s (tp = %d, pp = %d)", output_dir, checkpoint.directory, checkpoint.tp, checkpoint.pp)
     return checkpoint, config

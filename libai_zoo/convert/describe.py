@@ -11,18 +11,20 @@ Megatron files memory-mapped through ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 
 import torch
+import yaml
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpointer import POINTER
+from libai_zoo.checkpoint.commit import POINTER
+from libai_zoo.hf import HFWeightReader, read_config
 
-SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+from .hf_zoo import resolve_checkpoint
+from .megatron import find_checkpoint, flatten
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -49,33 +51,15 @@ def _shape(shape) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
-def _safetensors_header(file: Path) -> dict[str, tuple[str, list[int]]]:
-    """name -> (dtype, shape) from a safetensors file's JSON header (no tensor data is read)."""
-    with open(file, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return {name: (SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]), info["shape"])
-            for name, info in header.items()}
-
-
 def describe_hf(path: str | Path) -> str:
     """A Hugging Face model directory: model type, weight files and every tensor."""
-    from .hf_reader import HFWeightReader
-
     path = Path(path)
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    config = read_config(path) if (path / "config.json").is_file() else {}
     with HFWeightReader(path) as reader:
         names = reader.keys()
         shapes = {name: reader.shape(name) for name in names}
-    dtypes: dict[str, str] = {}
+        dtypes = {name: reader.dtype(name) for name in names}
     files = sorted(p.name for p in path.iterdir() if re.match(r"(model|pytorch_model).*\.(safetensors|bin)$", p.name))
-    for file in files:
-        if file.endswith(".safetensors"):
-            dtypes.update({name: dtype for name, (dtype, _) in _safetensors_header(path / file).items()})
-        else:
-            loaded = torch.load(path / file, map_location="cpu", weights_only=True, mmap=True)
-            dtypes.update({name: _dtype(t.dtype) for name, t in loaded.items() if isinstance(t, torch.Tensor)})
     numel = sum(math.prod(shape) for shape in shapes.values())
     num_bytes = sum(math.prod(shapes[n]) * torch.empty(0, dtype=getattr(torch, dtypes.get(n, "float32"))).element_size()
                     for n in names)
@@ -99,8 +83,6 @@ def _chunks(chunks) -> str:
 
 def _run_layout(config_file: Path) -> str | None:
     """dp/tp/pp (and the ZeRO stage) from a run's or a conversion's config.yaml."""
-    import yaml
-
     if not config_file.is_file():
         return None
     config = yaml.safe_load(config_file.read_text()) or {}
@@ -117,9 +99,6 @@ def _run_layout(config_file: Path) -> str | None:
 def describe_dcp(path: str | Path) -> str:
     """A libai_zoo checkpoint: its files, the run's layout, trainer state and every tensor with
     its global shape and the chunks it was saved in."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     path = Path(path)
     metadata = FileSystemReader(str(path)).read_metadata()
     files = sorted(p.name for p in path.glob("*.distcp"))
@@ -150,8 +129,6 @@ def describe_dcp(path: str | Path) -> str:
 def describe_megatron(path: str | Path, *, allow_numpy: bool = False) -> str:
     """A Megatron-LM checkpoint: iteration, tp/pp, the run arguments that size the model, and the
     tensors of every shard file."""
-    from .megatron import _flatten, find_checkpoint
-
     checkpoint = find_checkpoint(path, allow_numpy=allow_numpy)
     names = [f.parent.name for _, f in sorted(checkpoint.files.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
     lines = [f"Megatron-LM checkpoint {checkpoint.directory} (iteration {checkpoint.iteration}, "
@@ -167,7 +144,7 @@ def describe_megatron(path: str | Path, *, allow_numpy: bool = False) -> str:
         lines.append("  args: none saved")
     for (t, p), file in sorted(checkpoint.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         state = checkpoint.load(t, p)
-        tensors = _flatten(state.get("model") or {}, "model.")
+        tensors = flatten(state.get("model") or {}, "model.")
         rest = [k for k in state if k not in ("model", "args", "checkpoint_version", "iteration")]
         lines.append(f"  {file.parent.name} (tp rank {t}, pp rank {p}): {len(tensors)} tensors"
                      + (f"; also holds {', '.join(rest)}" if rest else ""))
@@ -203,8 +180,6 @@ def describe(path: str | Path, *, allow_numpy: bool = False) -> str:
     if kind == "megatron":
         return describe_megatron(path, allow_numpy=allow_numpy)
     if kind == "zoo-run":
-        from .convert import resolve_checkpoint
-
         checkpoint = resolve_checkpoint(path)
         return f"run output_dir {path}: {POINTER} -> {checkpoint.name}\n" + describe_dcp(checkpoint)
     return describe_dcp(path)

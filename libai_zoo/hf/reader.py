@@ -1,4 +1,4 @@
-"""Read the tensors of a Hugging Face model directory, whole or one slice at a time.
+"""Read a Hugging Face model directory: its config.json, and its tensors whole or one slice at a time.
 
 Accepts what `transformers` writes: ``model.safetensors``, sharded
 ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, and the legacy
@@ -13,20 +13,37 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+CONFIG = "config.json"
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json of the Hugging Face model directory `path`, with errors that say what it lacks."""
+    path = Path(path)
+    config_file = path / CONFIG
+    if not config_file.is_file():
+        what = "does not exist" if not path.exists() else f"has no {CONFIG}"
+        raise FileNotFoundError(f"{path} {what}: a Hugging Face model directory holds {CONFIG} and the weights "
+                                f"({SAFETENSORS}, or shards with {SAFETENSORS_INDEX})")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not valid JSON ({error}): restore it from the model's source") from None
 
 
 class HFWeightReader:
-    """Names, shapes and (sliced) contents of the weights in `path`; use as a context manager."""
+    """Names, shapes, dtypes and (sliced) contents of the weights in `path`; use as a context manager."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.bytes_read = 0
         self._handles: dict[str, object] = {}
-        self._pickled: dict[str, dict[str, torch.Tensor]] = {}
         self._file_of = self._index()
 
     def _index(self) -> dict[str, str]:
@@ -45,10 +62,15 @@ class HFWeightReader:
 
     def _open(self, file: str):
         if file not in self._handles:
-            if file.endswith(".safetensors"):
-                self._handles[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
-            else:
-                self._handles[file] = torch.load(self.path / file, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                if file.endswith(".safetensors"):
+                    self._handles[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
+                else:
+                    self._handles[file] = torch.load(self.path / file, map_location="cpu", weights_only=True,
+                                                     mmap=True)
+            except (SafetensorError, RuntimeError) as error:
+                raise ValueError(f"{self.path / file} is truncated or corrupt ({error}): copy or download it "
+                                 f"again") from None
         return self._handles[file]
 
     def keys(self) -> list[str]:
@@ -60,15 +82,28 @@ class HFWeightReader:
             return tuple(handle[name].shape)
         return tuple(handle.get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype's name ("float32", "bfloat16", ...)."""
+        handle = self._open(self._file_of[name])
+        if isinstance(handle, dict):
+            return str(handle[name].dtype).removeprefix("torch.")
+        stored = handle.get_slice(name).get_dtype()
+        return SAFETENSORS_DTYPES.get(stored, stored)
+
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """The tensor `name`, or only its [start, end) range along `dim`."""
-        handle = self._open(self._file_of[name])
+        file = self._file_of[name]
+        handle = self._open(file)
         index = (slice(None),) * dim + (slice(start, end),) if dim is not None else ()
         if isinstance(handle, dict):
             tensor = handle[name][index].clone()
         else:
-            sliced = handle.get_slice(name)
-            tensor = sliced[index] if index else sliced[:]
+            try:
+                sliced = handle.get_slice(name)
+                tensor = sliced[index] if index else sliced[:]
+            except SafetensorError as error:
+                raise ValueError(f"{self.path / file} is truncated or corrupt: reading {name} failed ({error}); "
+                                 f"copy or download it again") from None
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 

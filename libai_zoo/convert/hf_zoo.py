@@ -2,6 +2,7 @@
 
     hf_to_zoo("hf_dir", "out", dp=2, tp=2, pp=1)   # out/model_0000000 + last_checkpoint + config.yaml
     zoo_to_hf("output/run", "hf_out")             # the newest checkpoint of a run, any layout
+    export_to_hf("output/run/model_0001000", "hf_out")   # one checkpoint; model from the run's config.yaml
 
 A libai_zoo checkpoint is a torch.distributed.checkpoint (DCP) directory: tensors are stored with
 their global shapes and each rank of a later run reads only its own slices. The checkpoint is
@@ -21,17 +22,20 @@ here rather than after a large run has started, and recorded in config.yaml.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import save
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from .checkpointer import POINTER
+from libai_zoo import dist, models
+from libai_zoo.checkpoint import Checkpointer, commit
+from libai_zoo.config import LazyCall, LazyConfig, instantiate
+from libai_zoo.hf import read_config
 
 logger = logging.getLogger("libai_zoo")
 
@@ -52,22 +56,9 @@ ARCHITECTURES = {
 }
 
 
-def read_hf_config(hf_dir: str | Path) -> dict:
-    """config.json of a Hugging Face model directory, with errors that say what the directory lacks."""
-    hf_dir = Path(hf_dir)
-    config_file = hf_dir / "config.json"
-    if not config_file.is_file():
-        what = "does not exist" if not hf_dir.exists() else "has no config.json"
-        raise FileNotFoundError(f"{hf_dir} {what}: hf-to-zoo reads a Hugging Face model directory (config.json and "
-                                f"model.safetensors, or shards with model.safetensors.index.json)")
-    return json.loads(config_file.read_text())
-
-
 def zoo_class_for(config: dict, model_class: str | None = None, *, source: str = "config.json") -> type[nn.Module]:
     """The libai_zoo model class for a Hugging Face config: `model_class` if given (a name in
     libai_zoo.models), else from model_type and architectures."""
-    from libai_zoo import models
-
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{source}: model_type {model_type!r} has no libai_zoo model; supported: "
@@ -89,42 +80,15 @@ def zoo_class_for(config: dict, model_class: str | None = None, *, source: str =
 
 
 def check_layout(model: nn.Module, dp: int = 1, tp: int = 1, pp: int = 1) -> list[str]:
-    """Why `model` cannot be trained at dp × tp × pp ([] when it can), checked on the model itself
-    (it may live on the meta device): what each parallel layer's `shard_` needs divisible by tp,
-    and what a pipeline needs."""
-    from libai_zoo.layers import MLP, Attention, Linear, LMHead, VocabEmbedding
-
-    problems = []
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
-        if not isinstance(value, int) or value < 1:
-            problems.append(f"--{name} {value} is not a positive integer")
+    """Why `model` cannot be trained at dp × tp × pp ([] when it can), asked of the model itself
+    (it may live on the meta device): its parallel layers say what must divide by tp, and a
+    pipeline needs at least one layer per stage."""
+    problems = [f"--{name} {value} is not a positive integer" for name, value in (("dp", dp), ("tp", tp), ("pp", pp))
+                if not isinstance(value, int) or value < 1]
     if problems:
         return problems
-
-    def need(value: int, what: str, fix: str) -> None:
-        if value % tp:
-            problem = f"{what} = {value} is not divisible by tp = {tp}: {fix}"
-            if problem not in problems:
-                problems.append(problem)
-
     if tp > 1:
-        inside_blocks = {id(m) for block in model.modules() if isinstance(block, Attention | MLP)
-                         for m in block.modules() if m is not block}
-        for module in model.modules():
-            if isinstance(module, Attention):
-                need(module.num_heads, "attention heads", "choose a tp that divides the number of heads")
-                if module.num_kv_heads != module.num_heads:
-                    need(module.num_kv_heads, "key/value heads", "choose a tp that divides the number of KV heads")
-            elif isinstance(module, MLP):
-                need(module.ffn_hidden_size, "MLP hidden size", "choose a tp that divides the intermediate size")
-            elif isinstance(module, VocabEmbedding) or isinstance(module, LMHead):
-                vocab = module.num_embeddings if isinstance(module, VocabEmbedding) else module.out_features
-                need(vocab, "vocabulary size", f"pad the vocabulary to a multiple of tp (e.g. {-(-vocab // tp) * tp}) "
-                                               f"before converting, or lower tp")
-            elif isinstance(module, Linear) and id(module) not in inside_blocks and module.parallel != "data":
-                features = module.out_features if module.parallel == "col" else module.in_features
-                need(features, f"{'output' if module.parallel == 'col' else 'input'} features of the "
-                               f"{module.parallel}-parallel {type(module).__name__}", "lower tp")
+        problems += dist.tp_problems(model, tp)
     if pp > 1:
         prefix = getattr(model, "base_model_prefix", None)
         body = getattr(model, prefix, None) if prefix else None
@@ -166,12 +130,9 @@ def hf_to_zoo(hf_dir: str | Path, output_dir: str | Path, *, dp: int = 1, tp: in
     (see the module docstring for what is written); return the checkpoint directory.
 
     ``dtype``: None keeps the weights' dtype; a run at another dtype converts while loading."""
-    from libai_zoo.config import LazyCall, LazyConfig
-
     hf_dir, output_dir = Path(hf_dir), check_output_dir(output_dir, overwrite)
-    config_dict = read_hf_config(hf_dir)
-    cls = zoo_class_for(config_dict, model_class, source=str(hf_dir / "config.json"))
-    config = cls._load_config(hf_dir)
+    cls = zoo_class_for(read_config(hf_dir), model_class, source=str(hf_dir / "config.json"))
+    config = cls.load_config(hf_dir)
     with torch.device("meta"):
         skeleton = cls(config)
     problems = check_layout(skeleton, dp, tp, pp)
@@ -180,19 +141,11 @@ def hf_to_zoo(hf_dir: str | Path, output_dir: str | Path, *, dp: int = 1, tp: in
                          + "\n  ".join(problems))
     model = cls.from_pretrained(hf_dir, dtype=dtype)
 
-    from torch.distributed.checkpoint import save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    output_dir.mkdir(parents=True, exist_ok=True)
-    final, tmp = output_dir / FIRST_CHECKPOINT, output_dir / f"{FIRST_CHECKPOINT}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    final = output_dir / FIRST_CHECKPOINT
+    staged = commit.start(final)
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: here that is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        save({"model": get_state_dict(model, [])[0]}, checkpoint_id=str(tmp))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        save({"model": get_state_dict(model, [])[0]}, checkpoint_id=str(staged))
 
     record = {
         "model": LazyCall(cls)(config=LazyCall(type(model.config))(**_config_kwargs(model.config))),
@@ -202,8 +155,7 @@ def hf_to_zoo(hf_dir: str | Path, output_dir: str | Path, *, dp: int = 1, tp: in
     }
     LazyConfig.save(record, output_dir / "config.yaml")
     shutil.copyfile(hf_dir / "config.json", output_dir / HF_CONFIG)
-    (output_dir / f"{POINTER}.tmp").write_text(FIRST_CHECKPOINT)
-    os.replace(output_dir / f"{POINTER}.tmp", output_dir / POINTER)
+    commit.finish(final)
     logger.info("wrote %s from %s", final, hf_dir)
     return final
 
@@ -217,11 +169,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"{path} does not exist: pass a libai_zoo checkpoint (a model_XXXXXXX directory) or "
                                 f"the output_dir of a run")
-    pointer = path / POINTER
-    if pointer.is_file():
-        checkpoint = path / pointer.read_text().strip()
+    checkpoint = commit.pointed_to(path)
+    if checkpoint is not None:
         if not (checkpoint / ".metadata").is_file():
-            raise FileNotFoundError(f"{pointer} names {checkpoint.name}, which is not a complete checkpoint "
+            raise FileNotFoundError(f"{path / commit.POINTER} names {checkpoint.name}, which is not a complete checkpoint "
                                     f"(no {checkpoint / '.metadata'}): pass one of the run's model_XXXXXXX "
                                     f"directories instead")
         return checkpoint
@@ -229,15 +180,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     hint = (f"; it holds {', '.join(candidates)}: pass one of them" if candidates
             else ": pass a model_XXXXXXX directory written by the trainer or by hf-to-zoo")
     raise FileNotFoundError(f"{path} is not a libai_zoo checkpoint (no .metadata) nor a run's output_dir "
-                            f"(no {POINTER}){hint}")
+                            f"(no {commit.POINTER}){hint}")
 
 
 def zoo_to_hf(checkpoint: str | Path, output_dir: str | Path, *, max_shard_size: int | str = "5GB",
               overwrite: bool = False) -> tuple[Path, nn.Module]:
     """Write a libai_zoo checkpoint (any layout; a run's output_dir means its newest checkpoint) as
     a Hugging Face directory; return (the checkpoint read, the model)."""
-    from .export import export_to_hf
-
     checkpoint = resolve_checkpoint(checkpoint)
     if not (checkpoint.parent / "config.yaml").is_file():
         raise FileNotFoundError(f"no {checkpoint.parent / 'config.yaml'}: the model is rebuilt from the config.yaml "
@@ -245,3 +194,27 @@ def zoo_to_hf(checkpoint: str | Path, output_dir: str | Path, *, max_shard_size:
                                 f"config.yaml there")
     output_dir = check_output_dir(output_dir, overwrite)
     return checkpoint, export_to_hf(checkpoint, output_dir, max_shard_size=max_shard_size)
+
+
+def load_checkpoint_model(checkpoint: str | Path, model: nn.Module | None = None) -> nn.Module:
+    """The model of a trainer checkpoint, whole, in this process. Without `model` it is built from
+    the run's config.yaml (next to the checkpoint); the checkpoint's sharded tensors are read into
+    it whatever layout wrote them (torch.distributed.checkpoint reshards on load)."""
+    checkpoint = Path(checkpoint)
+    if model is None:
+        config = checkpoint.parent / "config.yaml"
+        if not config.is_file():
+            raise FileNotFoundError(f"no {config}: pass the model to load into, or keep the run's config.yaml "
+                                    f"next to its checkpoints")
+        model = instantiate(LazyConfig.load(str(config)).model)
+    Checkpointer(checkpoint.parent, [model]).load(checkpoint)
+    return model.eval()
+
+
+def export_to_hf(checkpoint: str | Path, output_dir: str | Path, *, model: nn.Module | None = None,
+                 max_shard_size: int | str = "5GB") -> nn.Module:
+    """Write the checkpoint's model as a Hugging Face directory (config.json + safetensors) that
+    `transformers` loads; returns the model."""
+    model = load_checkpoint_model(checkpoint, model)
+    model.save_pretrained(output_dir, max_shard_size=max_shard_size)
+    return model

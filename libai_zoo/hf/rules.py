@@ -1,5 +1,7 @@
 """How one libai_zoo parameter is made from Hugging Face tensors, and turned back into them.
 
+Each model lists its rules in a `WeightMap` (models/hf_maps/: one file per model).
+
 A rule knows both directions and, for loading, how to read only the part of the Hugging Face
 tensors that makes up one tensor-parallel shard of the parameter: `load` gets ``shard =
 (dim, index, count)`` (this rank holds slice `index` of `count` along `dim`) or None for the
@@ -16,15 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from libai_zoo.dist import local_range
 from libai_zoo.layers import fuse_qkv, split_qkv
 
 Read = Callable[..., torch.Tensor]
 Shard = tuple[int, int, int] | None
-
-
-def _slice(size: int, index: int, count: int) -> tuple[int, int]:
-    per_rank = size // count
-    return index * per_rank, (index + 1) * per_rank
 
 
 class Rule:
@@ -62,7 +60,7 @@ class Same(Rule):
         if shard is None:
             return read(self.name)
         dim, index, count = shard
-        return read(self.name, dim, *_slice(zoo_shape[dim], index, count))
+        return read(self.name, dim, *local_range(zoo_shape[dim], index, count))
 
     def save(self, tensor):
         return {self.name: tensor}
@@ -76,7 +74,7 @@ class Transposed(Same):
         if shard is None:
             return read(self.name).t().contiguous()
         dim, index, count = shard
-        return read(self.name, 1 - dim, *_slice(zoo_shape[dim], index, count)).t().contiguous()
+        return read(self.name, 1 - dim, *local_range(zoo_shape[dim], index, count)).t().contiguous()
 
     def save(self, tensor):
         return {self.name: tensor.t().contiguous()}
@@ -117,7 +115,7 @@ class QKV(Rule):
         head_dim = zoo_shape[0] // (self.num_heads + 2 * self.num_kv_heads)
         rows = {self.q: self.num_heads * head_dim, self.k: self.num_kv_heads * head_dim,
                 self.v: self.num_kv_heads * head_dim}
-        parts = [read(name, 0, *_slice(size, index, count)) for name, size in rows.items()]
+        parts = [read(name, 0, *local_range(size, index, count)) for name, size in rows.items()]
         return fuse_qkv(*parts, self.num_kv_heads // count)
 
     def save(self, tensor):
@@ -140,7 +138,7 @@ class PackedQKV(Rule):
         index, count = _row_shard(self.zoo, shard)
         width = zoo_shape[0] // 3
         out_dim = len(zoo_shape) - 1  # Conv1D keeps the output features last
-        start, end = _slice(width, index, count)
+        start, end = local_range(width, index, count)
         parts = [read(self.name, out_dim, part * width + start, part * width + end) for part in range(3)]
         return fuse_qkv(*(p.t() if out_dim else p for p in parts), self.num_heads // count)
 

@@ -1,0 +1,18 @@
+"""libai_zoo.hf: Hugging Face model directories in and out.
+
+    config = read_config("hf_dir")                          # config.json, with errors that say what is wrong
+    with HFWeightReader("hf_dir") as reader: ...            # tensors whole or by slice (safetensors, .bin)
+    load_pretrained(LlamaForCausalLM, "hf_dir", shard=True)  # what PreTrainedModel.from_pretrained runs
+    save_pretrained(model, "out_dir")                       # gathered over tp; rank 0 writes
+
+This package moves tensors; what each model calls its tensors is its `WeightMap` of `rules`
+(per model in models/hf_maps/). Slices are read as each parameter's sharding says: it sits above
+`libai_zoo.dist` and `libai_zoo.layers` and below the models, which call it.
+"""
+
+from .loading import load_hf_weights, load_pretrained
+from .reader import HFWeightReader, read_config
+from .rules import WeightMap
+from .saving import save_pretrained
+
+__all__ = ["read_config", "HFWeightReader", "load_pretrained", "load_hf_weights", "save_pretrained", "WeightMap"]

@@ -1,0 +1,144 @@
+"""Load a Hugging Face directory into a libai_zoo model, whole or as this rank's shards.
+
+    model = load_pretrained(GPT2LMHeadModel, "hf_dir", shard=True)   # PreTrainedModel.from_pretrained
+
+The model is built on the meta device; with ``shard=True`` it is split over the current parallel
+context's tensor parallelism (`dist.shard`) while still on meta, materialised (each rank allocates
+its own slices only), and each parameter is filled from the slice of the checkpoint tensors that
+its DTensor placement says this rank keeps. The model's `hf_weight_map` says which checkpoint
+tensors make which parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from libai_zoo import dist
+
+from .reader import HFWeightReader
+
+logger = logging.getLogger(__name__)
+
+
+def load_pretrained(cls: type[nn.Module], path: str | Path, *, dtype: torch.dtype | str | None = None,
+                    shard: bool = False, strict: bool = True, output_loading_info: bool = False,
+                    **config_overrides):
+    """`cls` (a libai_zoo PreTrainedModel class) with the weights of the directory `path`; see
+    `PreTrainedModel.from_pretrained` for the arguments."""
+    path = Path(path)
+    config = cls.load_config(path)
+    for key, value in config_overrides.items():
+        if not hasattr(config, key):
+            raise ValueError(f"{key}={value!r}: {type(config).__name__} has no attribute {key!r}")
+        setattr(config, key, value)
+    dtype = resolve_dtype(dtype, config)
+    with torch.device("meta"):
+        model = cls(config).to(dtype)
+    device = torch.device("cpu")
+    if shard:
+        ctx = dist.get_context()
+        dist.shard(model, ctx)
+        device = ctx.device
+    model.to_empty(device=device)
+    if not strict:
+        model.init_weights()
+    model.tie_weights()
+    with HFWeightReader(path) as reader:
+        info = load_hf_weights(model, reader, strict=strict)
+        info["bytes_read"] = reader.bytes_read
+    model.eval()
+    return (model, info) if output_loading_info else model
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = True) -> dict:
+    """Fill the parameters `model` holds (whole, or this rank's shards; a pipeline stage holds only
+    its own) from Hugging Face tensors. Returns {"missing_keys", "unexpected_keys"}: checkpoint
+    names the parameters need but the files lack, and names in the files no parameter uses."""
+    weight_map = model.hf_weight_map()
+    params = dict(model.named_parameters())
+    uncovered = set(params) - {rule.zoo for rule in weight_map.rules}
+    if uncovered:
+        raise RuntimeError(f"{type(model).__name__}.hf_weight_map has no rule for {sorted(uncovered)}")
+    held = [rule for rule in weight_map.rules if rule.zoo in params]
+    available = checkpoint_names(model, reader.keys())
+    expected: dict[str, torch.Size] = {}
+    for rule in held:
+        expected.update(rule.hf_shapes(params[rule.zoo].shape))
+    known = {name for rule in weight_map.rules for name in rule.hf}
+    missing = [name for name in expected if name not in available]
+    unexpected = [name for name in available if name not in known and not weight_map.ignored(name)]
+    mismatched = [f"{name}: checkpoint {tuple(reader.shape(available[name]))}, model {tuple(shape)}"
+                  for name, shape in expected.items()
+                  if name in available and tuple(reader.shape(available[name])) != tuple(shape)]
+    if mismatched or (strict and (missing or unexpected)):
+        raise ValueError(_load_error(type(model).__name__, reader.path, missing, unexpected, mismatched, strict))
+    if missing or unexpected:
+        logger.warning("%s: initialised %s; ignored %s", type(model).__name__, missing or "nothing",
+                       unexpected or "nothing")
+
+    def read(name, *args):
+        return reader.read(available[name], *args)
+
+    for rule in held:
+        if all(name in available for name in rule.hf):
+            param = params[rule.zoo]
+            tensor = rule.load(read, shard_of(param), param.shape)
+            (param.to_local() if isinstance(param, DTensor) else param).copy_(tensor)
+    return {"missing_keys": missing, "unexpected_keys": unexpected}
+
+
+def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """The model's name for each checkpoint tensor -> the checkpoint's name.
+
+    A task model loads a bare body's checkpoint (its head is then missing), and a bare body loads
+    a task model's checkpoint (the head's tensors are left out), as in transformers."""
+    prefix = model.base_model_prefix + "."
+    is_task_model = isinstance(getattr(model, model.base_model_prefix, None), nn.Module)
+    prefixed = any(key.startswith(prefix) for key in keys)
+    if is_task_model and not prefixed:
+        return {prefix + key: key for key in keys}
+    if not is_task_model and prefixed:
+        return {key[len(prefix):]: key for key in keys if key.startswith(prefix)}
+    return {key: key for key in keys}
+
+
+def shard_of(param: torch.Tensor) -> tuple[int, int, int] | None:
+    """(dim, index, count) of the slice this rank holds of a parameter split over one mesh
+    dimension (its DTensor placement), or None for a whole tensor."""
+    if isinstance(param, DTensor):
+        for mesh_dim, placement in enumerate(param.placements):
+            if isinstance(placement, Shard):
+                mesh = param.device_mesh
+                return placement.dim, mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)
+    return None
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, config) -> torch.dtype:
+    """None or "auto": the checkpoint's dtype (config.json's ``dtype``), as transformers 5 does."""
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype (e.g. torch.float32, 'bfloat16')")
+    return dtype
+
+
+def _load_error(model: str, path: Path, missing: list[str], unexpected: list[str], mismatched: list[str],
+                strict: bool) -> str:
+    lines = [f"{path} does not fit {model}:"]
+    for title, names in (("missing", missing), ("unexpected", unexpected), ("misshaped", mismatched)):
+        if names and (strict or title == "misshaped"):
+            lines.append(f"  {len(names)} {title} tensor(s): " + ", ".join(names))
+    if strict and (missing or unexpected) and not mismatched:
+        lines.append("  Check that the directory holds this model type and size; pass strict=False to "
+                     "initialise the missing tensors and skip the unexpected ones (e.g. a new task head).")
+    elif mismatched:
+        lines.append("  The config.json and the weights disagree: they come from different models.")
+    return "\n".join(lines)

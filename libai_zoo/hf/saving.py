@@ -1,0 +1,41 @@
+"""Write a libai_zoo model as a Hugging Face directory that `transformers` loads.
+
+Every parameter is gathered to its full tensor (`full_tensor()` of a DTensor: every rank takes
+part), turned into Hugging Face tensors by the model's `hf_weight_map`, and rank 0 writes
+config.json and safetensors (sharded with an index above `max_shard_size`).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+from huggingface_hub import save_torch_state_dict
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB") -> None:
+    """Write `model` (a libai_zoo PreTrainedModel, whole or split over tp) to `path`; under a
+    process group every rank must call it."""
+    path = Path(path)
+    params = dict(model.named_parameters())
+    is_writer = not torch_dist.is_initialized() or torch_dist.get_rank() == 0
+    state: dict[str, torch.Tensor] = {}
+    for rule in model.hf_weight_map().rules:
+        param = params[rule.zoo]
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if is_writer:
+            state.update(rule.save(full.detach().cpu()))
+    if is_writer:
+        path.mkdir(parents=True, exist_ok=True)
+        config = copy.deepcopy(model.config)
+        if config.model_type == model.config_class.model_type:  # our class names are transformers' names
+            config.architectures = [type(model).__name__]
+        config.save_pretrained(path)
+        save_torch_state_dict(state, path, max_shard_size=max_shard_size)
+    if torch_dist.is_initialized():
+        torch_dist.barrier()

@@ -1,0 +1,26 @@
+"""The layers of the house (docs/design.md): model files hold no process-group code, and importing
+the models loads neither the conversion code nor torch.distributed.checkpoint."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_model_files_reach_no_process_group_code():
+    leaks = [f"{path.relative_to(ROOT)}:{number}" for path in sorted((ROOT / "models").rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"libai_zoo\.dist|torch\.distributed", line)]
+    assert leaks == []
+
+
+def test_importing_the_models_loads_no_conversion_and_no_distributed_checkpoint():
+    probe = ("import sys, libai_zoo.models; "
+             "print(sorted(m for m in sys.modules if m.startswith(('libai_zoo.convert', 'libai_zoo.checkpoint', "
+             "'libai_zoo.engine', 'libai_zoo.parallel', 'torch.distributed.checkpoint'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
