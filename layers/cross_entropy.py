@@ -62,16 +62,20 @@ class ParallelCrossEntropy(ParallelLayer, nn.Module):
             raise ValueError(f"reduction {reduction!r} is not one of {REDUCTIONS}")
         self.ignore_index, self.reduction = ignore_index, reduction
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, reduction: str | None = None) -> torch.Tensor:
+        """``reduction`` overrides the one given at construction for this call."""
+        reduction = reduction or self.reduction
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction {reduction!r} is not one of {REDUCTIONS}")
         if self.tp is None:
             flat = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(),
-                                   ignore_index=self.ignore_index, reduction=self.reduction)
-            return flat.view(target.shape) if self.reduction == "none" else flat
+                                   ignore_index=self.ignore_index, reduction=reduction)
+            return flat.view(target.shape) if reduction == "none" else flat
         loss = _VocabParallelCrossEntropy.apply(logits, target, self.tp, self.ignore_index)
-        if self.reduction == "none":
+        if reduction == "none":
             return loss
         total = loss.sum()
-        return total if self.reduction == "sum" else total / (target != self.ignore_index).sum()
+        return total if reduction == "sum" else total / (target != self.ignore_index).sum()
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction}{self.parallel_repr()}"

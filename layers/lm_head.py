@@ -1,16 +1,16 @@
-"""The language-model head: hidden states -> vocabulary logits -> loss, split over the vocabulary.
+"""The language-model head: hidden states -> vocabulary logits, split over the vocabulary, and the
+loss computed on that split.
 
     h [B, S, hidden] -> column-parallel [hidden, S(V)] -> logits [B, S, V/tp] -> vocab-parallel CE
 
-The loss is computed on this rank's vocabulary slice (`ParallelCrossEntropy`), so training never
-gathers [B, S, V]; the logits handed back are gathered to the whole vocabulary, as callers of a
-Hugging Face model expect, unless ``return_logits=False`` says nobody needs them.
+Training never gathers [B, S, V]: `loss` works on this rank's vocabulary slice
+(`ParallelCrossEntropy`). `gather` makes the whole-vocabulary logits for callers that want them
+(a Hugging Face forward, generation).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from libai_zoo.dist.collectives import broadcast_, gather_from_tp
 
@@ -20,7 +20,8 @@ from .linear import Linear
 
 
 class LMHead(Linear):
-    """Projection onto the vocabulary (weight [V, hidden], tie it to the token embedding if wanted)."""
+    """Projection onto the vocabulary (weight [V, hidden]; tie it to the token embedding if wanted).
+    ``forward`` returns this rank's slice of the logits."""
 
     def __init__(self, hidden_size: int, vocab_size: int, bias: bool = False, *, ignore_index: int = -100,
                  device=None, dtype=None):
@@ -30,24 +31,14 @@ class LMHead(Linear):
     def tp_problems(self, tp_size: int) -> list[str]:
         return vocabulary_problems(self.out_features, tp_size)
 
-    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None, *, shift: bool = False,
-                logits_to_keep: int = 0, return_logits: bool = True
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(loss, logits). ``shift``: position t predicts labels[t + 1] (causal LM);
-        ``logits_to_keep=n`` projects only the last n positions (generation)."""
-        if logits_to_keep:
-            if labels is not None:
-                raise ValueError("logits_to_keep computes the last positions only: it cannot take labels")
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        logits = super().forward(hidden_states)
-        loss = None
-        if labels is not None:
-            if shift:
-                labels = F.pad(labels, (0, 1), value=self.loss_fn.ignore_index)[..., 1:]
-            loss = self.loss_fn(logits, labels.to(logits.device))
-        if not return_logits:
-            return loss, None
-        return loss, logits if self.tp is None else gather_from_tp(logits, self.tp, dim=-1)
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Cross entropy of this rank's logits (from `forward`) against targets aligned with them
+        (global vocabulary ids; ignore_index skipped), in float32."""
+        return self.loss_fn(logits, targets.to(logits.device), reduction=reduction)
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits over the whole vocabulary, on every tp rank."""
+        return logits if self.tp is None else gather_from_tp(logits, self.tp, dim=-1)
 
     def agree(self, tokens: torch.Tensor) -> torch.Tensor:
         """The tokens tp rank 0 chose, on every tp rank (each rank samples from its own random

@@ -2,15 +2,17 @@
 
 Each model reads its Hugging Face config.json unchanged, loads and saves Hugging Face weights
 (`from_pretrained` / `save_pretrained`, with tensor-parallel sharding while loading) and has
-the forward signature and outputs of its `transformers` twin.
+the forward signature and outputs of its `transformers` twin. Every model with a loss implements
+`TrainableModel`, the contract through which the engine trains it at any layout (contract.py).
 """
 
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from .contract import TrainableModel, check_trainable, get_layer_stack
 from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .pretrained import PreTrainedModel
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
-__all__ = ["PreTrainedModel", "GPT2Config", "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel",
+__all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_stack", "GPT2Config", "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel",
            "BertForMaskedLM", "BertForSequenceClassification", "ViTConfig", "ViTModel", "ViTForImageClassification",
            "LlamaConfig", "LlamaModel", "LlamaForCausalLM"]

@@ -21,7 +21,8 @@ from libai_zoo.layers import (Embedding, LayerNorm, Linear, LMHead, SequenceGath
                               TransformerLayer, VocabEmbedding)
 from libai_zoo.layers.mlp import ACTIVATIONS
 
-from .classification_loss import classification_loss
+from .classifier import Classifier
+from .contract import TrainableModel
 from .hf_maps.bert import bert_weight_map
 from .pretrained import PreTrainedModel
 
@@ -77,22 +78,36 @@ class BertModel(PreTrainedModel):
         self.pooler = Linear(hidden, hidden, parallel="data", sequence_parallel=False) if add_pooling_layer else None
         self.post_init()
 
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The embeddings; this rank's part of the sequence under SP."""
+        return self.scatter(self.embeddings(input_ids, token_type_ids, position_ids))
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """BERT's post-norm layers end normalised: only the whole sequence again under SP."""
+        return self.gather(x)
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """tanh(dense(the [CLS] state))."""
+        return torch.tanh(self.pooler(x[:, 0]))
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> BaseModelOutputWithPooling:
-        x = self.scatter(self.embeddings(input_ids, token_type_ids, position_ids))
+        x = self.embed(input_ids, token_type_ids, position_ids)
         for layer in self.layer:
             x = layer(x, attention_mask)
-        x = self.gather(x)
-        pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None
-        return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=pooled)
+        x = self.final_norm(x)
+        return BaseModelOutputWithPooling(last_hidden_state=x,
+                                          pooler_output=self.pool(x) if self.pooler is not None else None)
 
     def hf_weight_map(self):
         return bert_weight_map(self.config, prefix="", pooler=self.pooler is not None)
 
 
 class BertMLMHead(nn.Module):
-    """transform (dense, activation, LayerNorm), then the decoder onto the vocabulary."""
+    """transform (dense, activation, LayerNorm), then the decoder onto the vocabulary (this rank's
+    slice of it under tp)."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -102,16 +117,33 @@ class BertMLMHead(nn.Module):
         self.norm = LayerNorm(hidden, config.layer_norm_eps, sequence_parallel=False)
         self.decoder = LMHead(hidden, config.vocab_size, bias=True)
 
-    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor | None, return_logits: bool = True):
-        return self.decoder(self.norm(self.act(self.dense(hidden_states))), labels, return_logits=return_logits)
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.norm(self.act(self.dense(hidden_states))))
 
 
-class BertForMaskedLM(PreTrainedModel):
-    """BERT with the masked-language-model head; labels are -100 except at masked positions."""
+class BertTaskModel(PreTrainedModel):
+    """The parts of the contract BERT's task models share: the encoder's stack and inputs."""
 
     config_class = BertConfig
     base_model_prefix = "bert"
-    loss_targets = "tokens"
+    layer_stack = "bert.layer"
+    first_stage_modules = ("bert.embeddings",)
+
+    def embed(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.bert.embed(inputs["input_ids"], inputs.get("token_type_ids"), inputs.get("position_ids"))
+
+    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"attention_mask": inputs.get("attention_mask")}
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.bert.final_norm(hidden)
+
+
+class BertForMaskedLM(BertTaskModel, TrainableModel):
+    """BERT with the masked-language-model head; labels are -100 except at masked positions."""
+
+    last_stage_modules = ("mlm_head",)
+    loss_unit = "token"
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -123,22 +155,27 @@ class BertForMaskedLM(PreTrainedModel):
         if self.config.tie_word_embeddings:
             self.mlm_head.decoder.weight = self.bert.embeddings.word_embeddings.weight
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mlm_head(hidden)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return self.mlm_head.decoder.loss(outputs, targets, reduction)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, return_logits: bool = True) -> MaskedLMOutput:
-        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids).last_hidden_state
-        loss, logits = self.mlm_head(hidden, labels, return_logits)
-        return MaskedLMOutput(loss=loss, logits=logits)
+        logits = self.head(self.bert(input_ids, attention_mask, token_type_ids, position_ids).last_hidden_state)
+        loss = None if labels is None else self.loss(logits, labels)
+        return MaskedLMOutput(loss=loss, logits=self.mlm_head.decoder.gather(logits) if return_logits else None)
 
     def hf_weight_map(self):
         return bert_weight_map(self.config, prefix="bert.", pooler=False, mlm_head=True)
 
 
-class BertForSequenceClassification(PreTrainedModel):
+class BertForSequenceClassification(BertTaskModel, Classifier):
     """BERT with a classifier on the pooled first token; config.num_labels classes (1 = regression)."""
 
-    config_class = BertConfig
-    base_model_prefix = "bert"
+    last_stage_modules = ("bert.pooler", "classifier")
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -148,13 +185,16 @@ class BertForSequenceClassification(PreTrainedModel):
         self.classifier = Linear(config.hidden_size, config.num_labels, parallel="data", sequence_parallel=False)
         self.post_init()
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.dropout(self.bert.pool(hidden)))
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> SequenceClassifierOutput:
+                labels: torch.Tensor | None = None, return_logits: bool = True) -> SequenceClassifierOutput:
+        """``return_logits`` is accepted for the engine's sake; the logits are small and always returned."""
         pooled = self.bert(input_ids, attention_mask, token_type_ids, position_ids).pooler_output
         logits = self.classifier(self.dropout(pooled))
-        loss = None if labels is None else classification_loss(logits, labels, self.config)
-        return SequenceClassifierOutput(loss=loss, logits=logits)
+        return SequenceClassifierOutput(loss=None if labels is None else self.loss(logits, labels), logits=logits)
 
     def hf_weight_map(self):
         return bert_weight_map(self.config, prefix="bert.", pooler=True, classifier=True)

@@ -19,7 +19,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from libai_zoo.layers import (Embedding, KVCache, LayerNorm, LMHead, SequenceGather, SequenceScatter,
                               TransformerLayer, VocabEmbedding)
 
-from .generation import GenerationMixin
+from .causal_lm import CausalLM
 from .hf_maps.gpt2 import gpt2_weight_map
 from .pretrained import PreTrainedModel
 
@@ -36,8 +36,6 @@ class GPT2Model(PreTrainedModel):
 
     config_class = GPT2Config
     base_model_prefix = "transformer"
-    # For pipeline stages: the layer stack, and what only the first / last stage holds.
-    layers_name, first_stage_modules, last_stage_modules = "h", ("wte", "wpe"), ("ln_f",)
 
     def __init__(self, config: GPT2Config):
         super().__init__(config)
@@ -93,12 +91,14 @@ class GPT2Model(PreTrainedModel):
         return gpt2_weight_map(self.config, prefix="")
 
 
-class GPT2LMHeadModel(GenerationMixin, PreTrainedModel):
+class GPT2LMHeadModel(PreTrainedModel, CausalLM):
     """GPT-2 with its language-model head (tied to the token embedding unless the config says not)."""
 
     config_class = GPT2Config
     base_model_prefix = "transformer"
-    loss_targets = "next_tokens"
+    layer_stack = "transformer.h"
+    first_stage_modules = ("transformer.wte", "transformer.wpe")
+    last_stage_modules = ("transformer.ln_f", "lm_head")
 
     def __init__(self, config: GPT2Config):
         super().__init__(config)
@@ -110,21 +110,22 @@ class GPT2LMHeadModel(GenerationMixin, PreTrainedModel):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
 
+    def embed(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.transformer.embed(inputs["input_ids"], inputs.get("token_type_ids"), inputs.get("position_ids"))
+
+    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"attention_mask": inputs.get("attention_mask")}
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, past_key_values: list[KVCache] | None = None,
                 logits_to_keep: int = 0, return_logits: bool = True,
                 shift_labels: torch.Tensor | None = None) -> CausalLMOutputWithPast:
-        """labels [B, S]: token t is scored against labels[t + 1] (shifted here); -100 is ignored.
-        shift_labels [B, S] (transformers' name): targets already aligned, token t against
-        shift_labels[t] — e.g. tokens[1:] of a window of S + 1 tokens, so no position goes unscored.
-        ``return_logits=False`` skips gathering the vocabulary-split logits (training)."""
+        """labels [B, S] (shifted inside) or shift_labels (already aligned): see `causal_lm`; -100
+        is ignored. ``return_logits=False`` skips gathering the vocabulary-split logits (training)."""
         hidden = self.transformer(input_ids, attention_mask, token_type_ids, position_ids,
                                   past_key_values).last_hidden_state
-        targets = labels if shift_labels is None else shift_labels
-        loss, logits = self.lm_head(hidden, targets, shift=shift_labels is None, logits_to_keep=logits_to_keep,
-                                    return_logits=return_logits)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+        return self.lm_output(hidden, labels, shift_labels, past_key_values, logits_to_keep, return_logits)
 
     def hf_weight_map(self):
         return gpt2_weight_map(self.config, prefix="transformer.", lm_head=not self.config.tie_word_embeddings)

@@ -18,7 +18,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from libai_zoo.layers import KVCache, LMHead, RMSNorm, SequenceGather, TransformerLayer, VocabEmbedding
 
-from .generation import GenerationMixin
+from .causal_lm import CausalLM
 from .hf_maps.llama import llama_weight_map
 from .pretrained import PreTrainedModel
 
@@ -54,8 +54,6 @@ class LlamaModel(PreTrainedModel):
     config_class = LlamaConfig
     other_configs = {"qwen2": transformers.Qwen2Config}
     base_model_prefix = "model"
-    # For pipeline stages: the layer stack, and what only the first / last stage holds.
-    layers_name, first_stage_modules, last_stage_modules = "layers", ("embed_tokens",), ("norm",)
 
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
@@ -98,13 +96,15 @@ class LlamaModel(PreTrainedModel):
         return llama_weight_map(self.config, prefix="", biases=qkv_bias(self.config))
 
 
-class LlamaForCausalLM(GenerationMixin, PreTrainedModel):
+class LlamaForCausalLM(PreTrainedModel, CausalLM):
     """Llama with its language-model head."""
 
     config_class = LlamaConfig
     other_configs = {"qwen2": transformers.Qwen2Config}
     base_model_prefix = "model"
-    loss_targets = "next_tokens"
+    layer_stack = "model.layers"
+    first_stage_modules = ("model.embed_tokens",)
+    last_stage_modules = ("model.norm", "lm_head")
 
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
@@ -116,19 +116,20 @@ class LlamaForCausalLM(GenerationMixin, PreTrainedModel):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def embed(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model.embed(inputs["input_ids"])
+
+    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"attention_mask": inputs.get("attention_mask"), "position_ids": inputs.get("position_ids")}
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 past_key_values: list[KVCache] | None = None, logits_to_keep: int = 0,
                 return_logits: bool = True, shift_labels: torch.Tensor | None = None) -> CausalLMOutputWithPast:
-        """labels [B, S]: token t is scored against labels[t + 1] (shifted here); -100 is ignored.
-        shift_labels [B, S] (transformers' name): targets already aligned, token t against
-        shift_labels[t] — e.g. tokens[1:] of a window of S + 1 tokens, so no position goes unscored.
-        ``return_logits=False`` skips gathering the vocabulary-split logits (training)."""
+        """labels [B, S] (shifted inside) or shift_labels (already aligned): see `causal_lm`; -100
+        is ignored. ``return_logits=False`` skips gathering the vocabulary-split logits (training)."""
         hidden = self.model(input_ids, attention_mask, position_ids, past_key_values).last_hidden_state
-        targets = labels if shift_labels is None else shift_labels
-        loss, logits = self.lm_head(hidden, targets, shift=shift_labels is None, logits_to_keep=logits_to_keep,
-                                    return_logits=return_logits)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+        return self.lm_output(hidden, labels, shift_labels, past_key_values, logits_to_keep, return_logits)
 
     def hf_weight_map(self):
         return llama_weight_map(self.config, prefix="model.", biases=qkv_bias(self.config),

@@ -30,9 +30,6 @@ class PreTrainedModel(nn.Module, ABC):
     config_class: type[PretrainedConfig]
     other_configs: dict[str, type[PretrainedConfig]] = {}  # model types with the same architecture
     base_model_prefix: str
-    # What the loss averages over: one value per sample, the labelled tokens, or (causal LM) the
-    # labelled tokens that have a token before them. The trainer weights micro-batches by it.
-    loss_targets: str = "samples"
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -110,15 +107,3 @@ class PreTrainedModel(nn.Module, ABC):
         sharded with an index above `max_shard_size`. Under tensor parallelism every rank must
         call it (the shards are gathered); rank 0 writes."""
         save_pretrained(self, path, max_shard_size=max_shard_size)
-
-    def num_loss_targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """How many terms the mean loss of this batch (its labels, or already aligned shift_labels)
-        averages over."""
-        if batch.get("shift_labels") is not None:
-            return (batch["shift_labels"] != -100).sum()
-        labels = batch["labels"]
-        if self.loss_targets == "tokens":
-            return (labels != -100).sum()
-        if self.loss_targets == "next_tokens":
-            return (labels[..., 1:] != -100).sum()
-        return torch.tensor(labels.shape[0])

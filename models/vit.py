@@ -18,7 +18,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClass
 from libai_zoo.layers import LayerNorm, Linear, SequenceGather, SequenceScatter, TransformerLayer
 from libai_zoo.layers.mlp import ACTIVATIONS
 
-from .classification_loss import classification_loss
+from .classifier import Classifier
 from .hf_maps.vit import vit_weight_map
 from .pretrained import PreTrainedModel
 
@@ -87,11 +87,19 @@ class ViTModel(PreTrainedModel):
             nn.init.trunc_normal_(module.cls_token, std=std)
             nn.init.trunc_normal_(module.position_embeddings, std=std)
 
+    def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Patch embeddings; this rank's part of the sequence under SP."""
+        return self.scatter(self.embeddings(pixel_values))
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence again under SP, then the final LayerNorm."""
+        return self.layernorm(self.gather(x))
+
     def forward(self, pixel_values: torch.Tensor) -> BaseModelOutputWithPooling:
-        x = self.scatter(self.embeddings(pixel_values))
+        x = self.embed(pixel_values)
         for layer in self.layer:
             x = layer(x)
-        x = self.layernorm(self.gather(x))
+        x = self.final_norm(x)
         pooled = self.pooler_act(self.pooler(x[:, 0])) if self.pooler is not None else None
         return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=pooled)
 
@@ -99,11 +107,15 @@ class ViTModel(PreTrainedModel):
         return vit_weight_map(self.config, prefix="", pooler=self.pooler is not None)
 
 
-class ViTForImageClassification(PreTrainedModel):
+class ViTForImageClassification(PreTrainedModel, Classifier):
     """ViT with a linear classifier on the final [CLS] state; config.num_labels classes."""
 
     config_class = ViTConfig
     base_model_prefix = "vit"
+    main_input_name = "pixel_values"
+    layer_stack = "vit.layer"
+    first_stage_modules = ("vit.embeddings",)
+    last_stage_modules = ("vit.layernorm", "classifier")
 
     def __init__(self, config: ViTConfig):
         super().__init__(config)
@@ -111,10 +123,23 @@ class ViTForImageClassification(PreTrainedModel):
         self.classifier = Linear(config.hidden_size, config.num_labels, parallel="data", sequence_parallel=False)
         self.post_init()
 
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> ImageClassifierOutput:
-        logits = self.classifier(self.vit(pixel_values).last_hidden_state[:, 0])
-        loss = None if labels is None else classification_loss(logits, labels, self.config)
-        return ImageClassifierOutput(loss=loss, logits=logits)
+    def embed(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.vit.embed(inputs["pixel_values"])
+
+    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {}
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.vit.final_norm(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier(hidden[:, 0])
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None,
+                return_logits: bool = True) -> ImageClassifierOutput:
+        """``return_logits`` is accepted for the engine's sake; the logits are small and always returned."""
+        logits = self.head(self.vit(pixel_values).last_hidden_state)
+        return ImageClassifierOutput(loss=None if labels is None else self.loss(logits, labels), logits=logits)
 
     def hf_weight_map(self):
         return vit_weight_map(self.config, prefix="vit.", pooler=False, classifier=True)

@@ -71,10 +71,10 @@ def test_clip_grad_norm_matches_torch():
 
 
 def test_mfu_and_flops_per_token():
-    from libai_zoo.utils import mfu, training_flops_per_token
+    from libai_zoo.utils import mfu
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2))
     matmul = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()  # wte is the head
-    assert training_flops_per_token(model, seq_len=8) == 6 * matmul + 2 * 12 * 16 * 8
+    assert model.flops_per_token(seq_len=8) == 6 * matmul + 2 * 12 * 16 * 8
     assert mfu(1000.0, 1e9, 1e12 * 2, world_size=2) == pytest.approx(0.25)
     assert mfu(1000.0, 1e9, None) is None

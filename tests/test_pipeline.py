@@ -2,11 +2,12 @@
 
 A tiny GPT-2 (tied embeddings) and a tiny Llama (untied), 4 layers each, run pipelined steps
 over a fixed batch in every 4-rank layout below: two steps on the batch (the schedule reused,
-gradients accumulating), then one on shorter sequences (shapes inferred again). The loss (mean
-over every target token of the global batch) and every parameter gradient, under its full-model
-name, must equal those of the one-process model computed in the parent. All layouts share one
-run of 4 processes (start-up dominates on CPU): each rank sends its numbers back and the parent
-asserts.
+gradients accumulating), then one on shorter sequences (shapes inferred again). The pipeline
+reads only the model contract, so a BERT masked LM (a padded batch: the attention mask reaches
+every stage) and a ViT classifier run pipelined too, in two of the layouts. The loss (mean over
+every target of the global batch) and every parameter gradient, under its full-model name, must
+equal those of the one-process model computed in the parent. All layouts share one run of 4
+processes (start-up dominates on CPU): each rank sends its numbers back and the parent asserts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
-from libai_zoo.models import GPT2LMHeadModel, LlamaForCausalLM
+from libai_zoo.models import (BertConfig, BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, ViTConfig,
+                              ViTForImageClassification, get_layer_stack)
 from libai_zoo.parallel.pipeline import SCHEDULES, Pipeline, StageLayers, prune_for_stage, split_layers
 
 pytestmark = pytest.mark.slow
@@ -31,9 +33,9 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-5
 LAYOUTS = [
     ("pp4_gpipe", 1, 1, 4, "gpipe", 1, 4, False, ("gpt2", "llama")),
     ("pp4_1f1b", 1, 1, 4, "1f1b", 1, 4, False, ("gpt2", "llama")),
-    ("pp2_tp2_1f1b", 1, 2, 2, "1f1b", 1, 2, False, ("gpt2", "llama")),
+    ("pp2_tp2_1f1b", 1, 2, 2, "1f1b", 1, 2, False, ("gpt2", "llama", "bert_mlm", "vit_cls")),
     ("pp2_tp2_sp_1f1b", 1, 2, 2, "1f1b", 1, 2, True, ("gpt2", "llama")),
-    ("pp2_dp2_1f1b", 2, 1, 2, "1f1b", 1, 2, False, ("gpt2", "llama")),
+    ("pp2_dp2_1f1b", 2, 1, 2, "1f1b", 1, 2, False, ("gpt2", "llama", "bert_mlm", "vit_cls")),
     ("pp2x2v_dp2_interleaved", 2, 1, 2, "interleaved_1f1b", 2, 2, False, ("gpt2", "llama")),
     ("pp2x2v_tp2_interleaved", 1, 2, 2, "interleaved_1f1b", 2, 4, False, ("gpt2",)),
 ]
@@ -44,8 +46,20 @@ if "zbv" in SCHEDULES:  # V placement: stages 0 and 3 on pp rank 0, the tied cop
 SHORT = 8  # the third step's sequence length: a new shape, so the stages infer shapes again
 
 
+MODELS = ("gpt2", "llama", "bert_mlm", "vit_cls")
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
 def make_model(name: str):
     torch.manual_seed(0)
+    if name == "bert_mlm":
+        return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                          num_attention_heads=4, intermediate_size=64, max_position_embeddings=32,
+                                          **NO_DROPOUT))
+    if name == "vit_cls":
+        return ViTForImageClassification(ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                                   intermediate_size=64, image_size=12, patch_size=4, num_labels=3,
+                                                   **NO_DROPOUT))
     if name == "gpt2":
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_inner=64,
                                          n_positions=32, bos_token_id=1, eos_token_id=2, resid_pdrop=0.0,
@@ -58,35 +72,61 @@ def make_model(name: str):
     return LlamaForCausalLM(config)
 
 
-def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(name: str) -> dict[str, torch.Tensor]:
+    """The global batch of one model: token ids with some ignored targets (BERT: masked positions,
+    right padding and token types), or images with class labels."""
     g = torch.Generator().manual_seed(1)
+    if name == "vit_cls":
+        return {"pixel_values": torch.randn(BATCH, 3, 12, 12, generator=g), "labels": torch.randint(0, 3, (BATCH,))}
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    if name == "bert_mlm":
+        mask = torch.ones_like(ids)
+        mask[1, 10:] = mask[6, 5:] = 0  # padding: the mask must reach the layers of every stage
+        chosen = (torch.rand(ids.shape, generator=g) < 0.3) & mask.bool()
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": (torch.arange(SEQ) >= 4).long().expand(
+            BATCH, -1).clone(), "labels": ids.masked_fill(~chosen, -100)}
     labels = ids.clone()
     labels[1, 5:9] = -100  # some ignored targets: the mean counts only the others
     labels[6, -3:] = -100
-    return ids, labels
+    return {"input_ids": ids, "labels": labels}
 
 
-def _step(pipe, ctx, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+def shorter(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch's sequences cut to SHORT positions (images stay as they are)."""
+    return {k: v[:, :SHORT] if v.dim() == 2 and "pixel_values" not in batch else v for k, v in batch.items()}
+
+
+def _step(pipe, ctx, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, float]:
     """One pipelined step on this dp rank's rows; (the returned loss, the mean loss over the global batch)."""
-    dp = ctx.dp
-    local = slice(ctx.dp_rank * len(ids) // dp, (ctx.dp_rank + 1) * len(ids) // dp)
-    targets = (labels[:, 1:] != -100).sum().item()  # over the global batch
-    loss = pipe.step(ids[local], labels[local], loss_scale=dp / targets)
+    dp, model = ctx.dp, pipe.model_parts[0]
+    count = model.num_loss_targets(model.split_batch(batch)[1]).item()  # over the global batch
+    rows = slice(ctx.dp_rank * BATCH // dp, (ctx.dp_rank + 1) * BATCH // dp)
+    inputs, targets = model.split_batch({k: v[rows] for k, v in batch.items()})
+    loss = pipe.step(inputs, targets, loss_scale=dp / count)
     value = torch.tensor([pipe.broadcast_loss(loss)], dtype=torch.float64)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.AVG, group=ctx.group("dp"))
     return loss, value.item()
+
+
+def _named_parameters(pipe) -> dict[str, torch.nn.Parameter]:
+    """(full-model name, parameter) of this rank's model parts, each parameter once."""
+    named = {}
+    for part in pipe.model_parts:
+        for name, param in part.named_parameters():
+            if all(param is not seen for seen in named.values()):
+                named[name] = param
+    return named
 
 
 def _grads(pipe, ctx) -> dict[str, torch.Tensor]:
     """Every local gradient under its full-model name, averaged over dp, whole (full_tensor: all tp ranks call)."""
     from libai_zoo import dist
 
-    for module in pipe.modules():
-        dist.finalize_grads(module)  # partial (sequence-parallel) gradients of norms
+    for part in pipe.model_parts:
+        dist.finalize_grads(part)  # partial (sequence-parallel) gradients of norms
     pipe.sync_tied_grads()
     grads = {}
-    for name, param in pipe.named_parameters():
+    for name, param in _named_parameters(pipe).items():
         grad = param.grad
         torch.distributed.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad,
                                      op=torch.distributed.ReduceOp.AVG, group=ctx.group("dp"))
@@ -95,7 +135,7 @@ def _grads(pipe, ctx) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _run_layout(layout, models: dict, ids: torch.Tensor, labels: torch.Tensor) -> dict:
+def _run_layout(layout, models: dict, batches: dict) -> dict:
     from libai_zoo import dist
 
     name, dp, tp, pp, schedule, virtual, micro, sp, model_names = layout
@@ -104,18 +144,19 @@ def _run_layout(layout, models: dict, ids: torch.Tensor, labels: torch.Tensor) -
     for model_name in model_names:
         model = dist.shard(copy.deepcopy(models[model_name]))
         pipe = Pipeline(model, ctx, schedule=schedule, num_micro_batches=micro, virtual_stages=virtual)
-        loss, first = _step(pipe, ctx, ids, labels)
-        _, second = _step(pipe, ctx, ids, labels)  # the same shape: the schedule is reused, grads accumulate
+        batch = batches[model_name]
+        loss, first = _step(pipe, ctx, batch)
+        _, second = _step(pipe, ctx, batch)  # the same shape: the schedule is reused, grads accumulate
         grads = _grads(pipe, ctx)
-        _, short = _step(pipe, ctx, ids[:, :SHORT], labels[:, :SHORT])
+        _, short = _step(pipe, ctx, shorter(batch))
         results[model_name] = {
             "losses": (first, second), "short_loss": short, "grads": grads, "short_grads": _grads(pipe, ctx),
             "loss_on_last_rank": loss is not None, "has_last": pipe.has_last,
             "keys": [list(s.model.state_dict()) for s in pipe.stages],
             "stage_indices": [s.stage_index for s in pipe.stages],
-            "layers": [list(s.model.get_submodule(f"{s.model.base_model_prefix}.{s.body.layers_name}").indices)
-                       for s in pipe.stages],
-            "duplicates": [n for n, p in pipe.named_parameters() if any(p is d for d in pipe.tied_duplicates())],
+            "layers": [get_layer_stack(s.model).indices for s in pipe.stages],
+            "duplicates": [n for n, p in _named_parameters(pipe).items()
+                           if any(p is d for d in pipe.tied_duplicates())],
         }
     dist.destroy()
     return results
@@ -135,21 +176,21 @@ def _errors(models: dict) -> dict:
             errors[key] = str(error)
     try:
         Pipeline(models["gpt2"].transformer, ctx, num_micro_batches=4)
-    except ValueError as error:
-        errors["not_a_causal_lm"] = str(error)
+    except TypeError as error:
+        errors["no_contract"] = str(error)
     dist.destroy()
     return errors
 
 
-def _ranks(models: dict, ids: torch.Tensor, labels: torch.Tensor) -> dict:
-    results = {layout[0]: _run_layout(layout, models, ids, labels) for layout in LAYOUTS}
+def _ranks(models: dict, batches: dict) -> dict:
+    results = {layout[0]: _run_layout(layout, models, batches) for layout in LAYOUTS}
     results["errors"] = _errors(models)
     return results
 
 
-def _reference(model, ids, labels) -> dict:
+def _reference(model, batch: dict) -> dict:
     model = copy.deepcopy(model)
-    out = model(ids, labels=labels)
+    out = model(**batch)
     out.loss.backward()
     return {"loss": out.loss.item(), "keys": set(model.state_dict()),
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
@@ -157,20 +198,25 @@ def _reference(model, ids, labels) -> dict:
 
 @pytest.fixture(scope="module")
 def pipeline_results():
-    ids, labels = make_batch()
-    models = {name: make_model(name) for name in ("gpt2", "llama")}
-    refs = {name: (_reference(model, ids, labels), _reference(model, ids[:, :SHORT], labels[:, :SHORT]))
+    models = {name: make_model(name) for name in MODELS}
+    batches = {name: make_batch(name) for name in MODELS}
+    refs = {name: (_reference(model, batches[name]), _reference(model, shorter(batches[name])))
             for name, model in models.items()}
-    return run_distributed(_ranks, 4, models, ids, labels), refs
+    return run_distributed(_ranks, 4, models, batches), refs
+
+
+# The last stage's copy of a weight tied to the first stage's: (its name, the first stage's name).
+TIED = {"gpt2": ("lm_head.weight", "transformer.wte.weight"),
+        "bert_mlm": ("mlm_head.decoder.weight", "bert.embeddings.word_embeddings.weight")}
 
 
 def _check_grads(model_name: str, rank: int, grads: dict, ref_grads: dict, factor: int) -> set:
+    copy_name, original = TIED.get(model_name, (None, None))
     for param_name, grad in grads.items():
-        tied = model_name == "gpt2" and param_name == "lm_head.weight"  # the last stage's copy
-        ref_name = "transformer.wte.weight" if tied else param_name
+        ref_name = original if param_name == copy_name else param_name
         diff = (grad - factor * ref_grads[ref_name]).abs().max().item()
         assert diff <= GRAD_TOL, (model_name, rank, param_name, diff)
-    return {"transformer.wte.weight" if model_name == "gpt2" and n == "lm_head.weight" else n for n in grads}
+    return {original if n == copy_name else n for n in grads}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
@@ -191,8 +237,8 @@ def test_pipeline_equals_one_process(pipeline_results, layout):
                 seen_keys |= set(stage_keys)
             seen_grads |= _check_grads(model_name, rank, r["grads"], ref["grads"], 2)
             _check_grads(model_name, rank, r["short_grads"], short["grads"], 1)
-            if model_name == "gpt2" and layout[3] > 1:  # the last stage's copy of the tied weight
-                assert r["duplicates"] == (["lm_head.weight"] if r["has_last"] else [])
+            if model_name in TIED:  # the last stage's copy of the tied weight
+                assert r["duplicates"] == ([TIED[model_name][0]] if r["has_last"] else [])
         assert seen_keys == ref["keys"]  # the stages together hold the whole model, under its names
         assert seen_grads == set(ref["grads"])
 
@@ -215,7 +261,8 @@ def test_clear_errors(pipeline_results):
                                                "raise train.global_batch_size or lower micro_batch_size")
     assert "unknown pipeline schedule 'dualpipe'" in errors["unknown_schedule"]
     assert "'1f1b'" in errors["unknown_schedule"]
-    assert "causal LM" in errors["not_a_causal_lm"]
+    assert "GPT2Model does not implement the model contract" in errors["no_contract"]
+    assert "lacks layer_stack" in errors["no_contract"] and "head" in errors["no_contract"]
 
 
 def test_split_layers():

@@ -33,7 +33,7 @@ def _checks() -> dict:
         checkpointed = copy.deepcopy(layer)
         dist.shard(layer, ctx, sequence_parallel=sp)
         dist.shard(checkpointed, ctx, sequence_parallel=sp)
-        apply_activation_checkpointing(checkpointed)
+        apply_activation_checkpointing([checkpointed])
         x = torch.randn(2, 8 if not sp else 4, 16)
         grads = []
         start = layer.tp.rng.get_state()

@@ -36,6 +36,7 @@ from libai_zoo import dist, models
 from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyCall, LazyConfig, instantiate
 from libai_zoo.hf import read_config
+from libai_zoo.models import check_trainable, get_layer_stack
 
 logger = logging.getLogger("libai_zoo")
 
@@ -90,14 +91,12 @@ def check_layout(model: nn.Module, dp: int = 1, tp: int = 1, pp: int = 1) -> lis
     if tp > 1:
         problems += dist.tp_problems(model, tp)
     if pp > 1:
-        prefix = getattr(model, "base_model_prefix", None)
-        body = getattr(model, prefix, None) if prefix else None
-        layers_name = getattr(body, "layers_name", None)
-        if layers_name is None or getattr(model, "lm_head", None) is None:
-            problems.append(f"pp = {pp}: pipeline stages run causal LMs (GPT2LMHeadModel, LlamaForCausalLM), "
-                            f"not {type(model).__name__}; use pp = 1")
+        try:
+            check_trainable(model)
+        except TypeError as error:
+            problems.append(f"pp = {pp}: {error}")
         else:
-            layers = len(getattr(body, layers_name))
+            layers = len(get_layer_stack(model))
             if pp > layers:
                 problems.append(f"pp = {pp} is larger than the number of layers {layers}: every pipeline stage "
                                 f"needs at least one layer; lower pp")

@@ -3,12 +3,12 @@
 from . import hooks
 from .default_trainer import DefaultTrainer
 from .evaluator import Evaluator
-from .events import EventStorage, get_event_storage
+from .events import EventStorage
 from .hooks import (BestCheckpointer, EvalHook, GenerateSample, IterationTimer, LRScheduler, PeriodicCheckpointer,
                     PeriodicWriter, ProgressBar)
 from .train_step import TrainStep
 from .trainer_base import HookBase, TrainerBase
 
-__all__ = ["TrainerBase", "HookBase", "DefaultTrainer", "TrainStep", "Evaluator", "EventStorage",
-           "get_event_storage", "hooks", "IterationTimer", "LRScheduler", "PeriodicCheckpointer", "EvalHook",
-           "BestCheckpointer", "PeriodicWriter", "ProgressBar", "GenerateSample"]
+__all__ = ["TrainerBase", "HookBase", "DefaultTrainer", "TrainStep", "Evaluator", "EventStorage", "hooks",
+           "IterationTimer", "LRScheduler", "PeriodicCheckpointer", "EvalHook", "BestCheckpointer", "PeriodicWriter",
+           "ProgressBar", "GenerateSample"]

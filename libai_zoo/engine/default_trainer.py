@@ -1,9 +1,12 @@
 """`DefaultTrainer(cfg)`: the standard recipe around the loop, every part overridable.
 
-    dist.init(cfg.dist) -> build_model (instantiate, dist.shard, activation checkpointing, compile)
-    -> build_optimizer -> build_lr_scheduler -> build_train_loader (resumable sampler)
-    -> hooks (timer, LR, eval, best checkpoint, periodic checkpoint, writers, progress bar)
-    -> resume_or_load -> train()
+    dist.init(cfg.dist) -> build_model (instantiate, dist.shard, pipeline stages, activation
+    checkpointing, compile, ZeRO) -> build_optimizer -> build_lr_scheduler -> the step and the
+    checkpointer -> build_test_loader, build_evaluator -> hooks (timer, LR, eval, best checkpoint,
+    periodic checkpoint, writers, progress bar) -> resume_or_load -> train() (build_train_loader)
+
+The model is read only through the model contract (`libai_zoo.models.TrainableModel`): any model
+that implements it trains at every layout.
 
 Batch sizes: each process runs ``train.micro_batch_size`` samples per forward and accumulates
 ``global_batch_size / (micro_batch_size × dp)`` micro-batches per optimizer step.
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,12 +32,12 @@ from torch.utils.data import DataLoader
 
 from libai_zoo import dist
 from libai_zoo.checkpoint import Checkpointer
-from libai_zoo.hf import HFWeightReader, load_hf_weights
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import MicroBatchSampler, Prefetcher
-from libai_zoo.layers import TransformerLayer
+from libai_zoo.hf import HFWeightReader, load_hf_weights
+from libai_zoo.models import check_trainable, get_layer_stack
 from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpointing
-from libai_zoo.utils import peak_flops, seed_all, setup_logging, training_flops_per_token
+from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
 from . import hooks
 from .evaluator import Evaluator, pipelined_forward, run_evaluation
@@ -46,6 +51,18 @@ logger = logging.getLogger("libai_zoo")
 def _with(node: DictConfig, **given) -> dict:
     """A LazyCall config as a plain dict, plus arguments only the trainer has (model, optimizer, ...)."""
     return {**OmegaConf.to_container(node, resolve=True), **given}
+
+
+@dataclass
+class BuiltModel:
+    """What `build_model` builds: the modules this rank trains, and what follows from them."""
+
+    #: The whole model, or this rank's pipeline stages' parts (real modules with the full model's names).
+    parts: list[nn.Module]
+    #: The schedule that runs the parts under pipeline parallelism; None without it.
+    pipeline: Pipeline | None
+    #: FLOPs of one training token of the whole model (for MFU); None when the data has no sequence length.
+    flops_per_token: float | None
 
 
 class DefaultTrainer(TrainerBase):
@@ -70,14 +87,14 @@ class DefaultTrainer(TrainerBase):
         self.data_parallel = DataParallel(
             self.ctx, train.zero_stage, offload=train.get("zero_offload", False),
             param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 and train.zero_stage >= 2 else None)
-        self.pipeline: Pipeline | None = None
-        self.model = self.build_model(cfg)
-        self.optimizer = self.build_optimizer(cfg, self.model)
+        built = self.build_model(cfg)
+        self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
+        self.optimizer = self.build_optimizer(cfg, self.model_parts)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
-        self.step = TrainStep(self.model, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
-                              clip_grad_norm=train.get("clip_grad_norm", 0.0), data_parallel=self.data_parallel,
+        self.step = TrainStep(self.model_parts, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
+                              clip_grad_norm=train.get("clip_grad_norm"), data_parallel=self.data_parallel,
                               pipeline=self.pipeline)
-        self.checkpointer = Checkpointer(self.output_dir, [self.model], self.optimizer,
+        self.checkpointer = Checkpointer(self.output_dir, self.model_parts, self.optimizer,
                                          stateful={"scheduler": self.scheduler, "scaler": self.step.scaler},
                                          aliases=self.pipeline.tied_aliases() if self.pipeline else None)
         self.test_loader = self.build_test_loader(cfg)
@@ -109,38 +126,45 @@ class DefaultTrainer(TrainerBase):
         return AMP_DTYPES[train.amp.dtype]
 
     # -------------------------------------------------------------------------------- builders
-    def build_model(self, cfg: DictConfig) -> nn.Module:
-        """instantiate(cfg.model) (a model or a from_pretrained call), split over tp, cut into this
-        rank's pipeline stages (pp > 1: `self.pipeline`; the model returned is then the union of
-        this rank's stages), optionally with activation checkpointing and torch.compile per layer,
-        wrapped for ZeRO 2/3; in train mode."""
-        model = dist.shard(instantiate(cfg.model), self.ctx)
+    def build_model(self, cfg: DictConfig) -> BuiltModel:
+        """instantiate(cfg.model) (a model or a from_pretrained call; it implements the model
+        contract), split over tp, cut into this rank's pipeline stages (pp > 1), with activation
+        checkpointing and torch.compile per layer of the layer stack if asked, wrapped for ZeRO 2/3;
+        in train mode."""
+        model = instantiate(cfg.model)
+        check_trainable(model)
+        model = dist.shard(model, self.ctx)
         seq_len = self._sequence_length()  # MFU needs it; of the whole model, before pipeline stages cut it
-        self.flops_per_token = training_flops_per_token(model, seq_len) if seq_len else None
-        if self.ctx.pp > 1:
-            pipe = cfg.train.get("pipeline") or {}
-            self.pipeline = Pipeline(model, self.ctx, schedule=pipe.get("schedule", "1f1b"),
-                                     num_micro_batches=self.accumulation,
-                                     virtual_stages=pipe.get("virtual_stages", 1), boundaries=pipe.get("boundaries"))
-            logger.info("%s", self.pipeline)
-            model = self.pipeline.merged_model()
-        if cfg.train.activation_checkpoint.enabled:
-            logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(model))
-        compile_with = cfg.train.get("compile", False)
-        if compile_with:  # True: inductor; a string names another torch.compile backend
-            backend = "inductor" if compile_with is True else compile_with
-            for module in model.modules():
-                if isinstance(module, TransformerLayer):
-                    module.compile(backend=backend)
+        flops_per_token = model.flops_per_token(seq_len) if seq_len else None
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
-        return self.data_parallel.wrap_model(model).train()
+        pipeline = None
+        parts = [model]
+        if self.ctx.pp > 1:
+            pipe = cfg.train.get("pipeline") or {}
+            pipeline = Pipeline(model, self.ctx, schedule=pipe.get("schedule", "1f1b"),
+                                num_micro_batches=self.accumulation, virtual_stages=pipe.get("virtual_stages", 1),
+                                boundaries=pipe.get("boundaries"))
+            logger.info("%s", pipeline)
+            parts = pipeline.model_parts
+        layers = [layer for part in parts for layer in get_layer_stack(part)]
+        if cfg.train.activation_checkpoint.enabled:
+            logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(layers))
+        compile_with = cfg.train.get("compile", False)
+        if compile_with:  # True: inductor; a string names another torch.compile backend
+            for layer in layers:
+                layer.compile(backend="inductor" if compile_with is True else compile_with)
+        parts = [self.data_parallel.wrap_model(part).train() for part in parts]
+        return BuiltModel(parts, pipeline, flops_per_token)
 
-    def build_optimizer(self, cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
-        """instantiate(cfg.optim) with its ``params`` built for `model` (param_groups by default)."""
+    def build_optimizer(self, cfg: DictConfig, model_parts: list[nn.Module]) -> torch.optim.Optimizer:
+        """instantiate(cfg.optim) with its ``params`` built for the model parts (param_groups by default)."""
         node = _with(cfg.optim)
         params = node.get("params")
-        node["params"] = instantiate({**params, "model": model}) if isinstance(params, dict) else model.parameters()
+        if isinstance(params, dict):
+            node["params"] = instantiate({**params, "model": model_parts})
+        else:
+            node["params"] = list({id(p): p for part in model_parts for p in part.parameters()}.values())
         return self.data_parallel.wrap_optimizer(instantiate(node))
 
     def build_lr_scheduler(self, cfg: DictConfig, optimizer: torch.optim.Optimizer):
@@ -219,7 +243,8 @@ class DefaultTrainer(TrainerBase):
         path = Path(path)
         if (path / "config.json").is_file():
             with HFWeightReader(path) as reader:
-                load_hf_weights(self.model, reader)
+                for part in self.model_parts:
+                    load_hf_weights(part, reader)
         else:
             self.checkpointer.load(path)
         logger.info("loaded weights from %s", path)
@@ -247,7 +272,29 @@ class DefaultTrainer(TrainerBase):
         if self.test_loader is None:
             raise ValueError("no test data: set dataloader.test in the config")
         max_batches = 2 if self.fast_dev_run else self.cfg.train.eval.get("max_batches")
-        forward = pipelined_forward(self.pipeline, self.model) if self.pipeline is not None else None
-        return run_evaluation(self.model, self.test_loader, self.evaluator, device=self.ctx.device,
-                              amp_dtype=self.amp_dtype, max_batches=max_batches, forward=forward)
+        forward = pipelined_forward(self.pipeline, self.model_parts[0]) if self.pipeline is not None else self.model
+        return run_evaluation(self.model_parts, self.test_loader, self.evaluator, forward, device=self.ctx.device,
+                              amp_dtype=self.amp_dtype, max_batches=max_batches)
 
+    # ------------------------------------------------------------------------------- the model
+    @property
+    def model(self) -> nn.Module:
+        """The whole model, when this rank holds it (no pipeline parallelism)."""
+        if self.pipeline is not None:
+            raise AttributeError("this rank holds pipeline stages, not the whole model: use trainer.model_parts")
+        return self.model_parts[0]
+
+    @contextmanager
+    def generation_model(self) -> Iterator[nn.Module | None]:
+        """The model ready for `generate` (in eval mode inside the block), or None when this rank
+        holds pipeline stages."""
+        if self.pipeline is not None:
+            yield None
+            return
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            yield model
+        finally:
+            model.train(was_training)

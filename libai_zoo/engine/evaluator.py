@@ -4,19 +4,21 @@ accuracy for classifiers."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
-from .train_step import count_targets
+from libai_zoo.parallel import Pipeline
 
 
 class Evaluator:
     """Accumulates over batches (`process`), then `evaluate()` -> {"loss", ["perplexity"], ["accuracy"]}.
 
-    The loss is averaged over targets as the training step does (`num_loss_targets` of the model);
-    accuracy counts argmax hits when there is one class label per sample."""
+    The loss is averaged over targets as the training step does (the model's `num_loss_targets`);
+    perplexity is reported when the loss is per token, accuracy counts argmax hits when there is
+    one class label per sample."""
 
     def __init__(self):
         self.reset()
@@ -25,16 +27,17 @@ class Evaluator:
         self._loss_sum, self._targets, self._correct, self._samples = 0.0, 0, 0, 0
         self._language_model = False
 
-    def process(self, model, batch: dict, outputs) -> None:
-        labels = batch.get("labels", batch.get("shift_labels"))
-        count = count_targets(model, batch)
-        self._language_model = getattr(model, "loss_targets", "samples") != "samples"
+    def process(self, model: nn.Module, batch: dict, outputs) -> None:
+        """Add one batch: `model` (it implements the model contract) scored `outputs` on `batch`."""
+        _, targets = model.split_batch(batch)
+        count = int(model.num_loss_targets(targets))
+        self._language_model = model.loss_unit == "token"
         self._loss_sum += outputs.loss.float().item() * count
         self._targets += count
         logits = getattr(outputs, "logits", None)
-        if logits is not None and labels.dim() == 1 and logits.dim() == 2 and not labels.is_floating_point():
-            self._correct += (logits.argmax(-1) == labels.to(logits.device)).sum().item()
-            self._samples += labels.shape[0]
+        if logits is not None and targets.dim() == 1 and logits.dim() == 2 and not targets.is_floating_point():
+            self._correct += (logits.argmax(-1) == targets.to(logits.device)).sum().item()
+            self._samples += targets.shape[0]
 
     def evaluate(self) -> dict[str, float]:
         if not self._targets:
@@ -48,13 +51,14 @@ class Evaluator:
 
 
 @torch.no_grad()
-def run_evaluation(model, loader, evaluator: Evaluator, *, device: torch.device, amp_dtype: torch.dtype | None,
-                   max_batches: int | None = None, forward: Callable[[dict], object] | None = None) -> dict[str, float]:
-    """Evaluate `model` on `loader` in eval mode (then back to train mode). ``forward(batch)`` returns
-    outputs with ``.loss`` (and ``.logits``); default: ``model(**batch)``."""
-    forward = forward or (lambda batch: model(**batch))
-    was_training = model.training
-    model.eval()
+def run_evaluation(model_parts: Sequence[nn.Module], loader, evaluator: Evaluator,
+                   forward: Callable[..., object], *, device: torch.device, amp_dtype: torch.dtype | None,
+                   max_batches: int | None = None) -> dict[str, float]:
+    """Evaluate with ``forward(**batch)`` (outputs with ``.loss``, and ``.logits`` for accuracy) on
+    `loader`, the model parts in eval mode (then back to train mode)."""
+    was_training = [part.training for part in model_parts]
+    for part in model_parts:
+        part.eval()
     evaluator.reset()
     try:
         for i, batch in enumerate(loader):
@@ -62,18 +66,19 @@ def run_evaluation(model, loader, evaluator: Evaluator, *, device: torch.device,
                 break
             batch = {k: v.to(device) for k, v in batch.items()}
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                outputs = forward(batch)
-            evaluator.process(model, batch, outputs)
+                outputs = forward(**batch)
+            evaluator.process(model_parts[0], batch, outputs)
     finally:
-        model.train(was_training)
+        for part, training in zip(model_parts, was_training):
+            part.train(training)
     return evaluator.evaluate()
 
 
-def pipelined_forward(pipeline, model) -> Callable[[dict], ModelOutput]:
+def pipelined_forward(pipeline: Pipeline, model: nn.Module) -> Callable[..., ModelOutput]:
     """``forward`` for `run_evaluation` through the pipeline's forward-only schedule: the batch's
-    mean loss (a causal LM; no logits leave the last stage). `model` is this rank's merged stages."""
-    def forward(batch: dict) -> ModelOutput:
-        shifted = "shift_labels" in batch
-        total = pipeline.eval_step(batch["input_ids"], batch["shift_labels" if shifted else "labels"], shifted=shifted)
-        return ModelOutput(loss=torch.tensor(total / count_targets(model, batch)))
+    mean loss (no logits leave the last stage). `model` is one of this rank's model parts."""
+    def forward(**batch: torch.Tensor) -> ModelOutput:
+        inputs, targets = model.split_batch(batch)
+        total = pipeline.eval_step(inputs, targets)
+        return ModelOutput(loss=torch.tensor(total / float(model.num_loss_targets(targets))))
     return forward

@@ -12,15 +12,6 @@ from pathlib import Path
 
 logger = logging.getLogger("libai_zoo")
 
-_current: EventStorage | None = None
-
-
-def get_event_storage() -> EventStorage:
-    """The storage of the running training loop."""
-    if _current is None:
-        raise RuntimeError("no EventStorage: scalars can only be recorded inside TrainerBase.train")
-    return _current
-
 
 class EventStorage:
     """Scalars by name, each with the iteration it was recorded at and a window of history."""
@@ -46,15 +37,6 @@ class EventStorage:
         """Median over the window: what the console shows for noisy values such as step time."""
         history = self._history.get(name)
         return statistics.median(v for v, _ in history) if history else None
-
-    def __enter__(self) -> EventStorage:
-        global _current
-        self._previous, _current = _current, self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        global _current
-        _current = self._previous
 
 
 class ConsoleWriter:

@@ -10,6 +10,7 @@ import sys
 import time
 
 import torch
+from transformers import AutoTokenizer
 
 from libai_zoo.checkpoint import Checkpointer
 from libai_zoo.utils import mfu
@@ -133,7 +134,7 @@ class PeriodicWriter(HookBase):
             for writer in self.writers:
                 writer.write(self.trainer.storage)
 
-    def after_train(self) -> None:
+    def close(self) -> None:
         for writer in self.writers:
             close = getattr(writer, "close", None)
             if close is not None:
@@ -155,7 +156,7 @@ class ProgressBar(HookBase):
             self.bar.set_postfix(loss=f"{latest['loss'][0]:.4f}", refresh=False)
         self.bar.update(1)
 
-    def after_train(self) -> None:
+    def close(self) -> None:
         self.bar.close()
 
 
@@ -167,19 +168,12 @@ class GenerateSample(HookBase):
         self.tokenizer, self.prompt, self.max_new_tokens = tokenizer, prompt, max_new_tokens
 
     def after_train(self) -> None:
-        from transformers import AutoTokenizer
-
-        if self.trainer.pipeline is not None:
-            logger.warning("no sample under pipeline parallelism: generate from a checkpoint with dist.pp=1")
-            return
-        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
-        model = self.trainer.model
-        ids = tokenizer(self.prompt, return_tensors="pt").input_ids.to(self.trainer.ctx.device)
-        was_training = model.training
-        model.eval()
-        try:
+        with self.trainer.generation_model() as model:
+            if model is None:
+                logger.warning("no sample under pipeline parallelism: generate from a checkpoint with dist.pp=1")
+                return
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+            ids = tokenizer(self.prompt, return_tensors="pt").input_ids.to(next(model.parameters()).device)
             tokens = model.generate(ids, max_new_tokens=self.max_new_tokens)
-        finally:
-            model.train(was_training)
         self.text = tokenizer.decode(tokens[0], skip_special_tokens=True)
         logger.info("sample after %d steps: %r", self.trainer.iter, self.text)

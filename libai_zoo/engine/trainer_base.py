@@ -3,9 +3,12 @@
     before_train
     for iteration in [start_iter, max_iter):
         before_step ; run_step ; after_step
-    after_train
+    after_train                     only when every step ran (not when the loop raised)
+    close                           always: release files, progress bars
 
-`trainer.iter` is the index of the running step, so after_step sees `iter + 1` steps done.
+`trainer.iter` is the index of the running step, so after_step sees `iter + 1` steps done. When
+the loop raises, the log says at which iteration, and no hook does work meant for a finished
+run (a summary line, a sample generated with collectives a dead peer would never join).
 """
 
 from __future__ import annotations
@@ -19,21 +22,24 @@ logger = logging.getLogger("libai_zoo")
 
 
 class HookBase:
-    """Override any of the four callbacks; `self.trainer` is set by `register_hooks`."""
+    """Override any of the callbacks; `self.trainer` is set by `register_hooks`."""
 
     trainer: TrainerBase
 
     def before_train(self) -> None:
-        pass
+        """Before the first step."""
 
     def after_train(self) -> None:
-        pass
+        """After the last step, when the loop finished."""
+
+    def close(self) -> None:
+        """After the loop, whether it finished or raised."""
 
     def before_step(self) -> None:
-        pass
+        """Before each step."""
 
     def after_step(self) -> None:
-        pass
+        """After each step; `trainer.iter + 1` steps are done."""
 
 
 class TrainerBase:
@@ -56,17 +62,23 @@ class TrainerBase:
         logger.info("starting training from iteration %d", start_iter)
         self.iter = self.start_iter = start_iter
         self.max_iter = max_iter
-        with EventStorage(start_iter, max_iter) as self.storage:
-            try:
-                self._call("before_train")
-                for self.iter in range(start_iter, max_iter):
-                    self.storage.iter = self.iter
-                    self._call("before_step")
-                    self.run_step()
-                    self._call("after_step")
-                self.iter = max_iter  # the loop is done: after_train sees every step counted
-            finally:
-                self._call("after_train")
+        self.storage = EventStorage(start_iter, max_iter)
+        try:
+            self._call("before_train")
+            for self.iter in range(start_iter, max_iter):
+                self.storage.iter = self.iter
+                self._call("before_step")
+                self.run_step()
+                self._call("after_step")
+            self.iter = max_iter  # the loop is done: after_train sees every step counted
+        except BaseException as error:
+            logger.error("the run stopped with an error at iteration %d (%d steps done): %s: %s", self.iter + 1,
+                         self.iter - start_iter, type(error).__name__, error)
+            raise
+        else:
+            self._call("after_train")
+        finally:
+            self._call("close")
 
     def _call(self, stage: str) -> None:
         for hook in self._hooks:

@@ -1,5 +1,5 @@
-"""Activation checkpointing per transformer layer: keep only each layer's input, recompute the
-layer in backward. Trades one extra forward of the layers for their activation memory.
+"""Activation checkpointing per layer of a model's layer stack: keep only each layer's input,
+recompute the layer in backward. Trades one extra forward of the layers for their activation memory.
 
 The recomputation must draw the same dropout masks as the forward did. `torch.utils.checkpoint`
 replays the default generator; a tensor-parallel layer also draws from its tp rank's own stream
@@ -9,30 +9,33 @@ replays the default generator; a tensor-parallel layer also draws from its tp ra
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from contextlib import contextmanager
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from libai_zoo.layers import TransformerLayer
+from libai_zoo.layers import ParallelLayer
 
 
-def apply_activation_checkpointing(model: nn.Module, module_types: tuple[type, ...] = (TransformerLayer,)) -> int:
-    """Make every module of `module_types` recompute its forward in backward
+def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
+    """Make each of `layers` (a model's layer stack) recompute its forward in backward
     (`torch.utils.checkpoint`, non-reentrant, so keyword arguments and autograd collectives work).
 
-    Only the instance's forward is wrapped: parameter names, state dicts and hooks are unchanged.
-    Apply it after `dist.shard`. Returns how many modules were wrapped."""
+    Only each instance's forward is wrapped: parameter names, state dicts and hooks are unchanged.
+    Apply it after `dist.shard`. Returns how many layers were wrapped (layers already wrapped are
+    left as they are)."""
     count = 0
-    for module in model.modules():
-        if isinstance(module, module_types) and not getattr(module, "_activation_checkpointed", False):
-            kwargs = {"use_reentrant": False}
-            tp = getattr(module, "tp", None)
-            if tp is not None:
-                kwargs["context_fn"] = functools.partial(_replay_stream, tp.rng)
-            module.forward = functools.partial(checkpoint, module.forward, **kwargs)
-            module._activation_checkpointed = True
-            count += 1
+    for layer in layers:
+        if getattr(layer, "_activation_checkpointed", False):
+            continue
+        kwargs = {"use_reentrant": False}
+        tp = next((m.tp for m in layer.modules() if isinstance(m, ParallelLayer) and m.tp is not None), None)
+        if tp is not None:
+            kwargs["context_fn"] = functools.partial(_replay_stream, tp.rng)
+        layer.forward = functools.partial(checkpoint, layer.forward, **kwargs)
+        layer._activation_checkpointed = True
+        count += 1
     return count
 
 

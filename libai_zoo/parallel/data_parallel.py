@@ -4,7 +4,7 @@
                   gradients per step (after the last micro-batch), then a plain optimizer step
     zero_stage 1  the same all-reduce, and `ZeroRedundancyOptimizer` keeps each rank's share of
                   the optimizer state and broadcasts the parameters it updated
-    zero_stage 2  FSDP2 `fully_shard` per TransformerLayer and on the root, parameters kept
+    zero_stage 2  FSDP2 `fully_shard` per layer of the layer stack and on the root, parameters kept
                   gathered from forward to backward (reshard_after_forward=False): gradients
                   are reduce-scattered, optimizer state is sharded
     zero_stage 3  the same with parameters resharded after forward: parameters, gradients and
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from libai_zoo.dist import ParallelContext
 from libai_zoo.dist.collectives import all_reduce_coalesced_
-from libai_zoo.layers import TransformerLayer
+from libai_zoo.models import get_layer_stack
 
 
 class DataParallel:
@@ -56,7 +56,8 @@ class DataParallel:
         return self.zero_stage >= 2
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """ZeRO 2/3: `fully_shard` each TransformerLayer, then the root (embeddings, head)."""
+        """ZeRO 2/3: `fully_shard` each layer of the model's layer stack, then the root (embeddings,
+        head). `model` implements the model contract (a whole model or a pipeline stage's part)."""
         if not self.shards_parameters:
             return model
         mesh = self.ctx.submesh("dp")
@@ -64,11 +65,10 @@ class DataParallel:
                       mp_policy=MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
                       if self.param_dtype is not None else MixedPrecisionPolicy(),
                       offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
-        for module in list(model.modules()):
-            if isinstance(module, TransformerLayer):
-                fully_shard(module, **kwargs)
+        for layer in get_layer_stack(model):
+            fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
-        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._fsdp_modules += [m for m in model.modules() if isinstance(m, FSDPModule)]
         return model
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -94,12 +94,12 @@ class DataParallel:
         yield
 
     @torch.no_grad()
-    def reduce_gradients(self, model: nn.Module) -> None:
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         """ZeRO 0/1: average the gradients over dp in one all-reduce per dtype (FSDP did its own)."""
         if self.group is None or self.shards_parameters:
             return
         buckets: dict[tuple, list[torch.Tensor]] = {}
-        for param in model.parameters():
+        for param in params:
             if param.grad is not None:
                 grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                 buckets.setdefault((grad.dtype, grad.device), []).append(grad)

@@ -1,29 +1,32 @@
-"""Pipeline parallelism for the causal LMs on `torch.distributed.pipelining`.
+"""Pipeline parallelism on `torch.distributed.pipelining`, for any model that implements the
+model contract (`libai_zoo.models.TrainableModel`).
 
-The layer stack of a causal LM (GPT2LMHeadModel, LlamaForCausalLM) is cut into contiguous
-ranges, one per stage; stage s runs on pp rank s % pp ("looped" placement, what the interleaved
-schedules expect), or V-shaped for ZBV. Each stage is a pruned copy of the full model
-(the approach torchtitan takes): the modules the stage does not run are left out, the layers it
-keeps stay under their original indices, so a stage's parameter names are the full model's
-("transformer.h.4.attn.qkv.weight") and optimizers, clipping and sharded checkpoints see the
-same names whatever the pp layout.
+The model's layer stack is cut into contiguous ranges, one per stage; stage s runs on pp rank
+s % pp ("looped" placement, what the interleaved schedules expect), or V-shaped for ZBV. Each
+stage is a pruned copy of the full model (the approach torchtitan takes): the modules the stage
+does not run are left out, the layers it keeps stay under their original indices, so a stage's
+parameter names are the full model's ("transformer.h.4.attn.qkv.weight") and optimizers,
+clipping and sharded checkpoints see the same names whatever the pp layout. This rank's copies
+are its model parts (`Pipeline.model_parts`), real modules the trainer hands to the optimizer.
 
-    stage 0      embed(input_ids) -> layers[0:a]
-    stage s      layers[a:b]
-    stage S-1    layers[c:L] -> final_norm -> LM head (local, vocabulary-parallel logits)
-                 -> vocab-parallel cross entropy (sum over tokens) x loss_scale
+    stage 0      model.embed(inputs) -> layers[0:a]
+    stage s      layers[a:b]             each layer(x, **model.layer_inputs(inputs))
+    stage S-1    layers[c:L] -> model.final_norm -> model.head (split logits under tp)
+                 -> model.loss(outputs, targets, "sum") x loss_scale
 
-Under tensor parallelism every tp rank of a stage runs the stage on its shards; the activations
-between stages are those the layers hand to each other (replicated over tp, or this rank's part
-of the sequence under sequence parallelism) and each tp rank exchanges them with the same tp
-rank of the neighbouring stage, over the pp group of its (dp, tp) coordinate.
+The batch's main input (``model.main_input_name``) enters the first stage; its other inputs
+(attention mask, positions, ...) go to every stage as keyword arguments, split into micro-batches
+like the main input. Under tensor parallelism every tp rank of a stage runs the stage on its
+shards; the activations between stages are those the layers hand to each other (replicated over
+tp, or this rank's part of the sequence under sequence parallelism) and each tp rank exchanges
+them with the same tp rank of the neighbouring stage, over the pp group of its (dp, tp) coordinate.
 
 Shapes: `PipelineStage` is built without example tensors, so torch infers the shapes, dtypes
 and requires_grad of everything sent between stages from the first micro-batch of the first
 step (one extra forward/backward of that micro-batch per stage, outside the training graph and
-with the RNG state restored). One schedule is built per local batch shape (training and
+with the RNG state restored). One schedule is built per set of input shapes (training and
 evaluation batches differ) and kept; every rank of a pp group must therefore call
-`Pipeline.step` / `eval_step` with a batch of the same shape (they hold the same dp shard of the
+`Pipeline.step` / `eval_step` with inputs of the same shapes (they hold the same dp shard of the
 data anyway).
 """
 
@@ -35,14 +38,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
 from libai_zoo.dist import ParallelContext, TensorParallel
-from libai_zoo.layers import Linear, ParallelCrossEntropy
+from libai_zoo.models import check_trainable, get_layer_stack
 
 try:  # newer schedules; absent from older torch releases
     from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
@@ -148,24 +150,14 @@ class StageLayers(nn.ModuleList):
     __repr__ = nn.Module.__repr__  # ModuleList's would number the layers by position
 
 
-def _causal_lm_parts(model: nn.Module) -> tuple[str, nn.Module, nn.ModuleList]:
-    """(prefix, body, layer stack) of a causal LM a pipeline can cut; a ValueError otherwise."""
-    prefix = getattr(model, "base_model_prefix", None)
-    body = getattr(model, prefix, None) if isinstance(prefix, str) else None
-    needs = ("layers_name", "first_stage_modules", "last_stage_modules", "embed", "final_norm")
-    missing = [n for n in needs if body is None or getattr(body, n, None) is None]
-    head = getattr(model, "lm_head", None)
-    if body is None or missing or not isinstance(head, Linear) or not hasattr(head, "loss_fn"):
-        raise ValueError(
-            f"a pipeline runs a causal LM (GPT2LMHeadModel, LlamaForCausalLM): a model whose body under "
-            f"`base_model_prefix` has embed/final_norm, names its layer stack (layers_name) and its first/last "
-            f"stage modules, and whose `lm_head` is a layers.LMHead; {type(model).__name__} "
-            + ("has no such body" if body is None else f"lacks {missing}" if missing else "has no LMHead lm_head"))
-    layers = getattr(body, body.layers_name, None)
-    if not isinstance(layers, nn.ModuleList) or isinstance(layers, StageLayers):
-        raise ValueError(f"{type(model).__name__}.{prefix}.{body.layers_name} is not the full layer stack "
-                         f"(an nn.ModuleList): pass the full model, not a pipeline stage")
-    return prefix, body, layers
+def _full_layer_stack(model: nn.Module) -> nn.ModuleList:
+    """The whole layer stack of a model that implements the contract; a TypeError/ValueError otherwise."""
+    check_trainable(model)
+    layers = get_layer_stack(model)
+    if isinstance(layers, StageLayers):
+        raise ValueError(f"{type(model).__name__}.{model.layer_stack} is a pipeline stage's slice of the layers: "
+                         f"pass the full model")
+    return layers
 
 
 def _shared_handles(model: nn.Module) -> dict[int, object]:
@@ -185,45 +177,43 @@ def prune_for_stage(model: nn.Module, layer_range: range, is_first: bool, is_las
     """A copy of `model` holding only what one stage runs, with the full model's parameter names.
 
     The layer stack becomes a `StageLayers` of the layers in `layer_range` under their original
-    indices; the body's ``first_stage_modules`` (embeddings) are None unless `is_first`, its
-    ``last_stage_modules`` (final norm) and ``lm_head`` are None unless `is_last`. Modules left
-    out are never copied. Process groups, meshes and tp handles are shared with `model`.
-    A weight tied between embedding and head stays one Parameter when the stage is both first and
-    last; otherwise the stage that keeps one end gets its own copy of it.
+    indices; the model's ``first_stage_modules`` (embeddings) are None unless `is_first`, its
+    ``last_stage_modules`` (final norm, head) are None unless `is_last`. Modules left out are never
+    copied. Process groups, meshes and tp handles are shared with `model`. A weight tied between
+    the two ends stays one Parameter when the stage is both first and last; otherwise the stage
+    that keeps one end gets its own copy of it.
     """
-    prefix, body, layers = _causal_lm_parts(model)
+    layers = _full_layer_stack(model)
     if not layer_range or layer_range.start < 0 or layer_range.stop > len(layers):
         raise ValueError(f"layer range {layer_range} is empty or outside the {len(layers)} layers of the model")
     memo = _shared_handles(model)
     dropped = [layers[i] for i in range(len(layers)) if i not in layer_range]
     if not is_first:
-        dropped += [getattr(body, name) for name in body.first_stage_modules]
+        dropped += [model.get_submodule(path) for path in model.first_stage_modules]
     if not is_last:
-        dropped += [getattr(body, name) for name in body.last_stage_modules] + [model.lm_head]
+        dropped += [model.get_submodule(path) for path in model.last_stage_modules]
     for module in dropped:
-        if module is not None:
-            memo[id(module)] = None  # deepcopy returns None for it: left out, never copied
+        memo[id(module)] = None  # deepcopy returns None for it: left out, never copied
     pruned = copy.deepcopy(model, memo)
-    pruned_body = getattr(pruned, prefix)
-    copied = getattr(pruned_body, body.layers_name)
-    setattr(pruned_body, body.layers_name, StageLayers({i: copied[i] for i in layer_range}))
+    owner, _, name = model.layer_stack.rpartition(".")
+    stack_owner = pruned.get_submodule(owner)
+    copied = getattr(stack_owner, name)
+    setattr(stack_owner, name, StageLayers({i: copied[i] for i in layer_range}))
     return pruned
 
 
 class PipelineStageModule(nn.Module):
     """One pipeline stage: ``model`` is the pruned copy (full-model parameter names).
 
-    forward(x): the first stage takes input_ids and embeds them; then the stage's layers; the last
-    stage applies the final norm and returns the LM head's local logits (vocabulary-split under
-    tp; the loss is computed on them without gathering).
+    forward(x, **inputs): the first stage embeds the main input x (with the other inputs); then the
+    stage's layers; the last stage returns the head's outputs (vocabulary-split logits under tp:
+    the loss is computed on them without gathering).
     """
 
     def __init__(self, model: nn.Module, stage_index: int, num_stages: int, layer_range: range):
         super().__init__()
         self.model = model
         self.stage_index, self.num_stages, self.layer_range = stage_index, num_stages, layer_range
-        self._prefix = model.base_model_prefix
-        self._layers_name = getattr(model, self._prefix).layers_name
 
     @property
     def is_first(self) -> bool:
@@ -233,23 +223,31 @@ class PipelineStageModule(nn.Module):
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    @property
-    def body(self) -> nn.Module:
-        return getattr(self.model, self._prefix)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        body = self.body
+    def forward(self, x: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        model = self.model
         if self.is_first:
-            x = body.embed(x)
-        for layer in getattr(body, self._layers_name):
-            x = layer(x)
+            x = model.embed({model.main_input_name: x, **inputs})
+        layer_inputs = model.layer_inputs(inputs)
+        for layer in get_layer_stack(model):
+            x = layer(x, **layer_inputs)
         if self.is_last:
-            x = Linear.forward(self.model.lm_head, body.final_norm(x))  # local logits: no all-gather
+            x = model.head(model.final_norm(x))
         return x
 
     def extra_repr(self) -> str:
         return (f"stage {self.stage_index} of {self.num_stages}, layers {self.layer_range.start}.."
                 f"{self.layer_range.stop - 1}")
+
+
+def _tied_names(model: nn.Module) -> list[tuple[str, str]]:
+    """(name in the first stage's modules, name in the last stage's) of every parameter both ends
+    share, such as an embedding tied to the LM head."""
+    def named(paths):
+        return {id(p): f"{path}.{name}" for path in paths
+                for name, p in model.get_submodule(path).named_parameters(remove_duplicate=False)}
+
+    first, last = named(model.first_stage_modules), named(model.last_stage_modules)
+    return [(first[key], last[key]) for key in first if key in last]
 
 
 def _stage_ranks(pp: int, num_stages: int, placement: str) -> list[int]:
@@ -275,14 +273,15 @@ def _check_micro_batches(name: str, n: int, pp: int) -> None:
 
 
 class Pipeline:
-    """Everything a trainer needs to run a causal LM pipelined on this rank.
+    """This rank's share of a model run pipelined: its stages' model parts and the schedule that
+    runs them.
 
-    ``model`` is the full model, built identically on every rank (same seed or same checkpoint)
-    and already split over tp by `dist.shard` at tp > 1; this rank's stages are pruned copies of
-    it (stage s on pp rank s % pp for the looped schedules; V-shaped for "zbv"), so ``model``
-    itself can be freed afterwards. ``virtual_stages`` is the number of stages per rank
-    (1 for "gpipe"/"1f1b", >= 2 for "interleaved_1f1b", >= 1 for "zero_bubble", exactly 2 for "zbv").
-    ``boundaries``: see `split_layers`.
+    ``model`` is the full model (it implements the model contract), built identically on every
+    rank (same seed or same checkpoint) and already split over tp by `dist.shard` at tp > 1; this
+    rank's stages are pruned copies of it (stage s on pp rank s % pp for the looped schedules;
+    V-shaped for "zbv"), so ``model`` itself can be freed afterwards. ``virtual_stages`` is the
+    number of stages per rank (1 for "gpipe"/"1f1b", >= 2 for "interleaved_1f1b", >= 1 for
+    "zero_bubble", exactly 2 for "zbv"). ``boundaries``: see `split_layers`.
 
     Constraints (checked here, before the first step): pp × virtual_stages ≤ number of layers;
     "1f1b" needs num_micro_batches ≥ pp; "interleaved_1f1b" and "zero_bubble" need
@@ -290,10 +289,11 @@ class Pipeline:
     of pp works, and so does any count below 2 × pp); the local batch must divide into
     num_micro_batches (checked at each step).
 
-    A step: ``loss = pipeline.step(ids, labels, loss_scale)`` on every rank (repeat for gradient
-    accumulation), then once before the optimizer: `dist.finalize_grads` on each of
-    `modules()` under sequence parallelism, `sync_tied_grads()`, the dp gradient reduction,
-    clipping (counting `tied_duplicates()` once) and the optimizer step over `parameters()`.
+    A step: ``loss = pipeline.step(inputs, targets, loss_scale)`` on every rank (the model's
+    `split_batch` of the local batch; repeat for gradient accumulation), then once before the
+    optimizer: `dist.finalize_grads` on each of `model_parts` under sequence parallelism,
+    `sync_tied_grads()`, the dp gradient reduction, clipping (counting `tied_duplicates()` once)
+    and the optimizer step over the parts' parameters.
     """
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str = "1f1b", num_micro_batches: int,
@@ -302,7 +302,7 @@ class Pipeline:
             raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {sorted(_KINDS)} "
                              f"(torch {torch.__version__})")
         kind = _KINDS[schedule]
-        prefix, body, layers = _causal_lm_parts(model)
+        layers = _full_layer_stack(model)
         if ctx.mesh is None:
             raise ValueError("a pipeline needs a process group: launch with torchrun and dist.init(pp=...)")
         if virtual_stages < kind.min_virtual or (kind.max_virtual is not None and virtual_stages > kind.max_virtual):
@@ -321,20 +321,20 @@ class Pipeline:
             PipelineStageModule(prune_for_stage(model, self.layer_ranges[s], s == 0, s == self.num_stages - 1),
                                 s, self.num_stages, self.layer_ranges[s])
             for s in range(self.num_stages) if self.stage_ranks[s] == self.pp_rank]
+        #: This rank's pruned copies of the model, one per local stage: what the optimizer,
+        #: clipping and checkpoints take.
+        self.model_parts: list[nn.Module] = [stage.model for stage in self.stages]
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         self.last_stage_rank = self.stage_ranks[-1]
+        self.main_input_name = model.main_input_name
+        self._last_part = next((s.model for s in self.stages if s.is_last), None)
+        self._loss_scale = 1.0
 
-        head = model.lm_head
-        self._cross_entropy = ParallelCrossEntropy(head.loss_fn.ignore_index, reduction="sum")
-        self._cross_entropy.tp = head.tp
-        self._loss_scale, self._shifted = 1.0, False
-
-        # A head tied to an embedding: the first and the last stage each hold a copy.
-        self.tied_name = next((f"{prefix}.{name}.weight" for name in body.first_stage_modules
-                               if getattr(getattr(body, name), "weight", None) is head.weight), None)
+        # Parameters tied between the end stages (an embedding and its LM head): each end holds a copy.
+        self.tied = _tied_names(model) if self.num_stages > 1 else []
         self._tied_group = None
-        if self.tied_name is not None and self.num_stages > 1 and self.stage_ranks[0] != self.last_stage_rank:
+        if self.tied and self.stage_ranks[0] != self.last_stage_rank:
             ranks = ctx.mesh.mesh  # [pp, dp, tp]
             for d in range(ranks.shape[1]):
                 for t in range(ranks.shape[2]):
@@ -344,131 +344,94 @@ class Pipeline:
                         self._tied_group = group
         self._schedules: dict[tuple, object] = {}
 
-    # ---- what the trainer hands to the optimizer, clipping and checkpoints
-    def modules(self) -> list[nn.Module]:
-        """This rank's pruned models (full-model parameter names), one per local stage."""
-        return [stage.model for stage in self.stages]
-
-    def merged_model(self) -> nn.Module:
-        """One module holding every part of this rank's stages under the full model's names: what
-        the optimizer, gradient clipping and sharded checkpoints take (the stage modules run the
-        schedule). With one stage per rank it is that stage's pruned model itself."""
-        models = self.modules()
-        merged = models[0] if len(models) == 1 else _merge(models)
-        if merged is not models[0]:  # what the step and evaluation ask of the model
-            merged.num_loss_targets, merged.loss_targets = models[0].num_loss_targets, models[0].loss_targets
-        return merged
-
-    def parameters(self) -> list[nn.Parameter]:
-        """Every parameter of this rank's stages, each once."""
-        seen: dict[int, nn.Parameter] = {}
-        for stage in self.stages:
-            for param in stage.model.parameters():
-                seen.setdefault(id(param), param)
-        return list(seen.values())
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(full-model name, parameter) of this rank's stages, each once."""
-        seen: set[int] = set()
-        for stage in self.stages:
-            for name, param in stage.model.named_parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    yield name, param
-
-    def _tied_params(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
-        first = next((s.model.get_parameter(self.tied_name) for s in self.stages if s.is_first), None)
-        last = next((s.model.lm_head.weight for s in self.stages if s.is_last), None)
-        return first, last
+    # ---- parameters tied between the first and the last stage
+    def _tied_copies(self) -> list[tuple[str, str, nn.Parameter | None, nn.Parameter | None]]:
+        """(first-stage name, last-stage name, this rank's first copy or None, its last copy or None)."""
+        first = next((s.model for s in self.stages if s.is_first), None)
+        return [(first_name, last_name, first.get_parameter(first_name) if first is not None else None,
+                 self._last_part.get_parameter(last_name) if self._last_part is not None else None)
+                for first_name, last_name in self.tied]
 
     def tied_aliases(self) -> dict[str, str]:
-        """{name of this rank's duplicate of the tied weight: the name the first stage holds it under}."""
-        return {"lm_head.weight": self.tied_name} if self.tied_duplicates() else {}
+        """{name of this rank's duplicate of a tied weight: the name the first stage holds it under}."""
+        return {last_name: first_name for first_name, last_name, first, last in self._tied_copies()
+                if last is not None and last is not first}
 
     def tied_duplicates(self) -> list[nn.Parameter]:
-        """The last stage's copy of a weight tied to the first stage's embedding (on the rank holding the
-        last stage; empty elsewhere): count it once in a global gradient norm."""
-        if self.tied_name is None or self.num_stages == 1:
-            return []
-        first, last = self._tied_params()
-        return [] if last is None or last is first else [last]
+        """The last stage's copies of weights tied to the first stage's (on the rank holding the
+        last stage; empty elsewhere): count them once in a global gradient norm."""
+        return [last for _, _, first, last in self._tied_copies() if last is not None and last is not first]
 
     @torch.no_grad()
     def sync_tied_grads(self) -> None:
-        """Sum the gradients of the tied embedding/head copies of the first and last stage, so both copies
-        hold the full gradient and get the same optimizer update. Call it once per optimizer step, after
-        the last backward (and after `dist.finalize_grads` under sequence parallelism): calling it after
-        each of several accumulated steps would count the other end's part again. Every rank calls it;
-        a no-op without tied weights or with one stage."""
-        if self.tied_name is None or self.num_stages == 1:
-            return
-        first, last = self._tied_params()
-        if first is not None and last is not None:  # both ends on this rank (V placement)
-            if first is not last:
+        """Sum the gradients of the tied copies of the first and last stage, so both copies hold the
+        full gradient and get the same optimizer update. Call it once per optimizer step, after the
+        last backward (and after `dist.finalize_grads` under sequence parallelism): calling it after
+        each of several accumulated steps would count the other end's part again. Every rank calls
+        it; a no-op without tied weights or with one stage."""
+        for _, _, first, last in self._tied_copies():
+            if first is not None and last is not None:  # both ends on this rank (V placement)
                 total = _grad_or_zeros(first) + _grad_or_zeros(last)
                 first.grad, last.grad = total, total.clone()
-            return
-        param = first if first is not None else last
-        if param is None:
-            return
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        grad = param.grad
-        torch_dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tied_group)
+                continue
+            param = first if first is not None else last
+            if param is None:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+            torch_dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tied_group)
 
     # ---- one training step
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel cross entropy, summed over the micro-batch's targets (position t scored
-        against labels[t + 1], or labels[t] when they come shifted), times the step's loss_scale."""
-        ignore = self._cross_entropy.ignore_index
-        targets = labels if self._shifted else F.pad(labels, (0, 1), value=ignore)[..., 1:]
-        return self._cross_entropy(logits, targets.to(logits.device)) * self._loss_scale
+    def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's loss of one micro-batch, summed over its targets, times the step's loss_scale."""
+        return self._last_part.loss(outputs, targets, reduction="sum") * self._loss_scale
 
-    def _schedule_for(self, shape: tuple) -> object:
-        """The schedule for local batches of `shape`, built (and its shapes inferred) once per shape."""
-        if shape not in self._schedules:
+    def _schedule_for(self, shapes: tuple) -> object:
+        """The schedule for inputs of these shapes, built (and its shapes inferred) once per shape."""
+        if shapes not in self._schedules:
             device, group = self.ctx.device, self.pp_group
             stages = [PipelineStage(stage, stage.stage_index, self.num_stages, device, group=group)
                       for stage in self.stages]
             kwargs = dict(n_microbatches=self.num_micro_batches, loss_fn=self._loss, scale_grads=False)
-            self._schedules[shape] = self.kind.cls(stages if self.kind.multi else stages[0], **kwargs)
-        return self._schedules[shape]
+            self._schedules[shapes] = self.kind.cls(stages if self.kind.multi else stages[0], **kwargs)
+        return self._schedules[shapes]
 
-    def _run(self, train: bool, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: float,
-             shifted: bool) -> torch.Tensor | None:
-        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-            raise ValueError(f"input_ids and labels must both be [batch, sequence], got {tuple(input_ids.shape)} "
-                             f"and {tuple(labels.shape)}")
-        if input_ids.shape[0] % self.num_micro_batches:
-            raise ValueError(f"the local batch of {input_ids.shape[0]} sequences does not split into "
-                             f"num_micro_batches = {self.num_micro_batches} equal micro-batches")
-        schedule = self._schedule_for(tuple(input_ids.shape))
-        self._loss_scale, self._shifted = float(loss_scale), shifted
+    def _run(self, train: bool, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
+             loss_scale: float) -> torch.Tensor | None:
+        main = inputs.get(self.main_input_name)
+        if main is None:
+            raise ValueError(f"the batch has no {self.main_input_name!r}, the input the first stage embeds "
+                             f"(it has {sorted(inputs)})")
+        if main.shape[0] % self.num_micro_batches or targets.shape[0] != main.shape[0]:
+            raise ValueError(f"the local batch of {main.shape[0]} samples ({targets.shape[0]} targets) does not split "
+                             f"into num_micro_batches = {self.num_micro_batches} equal micro-batches")
+        schedule = self._schedule_for(tuple((key, tuple(value.shape)) for key, value in sorted(inputs.items())))
+        self._loss_scale = float(loss_scale)
         device = self.ctx.device
-        args = (input_ids.to(device),) if self.has_first else ()
-        target = labels.to(device) if self.has_last else None
+        args = (main.to(device),) if self.has_first else ()
+        others = {key: value.to(device) for key, value in inputs.items() if key != self.main_input_name}
+        target = targets.to(device) if self.has_last else None
         losses: list[torch.Tensor] = []
         if train:
-            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **others)
         else:
-            schedule.eval(*args, target=target, losses=losses)
+            schedule.eval(*args, target=target, losses=losses, **others)
         if not self.has_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: float, *,
-             shifted: bool = False) -> torch.Tensor | None:
-        """Forward and backward of this rank's stages over the local batch [B, S], split into
-        num_micro_batches. Each micro-batch's loss is the sum of its token losses times
-        `loss_scale`; gradients accumulate into ``.grad`` (summed over micro-batches).
-        ``shifted``: `labels` are already aligned with the positions (a model's shift_labels).
-        Returns the sum of the micro-batch losses (detached) on the rank holding the last stage,
-        None elsewhere. Every rank of the pp group passes a batch of the same shape."""
-        return self._run(True, input_ids, labels, loss_scale, shifted)
+    def step(self, inputs: dict[str, torch.Tensor], targets: torch.Tensor, loss_scale: float) -> torch.Tensor | None:
+        """Forward and backward of this rank's stages over the local batch, split into
+        num_micro_batches. Each micro-batch's loss is the sum over its targets times `loss_scale`;
+        gradients accumulate into ``.grad`` (summed over micro-batches). Returns the sum of the
+        micro-batch losses (detached) on the rank holding the last stage, None elsewhere. Every rank
+        of the pp group passes inputs of the same shapes."""
+        return self._run(True, inputs, targets, loss_scale)
 
-    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor, *, shifted: bool = False) -> float:
-        """Forward only: the sum of the local batch's token losses, on every rank of the pp group."""
-        return self.broadcast_loss(self._run(False, input_ids, labels, 1.0, shifted))
+    def eval_step(self, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> float:
+        """Forward only: the sum of the local batch's losses over its targets, on every rank of the pp group."""
+        return self.broadcast_loss(self._run(False, inputs, targets, 1.0))
 
     def broadcast_loss(self, loss: torch.Tensor | None) -> float:
         """The last stage's value of `loss` on every rank of the pp group (call it on all of them)."""
@@ -483,25 +446,6 @@ class Pipeline:
                           for s in self.stages)
         return (f"Pipeline(schedule={self.schedule_name}, pp={self.pp}, stages={self.num_stages}, "
                 f"micro_batches={self.num_micro_batches}, pp_rank={self.pp_rank} holds {{{local}}})")
-
-
-def _merge(modules: list[nn.Module]) -> nn.Module:
-    """A module whose children are the union of `modules`' children, merged the same way below,
-    so its parameter names are the names they have in each of them. Layer stacks are united."""
-    if all(m is modules[0] for m in modules):
-        return modules[0]
-    if all(isinstance(m, StageLayers) for m in modules):
-        return StageLayers({int(name): layer for m in modules for name, layer in m._modules.items()})
-    merged = nn.Module()
-    for name in dict.fromkeys(n for m in modules for n in m._modules):
-        children = [m._modules[name] for m in modules if m._modules.get(name) is not None]
-        if children:
-            merged.add_module(name, _merge(children))
-    for name in dict.fromkeys(n for m in modules for n in m._parameters):
-        param = next((m._parameters[name] for m in modules if m._parameters.get(name) is not None), None)
-        if param is not None:
-            merged.register_parameter(name, param)
-    return merged
 
 
 def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:

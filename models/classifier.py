@@ -1,10 +1,24 @@
-"""The loss of a sequence or image classifier, chosen as transformers chooses it."""
+"""What the sequence and image classifiers share: one label per sample, and the loss transformers
+chooses for it."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
+
+from .contract import TrainableModel
+
+
+class Classifier(TrainableModel):
+    """A classifier of the zoo: its ``config`` says num_labels and problem_type; the loss averages
+    over samples."""
+
+    loss_unit = "sample"
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        loss = classification_loss(outputs, targets, self.config)
+        return loss * targets.shape[0] if reduction == "sum" else loss
 
 
 def classification_loss(logits: torch.Tensor, labels: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:

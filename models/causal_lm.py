@@ -1,0 +1,69 @@
+"""What the decoder-only language models (GPT-2, Llama) share: next-token targets, the LM head and
+its loss, their Hugging Face-style output, and generation.
+
+    labels [B, S]         position t is scored against labels[t + 1] (shifted here, once)
+    shift_labels [B, S]   transformers' name for targets already aligned (position t against
+                          shift_labels[t]), e.g. tokens[1:] of a window of S + 1 tokens
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from libai_zoo.layers import KVCache
+
+from .contract import IGNORE_INDEX, TrainableModel
+from .generation import GenerationMixin
+
+TARGET_KEYS = ("labels", "shift_labels")
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Targets aligned with the positions: position t predicts labels[t + 1]; the last position has
+    no next token (IGNORE_INDEX)."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+class CausalLM(GenerationMixin, TrainableModel):
+    """A decoder-only language model of the zoo: a body (under ``base_model_prefix``) with
+    ``embed`` and ``final_norm``, and ``lm_head``, a `layers.LMHead`."""
+
+    loss_unit = "token"
+
+    @staticmethod
+    def targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor | None:
+        """The targets aligned with the positions: shift_labels as they are, else labels shifted."""
+        if shift_labels is not None:
+            return shift_labels
+        return None if labels is None else next_token_targets(labels)
+
+    def split_batch(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        inputs = {key: value for key, value in batch.items() if key not in TARGET_KEYS}
+        return inputs, self.targets(batch.get("labels"), batch.get("shift_labels"))
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.base_model_prefix).final_norm(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return self.lm_head.loss(outputs, targets, reduction)
+
+    def lm_output(self, hidden: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
+                  past_key_values: list[KVCache] | None, logits_to_keep: int,
+                  return_logits: bool) -> CausalLMOutputWithPast:
+        """The head on the body's output: loss over the targets (if any), logits gathered over the
+        vocabulary unless ``return_logits=False``; ``logits_to_keep=n`` projects only the last n
+        positions (generation)."""
+        targets = self.targets(labels, shift_labels)
+        if logits_to_keep:
+            if targets is not None:
+                raise ValueError("logits_to_keep computes the last positions only: it cannot take labels")
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.head(hidden)
+        loss = None if targets is None else self.loss(logits, targets)
+        return CausalLMOutputWithPast(loss=loss, logits=self.lm_head.gather(logits) if return_logits else None,
+                                      past_key_values=past_key_values)

@@ -1,0 +1,137 @@
+"""The contract between a model and the engine: what a model offers so that it trains at any layout.
+
+The trainer, the pipeline stages, the train step, evaluation, activation checkpointing, ZeRO and
+the FLOPs counter read a model only through these members. Every zoo model that has a loss
+implements them; so can a model of your own (subclass `TrainableModel`), and it then trains
+under data, tensor and pipeline parallelism like the zoo's. How one step uses them:
+
+    inputs, targets = model.split_batch(batch)          # targets aligned with the head's outputs
+    one process or dp/tp:  model(**batch, return_logits=False).loss      (mean over the targets)
+    pipeline stages:
+      first stage   hidden = model.embed(inputs)
+      every stage   hidden = layer(hidden, **model.layer_inputs(inputs))  for its layers of the stack
+      last stage    outputs = model.head(model.final_norm(hidden))
+                    model.loss(outputs, targets, reduction="sum")         (summed over the targets)
+    step weighting  model.num_loss_targets(targets): how many targets the batch scores
+
+Under tensor parallelism the head's outputs may be split (an LM head leaves this rank's slice of
+the vocabulary) and `loss` works on them as they are; `forward` gathers them for its caller.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from libai_zoo.layers import Attention
+
+IGNORE_INDEX = -100  # a target the loss skips (transformers' convention)
+LOSS_UNITS = ("token", "sample")
+
+
+class TrainableModel(ABC):
+    """What a model offers the engine; see the module docstring for how a step uses each member.
+
+    Also required: ``forward(**batch, return_logits=True)`` returning an output whose ``.loss``
+    is the mean loss over the batch's targets (``return_logits=False``: the caller needs only the
+    loss, so split logits are not gathered).
+    """
+
+    #: Dotted path of the `nn.ModuleList` of repeated layers: pipeline stages cut it into ranges,
+    #: activation checkpointing, ZeRO-3 and torch.compile wrap each of its layers.
+    layer_stack: str
+    #: Dotted paths of the modules only the first pipeline stage holds (embeddings) ...
+    first_stage_modules: tuple[str, ...]
+    #: ... and only the last one (final norm, head). A parameter shared between the two (a tied
+    #: embedding and LM head) is kept in sync between the end stages.
+    last_stage_modules: tuple[str, ...]
+    #: The batch key the first stage embeds (transformers' name): "input_ids", "pixel_values".
+    main_input_name: str = "input_ids"
+    #: What the loss averages over: "token" (language models; evaluation reports perplexity) or
+    #: "sample" (classifiers; evaluation reports accuracy).
+    loss_unit: str
+
+    def split_batch(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(model inputs, targets aligned with the head's outputs): here the batch's "labels" (as
+        transformers names them) and everything else; a causal LM shifts its labels here instead,
+        the one place the next-token shift is made."""
+        return {key: value for key, value in batch.items() if key != "labels"}, batch["labels"]
+
+    @abstractmethod
+    def embed(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """First stage: the model inputs -> the hidden states the first layer takes."""
+
+    @abstractmethod
+    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The keyword arguments every layer of the stack takes besides the hidden states (e.g. the
+        attention mask), from the model inputs; every pipeline stage receives them."""
+
+    @abstractmethod
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Last stage: the last layer's output -> what the head takes."""
+
+    @abstractmethod
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Last stage: the head's outputs (logits; split over the vocabulary under tp)."""
+
+    @abstractmethod
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The loss of the head's outputs against the targets, in float32: "mean" over the targets,
+        or "sum" (the mean times `num_loss_targets`, so micro-batches add up without dividing)."""
+
+    def num_loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """How many targets a batch scores: its targets that are not IGNORE_INDEX (tokens), or its
+        samples."""
+        if self.loss_unit == "token":
+            return (targets != IGNORE_INDEX).sum()
+        return torch.tensor(targets.shape[0])
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """FLOPs of one token of a training step (forward + backward = 3 × forward), PaLM's MFU
+        convention: 6 × the parameters every token multiplies (all but the embedding tables that
+        are only looked up; a head tied to a table multiplies) + 12 × the attention width of every
+        layer × seq_len (scores and values; causal kernels skip half, MFU counts them all).
+        Recomputation by activation checkpointing is not useful work and is not counted."""
+        last = {id(p) for path in self.last_stage_modules for p in self.get_submodule(path).parameters()}
+        looked_up = {id(p) for path in self.first_stage_modules for m in self.get_submodule(path).modules()
+                     if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)} - last
+        multiplied = sum(p.numel() for p in self.parameters() if id(p) not in looked_up)
+        attention = sum(12 * m.num_heads * m.head_dim * seq_len for m in get_layer_stack(self).modules()
+                        if isinstance(m, Attention))
+        return 6 * multiplied + attention
+
+
+def get_layer_stack(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of repeated layers (all of them, or a pipeline stage's)."""
+    return model.get_submodule(model.layer_stack)
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Raise a TypeError naming every member of the contract `model` lacks (or gets wrong)."""
+    name = type(model).__name__
+    missing = [member for member in ("layer_stack", "first_stage_modules", "last_stage_modules", "loss_unit",
+                                     "main_input_name") if not hasattr(model, member)]
+    missing += [member for member in sorted(TrainableModel.__abstractmethods__)
+                if not callable(getattr(model, member, None))]
+    if not isinstance(model, nn.Module):
+        missing.insert(0, "nn.Module as a base class")
+    if missing:
+        raise TypeError(f"{name} does not implement the model contract (libai_zoo.models.TrainableModel): it "
+                        f"lacks {', '.join(missing)}; subclass TrainableModel and implement them (see "
+                        f"docs/design.md, 'The model contract')")
+    wrong = []
+    if model.loss_unit not in LOSS_UNITS:
+        wrong.append(f"loss_unit = {model.loss_unit!r} is not one of {LOSS_UNITS}")
+    for path in (model.layer_stack, *model.first_stage_modules, *model.last_stage_modules):
+        try:
+            model.get_submodule(path)
+        except AttributeError:
+            wrong.append(f"{path!r} names no submodule")
+    if not wrong and not isinstance(get_layer_stack(model), nn.ModuleList):
+        wrong.append(f"layer_stack {model.layer_stack!r} is a {type(get_layer_stack(model)).__name__}, not an "
+                     f"nn.ModuleList")
+    if wrong:
+        raise TypeError(f"{name} does not fit the model contract (libai_zoo.models.TrainableModel): "
+                        + "; ".join(wrong))
