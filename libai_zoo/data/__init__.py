@@ -9,8 +9,10 @@ tools/preprocess_data.py): `IndexedDataset` reads it, `build_indexed_gpt_dataset
 """
 
 from .bert_dataset import IndexedMLMDataset, build_indexed_mlm_dataset
-from .gpt_dataset import PackedTokenDataset, build_gpt_dataset, read_documents
-from .gpt_indexed_dataset import BlendedDataset, IndexedGPTDataset, build_indexed_gpt_dataset
+from .blending import BlendedDataset
+from .documents import read_documents
+from .gpt_dataset import PackedTokenDataset, build_gpt_dataset
+from .gpt_indexed_dataset import IndexedGPTDataset, build_indexed_gpt_dataset
 from .image_dataset import DigitsDataset
 from .indexed_dataset import IndexedDataset, IndexedDatasetWriter, best_fitting_dtype
 from .prefetch import Prefetcher

@@ -13,7 +13,7 @@ selected positions and -100 elsewhere.
 The masks of sample i come from a numpy Generator seeded by (seed, i), so any sample can be drawn on
 its own, in any order, in any DataLoader worker, and a resumed run sees the same masks. Indices past
 the number of windows read the windows again (epoch after epoch) with new masks. The window index
-is cached in `cache_dir` like the GPT indices (see gpt_indexed_dataset).
+is cached in `cache_dir` like the GPT indices (see index_cache).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .gpt_indexed_dataset import (BlendedDataset, as_prefix_list, cached_array, cached_blending_indices,
-                                  index_fingerprint, normalized_weights, read_stream)
-from .indexed_dataset import IndexedDataset
+from .blending import BlendedDataset, cached_blending_indices, normalized_weights
+from .index_cache import cached_array, index_fingerprint
+from .indexed_dataset import IndexedDataset, prefix_list, read_stream
 from .tokenizer import load_tokenizer
 
 
@@ -147,7 +147,7 @@ def build_indexed_mlm_dataset(prefixes: str | Sequence[str], seq_len: int, token
                    special_ids=tokenizer.all_special_ids, vocab_size=len(tokenizer),
                    eod_id=tokenizer.eos_token_id if strip_eod else None, seed=seed, mask_prob=mask_prob,
                    mask_token_prob=mask_token_prob, random_token_prob=random_token_prob, cache_dir=cache_dir)
-    prefixes = as_prefix_list(prefixes)
+    prefixes = prefix_list(prefixes)
     weights = normalized_weights(weights, len(prefixes))
     if len(prefixes) == 1:
         return IndexedMLMDataset(prefixes[0], seq_len, num_samples=num_samples, **options)

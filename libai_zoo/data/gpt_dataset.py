@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .documents import read_documents
 from .tokenizer import load_tokenizer
 
 CACHE_FORMAT = "gpt-tokens-v1"  # change it when the stream's layout changes, so old caches are not reused
@@ -52,15 +52,6 @@ class PackedTokenDataset(Dataset):
         start = (index % len(self)) * self.seq_len
         input_ids = torch.from_numpy(self.tokens[start: start + self.seq_len].astype(np.int64))
         return {"input_ids": input_ids, "labels": input_ids.clone()}
-
-
-def read_documents(text_file: str | Path) -> list[str]:
-    """The documents of a text file: its blank-line-separated blocks, stripped, empty ones dropped."""
-    path = Path(text_file)
-    if not path.is_file():
-        raise FileNotFoundError(f"no text file {path}; the shipped corpus is data/corpus/python_docs.txt "
-                                f"(run from the repository root or pass an absolute path)")
-    return [doc.strip() for doc in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")) if doc.strip()]
 
 
 def build_gpt_dataset(text_file: str, tokenizer_dir: str, seq_len: int,

@@ -18,9 +18,7 @@ The indices, each computed once and cached as .npy in `cache_dir`:
   dataset's samples it is, by Megatron's greedy rule (give the next sample to the dataset furthest
   below its weight x samples so far), so every prefix of the blend follows the weights to within a
   sample or two (at most 1.6 measured over random blends of 2-11 datasets; within 1 for a few).
-Their names carry a hash of what decides them (the .idx contents, seq_len, seed, weights, num_samples),
-so a change of any gives new files and the same inputs reuse the old ones. Files are written under
-a temporary name and renamed, so ranks that build concurrently never read a partial file.
+Their names carry a hash of what decides them (`index_cache`), so a change of any gives new files.
 
 The dataset is map-style with a fixed length (num_samples), so the trainer's MicroBatchSampler
 resumes at the exact sample from `consumed_samples`. The sampler shuffles too; with the dataset's own
@@ -29,63 +27,16 @@ shuffle, `dataloader.shuffle=False` in a config gives Megatron's sequential read
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
-import os
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .indexed_dataset import IndexedDataset, index_path
-
-CACHE_FORMAT = "libai-zoo-indexed-v1"  # change it when an index's meaning changes, so old caches are not reused
-
-
-# ------------------------------------------------------------------------------------------ caching
-def index_fingerprint(prefix: str) -> str:
-    """A hash of PREFIX.idx's contents: the indices depend on nothing else of the files. Reading the
-    .idx costs 20 bytes per document, and the hash is the same on every node that holds a copy
-    (remembered per process while the file's size and mtime stay the same)."""
-    stat = os.stat(index_path(prefix))
-    return _fingerprint(os.path.abspath(index_path(prefix)), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=256)
-def _fingerprint(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def cached_array(cache_dir: str | None, name: str, key: dict, compute: Callable[[], np.ndarray]) -> np.ndarray:
-    """`compute()`, saved as CACHE_DIR/NAME-HASH.npy (HASH of `key`) and memory-mapped from there on
-    later calls with the same key; computed in memory when cache_dir is None."""
-    if cache_dir is None:
-        return compute()
-    text = json.dumps({"format": CACHE_FORMAT, "name": name, **key}, sort_keys=True)
-    path = Path(cache_dir) / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:20]}.npy"
-    if not path.is_file():
-        array = compute()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".npy.tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, array)
-            os.replace(tmp, path)
-        except BaseException:
-            os.remove(tmp)
-            raise
-        # A description beside it, for people who find the cache directory.
-        path.with_suffix(".json").write_text(text + "\n")
-    return np.load(path, mmap_mode="r")
-
+from .blending import BlendedDataset, cached_blending_indices, normalized_weights
+from .index_cache import cached_array, index_fingerprint
+from .indexed_dataset import IndexedDataset, prefix_list, read_stream
 
 # ------------------------------------------------------------------------------------------ indices
 def build_sample_index(sequence_lengths: np.ndarray, seq_len: int) -> np.ndarray:
@@ -106,57 +57,6 @@ def build_shuffle_index(samples_per_epoch: int, num_samples: int, seed: int, shu
     parts = [np.random.default_rng([seed, epoch]).permutation(samples_per_epoch) if shuffle
              else np.arange(samples_per_epoch) for epoch in range(epochs)]
     return np.concatenate(parts)[:num_samples].astype(np.int64) if parts else np.zeros(0, np.int64)
-
-
-def build_blending_indices(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """Megatron's greedy blend: sample i goes to the dataset whose count lags its share most,
-    argmax_d(weights[d] x max(i, 1) - count[d]) (first on ties). Returns (dataset index [num_samples]
-    int16, sample index within that dataset [num_samples] int64). O(num_samples x datasets) in
-    Python: about a second per million samples, once, as the result is cached."""
-    weights = [float(w) for w in weights]
-    counts = [0] * len(weights)
-    dataset_index = np.empty(num_samples, dtype=np.int16)
-    sample_index = np.empty(num_samples, dtype=np.int64)
-    pairs = list(enumerate(weights))
-    for i in range(num_samples):
-        scale = float(max(i, 1))
-        best, best_error = 0, weights[0] * scale - counts[0]
-        for d, weight in pairs[1:]:
-            error = weight * scale - counts[d]
-            if error > best_error:
-                best, best_error = d, error
-        dataset_index[i] = best
-        sample_index[i] = counts[best]
-        counts[best] += 1
-    return dataset_index, sample_index
-
-
-def normalized_weights(weights: Sequence[float] | None, count: int) -> list[float]:
-    """`weights` scaled to sum to 1 (equal weights when None), after checking them."""
-    if weights is None:
-        return [1.0 / count] * count
-    weights = [float(w) for w in weights]
-    if len(weights) != count:
-        raise ValueError(f"{len(weights)} weights for {count} datasets: give one weight per prefix")
-    if any(not w >= 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"weights {weights} must be non-negative with a positive sum")
-    total = sum(weights)
-    return [w / total for w in weights]
-
-
-def read_stream(data: IndexedDataset, sequence: int, offset: int, length: int) -> np.ndarray:
-    """`length` tokens of `data`'s stream from token `offset` of `sequence` on, across sequences."""
-    lengths = data.sequence_lengths
-    pieces = []
-    while length > 0:
-        if sequence >= len(lengths):
-            raise IndexError(f"a read runs past the end of {data.prefix} (sequence {sequence})")
-        take = min(length, int(lengths[sequence]) - offset)
-        if take > 0:
-            pieces.append(data.get(sequence, offset, take))
-            length -= take
-        sequence, offset = sequence + 1, 0
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 # ----------------------------------------------------------------------------------------- datasets
@@ -208,49 +108,13 @@ class IndexedGPTDataset(Dataset):
         return {"input_ids": window[:-1], "shift_labels": window[1:]}
 
 
-def cached_blending_indices(weights: Sequence[float], num_samples: int, cache_dir: str | None,
-                            key: dict) -> tuple[np.ndarray, np.ndarray]:
-    """build_blending_indices, cached under `key` (what identifies the datasets) + weights + num_samples."""
-    blend = cached_array(cache_dir, "blend", {**key, "weights": list(weights), "num_samples": num_samples},
-                         lambda: np.stack(build_blending_indices(weights, num_samples)).astype(np.int64))
-    return blend[0], blend[1]
-
-
-class BlendedDataset(Dataset):
-    """Global sample i is sample `dataset_sample_index[i]` of dataset `dataset_index[i]` (a blending
-    index, see build_blending_indices); a dataset shorter than that is read modulo its length."""
-
-    def __init__(self, datasets: Sequence[Dataset], dataset_index: np.ndarray, dataset_sample_index: np.ndarray):
-        if len(dataset_index) != len(dataset_sample_index):
-            raise ValueError(f"the blending index has {len(dataset_index)} dataset entries but "
-                             f"{len(dataset_sample_index)} sample entries; they must match")
-        self.datasets = list(datasets)
-        self.dataset_index, self.dataset_sample_index = dataset_index, dataset_sample_index
-
-    def __len__(self) -> int:
-        return len(self.dataset_index)
-
-    def __getitem__(self, index: int):
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"sample {index} is out of range for {len(self)} samples")
-        dataset = self.datasets[int(self.dataset_index[index])]
-        return dataset[int(self.dataset_sample_index[index]) % len(dataset)]
-
-
-def as_prefix_list(prefixes: str | os.PathLike | Sequence[str]) -> list[str]:
-    prefixes = [prefixes] if isinstance(prefixes, (str, os.PathLike)) else [os.fspath(p) for p in prefixes]
-    if not prefixes:
-        raise ValueError("no prefixes: pass at least one .bin/.idx prefix, e.g. out/corpus_text_document")
-    return [os.fspath(p) for p in prefixes]
-
-
 def build_indexed_gpt_dataset(prefixes: str | Sequence[str], weights: Sequence[float] | None = None, *, seq_len: int,
                               seed: int = 0, num_samples: int | None = None, cache_dir: str | None = None,
                               shuffle: bool = True) -> Dataset:
     """GPT samples ({"input_ids", "shift_labels"}, seq_len each) from Megatron-format datasets
     (prefixes without .bin/.idx), blended by `weights` (default equal) when there are several.
     `num_samples` defaults to one epoch of every dataset (the sum of their windows)."""
-    prefixes = as_prefix_list(prefixes)
+    prefixes = prefix_list(prefixes)
     weights = normalized_weights(weights, len(prefixes))
     if len(prefixes) == 1:
         return IndexedGPTDataset(prefixes[0], seq_len, num_samples=num_samples, seed=seed, shuffle=shuffle,

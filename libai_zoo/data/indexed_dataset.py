@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -252,3 +253,26 @@ class IndexedDatasetWriter:
             self.finalize()
         else:
             self.discard()
+
+
+def read_stream(data: IndexedDataset, sequence: int, offset: int, length: int) -> np.ndarray:
+    """`length` tokens of `data`'s stream from token `offset` of `sequence` on, across sequences."""
+    lengths = data.sequence_lengths
+    pieces = []
+    while length > 0:
+        if sequence >= len(lengths):
+            raise IndexError(f"a read runs past the end of {data.prefix} (sequence {sequence})")
+        take = min(length, int(lengths[sequence]) - offset)
+        if take > 0:
+            pieces.append(data.get(sequence, offset, take))
+            length -= take
+        sequence, offset = sequence + 1, 0
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+def prefix_list(prefixes: str | os.PathLike | Sequence[str]) -> list[str]:
+    """One dataset prefix (without .bin/.idx) or several, as a list of path strings."""
+    prefixes = [prefixes] if isinstance(prefixes, (str, os.PathLike)) else [os.fspath(p) for p in prefixes]
+    if not prefixes:
+        raise ValueError("no prefixes: pass at least one .bin/.idx prefix, e.g. out/corpus_text_document")
+    return [os.fspath(p) for p in prefixes]

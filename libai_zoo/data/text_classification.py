@@ -17,7 +17,7 @@ import random
 
 from datasets import Dataset
 
-from .gpt_dataset import read_documents
+from .documents import read_documents
 from .tokenizer import load_tokenizer
 
 MIN_WORDS, MAX_WORDS = 8, 30
