@@ -206,6 +206,15 @@ def test_missing_and_misshaped_tensors_are_named(hf_dirs, tmp_path):
     assert "transformer.ln_f.weight: checkpoint (31,), model (32,)" in message
 
 
+def test_truncated_weight_file_is_named(hf_dirs, tmp_path):
+    _, path, _ = hf_dirs["gpt2"]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    data = (path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors is truncated or corrupt .*: copy or download it again"):
+        models.GPT2LMHeadModel.from_pretrained(tmp_path)
+
+
 def test_missing_weight_file_of_an_index(hf_dirs, tmp_path):
     _, _, path = hf_dirs["gpt2"]
     for file in path.iterdir():

@@ -39,8 +39,16 @@ def test_schedules():
     assert cosine[7] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
     assert lrs(WarmupLinearLR, 6, warmup_iters=2)[1:] == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25])
     assert lrs(ConstantLR, 5, warmup_iters=2) == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0])
-    with pytest.raises(ValueError, match="warmup_iters = 20 must be between 0 and max_iter = 10"):
-        lrs(WarmupCosineLR, 10, warmup_iters=20)
+    with pytest.raises(ValueError, match="warmup_iters = -1 must be a number of steps >= 0"):
+        lrs(WarmupCosineLR, 10, warmup_iters=-1)
+
+
+def test_warmup_as_a_fraction_and_a_warmup_longer_than_the_run():
+    """warmup_iters below 1 is a share of the run (transformers' warmup_steps); a warmup longer than a
+    short run is cut to the run instead of refused."""
+    assert lrs(WarmupLinearLR, 20, warmup_iters=0.1) == lrs(WarmupLinearLR, 20, warmup_iters=2)
+    assert lrs(WarmupLinearLR, 20, warmup_iters=0.1)[:3] == pytest.approx([0.5, 1.0, 1.0])
+    assert lrs(WarmupCosineLR, 3, warmup_iters=40) == pytest.approx([1 / 3, 2 / 3, 1.0])
 
 
 def test_lamb_step_matches_the_formula():

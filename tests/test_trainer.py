@@ -286,3 +286,37 @@ def test_lamb_from_the_config(config_file, tmp_path):
     assert type(trainer.optimizer).__name__ == "Lamb"
     logged = losses(tmp_path)
     assert logged[10] < logged[1] - 0.05  # AdamW at lr 1e-3 falls 0.15 in these 10 steps
+
+
+# ------------------------------------------------------------------------- what a newcomer hit
+def test_a_failed_run_logs_where_it_stopped_and_does_no_success_work(config_file, tmp_path):
+    """No "trained N steps" line and no sample (generation would run collectives a dead peer never joins)."""
+    from libai_zoo.engine import GenerateSample
+
+    sample = GenerateSample(tokenizer=str(ROOT / "data/tokenizer"), prompt="Return the", max_new_tokens=2)
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(str(config_file)), [
+        f"train.output_dir={tmp_path}", "train.max_iter=5", "train.micro_batch_size=4", "train.global_batch_size=4",
+        "train.checkpoint.period=0"])
+    with pytest.raises(KeyboardInterrupt):
+        run_trainer(cfg, interrupt_after=3, hooks=[sample])
+    log = (tmp_path / "log.txt").read_text()
+    assert "the run stopped with an error at iteration 3: KeyboardInterrupt: stopped after 3 steps" in log
+    assert "trained" not in log and "sample after" not in log and not hasattr(sample, "text")
+    run_trainer(LazyConfig.apply_overrides(cfg, [f"train.output_dir={tmp_path / 'whole'}", "train.max_iter=2"]),
+                hooks=[sample])
+    assert "trained 2 steps" in (tmp_path / "whole" / "log.txt").read_text() and isinstance(sample.text, str)
+
+
+def test_a_short_run_cuts_a_longer_warmup_with_a_warning(config_file, tmp_path):
+    run(config_file, tmp_path, "train.max_iter=3", "train.scheduler.warmup_iters=40", "train.checkpoint.period=0")
+    assert [r["lr"] for r in records(tmp_path)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])
+    assert "warmup_iters = 40 is longer than the run (max_iter = 3): warming up over all 3 steps" in \
+        (tmp_path / "log.txt").read_text()
+
+
+def test_clip_grad_norm_null_means_no_clipping(config_file, tmp_path):
+    run(config_file, tmp_path / "null", "train.max_iter=3", "train.clip_grad_norm=null", "train.checkpoint.period=0")
+    run(config_file, tmp_path / "huge", "train.max_iter=3", "train.clip_grad_norm=1e9", "train.checkpoint.period=0")
+    unclipped, huge = records(tmp_path / "null"), records(tmp_path / "huge")
+    assert [r["loss"] for r in unclipped] == [r["loss"] for r in huge]
+    assert all(r["grad_norm"] > 1.0 for r in unclipped)  # the default (1.0) would have clipped them

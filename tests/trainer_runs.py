@@ -21,11 +21,12 @@ class Interrupt(HookBase):
             raise KeyboardInterrupt(f"stopped after {self.steps} steps")
 
 
-def run_trainer(cfg, *, resume: bool = False, interrupt_after: int | None = None) -> DefaultTrainer:
-    """Build, resume or load, and train; the parallel context is torn down whatever happens."""
+def run_trainer(cfg, *, resume: bool = False, interrupt_after: int | None = None,
+                hooks: list[HookBase] = ()) -> DefaultTrainer:
+    """Build, resume or load, and train (with extra `hooks`); the parallel context is torn down
+    whatever happens."""
     trainer = DefaultTrainer(cfg)
-    if interrupt_after is not None:
-        trainer.register_hooks([Interrupt(interrupt_after)])
+    trainer.register_hooks(list(hooks) + ([Interrupt(interrupt_after)] if interrupt_after is not None else []))
     try:
         trainer.resume_or_load(resume=resume)
         trainer.train()

@@ -72,8 +72,8 @@ class TrainerBase:
                 self._call("after_step")
             self.iter = max_iter  # the loop is done: after_train sees every step counted
         except BaseException as error:
-            logger.error("the run stopped with an error at iteration %d (%d steps done): %s: %s", self.iter + 1,
-                         self.iter - start_iter, type(error).__name__, error)
+            logger.error("the run stopped with an error at iteration %d: %s: %s", self.iter + 1,
+                         type(error).__name__, error)
             raise
         else:
             self._call("after_train")
