@@ -285,7 +285,7 @@ def measure_layout(config_file: str, output_dir: str, overrides: list[str], time
     """One warm-up step (optimizer state, pipeline shapes), one counted step (state bytes, collectives),
     then `timed_steps` timed ones; this rank's figures."""
     trainer = build_trainer(config_file, output_dir, overrides)
-    ctx, model, optimizer = trainer.ctx, trainer.model, trainer.optimizer
+    ctx, parts, optimizer = trainer.ctx, trainer.model_parts, trainer.optimizer
     if ctx.mesh is not None:
         RECORDER.group_names = {tuple(torch_dist.get_process_group_ranks(ctx.group(d))): d
                                 for d in ("pp", "dp", "tp") if getattr(ctx, d) > 1}
@@ -294,7 +294,7 @@ def measure_layout(config_file: str, output_dir: str, overrides: list[str], time
 
     def measuring_zero_grad(*args, **kwargs):  # TrainStep's last call: gradients still there, state stepped
         if state.get("capture"):
-            state.update(params=parameter_bytes(model), grads=gradient_bytes(model),
+            state.update(params=sum(map(parameter_bytes, parts)), grads=sum(map(gradient_bytes, parts)),
                          optim=optimizer_state_bytes(optimizer), capture=False)
         return zero_grad(*args, **kwargs)
 
@@ -330,7 +330,7 @@ def measure_bubble(config_file: str, output_dir: str, overrides: list[str], step
     next_batches = _batches(trainer)
     trainer.step(next_batches())  # builds the schedule (and infers the shapes)
     pipeline = trainer.pipeline
-    schedule = pipeline._schedule
+    (schedule,) = pipeline._schedules.values()  # the one built for the training batches
     stage = schedule._stage
     busy = Counter()
 

@@ -1,5 +1,6 @@
-"""The layers of the house (docs/design.md): model files hold no process-group code, and importing
-the models loads neither the conversion code nor torch.distributed.checkpoint."""
+"""The layers of the house (docs/design.md): each package imports only those before it (no import
+cycle), model files hold no process-group code, and importing the models loads neither the
+conversion code nor torch.distributed.checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +10,23 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# docs/design.md, "The layers of the house": a package may import only the ones before it.
+ORDER = ["utils", "config", "data", "optim", "dist", "layers", "hf", "models", "parallel", "checkpoint", "convert",
+         "engine"]
+FOLDERS = {"layers": ROOT / "layers", "models": ROOT / "models",
+           **{name: ROOT / "libai_zoo" / name for name in ORDER if name not in ("layers", "models")}}
+
+
+def test_each_package_imports_only_the_ones_before_it():
+    wrong = []
+    for package, folder in FOLDERS.items():
+        allowed = set(ORDER[:ORDER.index(package)])
+        for path in sorted(folder.rglob("*.py")):
+            text = path.read_text()
+            imported = set(re.findall(r"^\s*from libai_zoo\.(\w+)", text, re.M))
+            imported |= set(re.findall(r"^\s*from libai_zoo import (\w+)", text, re.M))
+            wrong += [f"{path.relative_to(ROOT)} imports libai_zoo.{name}" for name in imported - allowed - {package}]
+    assert wrong == []
 
 
 def test_model_files_reach_no_process_group_code():

@@ -30,10 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from libai_zoo.data.indexed_dataset import (DTYPE_CODES, IndexedDatasetWriter, best_fitting_dtype,  # noqa: E402
-                                            data_path, index_path)
+from libai_zoo.data.indexed_dataset import DTYPE_CODES, IndexedDatasetWriter, best_fitting_dtype, data_path, index_path
 
 FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".ndjson": "json",
            ".parquet": "parquet"}

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from libai_zoo import dist  # noqa: E402
-from libai_zoo.config import LazyConfig  # noqa: E402
-from libai_zoo.engine import DefaultTrainer  # noqa: E402
+from libai_zoo import dist
+from libai_zoo.config import LazyConfig
+from libai_zoo.engine import DefaultTrainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

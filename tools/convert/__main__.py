@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import Path
 
-# Run from a checkout without installing: the repository root holds libai_zoo/. Heavy imports
-# (torch, transformers) wait until a command runs, so --help answers at once.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# Heavy imports (torch, transformers) wait until a command runs, so --help answers at once.
 
 PROG = "python tools/convert"
 
@@ -46,6 +43,15 @@ def _positive(text: str) -> int:
 DTYPES = ("float32", "float16", "bfloat16")
 
 
+def _output(parser: argparse.ArgumentParser, *, max_shard_size: bool) -> None:
+    """OUT_DIR, --max-shard-size (commands that write safetensors) and --overwrite."""
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
+    if max_shard_size:
+        parser.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                            help="split the safetensors above this size, with an index (default 5GB)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT_DIR")
+
+
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=raw)
@@ -55,25 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
         "hf-to-zoo", formatter_class=raw, help="Hugging Face directory -> libai_zoo checkpoint for a dp/tp/pp layout",
         description="Write a Hugging Face model as a libai_zoo checkpoint (one process; the checkpoint is sharded\n"
                     "on load by whatever layout reads it). The layout is checked against the model up front\n"
-                    "(heads, KV heads, MLP size and vocabulary divisible by tp; layers >= pp; pp only for causal\n"
-                    "LMs) and recorded in OUT_DIR/config.yaml.\n\n"
+                    "(what its layers need divisible by tp: heads, KV heads, MLP size, vocabulary; layers >= pp)\n"
+                    "and recorded in OUT_DIR/config.yaml.\n\n"
                     "    OUT_DIR/model_0000000/   the checkpoint (a run starts from it with\n"
                     "                             train.load_weight=OUT_DIR/model_0000000)\n"
                     "    OUT_DIR/last_checkpoint  names it\n"
                     "    OUT_DIR/config.yaml      the model (libai_zoo class + config) and the target layout\n"
                     "    OUT_DIR/hf_config.json   the source's config.json")
     p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model directory (config.json + safetensors)")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
-    p.add_argument("--dp", type=_positive, default=1, metavar="N",
-                   help="data-parallel size of the target run (default 1)")
-    p.add_argument("--tp", type=_positive, default=1, metavar="N",
-                   help="tensor-parallel size of the target run (default 1)")
-    p.add_argument("--pp", type=_positive, default=1, metavar="N",
-                   help="pipeline-parallel size of the target run (default 1)")
+    _output(p, max_shard_size=False)
+    for name, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline")):
+        p.add_argument(f"--{name}", type=_positive, default=1, metavar="N",
+                       help=f"{what}-parallel size of the target run (default 1)")
     p.add_argument("--model-class", help="libai_zoo class to load (default: from config.json's model_type and "
                                          "architectures), e.g. BertForSequenceClassification")
     p.add_argument("--dtype", choices=DTYPES, help="store the weights in this dtype (default: as in HF_DIR)")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT_DIR")
 
     p = commands.add_parser(
         "zoo-to-hf", formatter_class=raw,
@@ -83,31 +85,25 @@ def build_parser() -> argparse.ArgumentParser:
                     "whatever dp/tp/pp/ZeRO layout wrote it.")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                    help="a model_XXXXXXX directory, or a run's output_dir (its last_checkpoint is used)")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
-    p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
-                   help="split the safetensors above this size, with an index (default 5GB)")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT_DIR")
+    _output(p, max_shard_size=True)
 
     p = commands.add_parser(
         "megatron-to-hf", formatter_class=raw, help="Megatron-LM GPT checkpoint (tp/pp shards) -> Hugging Face GPT-2",
         description="Join a Megatron-LM GPT checkpoint's tensor- and pipeline-parallel shards\n"
                     "(iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt, legacy torch format) into a Hugging Face\n"
-                    "GPT-2 directory. Every shard of the tp x pp grid must be present; the result is checked\n"
-                    "against transformers' GPT2LMHeadModel.")
+                    "GPT-2 directory. Every shard of the tp x pp grid must be present; every tensor of the model\n"
+                    "must be found, and nothing else (it is loaded into libai_zoo's GPT-2, which writes it).")
     p.add_argument("megatron_dir", metavar="MEGATRON_DIR",
                    help="checkpoint root (with latest_checkpointed_iteration.txt) or one iter_XXXXXXX directory")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
+    _output(p, max_shard_size=True)
     p.add_argument("--vocab-size", type=_positive, metavar="N",
                    help="keep only this many vocabulary rows (the tokenizer's size; Megatron pads the vocabulary to "
                         "a multiple of 128 x tp); default: args.padded_vocab_size")
     p.add_argument("--num-attention-heads", type=_positive, metavar="N",
                    help="only for checkpoints saved without args")
     p.add_argument("--dtype", choices=DTYPES, help="write the weights in this dtype (default: as saved)")
-    p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
-                   help="split the safetensors above this size, with an index (default 5GB)")
     p.add_argument("--allow-numpy", action="store_true",
                    help="also unpickle numpy arrays (Megatron's saved RNG state) as data; nothing else is allowed")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT_DIR")
 
     p = commands.add_parser(
         "inspect", formatter_class=raw, help="print a checkpoint's tensors, shapes, dtypes and layout",
