@@ -100,11 +100,11 @@ class LlamaForCausalLM(PreTrainedModel, CausalLM):
     """Llama with its language-model head."""
 
     config_class = LlamaConfig
-    other_configs = {"qwen2": transformers.Qwen2Config}
     base_model_prefix = "model"
     layer_stack = "model.layers"
     first_stage_modules = ("model.embed_tokens",)
     last_stage_modules = ("model.norm", "lm_head")
+    other_configs = {"qwen2": transformers.Qwen2Config}
 
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
