@@ -227,7 +227,7 @@ def _call_site() -> str:
         for marker, label in SUBSYSTEMS.items():
             if marker in path:
                 return label
-        if path.startswith(str(ROOT)) and os.path.abspath(path) != this_file:
+        if path.startswith(str(ROOT)) and "site-packages" not in path and os.path.abspath(path) != this_file:
             qualname = frame.f_code.co_qualname
             if not path.endswith("dist/collectives.py"):
                 return f"{Path(path).relative_to(ROOT)}:{qualname}"
@@ -394,15 +394,13 @@ def parameter_table(model: nn.Module) -> list[dict]:
             split.update(id(p) for p in module.parameters(recurse=False))
         elif getattr(module, "parallel", None) == "row":
             split.add(id(module.weight))
-    body = getattr(model, model.base_model_prefix)
-    tied = any(getattr(getattr(body, n), "weight", None) is model.lm_head.weight for n in body.first_stage_modules)
+    last = {id(p) for path in model.last_stage_modules for p in model.get_submodule(path).parameters()}
     table = []
-    for name, param in model.named_parameters():
-        parts = name.split(".")
-        if body.layers_name in parts:
-            where = int(parts[parts.index(body.layers_name) + 1])
-        elif any(part in body.first_stage_modules for part in parts):
-            where = "first+last" if tied and param is model.lm_head.weight else "first"
+    for name, param in model.named_parameters():  # a tied weight once, under its first-stage name
+        if name.startswith(model.layer_stack + "."):
+            where = int(name[len(model.layer_stack) + 1:].split(".")[0])
+        elif name.startswith(tuple(path + "." for path in model.first_stage_modules)):
+            where = "first+last" if id(param) in last else "first"
         else:
             where = "last"
         table.append(dict(name=name, bytes=param.numel() * param.element_size(), split=id(param) in split,

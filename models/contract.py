@@ -113,10 +113,12 @@ def check_trainable(model: nn.Module) -> None:
     name = type(model).__name__
     missing = [member for member in ("layer_stack", "first_stage_modules", "last_stage_modules", "loss_unit",
                                      "main_input_name") if not hasattr(model, member)]
-    missing += [member for member in sorted(TrainableModel.__abstractmethods__)
-                if not callable(getattr(model, member, None))]
+    methods = sorted(TrainableModel.__abstractmethods__) + ["split_batch", "num_loss_targets", "flops_per_token"]
+    missing += [member for member in methods if not callable(getattr(model, member, None))]
     if not isinstance(model, nn.Module):
         missing.insert(0, "nn.Module as a base class")
+    elif type(model).forward is nn.Module.forward:
+        missing.append("forward")
     if missing:
         raise TypeError(f"{name} does not implement the model contract (libai_zoo.models.TrainableModel): it "
                         f"lacks {', '.join(missing)}; subclass TrainableModel and implement them (see "

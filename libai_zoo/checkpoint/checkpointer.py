@@ -126,14 +126,14 @@ class Checkpointer:
             shutil.rmtree(old)
 
     # ----------------------------------------------------------------------------------- loading
-    def last_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint (named by `last_checkpoint`), or None when there is none yet;
-        interrupted writes are removed first (every rank must call this)."""
-        if _rank() == 0 and self.output_dir.is_dir():
-            for tmp in self.output_dir.glob("*.tmp"):
-                logger.warning("removing %s: an interrupted checkpoint write", tmp)
-                shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink()
+    def remove_incomplete(self) -> None:
+        """Delete the checkpoints whose writing was interrupted (every rank must call this)."""
+        if _rank() == 0:
+            commit.remove_incomplete(self.output_dir)
         _barrier()
+
+    def last_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint (named by `last_checkpoint`), or None when there is none yet."""
         path = commit.pointed_to(self.output_dir)
         if path is not None and not path.is_dir():
             raise FileNotFoundError(f"{self.output_dir / commit.POINTER} names {path.name}, which does not exist: "

@@ -10,11 +10,14 @@ new one complete; an interrupted ``.tmp`` directory is removed on resume.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
 POINTER = "last_checkpoint"
+
+logger = logging.getLogger("libai_zoo")
 
 
 def staging_dir(final: Path) -> Path:
@@ -48,3 +51,11 @@ def pointed_to(output_dir: Path) -> Path | None:
     if not pointer.is_file():
         return None
     return output_dir / pointer.read_text().strip()
+
+
+def remove_incomplete(output_dir: Path) -> None:
+    """Delete the staging directories of interrupted writes (one process)."""
+    if output_dir.is_dir():
+        for staged in output_dir.glob("*.tmp"):
+            logger.warning("removing %s: an interrupted checkpoint write", staged)
+            shutil.rmtree(staged, ignore_errors=True) if staged.is_dir() else staged.unlink()

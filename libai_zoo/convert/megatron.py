@@ -370,13 +370,8 @@ def _check_args(checkpoint: MegatronCheckpoint) -> None:
                          f"writes Hugging Face GPT-2 (learned positions, pre-LayerNorm, biases, GELU, no GQA/MoE)")
 
 
-def megatron_to_zoo_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: int | None = None,
-                               num_attention_heads: int | None = None):
-    """(state dict of libai_zoo's GPT2LMHeadModel, its GPT2Config) for a Megatron-LM GPT checkpoint.
-
-    ``vocab_size`` keeps the first rows of the padded vocabulary (default: all of them, as
-    args.padded_vocab_size); ``num_attention_heads`` is needed when the files hold no args."""
-    _check_args(checkpoint)
+def _geometry(checkpoint: MegatronCheckpoint, num_attention_heads: int | None) -> tuple[int, int, int]:
+    """(heads, hidden size, head dim) from the run's args (or the first norm when it saved none)."""
     heads = num_attention_heads or checkpoint.arg("num_attention_heads")
     if heads is None:
         raise ValueError(f"{checkpoint.directory}: the files hold no args, so the number of attention heads is "
@@ -389,13 +384,17 @@ def megatron_to_zoo_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: in
     if head_dim * heads != hidden:
         raise ValueError(f"{checkpoint.directory}: {heads} heads × kv_channels {head_dim} != hidden_size {hidden}: "
                          f"GPT-2 needs head_dim = hidden_size / heads")
-    stages = [merge_tensor_parallel(checkpoint, p, heads=heads, head_dim=head_dim) for p in range(checkpoint.pp)]
+    return heads, hidden, head_dim
 
+
+def _zoo_names(checkpoint: MegatronCheckpoint, stages: list[dict[str, torch.Tensor]]):
+    """(the stages' tensors under libai_zoo GPT-2 names with global layer numbers, the last stage's
+    copy of the word embeddings or None, the number of layers), after checking that each tensor is
+    on the stage Megatron-LM keeps it on and that none is missing."""
     state: dict[str, torch.Tensor] = {}
     last = checkpoint.pp - 1
     home = {"embedding": 0, "final_layernorm": last, "output_layer": last, "word_embeddings_for_head": last}
-    head_copy = None
-    offset = 0
+    head_copy, offset = None, 0
     for p, stage in enumerate(stages):
         local = sorted({int(LAYER_NAME.match(n)[1]) for n in stage if LAYER_NAME.match(n)})
         if local != list(range(len(local))):
@@ -422,8 +421,12 @@ def megatron_to_zoo_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: in
     if missing:
         raise ValueError(f"{checkpoint.directory} lacks {len(missing)} tensor(s) of a GPT-2 model (libai_zoo names): "
                          f"{', '.join(missing[:8])}")
+    return state, head_copy, num_layers
 
-    words = state["transformer.wte.weight"]
+
+def _vocabulary(checkpoint: MegatronCheckpoint, words: torch.Tensor, head_copy: torch.Tensor | None, hidden: int,
+                vocab_size: int | None) -> int:
+    """The vocabulary to keep of the padded word embeddings, after checking them."""
     padded = words.shape[0]
     if checkpoint.arg("padded_vocab_size") not in (None, padded):
         raise ValueError(f"{checkpoint.directory}: the word embeddings have {padded} rows, args.padded_vocab_size = "
@@ -437,8 +440,22 @@ def megatron_to_zoo_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: in
     if words.shape[1] != hidden:
         raise ValueError(f"{checkpoint.directory}: the word embeddings are {words.shape[1]} wide, "
                          f"hidden_size = {hidden}")
+    return vocab
+
+
+def megatron_to_zoo_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: int | None = None,
+                               num_attention_heads: int | None = None):
+    """(state dict of libai_zoo's GPT2LMHeadModel, its GPT2Config) for a Megatron-LM GPT checkpoint.
+
+    ``vocab_size`` keeps the first rows of the padded vocabulary (default: all of them, as
+    args.padded_vocab_size); ``num_attention_heads`` is needed when the files hold no args."""
+    _check_args(checkpoint)
+    heads, hidden, head_dim = _geometry(checkpoint, num_attention_heads)
+    stages = [merge_tensor_parallel(checkpoint, p, heads=heads, head_dim=head_dim) for p in range(checkpoint.pp)]
+    state, head_copy, num_layers = _zoo_names(checkpoint, stages)
+    vocab = _vocabulary(checkpoint, state["transformer.wte.weight"], head_copy, hidden, vocab_size)
     untied = "lm_head.weight" in state
-    state["transformer.wte.weight"] = words[:vocab]
+    state["transformer.wte.weight"] = state["transformer.wte.weight"][:vocab]
     state["lm_head.weight"] = state["lm_head.weight"][:vocab] if untied else state["transformer.wte.weight"]
     for i in range(num_layers):  # attention rows: [heads, (q, k, v), head_dim] is the fused qkv
         for suffix in ("weight", "bias"):

@@ -10,9 +10,6 @@ trained; a sample may span a document boundary.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .documents import read_documents
+from .index_cache import cached_array, file_fingerprint
 from .tokenizer import load_tokenizer
 
 CACHE_FORMAT = "gpt-tokens-v1"  # change it when the stream's layout changes, so old caches are not reused
@@ -67,23 +65,10 @@ def build_gpt_dataset(text_file: str, tokenizer_dir: str, seq_len: int,
         raise ValueError(f"the tokenizer in {tokenizer_dir} has no eos_token; set it in its tokenizer_config.json")
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.int32
 
-    cache = None
-    if cache_dir is not None:
-        digest = hashlib.sha256(CACHE_FORMAT.encode())
-        digest.update(Path(text_file).read_bytes())
-        digest.update(tokenizer_json.read_bytes())
-        cache = Path(cache_dir) / f"{Path(text_file).stem}-{digest.hexdigest()[:20]}.npy"
-        if cache.is_file():
-            return PackedTokenDataset(np.load(cache, mmap_mode="r"), seq_len)
-
-    tokens = _tokenize_documents(documents, tokenizer, dtype)
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        # Write aside and rename: concurrent ranks never read a half-written file.
-        fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".npy.tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, tokens)
-        os.replace(tmp, cache)
+    key = {"tokens": CACHE_FORMAT, "text": file_fingerprint(text_file),
+           "tokenizer": file_fingerprint(tokenizer_json)}
+    tokens = cached_array(cache_dir, Path(text_file).stem, key,
+                          lambda: _tokenize_documents(documents, tokenizer, dtype))
     return PackedTokenDataset(tokens, seq_len)
 
 

@@ -25,10 +25,15 @@ CACHE_FORMAT = "libai-zoo-indexed-v1"  # change it when an index's meaning chang
 
 def index_fingerprint(prefix: str) -> str:
     """A hash of PREFIX.idx's contents: the indices depend on nothing else of the files. Reading the
-    .idx costs 20 bytes per document, and the hash is the same on every node that holds a copy
-    (remembered per process while the file's size and mtime stay the same)."""
-    stat = os.stat(index_path(prefix))
-    return _fingerprint(os.path.abspath(index_path(prefix)), stat.st_size, stat.st_mtime_ns)
+    .idx costs 20 bytes per document."""
+    return file_fingerprint(index_path(prefix))
+
+
+def file_fingerprint(path: str | os.PathLike) -> str:
+    """A hash of a file's contents, the same on every node that holds a copy (remembered per
+    process while the file's size and mtime stay the same)."""
+    stat = os.stat(path)
+    return _fingerprint(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=256)

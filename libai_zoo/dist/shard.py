@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 

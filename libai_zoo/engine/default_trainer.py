@@ -36,6 +36,7 @@ from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import MicroBatchSampler, Prefetcher
 from libai_zoo.hf import HFWeightReader, load_hf_weights
 from libai_zoo.models import check_trainable, get_layer_stack
+from libai_zoo.optim import unique_parameters
 from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpointing
 from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
@@ -161,10 +162,8 @@ class DefaultTrainer(TrainerBase):
         """instantiate(cfg.optim) with its ``params`` built for the model parts (param_groups by default)."""
         node = _with(cfg.optim)
         params = node.get("params")
-        if isinstance(params, dict):
-            node["params"] = instantiate({**params, "model": model_parts})
-        else:
-            node["params"] = list({id(p): p for part in model_parts for p in part.parameters()}.values())
+        node["params"] = instantiate({**params, "model": model_parts}) if isinstance(params, dict) \
+            else unique_parameters(model_parts)
         return self.data_parallel.wrap_optimizer(instantiate(node))
 
     def build_lr_scheduler(self, cfg: DictConfig, optimizer: torch.optim.Optimizer):
@@ -226,6 +225,7 @@ class DefaultTrainer(TrainerBase):
         """With `resume` and a checkpoint in output_dir: restore everything from the newest
         complete one. Otherwise start at 0, from ``train.load_weight`` if set (a Hugging Face
         directory or a trainer checkpoint: weights only)."""
+        self.checkpointer.remove_incomplete()
         path = self.checkpointer.last_checkpoint() if resume else None
         if path is not None:
             self.start_iter = self.checkpointer.resume(path)
@@ -239,12 +239,17 @@ class DefaultTrainer(TrainerBase):
             self.load_weight(weights)
 
     def load_weight(self, path: str | Path) -> None:
-        """Model weights only, from a Hugging Face directory or a trainer checkpoint."""
+        """Model weights only, from a Hugging Face directory or a trainer checkpoint (any layout)."""
         path = Path(path)
         if (path / "config.json").is_file():
+            if self.data_parallel.shards_parameters:
+                raise ValueError(f"train.load_weight={path} is a Hugging Face directory, which ZeRO-2/3 cannot read "
+                                 f"by slices yet: convert it once with `python tools/convert hf-to-zoo {path} OUT` "
+                                 f"and set train.load_weight=OUT/model_0000000")
+            aliases = self.pipeline.tied_aliases() if self.pipeline is not None else None
             with HFWeightReader(path) as reader:
                 for part in self.model_parts:
-                    load_hf_weights(part, reader)
+                    load_hf_weights(part, reader, aliases=aliases)
         else:
             self.checkpointer.load(path)
         logger.info("loaded weights from %s", path)
@@ -285,9 +290,9 @@ class DefaultTrainer(TrainerBase):
         return self.model_parts[0]
 
     @contextmanager
-    def generation_model(self) -> Iterator[nn.Module | None]:
-        """The model ready for `generate` (in eval mode inside the block), or None when this rank
-        holds pipeline stages."""
+    def generation_model(self) -> Iterator[tuple[nn.Module, torch.device] | None]:
+        """(the model ready for `generate`, in eval mode inside the block; the device its inputs go
+        to), or None when this rank holds pipeline stages."""
         if self.pipeline is not None:
             yield None
             return
@@ -295,6 +300,6 @@ class DefaultTrainer(TrainerBase):
         was_training = model.training
         model.eval()
         try:
-            yield model
+            yield model, self.ctx.device
         finally:
             model.train(was_training)

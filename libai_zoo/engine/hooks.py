@@ -168,12 +168,13 @@ class GenerateSample(HookBase):
         self.tokenizer, self.prompt, self.max_new_tokens = tokenizer, prompt, max_new_tokens
 
     def after_train(self) -> None:
-        with self.trainer.generation_model() as model:
-            if model is None:
+        with self.trainer.generation_model() as ready:
+            if ready is None:
                 logger.warning("no sample under pipeline parallelism: generate from a checkpoint with dist.pp=1")
                 return
+            model, device = ready
             tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
-            ids = tokenizer(self.prompt, return_tensors="pt").input_ids.to(next(model.parameters()).device)
-            tokens = model.generate(ids, max_new_tokens=self.max_new_tokens)
+            tokens = model.generate(tokenizer(self.prompt, return_tensors="pt").input_ids.to(device),
+                                    max_new_tokens=self.max_new_tokens)
         self.text = tokenizer.decode(tokens[0], skip_special_tokens=True)
         logger.info("sample after %d steps: %r", self.trainer.iter, self.text)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from libai_zoo import dist
-from libai_zoo.optim import clip_grad_norm_
+from libai_zoo.optim import clip_grad_norm_, unique_parameters
 from libai_zoo.parallel import DataParallel, Pipeline
 
 logger = logging.getLogger("libai_zoo")
@@ -44,7 +44,7 @@ class TrainStep:
                  data_parallel: DataParallel | None = None, pipeline: Pipeline | None = None):
         self.model_parts, self.optimizer, self.device = list(model_parts), optimizer, device
         self.model = self.model_parts[0]  # what the contract's batch methods are asked of
-        self.params = list({id(p): p for part in self.model_parts for p in part.parameters()}.values())
+        self.params = unique_parameters(self.model_parts)
         self.amp_dtype, self.clip_grad_norm = amp_dtype, clip_grad_norm or 0.0
         self.data_parallel, self.pipeline = data_parallel, pipeline
         self.dp = data_parallel.ctx.dp if data_parallel is not None else 1

@@ -56,12 +56,18 @@ def load_pretrained(cls: type[nn.Module], path: str | Path, *, dtype: torch.dtyp
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = True) -> dict:
+def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = True,
+                    aliases: dict[str, str] | None = None) -> dict:
     """Fill the parameters `model` holds (whole, or this rank's shards; a pipeline stage holds only
-    its own) from Hugging Face tensors. Returns {"missing_keys", "unexpected_keys"}: checkpoint
-    names the parameters need but the files lack, and names in the files no parameter uses."""
+    its own) from Hugging Face tensors. ``aliases``: this model's name of a parameter -> the name
+    whose rule makes it (a pipeline's last stage holds a copy of the embedding tied to its head).
+    Returns {"missing_keys", "unexpected_keys"}: checkpoint names the parameters need but the
+    files lack, and names in the files no parameter uses."""
     weight_map = model.hf_weight_map()
     params = dict(model.named_parameters())
+    for own, aliased in (aliases or {}).items():
+        if own in params:
+            params[aliased] = params.pop(own)
     uncovered = set(params) - {rule.zoo for rule in weight_map.rules}
     if uncovered:
         raise RuntimeError(f"{type(model).__name__}.hf_weight_map has no rule for {sorted(uncovered)}")
@@ -109,14 +115,20 @@ def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
 
 
 def shard_of(param: torch.Tensor) -> tuple[int, int, int] | None:
-    """(dim, index, count) of the slice this rank holds of a parameter split over one mesh
-    dimension (its DTensor placement), or None for a whole tensor."""
-    if isinstance(param, DTensor):
-        for mesh_dim, placement in enumerate(param.placements):
-            if isinstance(placement, Shard):
-                mesh = param.device_mesh
-                return placement.dim, mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)
-    return None
+    """(dim, index, count) of the slice this rank holds of a parameter split over tp (a DTensor
+    sharded on a 1-D mesh), or None for a whole tensor. Other placements (ZeRO-3's shards of a
+    2-D mesh) are refused: their slices do not follow the layers' splits."""
+    if not isinstance(param, DTensor):
+        return None
+    sharded = [(mesh_dim, p) for mesh_dim, p in enumerate(param.placements) if not p.is_replicate()]
+    if not sharded:
+        return None
+    if param.device_mesh.ndim != 1 or type(sharded[0][1]) is not Shard:
+        raise ValueError(f"a parameter placed {param.placements} on a {param.device_mesh.ndim}-D mesh cannot be read "
+                         f"by slices of a Hugging Face file: load the weights before sharding them over dp, or "
+                         f"convert the directory first (python tools/convert hf-to-zoo) and load that checkpoint")
+    mesh_dim, placement = sharded[0]
+    return placement.dim, param.device_mesh.get_local_rank(mesh_dim), param.device_mesh.size(mesh_dim)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, config) -> torch.dtype:

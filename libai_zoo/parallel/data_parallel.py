@@ -57,7 +57,7 @@ class DataParallel:
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """ZeRO 2/3: `fully_shard` each layer of the model's layer stack, then the root (embeddings,
-        head). `model` implements the model contract (a whole model or a pipeline stage's part)."""
+        head). `model` implements the model contract."""
         if not self.shards_parameters:
             return model
         mesh = self.ctx.submesh("dp")

@@ -138,15 +138,10 @@ class StageLayers(nn.ModuleList):
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())
 
-    def __setitem__(self, index, module: nn.Module) -> None:
-        """Replace layer `index` (an original index this stage holds), e.g. by a wrapped layer."""
-        self[index]  # IndexError unless held
-        self.add_module(str(int(index)), module)
-
     def _fixed(self, *args, **kwargs):
         raise TypeError("StageLayers holds a fixed slice of the full model's layers")
 
-    append = extend = insert = pop = __delitem__ = __iadd__ = __add__ = _fixed
+    append = extend = insert = pop = __setitem__ = __delitem__ = __iadd__ = __add__ = _fixed
     __repr__ = nn.Module.__repr__  # ModuleList's would number the layers by position
 
 
