@@ -13,6 +13,6 @@ from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .pretrained import PreTrainedModel
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
-__all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_stack", "GPT2Config", "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel",
-           "BertForMaskedLM", "BertForSequenceClassification", "ViTConfig", "ViTModel", "ViTForImageClassification",
-           "LlamaConfig", "LlamaModel", "LlamaForCausalLM"]
+__all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_stack", "GPT2Config", "GPT2Model",
+           "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification",
+           "ViTConfig", "ViTModel", "ViTForImageClassification", "LlamaConfig", "LlamaModel", "LlamaForCausalLM"]

@@ -171,9 +171,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     checkpoint = commit.pointed_to(path)
     if checkpoint is not None:
         if not (checkpoint / ".metadata").is_file():
-            raise FileNotFoundError(f"{path / commit.POINTER} names {checkpoint.name}, which is not a complete checkpoint "
-                                    f"(no {checkpoint / '.metadata'}): pass one of the run's model_XXXXXXX "
-                                    f"directories instead")
+            raise FileNotFoundError(f"{path / commit.POINTER} names {checkpoint.name}, which is not a complete "
+                                    f"checkpoint (no {checkpoint / '.metadata'}): pass one of the run's "
+                                    f"model_XXXXXXX directories instead")
         return checkpoint
     candidates = sorted(p.name for p in path.glob("model_*") if (p / ".metadata").is_file())
     hint = (f"; it holds {', '.join(candidates)}: pass one of them" if candidates

@@ -204,7 +204,8 @@ class DefaultTrainer(TrainerBase):
         if self.test_loader is not None:
             result.append(hooks.EvalHook(1 if self.fast_dev_run else eval_period, self.test))
             if train.get("best_metric"):
-                result.append(hooks.BestCheckpointer(self.checkpointer, train.best_metric, train.get("best_mode", "max")))
+                result.append(hooks.BestCheckpointer(self.checkpointer, train.best_metric,
+                                                     train.get("best_mode", "max")))
         if not self.fast_dev_run:
             result.append(hooks.PeriodicCheckpointer(self.checkpointer, train.checkpoint.period,
                                                      train.checkpoint.get("max_to_keep")))

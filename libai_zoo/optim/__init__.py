@@ -5,4 +5,5 @@ from .lamb import Lamb
 from .lr_schedulers import ConstantLR, WarmupCosineLR, WarmupLinearLR
 from .param_groups import param_groups, unique_parameters
 
-__all__ = ["param_groups", "unique_parameters", "clip_grad_norm_", "Lamb", "WarmupCosineLR", "WarmupLinearLR", "ConstantLR"]
+__all__ = ["param_groups", "unique_parameters", "clip_grad_norm_", "Lamb", "WarmupCosineLR", "WarmupLinearLR",
+           "ConstantLR"]
