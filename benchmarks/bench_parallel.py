@@ -18,7 +18,10 @@ one-process baseline runs in the parent). Per layout the script reports:
    all-reduces on the tp group against Megatron-LM's 4 per layer per micro-batch plus the extras;
 3. the 1F1B bubble at pp = 4 (4 processes) and pp = 2 (2 processes) for m micro-batches on a larger
    model: 1 - (time a rank computes its stage: forward, loss, backward) / (time of its pipeline step),
-   against (p - 1) / (m + p - 1).
+   against (p - 1) / (m + p - 1);
+4. the share of the data-parallel gradient all-reduce hidden under backward at dp2 and dp4 (ZeRO-0,
+   the larger model): the step with its communication against the same step with it removed,
+   before (one all-reduce after backward) and after (FSDP2's replicate, per layer during backward).
 
     python benchmarks/bench_parallel.py                                    # everything, ~30 s on 2 cores
     python benchmarks/bench_parallel.py --layouts dp4,tp4 --bubble-pp ""   # a subset, no bubble runs
@@ -322,6 +325,56 @@ def measure_layout(config_file: str, output_dir: str, overrides: list[str], time
     return result
 
 
+def measure_overlap(config_file: str, output_dir: str, overrides: list[str], rounds: int) -> dict:
+    """Forward + backward of one micro-batch at ZeRO-0, in alternating rounds, three ways: as the
+    trainer runs it (replicate all-reduces each layer's gradients as backward makes them: "after"),
+    with the gradient sync removed ("no comm"), and with it removed from backward and done as one
+    coalesced all-reduce of every gradient afterwards, which is what ZeRO-0 did before ("before");
+    plus that all-reduce alone ("comm"). Median ms of each on this rank."""
+    from libai_zoo.dist.collectives import all_reduce_coalesced_
+
+    trainer = build_trainer(config_file, output_dir, overrides)
+    model, data_parallel = trainer.model, trainer.data_parallel
+    batch = {k: v.to(trainer.ctx.device) for k, v in _batches(trainer)()[0].items()}
+    buffers = [torch.zeros_like(p.to_local()) for p in model.parameters()]
+    group = trainer.ctx.group("dp")
+
+    def comm():
+        all_reduce_coalesced_(buffers, group, scale=1.0 / trainer.ctx.dp)
+
+    def step(sync: bool, serial: bool):
+        with data_parallel.micro_batch(last=sync):
+            model(**batch, return_logits=False).loss.backward()
+        if serial:
+            comm()
+        model.zero_grad(set_to_none=True)
+
+    ways = {"after": lambda: step(True, False), "no_comm": lambda: step(False, False),
+            "before": lambda: step(False, True), "comm": comm}
+    for way in ways.values():  # warm-up
+        way()
+    times = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, way in ways.items():
+            _barrier()
+            start = time.perf_counter()
+            way()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    dist.destroy()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def analyse_overlap(runs: dict) -> dict:
+    """Share of the gradient all-reduce time hidden under backward: 1 - (step - step without it) / its
+    time alone, from the slowest rank's medians."""
+    result = {}
+    for name, ranks in runs.items():
+        worst = {way: max(r[way] for r in ranks) for way in ranks[0]}
+        result[name] = dict(ms=worst, hidden_before=1 - (worst["before"] - worst["no_comm"]) / worst["comm"],
+                            hidden_after=1 - (worst["after"] - worst["no_comm"]) / worst["comm"])
+    return result
+
+
 def measure_bubble(config_file: str, output_dir: str, overrides: list[str], steps: int) -> dict:
     """Per pipeline step of this rank: its wall time inside `Pipeline.step` and the time it computed
     (the torch PipelineStage's forward_one_chunk and backward_one_chunk, and the loss on the last stage,
@@ -410,8 +463,8 @@ def parameter_table(model: nn.Module) -> list[dict]:
 
 def expected_state(table: list[dict], layers: int, dp: int, tp: int, pp: int, zero: int, coords) -> dict:
     """Analytic bytes on the rank at `coords` (pp_rank, dp_rank, tp_rank): its stage's parameters, split
-    ones 1/tp, all 1/dp under FSDP (ZeRO 2/3); gradients alike; AdamW's two moments per parameter (1/dp
-    from ZeRO-1 on) and a 4-byte step counter per parameter tensor (1/dp under ZeRO-1 only)."""
+    ones 1/tp, all 1/dp under FSDP (ZeRO 1-3); gradients alike (read after the step's last micro-batch);
+    AdamW's two moments per parameter (1/dp under ZeRO) and a 4-byte step counter per parameter tensor."""
     pp_rank = coords[0]
     stage_layers = split_layers(layers, pp)[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -426,9 +479,8 @@ def expected_state(table: list[dict], layers: int, dp: int, tp: int, pp: int, ze
             copies = int(first if where == "first" else last)
         params += copies * entry["bytes"] / (tp if entry["split"] else 1)
         tensors += copies
-    fsdp = dp if zero >= 2 else 1
-    return dict(params=params / fsdp, grads=params / fsdp,
-                optim=2 * params / (dp if zero >= 1 else 1) + 4 * tensors / (dp if zero == 1 else 1))
+    fsdp = dp if zero >= 1 else 1
+    return dict(params=params / fsdp, grads=params / fsdp, optim=2 * params / fsdp + 4 * tensors)
 
 
 def tp_analytic(a, layers: int, tp: int, pp: int, coords, accumulation: int, micro_batch: int) -> dict:
@@ -613,16 +665,16 @@ def print_report(a, baseline: dict, layouts: dict, tp_rows: list, bubble: dict) 
 
 NOTES = """
 notes:
-- State bytes are counted from the tensors (DTensor local shards), not RSS. ZeRO-1 is torch's
-  ZeroRedundancyOptimizer: it assigns whole parameters to ranks, so its optimizer state is 1/dp only
-  on average (the largest rank holds the 8192-row embedding). ZeRO-2 is FSDP2 with
-  reshard_after_forward=False: parameters are sharded at rest too (1/dp), gathered whole from forward
-  to the end of backward; gradients are reduce-scattered. ZeRO-3 also reshards after forward, so it
-  all-gathers each unit twice (forward and backward). Optimizer state = AdamW's two moments plus a
-  4-byte step counter per parameter tensor (not sharded by FSDP). A pipeline's last stage holds its
+- State bytes are counted from the tensors (DTensor local shards), not RSS. ZeRO-0 is FSDP2's
+  replicate (per-layer gradient all-reduces during backward). ZeRO-1 and ZeRO-2 are FSDP2 with
+  reshard_after_forward=False: every tensor is cut evenly over dp at rest (parameters, optimizer
+  state), gathered whole from forward to the end of backward; ZeRO-1 keeps gradients whole across
+  a step's micro-batches and reduce-scatters them after the last, ZeRO-2 after each. ZeRO-3 also
+  reshards after forward, so it all-gathers each unit twice (forward and backward). Optimizer state =
+  AdamW's two moments plus a 4-byte step counter per parameter tensor (not sharded by FSDP). A pipeline's last stage holds its
   own copy of the embedding tied to the LM head, so under pp the largest rank is an end stage.
 - Collectives are counted by wrapping torch.distributed's functions (FSDP2, pipelining,
-  ZeroRedundancyOptimizer and libai_zoo all call them), with bytes = the full buffer each call moves
+  and libai_zoo all call them), with bytes = the full buffer each call moves
   (not the per-link traffic of the algorithm). "c10d py/disp" compares those calls with the c10d ops
   the dispatcher ran; equal numbers mean nothing went around the Python API. Functional collectives
   (torch.ops._c10d_functional, DTensor's redistribute) cannot be wrapped in Python and are counted at
@@ -640,6 +692,11 @@ notes:
   out the stages (--head-layers 0: equal layer counts); "pred." is the mean bubble predicted from the
   measured per-stage compute t_i (step ≈ Σ t_i + (m-1)·max t_i). Waiting on p2p and the schedule's
   own Python time count as bubble.
+- Overlap: "before" is what ZeRO-0 did until now (one coalesced all-reduce of every gradient after
+  the last backward: nothing hidden by construction); "after" is FSDP2's replicate, which starts each
+  layer's all-reduce as soon as backward has made its gradients. hidden = 1 - (step - step without
+  the sync) / (the all-reduce alone). On 2 CPU cores gloo's communication threads compete with
+  compute for the same cores, so the share hidden here understates what separate NCCL streams hide.
 """
 
 
@@ -660,6 +717,8 @@ def main() -> None:
     parser.add_argument("--head-layers", type=float, default=4.0,
                         help="cost of the LM head + loss in layers, to balance the bubble runs' stages "
                              "(0: equal layer counts, the trainer's default)")
+    parser.add_argument("--overlap-dp", default="2,4", help="dp sizes of the overlap runs ('' for none)")
+    parser.add_argument("--overlap-rounds", type=int, default=7, help="timed rounds of the overlap runs (median)")
     parser.add_argument("--documents", type=int, default=200, help="documents of the corpus to tokenize")
     parser.add_argument("--out", help="also write the results as JSON here")
     a = parser.parse_args()
@@ -668,6 +727,7 @@ def main() -> None:
         parser.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
     micro_batches = [int(m) for m in a.micro_batches.split(",") if m.strip()]
     bubble_pp = [int(p) for p in a.bubble_pp.split(",") if p.strip()]
+    overlap_dp = [int(d) for d in a.overlap_dp.split(",") if d.strip()]
     for p in bubble_pp:
         if p not in (2, 4) or any(m < p or GLOBAL_BATCH % m for m in micro_batches):
             parser.error(f"bubble runs take pp 2 or 4 and micro-batch counts m >= pp dividing {GLOBAL_BATCH}")
@@ -709,6 +769,11 @@ def main() -> None:
             boundaries[p] = cut
             ranks = run_distributed(_run_all, p, measure_bubble, runs, a.bubble_steps)
             bubble_raw.update({n: [r[n] for r in ranks] for n in runs})
+        overlap_raw = {}
+        for d in overlap_dp:  # the bubble model (larger): one micro-batch of 8 / dp per rank at ZeRO-0
+            runs = {f"dp{d}": (str(files["bubble"]), str(root / f"overlap_dp{d}"), overrides_for(d, 1, 1, 0))}
+            ranks = run_distributed(_run_all, d, measure_overlap, runs, a.overlap_rounds)
+            overlap_raw.update({n: [r[n] for r in ranks] for n in runs})
 
     layouts = analyse(a, table, base, raw)
     tp_rows = []
@@ -717,6 +782,7 @@ def main() -> None:
             last = next(r for r in e["per_rank"] if r["coords"]["pp"] == e["layout"]["pp"] - 1)
             tp_rows += [(f"{n} r{i}", e["per_rank"][i]["tp_all_reduce"]) for i in dict.fromkeys((0, last["rank"]))]
     bubble = analyse_bubble(bubble_raw)
+    overlap = analyse_overlap(overlap_raw)
     for name, b in bubble.items():
         b["boundaries"] = boundaries[b["pp"]]
     meta = run_meta("cpu", dtype="fp32", processes=WORLD, backend="gloo", global_batch=GLOBAL_BATCH,
@@ -727,10 +793,19 @@ def main() -> None:
                     cpus=os.cpu_count(), worker_threads=1, wall_s=round(time.perf_counter() - started, 1))
     print(json.dumps(meta))
     print_report(a, base, layouts, tp_rows, bubble)
+    if overlap:
+        print("\n4) gradient all-reduce hidden under backward at ZeRO-0 (forward + backward of one micro-batch, "
+              "slowest rank's median ms)")
+        print(f"{'run':<6}{'no comm':>9}{'comm':>8}{'before':>9}{'after':>8}   hidden before   hidden after")
+        for name, o in overlap.items():
+            ms = o["ms"]
+            print(f"{name:<6}{ms['no_comm']:>9.1f}{ms['comm']:>8.1f}{ms['before']:>9.1f}{ms['after']:>8.1f}   "
+                  f"{o['hidden_before']:>13.0%}   {o['hidden_after']:>12.0%}")
     print(NOTES.rstrip())
     if a.out:
         baseline = {k: base[k] for k in ("params", "grads", "optim", "step_ms")}
-        write_json(a.out, meta, {"baseline": baseline, "parameters": table, "layouts": layouts, "bubble": bubble})
+        write_json(a.out, meta, {"baseline": baseline, "parameters": table, "layouts": layouts, "bubble": bubble,
+                                 "overlap": overlap})
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ under data, tensor and pipeline parallelism like the zoo's. How one step uses th
       last stage    outputs = model.head(model.final_norm(hidden))
                     model.loss(outputs, targets, reduction="sum")         (summed over the targets)
     step weighting  model.num_loss_targets(targets): how many targets the batch scores
+    fresh weights   model.init_parameter(name, module, full_tensor, generator): one parameter's
+                    initial value; the trainer builds the model on the meta device and draws each
+                    parameter whole (then keeps this rank's part), so any layout starts alike
 
 Under tensor parallelism the head's outputs may be split (an LM head leaves this rank's slice of
 the vocabulary) and `loss` works on them as they are; `forward` gathers them for its caller.
@@ -25,7 +28,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from libai_zoo.layers import Attention
+from libai_zoo.layers import Attention, LayerNorm, RMSNorm
 
 IGNORE_INDEX = -100  # a target the loss skips (transformers' convention)
 LOSS_UNITS = ("token", "sample")
@@ -81,6 +84,18 @@ class TrainableModel(ABC):
         """The loss of the head's outputs against the targets, in float32: "mean" over the targets,
         or "sum" (the mean times `num_loss_targets`, so micro-batches add up without dividing)."""
 
+    def init_parameter(self, name: str, module: nn.Module, tensor: torch.Tensor,
+                       generator: torch.Generator | None) -> None:
+        """Fill `tensor` with the initial value of parameter `name` (dotted, of the whole model),
+        held by `module`, drawing from `generator` (None: the global RNG). `tensor` is the whole
+        parameter, never a shard. Default: norm weights 1, biases 0, other weights Normal(0, 0.02)."""
+        if name.endswith("bias"):
+            tensor.zero_()
+        elif isinstance(module, LayerNorm | RMSNorm | nn.LayerNorm | nn.RMSNorm):
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)
+
     def num_loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """How many targets a batch scores: its targets that are not IGNORE_INDEX (tokens), or its
         samples."""
@@ -113,7 +128,8 @@ def check_trainable(model: nn.Module) -> None:
     name = type(model).__name__
     missing = [member for member in ("layer_stack", "first_stage_modules", "last_stage_modules", "loss_unit",
                                      "main_input_name") if not hasattr(model, member)]
-    methods = sorted(TrainableModel.__abstractmethods__) + ["split_batch", "num_loss_targets", "flops_per_token"]
+    methods = sorted(TrainableModel.__abstractmethods__) + ["split_batch", "num_loss_targets", "flops_per_token",
+                                                           "init_parameter"]
     missing += [member for member in methods if not callable(getattr(model, member, None))]
     if not isinstance(model, nn.Module):
         missing.insert(0, "nn.Module as a base class")

@@ -56,12 +56,14 @@ class GPT2Model(PreTrainedModel):
         self.gather = SequenceGather()
         self.post_init()
 
-    def _init_module(self, module: nn.Module) -> None:
-        super()._init_module(module)
-        if isinstance(module, TransformerLayer):  # GPT-2 scales the residual projections by 1/sqrt(2 n_layer)
+    def init_parameter(self, name: str, module: nn.Module, tensor: torch.Tensor,
+                       generator: torch.Generator | None) -> None:
+        """GPT-2 scales the residual projections' weights by 1/sqrt(2 n_layer)."""
+        if name.endswith(("attn.out.weight", "mlp.down.weight")):
             std = self.config.initializer_range / math.sqrt(2 * self.config.n_layer)
-            module.attn.out.weight.normal_(0.0, std)
-            module.mlp.down.weight.normal_(0.0, std)
+            tensor.normal_(0.0, std, generator=generator)
+        else:
+            super().init_parameter(name, module, tensor, generator)
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None, past: int = 0) -> torch.Tensor:

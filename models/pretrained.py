@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from libai_zoo.hf import WeightMap, load_pretrained, read_config, save_pretrained
-from libai_zoo.layers import Embedding, LayerNorm, Linear, RMSNorm, VocabEmbedding
+from libai_zoo.layers import Embedding, LayerNorm, RMSNorm, VocabEmbedding
 
 
 class PreTrainedModel(nn.Module, ABC):
@@ -49,23 +49,28 @@ class PreTrainedModel(nn.Module, ABC):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, initializer_range) weights, zero biases, unit norms (skipped on the meta device)."""
-        for module in self.modules():
-            if not any(p.is_meta for p in module.parameters(recurse=False)):
-                self._init_module(module)
+        """Every parameter drawn by `init_parameter` from the global RNG, as transformers does
+        (parameters on the meta device are skipped: the trainer fills those one by one)."""
+        for module_name, module in self.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                if not param.is_meta:
+                    self.init_parameter(f"{module_name}.{name}" if module_name else name, module, param, None)
 
-    def _init_module(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, Linear):
-            module.weight.normal_(0.0, std)
-            if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, VocabEmbedding | Embedding):
-            module.weight.normal_(0.0, std)
-            if module.padding_idx is not None:
-                module.weight[module.padding_idx].zero_()
+    def init_parameter(self, name: str, module: nn.Module, tensor: torch.Tensor,
+                       generator: torch.Generator | None) -> None:
+        """Normal(0, initializer_range) weights, zero biases, unit norms, a zero padding row; a task
+        model's body (``base_model_prefix``) initialises its own parameters by its own rules."""
+        body, prefix = getattr(self, self.base_model_prefix, None), self.base_model_prefix + "."
+        if isinstance(body, PreTrainedModel) and name.startswith(prefix):
+            body.init_parameter(name[len(prefix):], module, tensor, generator)
         elif isinstance(module, LayerNorm | RMSNorm):
-            module.reset_parameters()
+            tensor.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, self.config.initializer_range, generator=generator)
+            if isinstance(module, VocabEmbedding | Embedding) and module.padding_idx is not None:
+                tensor[module.padding_idx].zero_()
 
     def tie_weights(self) -> None:
         """Make tied parameters one (a head sharing the token embedding); models override it."""

@@ -80,12 +80,13 @@ class ViTModel(PreTrainedModel):
             self.pooler_act = ACTIVATIONS[getattr(config, "pooler_act", "tanh")]
         self.post_init()
 
-    def _init_module(self, module: nn.Module) -> None:
-        super()._init_module(module)
-        if isinstance(module, ViTEmbeddings):
-            std = self.config.initializer_range
-            nn.init.trunc_normal_(module.cls_token, std=std)
-            nn.init.trunc_normal_(module.position_embeddings, std=std)
+    def init_parameter(self, name: str, module: nn.Module, tensor: torch.Tensor,
+                       generator: torch.Generator | None) -> None:
+        """The class token and position embeddings from a truncated normal, as transformers' ViT."""
+        if isinstance(module, ViTEmbeddings) and not name.endswith("bias"):
+            nn.init.trunc_normal_(tensor, std=self.config.initializer_range, generator=generator)
+        else:
+            super().init_parameter(name, module, tensor, generator)
 
     def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Patch embeddings; this rank's part of the sequence under SP."""

@@ -76,6 +76,23 @@ LAYOUTS_4 = {
     "pp4_gpipe": ["dist.pp=4", "train.micro_batch_size=2", "train.pipeline.schedule=gpipe"],
     "tp2_pp2": ["dist.tp=2", "dist.pp=2", "train.micro_batch_size=4"],
     "dp2_pp2": ["dist.dp=2", "dist.pp=2", "train.micro_batch_size=2"],
+    # pipelines with ZeRO (FSDP2 inside each stage), one schedule each
+    "dp2_pp2_zero1_1f1b": ["dist.dp=2", "dist.pp=2", "train.zero_stage=1", "train.micro_batch_size=2"],
+    "dp2_pp2_zero2_gpipe": ["dist.dp=2", "dist.pp=2", "train.zero_stage=2", "train.micro_batch_size=2",
+                            "train.pipeline.schedule=gpipe"],
+    "dp2_pp2_zero3_interleaved": ["dist.dp=2", "dist.pp=2", "train.zero_stage=3", "train.micro_batch_size=2",
+                                  "train.pipeline.schedule=interleaved_1f1b", "train.pipeline.virtual_stages=2"],
+    "dp2_pp2_zero3_zero_bubble": ["dist.dp=2", "dist.pp=2", "train.zero_stage=3", "train.micro_batch_size=2",
+                                  "train.pipeline.schedule=zero_bubble", "train.pipeline.virtual_stages=2"],
+    "dp2_pp2_zero2_zbv": ["dist.dp=2", "dist.pp=2", "train.zero_stage=2", "train.micro_batch_size=2",
+                          "train.pipeline.schedule=zbv", "train.pipeline.virtual_stages=2", "dataloader.test=null"],
+}
+# dp × tp × pp with ZeRO: 8 processes (2 cores run them in about a minute)
+LAYOUTS_8 = {
+    "dp2_tp2_pp2_zero1": ["dist.dp=2", "dist.tp=2", "dist.pp=2", "train.zero_stage=1", "train.micro_batch_size=2"],
+    "dp2_tp2_pp2_zero3_interleaved": ["dist.dp=2", "dist.tp=2", "dist.pp=2", "train.zero_stage=3",
+                                      "train.micro_batch_size=2", "train.pipeline.schedule=interleaved_1f1b",
+                                      "train.pipeline.virtual_stages=2"],
 }
 MODELS = ("gpt2", "llama")
 
@@ -140,7 +157,9 @@ def _errors(config_file: str, out: str) -> dict:
                                           "train.pipeline.schedule=interleaved_1f1b"],
                             "few_micro_batches": ["dist.pp=4", "train.micro_batch_size=4"],
                             "offload_on_cpu": ["dist.dp=4", "train.zero_stage=3", "train.zero_offload=true",
-                                               "train.micro_batch_size=2"]}.items():
+                                               "train.micro_batch_size=2"],
+                            "zbv_eval": ["dist.dp=2", "dist.pp=2", "train.micro_batch_size=2",
+                                         "train.pipeline.schedule=zbv", "train.pipeline.virtual_stages=2"]}.items():
         try:
             train(config_file, f"{out}/error_{name}", "gpt2", overrides)
         except Exception as error:  # noqa: BLE001 - the message is what is checked
@@ -156,7 +175,8 @@ def _checkpoint_at_dp2_tp2_zero3(config_file: str, out: str) -> dict:
 
 def _resume_at(layout: list[str]):
     def resume(config_file: str, out: str) -> dict:
-        name = "_".join(o.split("=")[0].split(".")[-1] + o.split("=")[1] for o in layout if o.startswith("dist"))
+        name = "_".join(o.split("=")[0].split(".")[-1] + o.split("=")[1] for o in layout
+                        if o.startswith(("dist", "train.zero_stage")))
         target = f"{out}/resume_{name}"
         if torch.distributed.get_rank() == 0:
             shutil.copytree(f"{out}/ckpt", target)
@@ -186,12 +206,36 @@ def state_bytes(config_file: str, output_dir: str, overrides: list[str]) -> int:
         dist.destroy()
 
 
+def optimizer_bytes_per_rank(config_file: str, output_dir: str, overrides: list[str]) -> tuple[list[int], int]:
+    """(AdamW state bytes of every rank after one step, state bytes of the largest parameter)."""
+    cfg = LazyConfig.load(config_file)
+    cfg.model = cfg.models["gpt2"]
+    cfg = LazyConfig.apply_overrides(cfg, [f"train.output_dir={output_dir}", "train.max_iter=1",
+                                           f"train.global_batch_size={GLOBAL_BATCH}", "train.checkpoint.period=0",
+                                           *overrides])
+    trainer = DefaultTrainer(cfg)
+    try:
+        trainer.resume_or_load(resume=False)
+        trainer.train()
+        per_rank = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(per_rank, optimizer_state_bytes(trainer.optimizer))
+        largest = max(p.numel() for p in trainer.model.parameters()) * 4 * 2  # fp32 exp_avg + exp_avg_sq
+        return per_rank, largest
+    finally:
+        dist.destroy()
+
+
 def _four_process_extras(config_file: str, out: str) -> dict:
     results = {"zero3_bytes": state_bytes(config_file, f"{out}/bytes_dp4_zero3",
-                                          ["dist.dp=4", "train.zero_stage=3", "train.micro_batch_size=2"])}
+                                          ["dist.dp=4", "train.zero_stage=3", "train.micro_batch_size=2"]),
+               "zero1_optimizer_bytes": optimizer_bytes_per_rank(config_file, f"{out}/bytes_dp4_zero1",
+                                                                 ["dist.dp=4", "train.zero_stage=1",
+                                                                  "train.micro_batch_size=2"])}
     results.update(_checkpoint_at_dp2_tp2_zero3(config_file, out))
     results.update(_resume_at(["dist.tp=4", "train.micro_batch_size=8"])(config_file, out))
     results.update(_resume_at(["dist.tp=2", "dist.pp=2", "train.micro_batch_size=4"])(config_file, out))
+    results.update(_resume_at(["dist.dp=2", "dist.pp=2", "train.zero_stage=1", "train.micro_batch_size=2"])(
+        config_file, out))
     results.update(_errors(config_file, out))
     return results
 
@@ -221,6 +265,9 @@ def runs(tmp_path_factory):
     reference["indexed", "eval"] = final_eval_loss(str(root / "one_indexed"))
     two = run_distributed(_layouts, 2, str(config_file), str(root), LAYOUTS_2, _two_process_extras)[0]
     four = run_distributed(_layouts, 4, str(config_file), str(root), LAYOUTS_4, _four_process_extras)[0]
+    if (root / "ckpt").is_dir():  # the 3-D mesh resumes the dp2×tp2 ZeRO-3 checkpoint too
+        four.update(run_distributed(_layouts, 8, str(config_file), str(root), LAYOUTS_8, _resume_at(
+            ["dist.dp=2", "dist.tp=2", "dist.pp=2", "train.zero_stage=3", "train.micro_batch_size=2"]))[0])
     four["one_process_bytes"] = state_bytes(str(config_file), str(root / "bytes_one"), ["train.micro_batch_size=8"])
     resumed_here = root / "resume_one_process"
     shutil.copytree(root / "ckpt", resumed_here)
@@ -238,7 +285,7 @@ def _assert_same(losses: dict[int, float], reference: dict[int, float], steps) -
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
+@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4, *LAYOUTS_8])
 def test_layout_equals_one_process(runs, layout, model):
     reference, results = runs
     _assert_same(results[model, layout], reference[model], range(1, STEPS + 1))
@@ -271,7 +318,8 @@ def test_megatron_format_data_trains_alike_under_dp_and_pp(runs, layout):
     _assert_same(results["gpt2", layout], reference["indexed"], range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("where", ["tp4", "tp2_pp2", "one_process"])
+@pytest.mark.parametrize("where", ["tp4", "tp2_pp2", "dp2_pp2_zero_stage1", "dp2_tp2_pp2_zero_stage3",
+                                   "one_process"])
 def test_checkpoint_from_dp2_tp2_zero3_resumes_elsewhere(runs, where):
     reference, results = runs
     _assert_same(results["resume", where], reference["gpt2"], range(6, STEPS + 1))
@@ -282,6 +330,16 @@ def test_zero3_at_dp4_holds_under_a_third_of_the_state(runs):
     _, results = runs
     ratio = results["zero3_bytes"] / results["one_process_bytes"]
     assert 0.2 <= ratio <= 0.3, ratio
+
+
+def test_zero1_cuts_the_optimizer_state_evenly(runs):
+    """FSDP2 shards every tensor over dp: each of 4 ranks holds a quarter of AdamW's state, give or
+    take one tensor's rounding (ZeroRedundancyOptimizer's whole tensors put 72% on rank 0)."""
+    _, results = runs
+    per_rank, largest = results["zero1_optimizer_bytes"]
+    quarter = sum(per_rank) / 4
+    assert all(abs(b - quarter) <= largest for b in per_rank), (per_rank, largest)
+    assert max(per_rank) / quarter < 1.05, per_rank
 
 
 def test_checkpoint_from_dp2_tp2_zero3_exports_to_transformers(runs, tmp_path):
@@ -307,3 +365,4 @@ def test_bad_layouts_fail_before_the_first_step(runs):
     assert "pp × virtual stages = 8 is larger than the number of layers 4" in errors["error", "pp_layers"]
     assert "1F1B needs at least pp = 4 micro-batches per step, got 2" in errors["error", "few_micro_batches"]
     assert "this run is already on the CPU" in errors["error", "offload_on_cpu"]
+    assert "schedule = 'zbv' cannot evaluate" in errors["error", "zbv_eval"]

@@ -5,8 +5,9 @@
 """
 
 from .context import ParallelContext, destroy, get_context, init, resolve_sizes
-from .shard import finalize_grads, shard, tp_problems
+from .shard import fill_shard_, finalize_grads, parameter_uses, retie, shard, tp_problems, tp_slice_of
 from .tensor_parallel import TensorParallel, local, local_range
 
 __all__ = ["ParallelContext", "TensorParallel", "init", "get_context", "destroy", "resolve_sizes",
-           "shard", "tp_problems", "finalize_grads", "local", "local_range"]
+           "shard", "tp_problems", "tp_slice_of", "fill_shard_", "finalize_grads",
+           "parameter_uses", "retie", "local", "local_range"]

@@ -1,10 +1,11 @@
-"""Turn a model built at full size into this rank's slice, and finish its gradients."""
+"""Turn a model built at full size into this rank's slice, fill a shard from a full value, and
+finish its gradients."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from .collectives import all_reduce_coalesced_
 from .context import ParallelContext, get_context
@@ -32,12 +33,12 @@ def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
         if problems:
             raise ValueError(f"{type(model).__name__} cannot be split over tp = {tp.size}:\n  "
                              + "\n  ".join(problems))
-        uses = _parameter_uses(model)
+        uses = parameter_uses(model)
         for module in model.modules():
             shard_ = getattr(module, "shard_", None)
             if callable(shard_):
                 shard_(tp)
-        _retie(uses)
+        retie(uses)
     if any(p.is_meta for p in model.parameters()):
         return model
     return model.to(ctx.device)
@@ -59,8 +60,9 @@ def tp_problems(model: nn.Module, tp_size: int) -> list[str]:
     return problems
 
 
-def _parameter_uses(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """For each parameter shared by several modules, every (module, name) that holds it."""
+def parameter_uses(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """For each parameter shared by several modules (a tied weight), every (module, name) that
+    holds it: what `retie` makes one parameter again after it was replaced (sharded, ``to_empty``)."""
     uses: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -68,7 +70,7 @@ def _parameter_uses(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [places for places in uses.values() if len(places) > 1]
 
 
-def _retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
+def retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
     """Point every holder of a shared parameter at the first holder's (now sharded) one."""
     for (first, first_name), *others in shared:
         param = getattr(first, first_name)
@@ -79,6 +81,49 @@ def _retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
                                  f"but as {sharded.placements} in {type(module).__name__}: tie layers split "
                                  f"the same way (a vocab embedding with a column-parallel head)")
             setattr(module, name, param)
+
+
+def tp_slice_of(param: torch.Tensor) -> tuple[int, int, int] | None:
+    """(dim, index, count): the tensor-parallel slice of a parameter this rank holds (slice
+    `index` of `count` along `dim`), or None when tensor parallelism does not split it. The
+    parameter may also be split over dp (ZeRO: a 2-D DTensor on the ("dp", "tp") mesh)."""
+    if not isinstance(param, DTensor):
+        return None
+    names = param.device_mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return None
+    mesh_dim = names.index("tp")
+    placement = param.placements[mesh_dim]
+    if placement.is_replicate():
+        return None
+    if type(placement) is not Shard:
+        raise ValueError(f"a parameter placed {placement} over tp has no slice of its full value")
+    return placement.dim, param.device_mesh.get_local_rank(mesh_dim), param.device_mesh.size(mesh_dim)
+
+
+@torch.no_grad()
+def fill_shard_(param: torch.Tensor, value: torch.Tensor, *, tp_sliced: bool = False) -> None:
+    """Copy this rank's part of `value`, the full value of `param`, into `param` (into
+    ``param.to_local()``, whatever its placements: tp slices, ZeRO's dp shards of them, replicas).
+    With `tp_sliced`, `value` is already the tp slice `tp_slice_of(param)` names and only the other
+    mesh dimensions are cut. Slices locally, without communication."""
+    if isinstance(param, DTensor):
+        param.to_local().copy_(_local_part(param, value, tp_sliced))
+    else:
+        param.copy_(value)
+
+
+def _local_part(param: DTensor, value: torch.Tensor, tp_sliced: bool) -> torch.Tensor:
+    mesh, placements = param.device_mesh, list(param.placements)
+    if tp_sliced and "tp" in (mesh.mesh_dim_names or ()):
+        others = [name for name in mesh.mesh_dim_names if name != "tp"]
+        if not others:
+            return value
+        # FSDP cuts the tp slice along its dim (a strided shard of the full tensor): plain Shard of the slice.
+        placements = [Shard(p.dim) if getattr(p, "dim", None) is not None else p
+                      for name, p in zip(mesh.mesh_dim_names, placements) if name != "tp"]
+        mesh = mesh[tuple(others)] if len(others) > 1 else mesh[others[0]]
+    return distribute_tensor(value.to(param.device), mesh, placements, src_data_rank=None).to_local()
 
 
 @torch.no_grad()
@@ -95,11 +140,12 @@ def finalize_grads(model: nn.Module) -> None:
     for param in model.parameters():
         grad = param.grad
         if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
-            if grad.device_mesh.ndim != 1:
-                raise ValueError("finalize_grads handles partial gradients on 1-D (tp) meshes")
-            buckets.setdefault((grad.device_mesh, grad.dtype), []).append(param)
-    for (mesh, _), params in buckets.items():
+            partial = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Partial))
+            buckets.setdefault((grad.device_mesh, partial, grad.placements, grad.dtype), []).append(param)
+    for (mesh, partial, placements, _), params in buckets.items():
         locals_ = [p.grad.to_local() for p in params]
-        all_reduce_coalesced_(locals_, mesh.get_group())
+        for mesh_dim in partial:
+            all_reduce_coalesced_(locals_, mesh.get_group(mesh_dim))
+        reduced = [Replicate() if i in partial else p for i, p in enumerate(placements)]
         for param, grad in zip(params, locals_):
-            param.grad = DTensor.from_local(grad, mesh, [Replicate()], run_check=False)
+            param.grad = DTensor.from_local(grad, mesh, reduced, run_check=False)

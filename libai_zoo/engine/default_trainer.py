@@ -37,7 +37,7 @@ from libai_zoo.data import MicroBatchSampler, Prefetcher
 from libai_zoo.hf import HFWeightReader, load_hf_weights
 from libai_zoo.models import check_trainable, get_layer_stack
 from libai_zoo.optim import unique_parameters
-from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpointing
+from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpointing, materialize
 from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
 from . import hooks
@@ -75,7 +75,6 @@ class DefaultTrainer(TrainerBase):
         train = cfg.train
         self.ctx = dist.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp,
                              sequence_parallel=cfg.dist.get("sequence_parallel", False))
-        self._check_layout(cfg)
         self.accumulation = self._accumulation(train, self.ctx.dp)
         self.output_dir = Path(train.output_dir)
         setup_logging(self.output_dir, self.ctx.rank)
@@ -104,12 +103,6 @@ class DefaultTrainer(TrainerBase):
 
     # ---------------------------------------------------------------------------------- checks
     @staticmethod
-    def _check_layout(cfg: DictConfig) -> None:
-        if cfg.dist.pp > 1 and cfg.train.zero_stage:
-            raise ValueError(f"train.zero_stage = {cfg.train.zero_stage} with dist.pp = {cfg.dist.pp}: ZeRO does not "
-                             f"combine with pipeline stages here yet; use train.zero_stage=0 (or dist.pp=1)")
-
-    @staticmethod
     def _accumulation(train: DictConfig, dp: int) -> int:
         per_step = train.micro_batch_size * dp
         if train.global_batch_size % per_step:
@@ -128,11 +121,14 @@ class DefaultTrainer(TrainerBase):
 
     # -------------------------------------------------------------------------------- builders
     def build_model(self, cfg: DictConfig) -> BuiltModel:
-        """instantiate(cfg.model) (a model or a from_pretrained call; it implements the model
-        contract), split over tp, cut into this rank's pipeline stages (pp > 1), with activation
-        checkpointing and torch.compile per layer of the layer stack if asked, wrapped for ZeRO 2/3;
-        in train mode."""
-        model = instantiate(cfg.model)
+        """instantiate(cfg.model) on the meta device (a model, or a from_pretrained call: nothing is
+        read yet; it implements the model contract), split over tp, cut into this rank's pipeline
+        stages (pp > 1), with activation checkpointing and torch.compile per layer of the layer
+        stack if asked, wrapped for data parallelism (ZeRO 0-3); then each rank allocates only its
+        own shards and fills them (`materialize`: the checkpoint's slices, or fresh weights drawn
+        alike at every layout from ``train.seed``); in train mode."""
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
         check_trainable(model)
         model = dist.shard(model, self.ctx)
         seq_len = self._sequence_length()  # MFU needs it; of the whole model, before pipeline stages cut it
@@ -140,23 +136,36 @@ class DefaultTrainer(TrainerBase):
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
         pipeline = None
-        parts = [model]
+        parts = roots = [model]
         if self.ctx.pp > 1:
             pipe = cfg.train.get("pipeline") or {}
             pipeline = Pipeline(model, self.ctx, schedule=pipe.get("schedule", "1f1b"),
                                 num_micro_batches=self.accumulation, virtual_stages=pipe.get("virtual_stages", 1),
                                 boundaries=pipe.get("boundaries"))
             logger.info("%s", pipeline)
-            parts = pipeline.model_parts
-        layers = [layer for part in parts for layer in get_layer_stack(part)]
+            parts, roots = pipeline.model_parts, pipeline.stages
+        layers = [get_layer_stack(part) for part in parts]
         if cfg.train.activation_checkpoint.enabled:
-            logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(layers))
+            logger.info("activation checkpointing on %d layers",
+                        apply_activation_checkpointing([layer for stack in layers for layer in stack]))
         compile_with = cfg.train.get("compile", False)
         if compile_with:  # True: inductor; a string names another torch.compile backend
-            for layer in layers:
+            for layer in (layer for stack in layers for layer in stack):
                 layer.compile(backend="inductor" if compile_with is True else compile_with)
-        parts = [self.data_parallel.wrap_model(part).train() for part in parts]
-        return BuiltModel(parts, pipeline, flops_per_token)
+        keep_gathered = pipeline is not None and pipeline.splits_backward
+        if keep_gathered and self.data_parallel.zero_stage == 3:
+            logger.info("ZeRO-3 under %s: parameters stay gathered from a step's first forward to its last "
+                        "backward (the weight gradients come after FSDP's backward hooks)", pipeline.schedule_name)
+        for root, stack in zip(roots, layers):
+            self.data_parallel.wrap(root, list(stack), keep_gathered=keep_gathered)
+        aliases = pipeline.tied_aliases() if pipeline is not None else None
+        start = time.perf_counter()
+        for part in parts:
+            info = materialize(part, self.ctx.device, seed=cfg.train.seed, model=model, aliases=aliases)
+        logger.info("model materialised in %.1f s: %s", time.perf_counter() - start,
+                    f"{info['bytes_read'] / 2**20:.2f} MiB read from {model.pretrained_source.path}"
+                    if info else f"fresh weights from seed {cfg.train.seed}")
+        return BuiltModel([part.train() for part in parts], pipeline, flops_per_token)
 
     def build_optimizer(self, cfg: DictConfig, model_parts: list[nn.Module]) -> torch.optim.Optimizer:
         """instantiate(cfg.optim) with its ``params`` built for the model parts (param_groups by default)."""
@@ -164,7 +173,7 @@ class DefaultTrainer(TrainerBase):
         params = node.get("params")
         node["params"] = instantiate({**params, "model": model_parts}) if isinstance(params, dict) \
             else unique_parameters(model_parts)
-        return self.data_parallel.wrap_optimizer(instantiate(node))
+        return instantiate(node)
 
     def build_lr_scheduler(self, cfg: DictConfig, optimizer: torch.optim.Optimizer):
         return instantiate(_with(cfg.train.scheduler, optimizer=optimizer, max_iter=cfg.train.max_iter))
@@ -188,6 +197,10 @@ class DefaultTrainer(TrainerBase):
         if cfg.dataloader.get("test") is None:
             return None
         pipelined = self.pipeline is not None
+        if pipelined and not self.pipeline.evaluates:
+            raise ValueError(f"dataloader.test is set but train.pipeline.schedule = {self.pipeline.schedule_name!r} "
+                             f"cannot evaluate (torch has no forward-only schedule for its V-placed stages): use "
+                             f"another schedule (zero_bubble, interleaved_1f1b), or set dataloader.test=null")
         batch_size = cfg.train.micro_batch_size * (self.accumulation if pipelined else 1)
         return DataLoader(instantiate(cfg.dataloader.test), batch_size=batch_size, shuffle=False, drop_last=pipelined)
 
@@ -243,10 +256,6 @@ class DefaultTrainer(TrainerBase):
         """Model weights only, from a Hugging Face directory or a trainer checkpoint (any layout)."""
         path = Path(path)
         if (path / "config.json").is_file():
-            if self.data_parallel.shards_parameters:
-                raise ValueError(f"train.load_weight={path} is a Hugging Face directory, which ZeRO-2/3 cannot read "
-                                 f"by slices yet: convert it once with `python tools/convert hf-to-zoo {path} OUT` "
-                                 f"and set train.load_weight=OUT/model_0000000")
             aliases = self.pipeline.tied_aliases() if self.pipeline is not None else None
             with HFWeightReader(path) as reader:
                 for part in self.model_parts:

@@ -36,7 +36,7 @@ class TrainStep:
     autocasts; fp16 autocasts with a dynamic loss scaler that skips a step whose gradients
     overflowed and lowers the scale. A step whose gradient norm is not finite is skipped in every
     mode. ``clip_grad_norm`` None or 0: no clipping. ``data_parallel`` reduces gradients over dp
-    (and counts targets over it); ``pipeline`` runs the micro-batches through the pipeline schedule.
+    (wrapped around the model: see `DataParallel`; it also counts targets over dp); ``pipeline`` runs the micro-batches through the pipeline schedule.
     """
 
     def __init__(self, model_parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer, *, device: torch.device,
@@ -88,7 +88,6 @@ class TrainStep:
                     self.scaler.scale(micro_loss * (count * self.dp / total)).backward()
                 loss += micro_loss.detach().float() * (count / total)
         if self.data_parallel is not None:
-            self.data_parallel.reduce_gradients(self.params)
             self.data_parallel.all_reduce_sum(loss)
         for part in self.model_parts:
             dist.finalize_grads(part)

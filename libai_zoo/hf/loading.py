@@ -7,22 +7,33 @@ context's tensor parallelism (`dist.shard`) while still on meta, materialised (e
 its own slices only), and each parameter is filled from the slice of the checkpoint tensors that
 its DTensor placement says this rank keeps. The model's `hf_weight_map` says which checkpoint
 tensors make which parameter.
+
+Called under ``torch.device("meta")`` (the trainer builds every model so), nothing is read: the
+model comes back on the meta device with a `PretrainedSource` as ``model.pretrained_source``, and
+`libai_zoo.parallel.materialize` reads each rank's part once the model is split, cut and sharded.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-
 from libai_zoo import dist
 
 from .reader import HFWeightReader
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """Where a model built on the meta device by ``from_pretrained`` finds its weights."""
+
+    path: Path
+    strict: bool
 
 
 def load_pretrained(cls: type[nn.Module], path: str | Path, *, dtype: torch.dtype | str | None = None,
@@ -37,8 +48,12 @@ def load_pretrained(cls: type[nn.Module], path: str | Path, *, dtype: torch.dtyp
             raise ValueError(f"{key}={value!r}: {type(config).__name__} has no attribute {key!r}")
         setattr(config, key, value)
     dtype = resolve_dtype(dtype, config)
+    deferred = torch.get_default_device().type == "meta"
     with torch.device("meta"):
         model = cls(config).to(dtype)
+    if deferred:
+        model.pretrained_source = PretrainedSource(path, strict)
+        return (model, {}) if output_loading_info else model
     device = torch.device("cpu")
     if shard:
         ctx = dist.get_context()
@@ -61,8 +76,10 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
     """Fill the parameters `model` holds (whole, or this rank's shards; a pipeline stage holds only
     its own) from Hugging Face tensors. ``aliases``: this model's name of a parameter -> the name
     whose rule makes it (a pipeline's last stage holds a copy of the embedding tied to its head).
-    Returns {"missing_keys", "unexpected_keys"}: checkpoint names the parameters need but the
-    files lack, and names in the files no parameter uses."""
+    Each rank reads the tensor-parallel slice of each tensor it needs, one parameter at a time,
+    and keeps its part of it (its ZeRO shard of that slice too). Returns {"missing_keys",
+    "unexpected_keys", "not_loaded"}: checkpoint names the parameters need but the files lack,
+    names in the files no parameter uses, and the parameters (model names) left as they were."""
     weight_map = model.hf_weight_map()
     params = dict(model.named_parameters())
     for own, aliased in (aliases or {}).items():
@@ -91,12 +108,14 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
     def read(name, *args):
         return reader.read(available[name], *args)
 
+    not_loaded = []
     for rule in held:
         if all(name in available for name in rule.hf):
             param = params[rule.zoo]
-            tensor = rule.load(read, shard_of(param), param.shape)
-            (param.to_local() if isinstance(param, DTensor) else param).copy_(tensor)
-    return {"missing_keys": missing, "unexpected_keys": unexpected}
+            dist.fill_shard_(param, rule.load(read, dist.tp_slice_of(param), param.shape), tp_sliced=True)
+        else:
+            not_loaded.append(rule.zoo)
+    return {"missing_keys": missing, "unexpected_keys": unexpected, "not_loaded": not_loaded}
 
 
 def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
@@ -112,23 +131,6 @@ def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
     if not is_task_model and prefixed:
         return {key[len(prefix):]: key for key in keys if key.startswith(prefix)}
     return {key: key for key in keys}
-
-
-def shard_of(param: torch.Tensor) -> tuple[int, int, int] | None:
-    """(dim, index, count) of the slice this rank holds of a parameter split over tp (a DTensor
-    sharded on a 1-D mesh), or None for a whole tensor. Other placements (ZeRO-3's shards of a
-    2-D mesh) are refused: their slices do not follow the layers' splits."""
-    if not isinstance(param, DTensor):
-        return None
-    sharded = [(mesh_dim, p) for mesh_dim, p in enumerate(param.placements) if not p.is_replicate()]
-    if not sharded:
-        return None
-    if param.device_mesh.ndim != 1 or type(sharded[0][1]) is not Shard:
-        raise ValueError(f"a parameter placed {param.placements} on a {param.device_mesh.ndim}-D mesh cannot be read "
-                         f"by slices of a Hugging Face file: load the weights before sharding them over dp, or "
-                         f"convert the directory first (python tools/convert hf-to-zoo) and load that checkpoint")
-    mesh_dim, placement = sharded[0]
-    return placement.dim, param.device_mesh.get_local_rank(mesh_dim), param.device_mesh.size(mesh_dim)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, config) -> torch.dtype:

@@ -1,8 +1,11 @@
 """libai_zoo.parallel: how a model is wrapped for training: activation checkpointing, data
-parallelism with ZeRO 0-3 (FSDP2), pipeline stages (torch.distributed.pipelining)."""
+parallelism with ZeRO 0-3 (FSDP2), pipeline stages (torch.distributed.pipelining), and the
+allocation of a meta-built model's shards (`materialize`)."""
 
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel
+from .materialize import init_parameters, materialize, parameter_seed
 from .pipeline import SCHEDULES, Pipeline, split_layers
 
-__all__ = ["apply_activation_checkpointing", "DataParallel", "Pipeline", "SCHEDULES", "split_layers"]
+__all__ = ["apply_activation_checkpointing", "DataParallel", "Pipeline", "SCHEDULES", "split_layers", "materialize",
+           "init_parameters", "parameter_seed"]

@@ -1,39 +1,41 @@
-"""How gradients meet over the data-parallel dimension, for each ZeRO stage.
+"""How gradients meet over the data-parallel dimension, for each ZeRO stage, on FSDP2's engine.
 
-    zero_stage 0  replicate: every rank keeps everything; one coalesced all-reduce of the
-                  gradients per step (after the last micro-batch), then a plain optimizer step
-    zero_stage 1  the same all-reduce, and `ZeroRedundancyOptimizer` keeps each rank's share of
-                  the optimizer state and broadcasts the parameters it updated
-    zero_stage 2  FSDP2 `fully_shard` per layer of the layer stack and on the root, parameters kept
-                  gathered from forward to backward (reshard_after_forward=False): gradients
-                  are reduce-scattered, optimizer state is sharded
-    zero_stage 3  the same with parameters resharded after forward: parameters, gradients and
-                  optimizer state are all 1/dp per rank
+    zero_stage 0  `replicate` (FSDP2's DDP) per layer of the layer stack and on the root: every
+                  rank keeps everything; each layer's gradients are all-reduced as soon as backward
+                  has made them (after the last micro-batch), overlapping the rest of backward
+    zero_stage 1  `fully_shard`, parameters kept gathered through a step's micro-batches and
+                  gradients kept whole until the last one, then reduce-scattered: optimizer state
+                  (and the parameters between steps) 1/dp per rank, every tensor cut evenly
+    zero_stage 2  the same, with gradients reduce-scattered after every micro-batch: gradients
+                  1/dp per rank too
+    zero_stage 3  the same, with parameters resharded after each forward and gathered again for
+                  backward: parameters, gradients and optimizer state all 1/dp per rank
 
 Every reduction averages over dp; the train step scales each rank's loss by dp / (global number
-of targets), so the average is the mean over the whole global batch. FSDP2 composes with tensor
-parallelism (its shards are 2-D DTensors on the dp × tp mesh).
+of targets), so the average is the mean over the whole global batch. The parameter groups gather
+one layer ahead in forward and backward (FSDP2's prefetch), and reductions run while backward
+goes on. FSDP2 composes with tensor parallelism (its shards are 2-D DTensors on the dp × tp
+mesh) and with pipeline stages (the pipeline schedule drives the gradient sync of a stage
+module wrapped here: once, after its last micro-batch). Modules may be wrapped on the meta device.
 """
 
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from libai_zoo.dist import ParallelContext
-from libai_zoo.dist.collectives import all_reduce_coalesced_
-from libai_zoo.models import get_layer_stack
 
 
 class DataParallel:
-    """The data-parallel side of a run: wraps the model (ZeRO 2/3), the optimizer (ZeRO 1) and
-    reduces gradients (ZeRO 0/1). With dp = 1 every method is a no-op."""
+    """The data-parallel side of a run: wraps the model (or each pipeline stage) so that its
+    gradients are averaged over dp, and its state sharded for ZeRO 1-3. With dp = 1 every method
+    is a no-op."""
 
     def __init__(self, ctx: ParallelContext, zero_stage: int = 0, *, offload: bool = False,
                  param_dtype: torch.dtype | None = None):
@@ -51,60 +53,37 @@ class DataParallel:
         self.group = ctx.group("dp") if ctx.dp > 1 else None
         self._fsdp_modules: list[FSDPModule] = []
 
-    @property
-    def shards_parameters(self) -> bool:
-        return self.zero_stage >= 2
-
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        """ZeRO 2/3: `fully_shard` each layer of the model's layer stack, then the root (embeddings,
-        head). `model` implements the model contract."""
-        if not self.shards_parameters:
-            return model
+    def wrap(self, module: nn.Module, layers: list[nn.Module], *, keep_gathered: bool = False) -> nn.Module:
+        """Wrap each of `layers` (the layer stack inside `module`), then `module` itself (embeddings,
+        head), for this ZeRO stage: `replicate` at 0, `fully_shard` at 1-3. A no-op at dp = 1.
+        `keep_gathered`: ZeRO-3 keeps the parameters gathered from a step's first forward to its
+        last backward (a zero-bubble pipeline computes weight gradients after FSDP's backward hooks
+        have run); they are still 1/dp between steps."""
+        if self.group is None:
+            return module
         mesh = self.ctx.submesh("dp")
-        kwargs = dict(mesh=mesh, reshard_after_forward=self.zero_stage == 3,
-                      mp_policy=MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
-                      if self.param_dtype is not None else MixedPrecisionPolicy(),
-                      offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
-        for layer in get_layer_stack(model):
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        self._fsdp_modules += [m for m in model.modules() if isinstance(m, FSDPModule)]
-        return model
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """ZeRO 1: the same optimizer, its state sharded over dp by `ZeroRedundancyOptimizer`."""
-        if self.zero_stage != 1:
-            return optimizer
-        # Imported here: torch.distributed.optim scripts its functional optimizers on import (slow, noisy).
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        groups = [{k: v for k, v in group.items()} for group in optimizer.param_groups]
-        if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
-            raise ValueError("train.zero_stage=1 (ZeroRedundancyOptimizer) takes plain tensors: with tensor "
-                             "parallelism use train.zero_stage=2 or 3 (FSDP2 composes with tp)")
-        return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=self.group, **defaults)
+        mp_policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32) \
+            if self.param_dtype is not None else MixedPrecisionPolicy()
+        if self.zero_stage == 0:
+            for target in [*layers, module]:
+                replicate(target, mesh=mesh, mp_policy=mp_policy)
+        else:
+            offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
+            for target in [*layers, module]:
+                fully_shard(target, mesh=mesh, reshard_after_forward=self.zero_stage == 3 and not keep_gathered,
+                            mp_policy=mp_policy, offload_policy=offload)
+        self._fsdp_modules += [m for m in module.modules() if isinstance(m, FSDPModule)]
+        return module
 
     @contextmanager
     def micro_batch(self, last: bool):
-        """Around one micro-batch's backward: FSDP reduces gradients only after the last one."""
+        """Around one micro-batch's forward and backward (without pipeline stages): ZeRO 0/1 reduce
+        the gradients after the last one only, ZeRO 2/3 after each; ZeRO 0-2 keep the parameters
+        gathered until the last one."""
         for module in self._fsdp_modules:
-            module.set_requires_gradient_sync(last, recurse=False)
+            module.set_requires_gradient_sync(last or self.zero_stage >= 2, recurse=False)
+            module.set_reshard_after_backward(last or self.zero_stage == 3, recurse=False)
         yield
-
-    @torch.no_grad()
-    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
-        """ZeRO 0/1: average the gradients over dp in one all-reduce per dtype (FSDP did its own)."""
-        if self.group is None or self.shards_parameters:
-            return
-        buckets: dict[tuple, list[torch.Tensor]] = {}
-        for param in params:
-            if param.grad is not None:
-                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                buckets.setdefault((grad.dtype, grad.device), []).append(grad)
-        for grads in buckets.values():
-            all_reduce_coalesced_(grads, self.group, scale=1.0 / self.ctx.dp)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over dp (in place), e.g. target counts and the logged loss."""

@@ -63,6 +63,14 @@ class _ScheduleKind:
     placement: str  # "loop": rank r holds stages r, r + pp, ...; "v": rank r holds r and 2 pp - 1 - r
     min_virtual: int
     max_virtual: int | None
+    #: The schedule that evaluates (forward only) the same stages; None: the training one. torch's
+    #: zero-bubble schedules run their backward actions in `eval` too and fail there; no torch
+    #: schedule runs V-placed stages forward only, so "zbv" cannot evaluate.
+    eval_cls: type | None = None
+    evaluates: bool = True
+    #: Backward split into input and weight gradients (zero bubble): the weight gradients come
+    #: after FSDP's backward hooks, so parameters must stay gathered through the step.
+    split_backward: bool = False
 
 
 _KINDS: dict[str, _ScheduleKind] = {
@@ -71,9 +79,11 @@ _KINDS: dict[str, _ScheduleKind] = {
     "interleaved_1f1b": _ScheduleKind(ScheduleInterleaved1F1B, True, "loop", 2, None),
 }
 if ScheduleInterleavedZeroBubble is not None:
-    _KINDS["zero_bubble"] = _ScheduleKind(ScheduleInterleavedZeroBubble, True, "loop", 1, None)
+    _KINDS["zero_bubble"] = _ScheduleKind(ScheduleInterleavedZeroBubble, True, "loop", 1, None,
+                                          eval_cls=ScheduleInterleaved1F1B, split_backward=True)
 if ScheduleZBVZeroBubble is not None:
-    _KINDS["zbv"] = _ScheduleKind(ScheduleZBVZeroBubble, True, "v", 2, 2)
+    _KINDS["zbv"] = _ScheduleKind(ScheduleZBVZeroBubble, True, "v", 2, 2, evaluates=False,
+                                  split_backward=True)
 
 #: Schedule name -> torch schedule class (only those the installed torch has).
 SCHEDULES: dict[str, type] = {name: kind.cls for name, kind in _KINDS.items()}
@@ -382,15 +392,27 @@ class Pipeline:
         """The model's loss of one micro-batch, summed over its targets, times the step's loss_scale."""
         return self._last_part.loss(outputs, targets, reduction="sum") * self._loss_scale
 
-    def _schedule_for(self, shapes: tuple) -> object:
-        """The schedule for inputs of these shapes, built (and its shapes inferred) once per shape."""
-        if shapes not in self._schedules:
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule computes weight gradients apart from input gradients (zero bubble)."""
+        return self.kind.split_backward
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether `eval_step` runs under this schedule (not under "zbv")."""
+        return self.kind.evaluates
+
+    def _schedule_for(self, train: bool, shapes: tuple) -> object:
+        """The training or evaluation schedule for inputs of these shapes, built (and its shapes
+        inferred) once per shape."""
+        if (train, shapes) not in self._schedules:
             device, group = self.ctx.device, self.pp_group
             stages = [PipelineStage(stage, stage.stage_index, self.num_stages, device, group=group)
                       for stage in self.stages]
             kwargs = dict(n_microbatches=self.num_micro_batches, loss_fn=self._loss, scale_grads=False)
-            self._schedules[shapes] = self.kind.cls(stages if self.kind.multi else stages[0], **kwargs)
-        return self._schedules[shapes]
+            cls = self.kind.cls if train else self.kind.eval_cls or self.kind.cls
+            self._schedules[train, shapes] = cls(stages if self.kind.multi else stages[0], **kwargs)
+        return self._schedules[train, shapes]
 
     def _run(self, train: bool, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
              loss_scale: float) -> torch.Tensor | None:
@@ -401,7 +423,11 @@ class Pipeline:
         if main.shape[0] % self.num_micro_batches or targets.shape[0] != main.shape[0]:
             raise ValueError(f"the local batch of {main.shape[0]} samples ({targets.shape[0]} targets) does not split "
                              f"into num_micro_batches = {self.num_micro_batches} equal micro-batches")
-        schedule = self._schedule_for(tuple((key, tuple(value.shape)) for key, value in sorted(inputs.items())))
+        if not train and not self.evaluates:
+            raise ValueError(f"schedule {self.schedule_name!r} cannot evaluate (no torch schedule runs V-placed "
+                             f"stages forward only): train with another schedule, or without dataloader.test")
+        shapes = tuple((key, tuple(value.shape)) for key, value in sorted(inputs.items()))
+        schedule = self._schedule_for(train, shapes)
         self._loss_scale = float(loss_scale)
         device = self.ctx.device
         args = (main.to(device),) if self.has_first else ()

@@ -1,0 +1,131 @@
+"""Every rank builds and reads only its shard.
+
+`DefaultTrainer` builds the model on the meta device, splits, cuts and shards it, and only then
+allocates each rank's part. Counted by tensor accounting (`TensorMemoryPeak`) on 4 gloo processes
+with a small Llama whose layers dominate its size: a rank's start-up peak stays within 1.15× its
+shard plus the largest single tensor at tp4, pp2×tp2 and dp4 ZeRO-3 (the whole model, which every
+rank used to build first, is 4× the shard). Fresh weights are the one-process weights, tensor for
+tensor, at every layout; a `from_pretrained` config loads at dp2×tp2 ZeRO-3 the weights one
+process loads, each rank reading only its tensor-parallel half of the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from distributed_runner import run_distributed
+from libai_zoo import dist
+from libai_zoo.config import LazyConfig
+from libai_zoo.engine import DefaultTrainer
+from libai_zoo.utils import TensorMemoryPeak, parameter_bytes
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT, OVERHEAD = 1.15, 256 * 1024  # the issue's bound: 1.15 × shard + largest tensor + a fixed overhead
+
+CONFIG = '''
+from libai_zoo.config import LazyCall, get_config
+from libai_zoo.data import build_gpt_dataset
+from libai_zoo.models import LlamaConfig, LlamaForCausalLM
+
+train = get_config("common/train.py").train
+dist = get_config("common/train.py").dist
+optim = get_config("common/optim.py").optim
+model = LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
+    vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+    num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
+pretrained = LazyCall("libai_zoo.models.LlamaForCausalLM.from_pretrained")(path="{hf_dir}", dtype="float32")
+dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16))
+'''
+
+LAYOUTS = {
+    "tp4": ["dist.tp=4", "train.micro_batch_size=8"],
+    "pp2_tp2": ["dist.pp=2", "dist.tp=2", "train.micro_batch_size=4"],
+    "dp4_zero3": ["dist.dp=4", "train.zero_stage=3", "train.micro_batch_size=2"],
+}
+
+
+def build(config_file: str, output_dir: str, overrides: list[str], pretrained: bool = False) -> dict:
+    """Build a trainer under tensor accounting; return its peak, this rank's shard, the largest
+    parameter's bytes, the full value of every parameter this rank holds, and the bytes it read."""
+    cfg = LazyConfig.load(config_file)
+    if pretrained:
+        cfg.model = cfg.pretrained
+    cfg = LazyConfig.apply_overrides(cfg, [f"train.output_dir={output_dir}", "train.global_batch_size=8",
+                                           *overrides])
+    try:
+        with TensorMemoryPeak() as peak:
+            trainer = DefaultTrainer(cfg)
+        parts = trainer.model_parts
+        full = {}
+        for part in parts:
+            for name, param in part.named_parameters():
+                value = param.full_tensor() if isinstance(param, torch.distributed.tensor.DTensor) else param
+                full[name] = value.detach().clone()
+        return {"peak": peak.bytes, "shard": sum(parameter_bytes(part) for part in parts),
+                "largest": max(value.numel() * value.element_size() for value in full.values()),
+                "full": full, "log": log.read_text() if (log := Path(output_dir) / "log.txt").is_file() else ""}
+    finally:
+        dist.destroy()
+
+
+def _all_layouts(config_file: str, out: str) -> dict:
+    results = {name: build(config_file, f"{out}/{name}", overrides) for name, overrides in LAYOUTS.items()}
+    results["pretrained"] = build(config_file, f"{out}/pretrained",
+                                  ["dist.dp=2", "dist.tp=2", "train.zero_stage=3", "train.micro_batch_size=4"],
+                                  pretrained=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("startup")
+    (root / "text.txt").write_text((ROOT / "data/corpus/python_docs.txt").read_text()[:20000])
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
+    hf.save_pretrained(root / "hf")
+    config_file = root / "config.py"
+    config_file.write_text(CONFIG.format(hf_dir=root / "hf", text=root / "text.txt", tokenizer=ROOT / "data/tokenizer"))
+    one = build(str(config_file), str(root / "one"), ["train.micro_batch_size=8"])
+    one_pretrained = build(str(config_file), str(root / "one_pretrained"), ["train.micro_batch_size=8"],
+                           pretrained=True)
+    ranks = run_distributed(_all_layouts, 4, str(config_file), str(root))
+    return one, one_pretrained, ranks
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_start_up_peak_is_the_shard_plus_one_tensor(runs, layout):
+    one, _, ranks = runs
+    for result in (rank[layout] for rank in ranks):
+        bound = LIMIT * result["shard"] + result["largest"] + OVERHEAD
+        assert result["peak"] <= bound, (layout, result["peak"], result["shard"], result["largest"])
+        assert result["shard"] <= one["shard"] / 3.5  # a quarter of the model, give or take the replicated norms
+    # building the whole model first, as before, breaks the bound: the test can fail
+    assert one["shard"] > LIMIT * ranks[0][layout]["shard"] + ranks[0][layout]["largest"] + OVERHEAD
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fresh_weights_are_the_one_process_weights(runs, layout):
+    one, _, ranks = runs
+    held = {name: value for rank in ranks for name, value in rank[layout]["full"].items()}
+    assert set(held) >= set(one["full"]) - {"lm_head.weight"} and held
+    for name, value in held.items():
+        assert torch.equal(value, one["full"][name]), name
+
+
+def test_from_pretrained_reads_only_its_slices_and_loads_the_checkpoint(runs):
+    _, one, ranks = runs
+    for rank in ranks:
+        for name, value in rank["pretrained"]["full"].items():
+            assert torch.equal(value, one["full"][name]), name
+    def mib_read(log: str) -> float:
+        return float(log.split(" MiB read from")[0].rsplit(" ", 1)[-1])
+
+    read, total = mib_read(ranks[0]["pretrained"]["log"]), mib_read(one["log"])
+    assert read <= 0.6 * total, (read, total)  # tp2: half of each split tensor, the small norms whole
