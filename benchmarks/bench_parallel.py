@@ -671,8 +671,9 @@ notes:
   state), gathered whole from forward to the end of backward; ZeRO-1 keeps gradients whole across
   a step's micro-batches and reduce-scatters them after the last, ZeRO-2 after each. ZeRO-3 also
   reshards after forward, so it all-gathers each unit twice (forward and backward). Optimizer state =
-  AdamW's two moments plus a 4-byte step counter per parameter tensor (not sharded by FSDP). A pipeline's last stage holds its
-  own copy of the embedding tied to the LM head, so under pp the largest rank is an end stage.
+  AdamW's two moments plus a 4-byte step counter per parameter tensor (not sharded by FSDP). A
+  pipeline's last stage holds its own copy of the embedding tied to the LM head, so under pp the
+  largest rank is an end stage.
 - Collectives are counted by wrapping torch.distributed's functions (FSDP2, pipelining,
   and libai_zoo all call them), with bytes = the full buffer each call moves
   (not the per-link traffic of the algorithm). "c10d py/disp" compares those calls with the c10d ops

@@ -75,8 +75,9 @@ def _rank(rank: int, world: int, config_file: str, overrides: list[str], out_dir
     seconds = time.perf_counter() - start
     peak = _memory_kib("VmHWM") - before
     params = [p for part in trainer.model_parts for p in part.parameters()]
-    result = {"rank": rank, "peak_mib": peak / 1024, "shard_mib": sum(map(parameter_bytes, trainer.model_parts)) / 2**20,
-              "largest_mib": max(p.numel() * p.element_size() for p in params) / 2**20, "seconds": seconds}
+    result = {"rank": rank, "peak_mib": peak / 1024, "seconds": seconds,
+              "shard_mib": sum(map(parameter_bytes, trainer.model_parts)) / 2**20,
+              "largest_mib": max(p.numel() * p.element_size() for p in params) / 2**20}
     dist.destroy()
     torch.distributed.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -120,10 +121,10 @@ def main() -> None:
         for name in args.layouts.split(","):
             ranks = run_layout(str(config_file), LAYOUTS[name])
             for r in ranks:
-                r["within_limit"] = r["peak_mib"] <= 1.15 * r["shard_mib"] + r["largest_mib"] + args.overhead_mib
-                print(f"{name:<10} {r['rank']:>4} {r['peak_mib']:>9.0f} {r['shard_mib']:>9.0f} {r['largest_mib']:>8.0f} "
-                      f"{r['peak_mib'] / r['shard_mib']:>10.2f} {(r['peak_mib'] - r['largest_mib']) / r['shard_mib']:>20.2f} "
-                      f"{r['seconds']:>8.1f} {str(r['within_limit']):>12}")
+                peak, shard, largest = r["peak_mib"], r["shard_mib"], r["largest_mib"]
+                r["within_limit"] = peak <= 1.15 * shard + largest + args.overhead_mib
+                print(f"{name:<10} {r['rank']:>4} {peak:>9.0f} {shard:>9.0f} {largest:>8.0f} {peak / shard:>10.2f} "
+                      f"{(peak - largest) / shard:>20.2f} {r['seconds']:>8.1f} {str(r['within_limit']):>12}")
             results[name] = ranks
     if args.out:
         Path(args.out).write_text(json.dumps({

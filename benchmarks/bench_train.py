@@ -96,7 +96,7 @@ def run_trainer(a, compiled: bool, output_dir: str) -> list[float]:
         [f"train.output_dir={output_dir}", f"train.max_iter={a.steps}", f"train.micro_batch_size={a.batch}",
          f"train.global_batch_size={a.batch}", "train.checkpoint.period=0", f"train.log_period={a.steps}",
          f"train.amp.enabled={a.device != 'cpu'}", "train.amp.dtype=bf16", f"train.compile={compiled}",
-         "optim.lr=1e-4", "dataloader.num_workers=0"])
+         "optim.lr=1e-4"])
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = DefaultTrainer(cfg)
     logging.getLogger("libai_zoo").setLevel(logging.WARNING)

@@ -10,6 +10,8 @@ quartet (start-up dominates on CPU); the parent runs the one-process references.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -187,27 +189,9 @@ def _resume_at(layout: list[str]):
     return resume
 
 
-def state_bytes(config_file: str, output_dir: str, overrides: list[str]) -> int:
-    """Parameter + gradient + optimizer-state bytes this rank holds after one step and a backward."""
-    cfg = LazyConfig.load(config_file)
-    cfg.model = cfg.models["gpt2"]
-    cfg = LazyConfig.apply_overrides(cfg, [f"train.output_dir={output_dir}", "train.max_iter=1",
-                                           f"train.global_batch_size={GLOBAL_BATCH}", "train.checkpoint.period=0",
-                                           *overrides])
-    trainer = DefaultTrainer(cfg)
-    try:
-        trainer.resume_or_load(resume=False)
-        trainer.train()  # creates the optimizer state
-        batch = next(iter(trainer.build_train_loader(cfg)))
-        trainer.model(**batch).loss.backward()
-        return (parameter_bytes(trainer.model) + gradient_bytes(trainer.model)
-                + optimizer_state_bytes(trainer.optimizer))
-    finally:
-        dist.destroy()
-
-
-def optimizer_bytes_per_rank(config_file: str, output_dir: str, overrides: list[str]) -> tuple[list[int], int]:
-    """(AdamW state bytes of every rank after one step, state bytes of the largest parameter)."""
+@contextmanager
+def trained_one_step(config_file: str, output_dir: str, overrides: list[str]) -> Iterator[DefaultTrainer]:
+    """The GPT-2 trainer after one step (its optimizer state exists); the context is torn down after."""
     cfg = LazyConfig.load(config_file)
     cfg.model = cfg.models["gpt2"]
     cfg = LazyConfig.apply_overrides(cfg, [f"train.output_dir={output_dir}", "train.max_iter=1",
@@ -217,12 +201,27 @@ def optimizer_bytes_per_rank(config_file: str, output_dir: str, overrides: list[
     try:
         trainer.resume_or_load(resume=False)
         trainer.train()
+        yield trainer
+    finally:
+        dist.destroy()
+
+
+def state_bytes(config_file: str, output_dir: str, overrides: list[str]) -> int:
+    """Parameter + gradient + optimizer-state bytes this rank holds after one step and a backward."""
+    with trained_one_step(config_file, output_dir, overrides) as trainer:
+        batch = next(iter(trainer.build_train_loader(trainer.cfg)))
+        trainer.model(**batch).loss.backward()
+        return (parameter_bytes(trainer.model) + gradient_bytes(trainer.model)
+                + optimizer_state_bytes(trainer.optimizer))
+
+
+def optimizer_bytes_per_rank(config_file: str, output_dir: str, overrides: list[str]) -> tuple[list[int], int]:
+    """(AdamW state bytes of every rank after one step, state bytes of the largest parameter)."""
+    with trained_one_step(config_file, output_dir, overrides) as trainer:
         per_rank = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(per_rank, optimizer_state_bytes(trainer.optimizer))
         largest = max(p.numel() for p in trainer.model.parameters()) * 4 * 2  # fp32 exp_avg + exp_avg_sq
         return per_rank, largest
-    finally:
-        dist.destroy()
 
 
 def _four_process_extras(config_file: str, out: str) -> dict:

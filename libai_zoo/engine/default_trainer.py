@@ -160,11 +160,11 @@ class DefaultTrainer(TrainerBase):
             self.data_parallel.wrap(root, list(stack), keep_gathered=keep_gathered)
         aliases = pipeline.tied_aliases() if pipeline is not None else None
         start = time.perf_counter()
-        for part in parts:
-            info = materialize(part, self.ctx.device, seed=cfg.train.seed, model=model, aliases=aliases)
+        loaded = [materialize(part, self.ctx.device, seed=cfg.train.seed, model=model, aliases=aliases)
+                  for part in parts]
         logger.info("model materialised in %.1f s: %s", time.perf_counter() - start,
-                    f"{info['bytes_read'] / 2**20:.2f} MiB read from {model.pretrained_source.path}"
-                    if info else f"fresh weights from seed {cfg.train.seed}")
+                    f"{sum(i['bytes_read'] for i in loaded) / 2**20:.2f} MiB read from {model.pretrained_source.path}"
+                    if loaded[0] else f"fresh weights from seed {cfg.train.seed}")
         return BuiltModel([part.train() for part in parts], pipeline, flops_per_token)
 
     def build_optimizer(self, cfg: DictConfig, model_parts: list[nn.Module]) -> torch.optim.Optimizer:

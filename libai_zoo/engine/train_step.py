@@ -35,8 +35,9 @@ class TrainStep:
     implements the model contract. ``amp_dtype`` None trains in the parameters' dtype; bf16
     autocasts; fp16 autocasts with a dynamic loss scaler that skips a step whose gradients
     overflowed and lowers the scale. A step whose gradient norm is not finite is skipped in every
-    mode. ``clip_grad_norm`` None or 0: no clipping. ``data_parallel`` reduces gradients over dp
-    (wrapped around the model: see `DataParallel`; it also counts targets over dp); ``pipeline`` runs the micro-batches through the pipeline schedule.
+    mode. ``clip_grad_norm`` None or 0: no clipping. ``data_parallel`` (wrapped around the model,
+    it reduces gradients over dp during backward) syncs on the last micro-batch and counts targets
+    over dp; ``pipeline`` runs the micro-batches through the pipeline schedule.
     """
 
     def __init__(self, model_parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer, *, device: torch.device,

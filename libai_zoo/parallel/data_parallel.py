@@ -72,6 +72,9 @@ class DataParallel:
             for target in [*layers, module]:
                 fully_shard(target, mesh=mesh, reshard_after_forward=self.zero_stage == 3 and not keep_gathered,
                             mp_policy=mp_policy, offload_policy=offload)
+            for previous, layer in zip(layers, layers[1:]):  # gather one layer ahead, both ways
+                previous.set_modules_to_forward_prefetch([layer])
+                layer.set_modules_to_backward_prefetch([previous])
         self._fsdp_modules += [m for m in module.modules() if isinstance(m, FSDPModule)]
         return module
 

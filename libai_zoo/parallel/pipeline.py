@@ -297,8 +297,9 @@ class Pipeline:
     A step: ``loss = pipeline.step(inputs, targets, loss_scale)`` on every rank (the model's
     `split_batch` of the local batch; repeat for gradient accumulation), then once before the
     optimizer: `dist.finalize_grads` on each of `model_parts` under sequence parallelism,
-    `sync_tied_grads()`, the dp gradient reduction, clipping (counting `tied_duplicates()` once)
-    and the optimizer step over the parts' parameters.
+    `sync_tied_grads()`, clipping (counting `tied_duplicates()` once) and the optimizer step over
+    the parts' parameters. Data parallelism wraps each of `stages` (FSDP2: `DataParallel.wrap`);
+    the schedule then reduces a stage's gradients over dp once, after its last micro-batch.
     """
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str = "1f1b", num_micro_batches: int,
