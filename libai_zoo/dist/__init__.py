@@ -5,9 +5,9 @@
 """
 
 from .context import ParallelContext, destroy, get_context, init, resolve_sizes
-from .shard import fill_shard_, finalize_grads, parameter_uses, retie, shard, tp_problems, tp_slice_of
+from .shard import dp_rows_of, fill_shard_, finalize_grads, parameter_uses, retie, shard, tp_problems, tp_slice_of
 from .tensor_parallel import TensorParallel, local, local_range
 
 __all__ = ["ParallelContext", "TensorParallel", "init", "get_context", "destroy", "resolve_sizes",
-           "shard", "tp_problems", "tp_slice_of", "fill_shard_", "finalize_grads",
+           "shard", "tp_problems", "tp_slice_of", "fill_shard_", "dp_rows_of", "finalize_grads",
            "parameter_uses", "retie", "local", "local_range"]

@@ -113,6 +113,25 @@ def fill_shard_(param: torch.Tensor, value: torch.Tensor, *, tp_sliced: bool = F
         param.copy_(value)
 
 
+def dp_rows_of(param: torch.Tensor) -> tuple[int, int] | None:
+    """[start, end) of dim 0 of this rank's tp slice (`tp_slice_of`) that it keeps when ZeRO shards
+    the parameter over dp (FSDP2 cuts dim 0 of the tp slice as torch.chunk does), or None when no
+    other mesh dimension splits it (or splits another dim)."""
+    if not isinstance(param, DTensor):
+        return None
+    mesh, tp = param.device_mesh, tp_slice_of(param)
+    for mesh_dim, (name, placement) in enumerate(zip(mesh.mesh_dim_names or (), param.placements)):
+        if name == "tp" or getattr(placement, "dim", None) is None:
+            continue
+        if placement.dim != 0:
+            return None
+        rows = param.shape[0] // tp[2] if tp is not None and tp[0] == 0 else param.shape[0]
+        per_rank = -(-rows // mesh.size(mesh_dim))
+        start = min(mesh.get_local_rank(mesh_dim) * per_rank, rows)
+        return start, min(start + per_rank, rows)
+    return None
+
+
 def _local_part(param: DTensor, value: torch.Tensor, tp_sliced: bool) -> torch.Tensor:
     mesh, placements = param.device_mesh, list(param.placements)
     if tp_sliced and "tp" in (mesh.mesh_dim_names or ()):

@@ -76,8 +76,9 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
     """Fill the parameters `model` holds (whole, or this rank's shards; a pipeline stage holds only
     its own) from Hugging Face tensors. ``aliases``: this model's name of a parameter -> the name
     whose rule makes it (a pipeline's last stage holds a copy of the embedding tied to its head).
-    Each rank reads the tensor-parallel slice of each tensor it needs, one parameter at a time,
-    and keeps its part of it (its ZeRO shard of that slice too). Returns {"missing_keys",
+    Each rank reads, one parameter at a time, only its part of each tensor it needs: the
+    tensor-parallel slice, and of it only the rows its ZeRO shard keeps (a fused QKV's tp slice is
+    read whole and cut). Returns {"missing_keys",
     "unexpected_keys", "not_loaded"}: checkpoint names the parameters need but the files lack,
     names in the files no parameter uses, and the parameters (model names) left as they were."""
     weight_map = model.hf_weight_map()
@@ -105,14 +106,19 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
         logger.warning("%s: initialised %s; ignored %s", type(model).__name__, missing or "nothing",
                        unexpected or "nothing")
 
-    def read(name, *args):
-        return reader.read(available[name], *args)
+    def read(name, ranges=None):
+        return reader.read(available[name], ranges)
 
     not_loaded = []
     for rule in held:
         if all(name in available for name in rule.hf):
             param = params[rule.zoo]
-            dist.fill_shard_(param, rule.load(read, dist.tp_slice_of(param), param.shape), tp_sliced=True)
+            rows = dist.dp_rows_of(param)  # ZeRO's cut: read only the rows of the tp slice this rank keeps
+            tensor = rule.load(read, dist.tp_slice_of(param), param.shape, rows)
+            if rows is None:
+                dist.fill_shard_(param, tensor, tp_sliced=True)
+            else:
+                param.to_local().copy_(tensor)
         else:
             not_loaded.append(rule.zoo)
     return {"missing_keys": missing, "unexpected_keys": unexpected, "not_loaded": not_loaded}

@@ -90,11 +90,11 @@ class HFWeightReader:
         stored = handle.get_slice(name).get_dtype()
         return SAFETENSORS_DTYPES.get(stored, stored)
 
-    def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """The tensor `name`, or only its [start, end) range along `dim`."""
+    def read(self, name: str, ranges: dict[int, tuple[int, int]] | None = None) -> torch.Tensor:
+        """The tensor `name`, or only its block {dim: [start, end)} (other dims whole)."""
         file = self._file_of[name]
         handle = self._open(file)
-        index = (slice(None),) * dim + (slice(start, end),) if dim is not None else ()
+        index = tuple(slice(*ranges.get(d, (None, None))) for d in range(max(ranges) + 1)) if ranges else ()
         if isinstance(handle, dict):
             tensor = handle[name][index].clone()
         else:

@@ -3,11 +3,13 @@
 Each model lists its rules in a `WeightMap` (models/hf_maps/: one file per model).
 
 A rule knows both directions and, for loading, how to read only the part of the Hugging Face
-tensors that makes up one tensor-parallel shard of the parameter: `load` gets ``shard =
-(dim, index, count)`` (this rank holds slice `index` of `count` along `dim`) or None for the
-whole tensor, and a `read(name, dim, start, end)` that reads a range of a checkpoint tensor.
-Fused QKV is grouped per KV head (`libai_zoo.layers.fuse_qkv`), so a shard of it is made from
-the same shard of each of q, k and v: no rank ever reads another rank's heads.
+tensors that makes up one rank's part of the parameter: `load` gets ``shard = (dim, index,
+count)`` (this rank holds tensor-parallel slice `index` of `count` along `dim`) or None for the
+whole tensor, ``rows`` (of that slice, only rows [start, end) of dim 0: ZeRO's cut) or None, and
+a `read(name, ranges)` that reads a block {dim: (start, end)} of a checkpoint tensor. Fused QKV
+is grouped per KV head (`libai_zoo.layers.fuse_qkv`), so a shard of it is made from the same
+shard of each of q, k and v: no rank ever reads another rank's heads (it reads its whole tp
+slice and keeps its rows).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from libai_zoo.layers import fuse_qkv, split_qkv
 
 Read = Callable[..., torch.Tensor]
 Shard = tuple[int, int, int] | None
+Rows = tuple[int, int] | None
 
 
 class Rule:
@@ -34,7 +37,8 @@ class Rule:
     def hf(self) -> tuple[str, ...]:
         raise NotImplementedError
 
-    def load(self, read: Read, shard: Shard, zoo_shape: torch.Size) -> torch.Tensor:
+    def load(self, read: Read, shard: Shard, zoo_shape: torch.Size, rows: Rows = None) -> torch.Tensor:
+        """This rank's part of the parameter: the tp slice `shard`, and of it only `rows` (dim 0)."""
         raise NotImplementedError
 
     def save(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -56,11 +60,8 @@ class Same(Rule):
     def hf(self) -> tuple[str, ...]:
         return (self.name,)
 
-    def load(self, read, shard, zoo_shape):
-        if shard is None:
-            return read(self.name)
-        dim, index, count = shard
-        return read(self.name, dim, *local_range(zoo_shape[dim], index, count))
+    def load(self, read, shard, zoo_shape, rows=None):
+        return read(self.name, _block(shard, zoo_shape, rows))
 
     def save(self, tensor):
         return {self.name: tensor}
@@ -70,11 +71,9 @@ class Same(Rule):
 class Transposed(Same):
     """A 2-D checkpoint tensor stored [in, out], as GPT-2's Conv1D does; nn.Linear keeps [out, in]."""
 
-    def load(self, read, shard, zoo_shape):
-        if shard is None:
-            return read(self.name).t().contiguous()
-        dim, index, count = shard
-        return read(self.name, 1 - dim, *local_range(zoo_shape[dim], index, count)).t().contiguous()
+    def load(self, read, shard, zoo_shape, rows=None):
+        block = {1 - dim: span for dim, span in _block(shard, zoo_shape, rows).items()}
+        return read(self.name, block).t().contiguous()
 
     def save(self, tensor):
         return {self.name: tensor.t().contiguous()}
@@ -86,10 +85,10 @@ class Reshaped(Same):
 
     hf_shape: tuple[int, ...] = ()
 
-    def load(self, read, shard, zoo_shape):
+    def load(self, read, shard, zoo_shape, rows=None):
         if shard is not None:
             raise ValueError(f"{self.zoo} is replicated: it cannot be loaded by shards")
-        return read(self.name).reshape(zoo_shape)
+        return _rows(read(self.name).reshape(zoo_shape), rows)
 
     def save(self, tensor):
         return {self.name: tensor.reshape(self.hf_shape)}
@@ -110,13 +109,13 @@ class QKV(Rule):
     def hf(self) -> tuple[str, ...]:
         return (self.q, self.k, self.v)
 
-    def load(self, read, shard, zoo_shape):
+    def load(self, read, shard, zoo_shape, rows=None):
         index, count = _row_shard(self.zoo, shard)
         head_dim = zoo_shape[0] // (self.num_heads + 2 * self.num_kv_heads)
-        rows = {self.q: self.num_heads * head_dim, self.k: self.num_kv_heads * head_dim,
-                self.v: self.num_kv_heads * head_dim}
-        parts = [read(name, 0, *local_range(size, index, count)) for name, size in rows.items()]
-        return fuse_qkv(*parts, self.num_kv_heads // count)
+        sizes = {self.q: self.num_heads * head_dim, self.k: self.num_kv_heads * head_dim,
+                 self.v: self.num_kv_heads * head_dim}
+        parts = [read(name, {0: local_range(size, index, count)}) for name, size in sizes.items()]
+        return _rows(fuse_qkv(*parts, self.num_kv_heads // count), rows)
 
     def save(self, tensor):
         return dict(zip(self.hf, split_qkv(tensor, self.num_heads, self.num_kv_heads)))
@@ -134,17 +133,34 @@ class PackedQKV(Rule):
     def hf(self) -> tuple[str, ...]:
         return (self.name,)
 
-    def load(self, read, shard, zoo_shape):
+    def load(self, read, shard, zoo_shape, rows=None):
         index, count = _row_shard(self.zoo, shard)
         width = zoo_shape[0] // 3
         out_dim = len(zoo_shape) - 1  # Conv1D keeps the output features last
         start, end = local_range(width, index, count)
-        parts = [read(self.name, out_dim, part * width + start, part * width + end) for part in range(3)]
-        return fuse_qkv(*(p.t() if out_dim else p for p in parts), self.num_heads // count)
+        parts = [read(self.name, {out_dim: (part * width + start, part * width + end)}) for part in range(3)]
+        return _rows(fuse_qkv(*(p.t() if out_dim else p for p in parts), self.num_heads // count), rows)
 
     def save(self, tensor):
         packed = torch.cat(split_qkv(tensor, self.num_heads, self.num_heads))
         return {self.name: packed.t().contiguous() if packed.dim() == 2 else packed}
+
+
+def _block(shard: Shard, zoo_shape: torch.Size, rows: Rows) -> dict[int, tuple[int, int]]:
+    """{dim: (start, end)} of the parameter this rank reads: its tp slice, and rows of dim 0 of it."""
+    block = {}
+    if shard is not None:
+        dim, index, count = shard
+        block[dim] = local_range(zoo_shape[dim], index, count)
+    if rows is not None:
+        start = block.get(0, (0, 0))[0]
+        block[0] = (start + rows[0], start + rows[1])
+    return block
+
+
+def _rows(tensor: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Rows [start, end) of dim 0 of a part made whole (fused or reshaped), or all of it."""
+    return tensor if rows is None else tensor[rows[0]:rows[1]]
 
 
 def _row_shard(zoo: str, shard: Shard) -> tuple[int, int]:
