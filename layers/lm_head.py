@@ -5,12 +5,14 @@ loss computed on that split.
 
 Training never gathers [B, S, V]: `loss` works on this rank's vocabulary slice
 (`ParallelCrossEntropy`). `gather` makes the whole-vocabulary logits for callers that want them
-(a Hugging Face forward, generation).
+(a Hugging Face forward, generation). `loss_from_hidden` goes further for large vocabularies: it
+never holds more than one chunk of tokens' logits, in forward or backward.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from libai_zoo.dist.collectives import broadcast_, gather_from_tp
 
@@ -22,6 +24,10 @@ from .linear import Linear
 class LMHead(Linear):
     """Projection onto the vocabulary (weight [V, hidden]; tie it to the token embedding if wanted).
     ``forward`` returns this rank's slice of the logits."""
+
+    #: Above this many bytes of float32 logits (this rank's vocabulary slice), `loss_from_hidden`
+    #: works in chunks of tokens: 256 MiB is 512 tokens of a 128k vocabulary.
+    chunk_bytes: int = 256 * 2**20
 
     def __init__(self, hidden_size: int, vocab_size: int, bias: bool = False, *, ignore_index: int = -100,
                  device=None, dtype=None):
@@ -35,6 +41,29 @@ class LMHead(Linear):
         """Cross entropy of this rank's logits (from `forward`) against targets aligned with them
         (global vocabulary ids; ignore_index skipped), in float32."""
         return self.loss_fn(logits, targets.to(logits.device), reduction=reduction)
+
+    def loss_from_hidden(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """``loss(self(hidden), targets, reduction)`` without keeping the logits: when this rank's
+        float32 logits would exceed `chunk_bytes`, the tokens go through the projection and the
+        cross entropy in chunks, each under activation checkpointing (recomputed in backward), so
+        one chunk's logits exist at a time (a 128k vocabulary's [B·S, V] float32 logits and their
+        softmax are several GiB). Same loss and gradients, summed chunk by chunk."""
+        tokens = hidden.shape[:-1].numel()
+        local_vocab = self.weight.shape[0] // (self.tp.size if self.tp is not None else 1)
+        per_chunk = max(1, self.chunk_bytes // (4 * local_vocab))
+        if tokens <= per_chunk:
+            return self.loss(self(hidden), targets, reduction)
+        flat_hidden, flat_targets = hidden.flatten(0, -2), targets.flatten().to(hidden.device)
+        total = sum(checkpoint(self._chunk_loss, flat_hidden[i:i + per_chunk], flat_targets[i:i + per_chunk],
+                               use_reentrant=False) for i in range(0, tokens, per_chunk))
+        if reduction == "sum":
+            return total
+        if reduction == "mean":
+            return total / (flat_targets != self.loss_fn.ignore_index).sum()
+        raise ValueError(f"loss_from_hidden reduces the loss: reduction 'mean' or 'sum', not {reduction!r}")
+
+    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(self(hidden), targets, reduction="sum")
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits over the whole vocabulary, on every tp rank."""

@@ -56,13 +56,17 @@ class CausalLM(GenerationMixin, TrainableModel):
                   past_key_values: list[KVCache] | None, logits_to_keep: int,
                   return_logits: bool) -> CausalLMOutputWithPast:
         """The head on the body's output: loss over the targets (if any), logits gathered over the
-        vocabulary unless ``return_logits=False``; ``logits_to_keep=n`` projects only the last n
-        positions (generation)."""
+        vocabulary unless ``return_logits=False`` (then the loss is computed chunk by chunk for a
+        large vocabulary: `LMHead.loss_from_hidden`); ``logits_to_keep=n`` projects only the last
+        n positions (generation)."""
         targets = self.targets(labels, shift_labels)
         if logits_to_keep:
             if targets is not None:
                 raise ValueError("logits_to_keep computes the last positions only: it cannot take labels")
             hidden = hidden[:, -logits_to_keep:]
+        if targets is not None and not return_logits:  # training: never all the logits at once
+            return CausalLMOutputWithPast(loss=self.lm_head.loss_from_hidden(hidden, targets),
+                                          past_key_values=past_key_values)
         logits = self.head(hidden)
         loss = None if targets is None else self.loss(logits, targets)
         return CausalLMOutputWithPast(loss=loss, logits=self.lm_head.gather(logits) if return_logits else None,

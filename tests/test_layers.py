@@ -352,3 +352,30 @@ def test_layer_options_are_checked():
         layers.MLP(8, 16, activation="tanhh")
     with pytest.raises(ValueError, match="parallel="):
         layers.Linear(8, 8, parallel="column")
+
+
+def test_lm_head_loss_in_chunks_equals_the_whole_loss_and_never_holds_the_logits():
+    """Above `chunk_bytes` of logits the loss runs chunk by chunk under activation checkpointing:
+    same loss and gradients, and its forward + backward peak stays below one copy of the logits."""
+    from libai_zoo.utils import TensorMemoryPeak
+
+    torch.manual_seed(0)
+    head = layers.LMHead(32, 1000)
+    hidden = torch.randn(4, 64, 32)
+    targets = torch.randint(0, 1000, (4, 64)).masked_fill_(torch.rand(4, 64) < 0.2, -100)
+
+    def run(chunked: bool):
+        head.zero_grad()
+        h = hidden.clone().requires_grad_()
+        head.chunk_bytes = 4 * 1000 * 16 if chunked else 2**40  # 16 tokens per chunk, or one piece
+        with TensorMemoryPeak() as peak:
+            loss = head.loss_from_hidden(h, targets)
+            loss.backward()
+        return loss.detach(), h.grad, head.weight.grad.clone(), peak.bytes
+
+    whole, chunks = run(False), run(True)
+    assert abs(whole[0] - chunks[0]).item() <= 1e-6 * whole[0].item()
+    assert (whole[1] - chunks[1]).abs().max().item() <= 1e-6
+    assert (whole[2] - chunks[2]).abs().max().item() <= 1e-6
+    logits_bytes = 4 * 64 * 1000 * 4
+    assert chunks[3] < logits_bytes < whole[3], (chunks[3], logits_bytes, whole[3])

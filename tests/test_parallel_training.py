@@ -22,6 +22,7 @@ from libai_zoo import dist
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
 from libai_zoo.engine import DefaultTrainer
+from libai_zoo.layers import LMHead
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from trainer_runs import losses, records, run_trainer
 
@@ -237,6 +238,16 @@ def _four_process_extras(config_file: str, out: str) -> dict:
         config_file, out))
     results.update(_errors(config_file, out))
     return results
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loss_in_chunks():
+    """The training loss of every layout here runs chunk by chunk (`LMHead.loss_from_hidden`; at
+    least 4 chunks per micro-batch), as a large vocabulary's would."""
+    saved = LMHead.chunk_bytes
+    LMHead.chunk_bytes = 8 * 8192 * 4  # 8 tokens of the 8192 vocabulary (16 at tp2)
+    yield
+    LMHead.chunk_bytes = saved
 
 
 @pytest.fixture(scope="module")
