@@ -121,8 +121,8 @@ KINDS = {
 }
 TABLE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all", "other")
 # Where in the stack a collective comes from: these torch subsystems, else the innermost file of this repo.
-SUBSYSTEMS = {"/torch/distributed/fsdp/": "FSDP2", "/torch/distributed/pipelining/": "pipelining",
-              "/torch/distributed/optim/zero_redundancy_optimizer": "ZeroRedundancyOptimizer",
+SUBSYSTEMS = {"/torch/distributed/fsdp/": "FSDP2", "/torch/distributed/_composable/": "FSDP2",
+              "/torch/distributed/pipelining/": "pipelining",
               "/torch/distributed/tensor/": "DTensor"}
 
 
@@ -340,7 +340,7 @@ def measure_overlap(config_file: str, output_dir: str, overrides: list[str], rou
     group = trainer.ctx.group("dp")
 
     def comm():
-        all_reduce_coalesced_(buffers, group, scale=1.0 / trainer.ctx.dp)
+        all_reduce_coalesced_(buffers, group)
 
     def step(sync: bool, serial: bool):
         with data_parallel.micro_batch(last=sync):

@@ -96,6 +96,16 @@ class TrainableModel(ABC):
         else:
             tensor.normal_(0.0, 0.02, generator=generator)
 
+    def init_buffers(self) -> None:
+        """Give the buffers their values once the trainer has allocated a model built on the meta
+        device (where they had none). Default: the model must hold no buffer (the zoo's compute
+        rotary tables and masks in forward); a model that registers buffers computes them here."""
+        buffers = [name for name, _ in self.named_buffers()]
+        if buffers:
+            raise TypeError(f"{type(self).__name__} holds buffers {buffers}, which a model built on the meta device "
+                            f"has no values for: implement init_buffers() to compute them, or compute them in "
+                            f"forward")
+
     def num_loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """How many targets a batch scores: its targets that are not IGNORE_INDEX (tokens), or its
         samples."""

@@ -90,7 +90,9 @@ class PreTrainedModel(nn.Module, ABC):
         rest (a new task head), still refusing misshaped tensors. The model is returned in eval
         mode; ``output_loading_info=True`` also returns what was missing/unexpected and the bytes read.
         Other keyword arguments override config.json's values (``num_labels=3`` for a new head), as
-        in transformers.
+        in transformers. Called under ``torch.device("meta")`` (as the trainer builds models), it
+        reads nothing and ignores `shard`: the model stays on meta, remembering the directory, and
+        the trainer reads each rank's part once it is split, cut and sharded.
         """
         return load_pretrained(cls, path, dtype=dtype, shard=shard, strict=strict,
                                output_loading_info=output_loading_info, **config_overrides)

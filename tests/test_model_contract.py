@@ -14,7 +14,7 @@ from torch import nn
 from transformers.modeling_outputs import TokenClassifierOutput
 
 from distributed_runner import run_distributed
-from libai_zoo import layers
+from libai_zoo import dist, layers
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.models import TrainableModel
@@ -97,6 +97,24 @@ class MisnamedStack(TinyTagger):
     layer_stack = "layers"
 
 
+class ScaledTagger(TinyTagger):
+    """Scales the tag logits by a buffer: a model built on the meta device must compute it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((TAGS,), 0.5))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.tagger(hidden) * self.scale
+
+    def init_buffers(self) -> None:
+        self.scale.fill_(0.5)
+
+
+class BufferedTagger(ScaledTagger):
+    init_buffers = TrainableModel.init_buffers  # the default: no buffers allowed
+
+
 CONFIG = '''
 from libai_zoo.config import LazyCall, get_config
 from test_model_contract import {model}, TaggingData
@@ -150,6 +168,23 @@ def test_a_model_lacking_part_of_the_contract_is_refused_naming_it(tmp_path, mod
     with pytest.raises(TypeError) as error:
         DefaultTrainer(cfg)
     assert message in str(error.value)
+
+
+def test_buffers_are_computed_by_init_buffers_or_refused(tmp_path):
+    """The trainer builds on the meta device, where a buffer has no value: init_buffers gives it
+    one, and a model without it is refused, naming the buffer."""
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file(tmp_path, "ScaledTagger")), [
+        f"train.output_dir={tmp_path / 'scaled'}", "train.micro_batch_size=8", "train.global_batch_size=8"])
+    trainer = DefaultTrainer(cfg)
+    try:
+        assert torch.equal(trainer.model.scale, torch.full((TAGS,), 0.5))
+    finally:
+        dist.destroy()
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file(tmp_path, "BufferedTagger")), [
+        f"train.output_dir={tmp_path / 'buffered'}"])
+    with pytest.raises(TypeError, match=r"BufferedTagger holds buffers \['scale'\].*implement init_buffers"):
+        DefaultTrainer(cfg)
+    dist.destroy()
 
 
 def test_a_subclass_that_leaves_out_a_method_cannot_be_built():

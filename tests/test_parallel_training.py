@@ -67,6 +67,7 @@ LAYOUTS_2 = {
     "pp2_interleaved": ["dist.pp=2", "train.micro_batch_size=2", "train.pipeline.schedule=interleaved_1f1b",
                         "train.pipeline.virtual_stages=2"],
     "pp2_1f1b_ac": ["dist.pp=2", "train.micro_batch_size=2", "train.activation_checkpoint.enabled=true"],
+    "pp2_zero_bubble": ["dist.pp=2", "train.micro_batch_size=4", "train.pipeline.schedule=zero_bubble"],
 }
 LAYOUTS_4 = {
     "dp4": ["dist.dp=4", "train.micro_batch_size=2"],
@@ -303,7 +304,7 @@ def test_layout_equals_one_process(runs, layout, model):
 
 # Layouts whose one evaluation batch holds the same 8 sequences as the one-process run's
 # (under pp an evaluation batch is all the micro-batches of a step).
-SAME_EVAL_BATCH = ["tp2", "tp4", "pp2_1f1b", "pp2_interleaved", "pp4_gpipe", "tp2_pp2"]
+SAME_EVAL_BATCH = ["tp2", "tp4", "pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble", "pp4_gpipe", "tp2_pp2"]
 
 
 @pytest.mark.parametrize("model", MODELS)

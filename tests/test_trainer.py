@@ -285,7 +285,7 @@ def test_lamb_from_the_config(config_file, tmp_path):
                   "train.checkpoint.period=0", "train.max_iter=10")
     assert type(trainer.optimizer).__name__ == "Lamb"
     logged = losses(tmp_path)
-    assert logged[10] < logged[1] - 0.03  # AdamW at lr 1e-3 falls 0.15 in these 10 steps
+    assert logged[10] < logged[1] - 0.03  # it learns: 10 LAMB steps lower the loss by about 0.05 here
 
 
 # ------------------------------------------------------------------------- what a newcomer hit

@@ -34,12 +34,8 @@ from . import commit
 
 logger = logging.getLogger("libai_zoo")
 
-# ZeroRedundancyOptimizer's state is consolidated on rank 0 and saved whole (DCP cannot shard it).
-ZERO1_OPTIMIZER = "optimizer_zero1.pt"
-
-
-def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
-    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+# Where ZeroRedundancyOptimizer's whole state went before ZeRO-1 ran on FSDP2 (2026-11-23).
+OLD_ZERO1_OPTIMIZER = "optimizer_zero1.pt"
 
 
 def _rank() -> int:
@@ -81,10 +77,8 @@ class Checkpointer:
         self.aliases = aliases or {}
 
     def _sharded_optimizers(self, with_optimizer: bool = True) -> list[torch.optim.Optimizer]:
-        """The optimizer when DCP saves it with the model (ZeRO-1's is saved whole, see `save`)."""
-        if not with_optimizer or self.optimizer is None or _is_zero1(self.optimizer):
-            return []
-        return [self.optimizer]
+        """The optimizer, when its state is saved or loaded with the model's."""
+        return [self.optimizer] if with_optimizer and self.optimizer is not None else []
 
     def _state(self, with_optimizer: bool = True) -> dict:
         """The FQN-keyed state DCP saves and loads: {"model": ..., ["optim": ...]}."""
@@ -106,10 +100,6 @@ class Checkpointer:
         trainer_state = {"iteration": iteration, "rng": rng_state(),
                          **{key: obj.state_dict() for key, obj in self.stateful.items()}}
         torch.save(trainer_state, staged / f"trainer_state_rank{_rank()}.pt")
-        if self.optimizer is not None and _is_zero1(self.optimizer):
-            self.optimizer.consolidate_state_dict(to=0)  # every rank sends its shard to rank 0
-            if _rank() == 0:
-                torch.save(self.optimizer.state_dict(), staged / ZERO1_OPTIMIZER)
         _barrier()
         if _rank() == 0:
             commit.finish(final, pointer=pointer)
@@ -147,6 +137,10 @@ class Checkpointer:
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path} is not a libai_zoo checkpoint (no .metadata): pass a model_XXXXXXX "
                                     f"directory written by the trainer")
+        if with_optimizer and (path / OLD_ZERO1_OPTIMIZER).is_file():
+            raise ValueError(f"{path} was saved by train.zero_stage=1 before ZeRO-1 ran on FSDP2: its optimizer "
+                             f"state cannot be resumed; start a new run from its weights with "
+                             f"train.load_weight={path}")
         optimizers = self._sharded_optimizers(with_optimizer)
         state = self._state(with_optimizer)
         if "optim" in state:
@@ -157,11 +151,6 @@ class Checkpointer:
             _rename_state(state["optim"], {saved: own for own, saved in self.aliases.items()})
         set_state_dict(self.model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))
-        if with_optimizer and self.optimizer is not None and _is_zero1(self.optimizer):
-            if not (path / ZERO1_OPTIMIZER).is_file():
-                raise FileNotFoundError(f"{path} holds no {ZERO1_OPTIMIZER}: it was not saved under "
-                                        f"train.zero_stage=1; resume with the stage it was saved with")
-            self.optimizer.load_state_dict(torch.load(path / ZERO1_OPTIMIZER, weights_only=True))
 
     def resume(self, path: str | Path) -> int:
         """Restore everything a run saved in checkpoint `path` (model, optimizer, stateful objects,

@@ -77,15 +77,13 @@ def all_reduce_(x: torch.Tensor, tp: TensorParallel, op=torch_dist.ReduceOp.SUM)
     return x
 
 
-def all_reduce_coalesced_(tensors: list[torch.Tensor], group, *, scale: float = 1.0) -> None:
+def all_reduce_coalesced_(tensors: list[torch.Tensor], group) -> None:
     """Sum `tensors` (one dtype and device) over `group` in place with one all-reduce of their
-    concatenation, then multiply by `scale` (e.g. 1/dp for a mean: gloo has no AVG)."""
+    concatenation."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     torch_dist.all_reduce(flat, group=group)
-    if scale != 1.0:
-        flat.mul_(scale)
     for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
         tensor.copy_(piece.view_as(tensor))
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .collectives import all_reduce_coalesced_
 from .context import ParallelContext, get_context
-from .tensor_parallel import TensorParallel
+from .tensor_parallel import TensorParallel, local_range
 
 
 def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
@@ -101,22 +101,10 @@ def tp_slice_of(param: torch.Tensor) -> tuple[int, int, int] | None:
     return placement.dim, param.device_mesh.get_local_rank(mesh_dim), param.device_mesh.size(mesh_dim)
 
 
-@torch.no_grad()
-def fill_shard_(param: torch.Tensor, value: torch.Tensor, *, tp_sliced: bool = False) -> None:
-    """Copy this rank's part of `value`, the full value of `param`, into `param` (into
-    ``param.to_local()``, whatever its placements: tp slices, ZeRO's dp shards of them, replicas).
-    With `tp_sliced`, `value` is already the tp slice `tp_slice_of(param)` names and only the other
-    mesh dimensions are cut. Slices locally, without communication."""
-    if isinstance(param, DTensor):
-        param.to_local().copy_(_local_part(param, value, tp_sliced))
-    else:
-        param.copy_(value)
-
-
 def dp_rows_of(param: torch.Tensor) -> tuple[int, int] | None:
     """[start, end) of dim 0 of this rank's tp slice (`tp_slice_of`) that it keeps when ZeRO shards
     the parameter over dp (FSDP2 cuts dim 0 of the tp slice as torch.chunk does), or None when no
-    other mesh dimension splits it (or splits another dim)."""
+    other mesh dimension splits it."""
     if not isinstance(param, DTensor):
         return None
     mesh, tp = param.device_mesh, tp_slice_of(param)
@@ -124,7 +112,8 @@ def dp_rows_of(param: torch.Tensor) -> tuple[int, int] | None:
         if name == "tp" or getattr(placement, "dim", None) is None:
             continue
         if placement.dim != 0:
-            return None
+            raise ValueError(f"a parameter split along dim {placement.dim} over {name} has no row range: "
+                             f"libai_zoo shards over dp along dim 0 only")
         rows = param.shape[0] // tp[2] if tp is not None and tp[0] == 0 else param.shape[0]
         per_rank = -(-rows // mesh.size(mesh_dim))
         start = min(mesh.get_local_rank(mesh_dim) * per_rank, rows)
@@ -132,17 +121,28 @@ def dp_rows_of(param: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
-def _local_part(param: DTensor, value: torch.Tensor, tp_sliced: bool) -> torch.Tensor:
-    mesh, placements = param.device_mesh, list(param.placements)
-    if tp_sliced and "tp" in (mesh.mesh_dim_names or ()):
-        others = [name for name in mesh.mesh_dim_names if name != "tp"]
-        if not others:
-            return value
-        # FSDP cuts the tp slice along its dim (a strided shard of the full tensor): plain Shard of the slice.
-        placements = [Shard(p.dim) if getattr(p, "dim", None) is not None else p
-                      for name, p in zip(mesh.mesh_dim_names, placements) if name != "tp"]
-        mesh = mesh[tuple(others)] if len(others) > 1 else mesh[others[0]]
-    return distribute_tensor(value.to(param.device), mesh, placements, src_data_rank=None).to_local()
+@torch.no_grad()
+def fill_shard_(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy this rank's part of `value`, the full value of `param`, into `param` (into
+    ``param.to_local()``, whatever its placements: its tp slice, ZeRO's rows of that slice, or a
+    replica). The part is cut where `value` lies (the CPU, for a drawn weight) and only the part
+    is copied to the parameter's device."""
+    if isinstance(param, DTensor):
+        param.to_local().copy_(_local_part(param, value))
+    else:
+        param.copy_(value)
+
+
+def _local_part(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The view of `value` (the full value of `param`) that this rank holds: the tp slice
+    `tp_slice_of` names, then the rows `dp_rows_of` names; a view, no copy."""
+    tp = tp_slice_of(param)
+    if tp is not None:
+        dim, index, count = tp
+        start, end = local_range(param.shape[dim], index, count)
+        value = value.narrow(dim, start, end - start)
+    rows = dp_rows_of(param)
+    return value if rows is None else value[rows[0]:rows[1]]
 
 
 @torch.no_grad()

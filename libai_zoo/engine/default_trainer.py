@@ -1,7 +1,8 @@
 """`DefaultTrainer(cfg)`: the standard recipe around the loop, every part overridable.
 
-    dist.init(cfg.dist) -> build_model (instantiate, dist.shard, pipeline stages, activation
-    checkpointing, compile, ZeRO) -> build_optimizer -> build_lr_scheduler -> the step and the
+    dist.init(cfg.dist) -> build_model (on the meta device: instantiate, dist.shard, pipeline
+    stages, activation checkpointing, compile, the data-parallel wrap; then materialize: each rank
+    allocates and fills only its own shards) -> build_optimizer -> build_lr_scheduler -> the step and the
     checkpointer -> build_test_loader, build_evaluator -> hooks (timer, LR, eval, best checkpoint,
     periodic checkpoint, writers, progress bar) -> resume_or_load -> train() (build_train_loader)
 
@@ -86,7 +87,7 @@ class DefaultTrainer(TrainerBase):
         self.amp_dtype = self._amp_dtype(train)
         self.data_parallel = DataParallel(
             self.ctx, train.zero_stage, offload=train.get("zero_offload", False),
-            param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 and train.zero_stage >= 2 else None)
+            param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 and train.zero_stage >= 1 else None)
         built = self.build_model(cfg)
         self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
         self.optimizer = self.build_optimizer(cfg, self.model_parts)
@@ -160,8 +161,9 @@ class DefaultTrainer(TrainerBase):
             self.data_parallel.wrap(root, list(stack), keep_gathered=keep_gathered)
         aliases = pipeline.tied_aliases() if pipeline is not None else None
         start = time.perf_counter()
-        loaded = [materialize(part, self.ctx.device, seed=cfg.train.seed, model=model, aliases=aliases)
-                  for part in parts]
+        # ZeRO offload keeps the shards in CPU memory: allocate them there (FSDP2 pins them)
+        device = torch.device("cpu") if self.data_parallel.offload else self.ctx.device
+        loaded = [materialize(part, device, seed=cfg.train.seed, model=model, aliases=aliases) for part in parts]
         logger.info("model materialised in %.1f s: %s", time.perf_counter() - start,
                     f"{sum(i['bytes_read'] for i in loaded) / 2**20:.2f} MiB read from {model.pretrained_source.path}"
                     if loaded[0] else f"fresh weights from seed {cfg.train.seed}")

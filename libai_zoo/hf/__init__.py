@@ -10,9 +10,10 @@ This package moves tensors; what each model calls its tensors is its `WeightMap`
 `libai_zoo.dist` and `libai_zoo.layers` and below the models, which call it.
 """
 
-from .loading import load_hf_weights, load_pretrained
+from .loading import check_hf_weights, load_hf_weights, load_pretrained
 from .reader import HFWeightReader, read_config
 from .rules import WeightMap
 from .saving import save_pretrained
 
-__all__ = ["read_config", "HFWeightReader", "load_pretrained", "load_hf_weights", "save_pretrained", "WeightMap"]
+__all__ = ["read_config", "HFWeightReader", "load_pretrained", "load_hf_weights", "check_hf_weights",
+           "save_pretrained", "WeightMap"]

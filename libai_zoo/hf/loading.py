@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
 from libai_zoo import dist
 
 from .reader import HFWeightReader
@@ -51,8 +53,9 @@ def load_pretrained(cls: type[nn.Module], path: str | Path, *, dtype: torch.dtyp
     deferred = torch.get_default_device().type == "meta"
     with torch.device("meta"):
         model = cls(config).to(dtype)
-    if deferred:
+    if deferred:  # nothing read: `shard` is the trainer's to do, and loading info comes from materialize
         model.pretrained_source = PretrainedSource(path, strict)
+        model.eval()
         return (model, {}) if output_loading_info else model
     device = torch.device("cpu")
     if shard:
@@ -81,6 +84,33 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
     read whole and cut). Returns {"missing_keys",
     "unexpected_keys", "not_loaded"}: checkpoint names the parameters need but the files lack,
     names in the files no parameter uses, and the parameters (model names) left as they were."""
+    params, held, available, missing, unexpected = check_hf_weights(model, reader, strict=strict, aliases=aliases)
+    if missing or unexpected:
+        logger.warning("%s: initialised %s; ignored %s", type(model).__name__, missing or "nothing",
+                       unexpected or "nothing")
+
+    def read(name, ranges=None):
+        return reader.read(available[name], ranges)
+
+    not_loaded = []
+    for rule in held:
+        if all(name in available for name in rule.hf):
+            param = params[rule.zoo]
+            # exactly this rank's part: its tp slice and, under ZeRO, the rows of it it keeps
+            tensor = rule.load(read, dist.tp_slice_of(param), param.shape, dist.dp_rows_of(param))
+            (param.to_local() if isinstance(param, DTensor) else param).copy_(tensor)
+        else:
+            not_loaded.append(rule.zoo)
+    return {"missing_keys": missing, "unexpected_keys": unexpected, "not_loaded": not_loaded}
+
+
+def check_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = True,
+                     aliases: dict[str, str] | None = None) -> tuple:
+    """Match `model`'s parameters with the checkpoint's names and shapes, reading no tensor; raise
+    one error naming every misshaped tensor (and, if `strict`, every missing and unexpected one).
+    Call it on the whole model on every rank before any rank loads its part, so that all fail
+    alike. Returns (params by rule name, the rules of the held parameters, model name ->
+    checkpoint name, missing, unexpected)."""
     weight_map = model.hf_weight_map()
     params = dict(model.named_parameters())
     for own, aliased in (aliases or {}).items():
@@ -102,26 +132,7 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
                   if name in available and tuple(reader.shape(available[name])) != tuple(shape)]
     if mismatched or (strict and (missing or unexpected)):
         raise ValueError(_load_error(type(model).__name__, reader.path, missing, unexpected, mismatched, strict))
-    if missing or unexpected:
-        logger.warning("%s: initialised %s; ignored %s", type(model).__name__, missing or "nothing",
-                       unexpected or "nothing")
-
-    def read(name, ranges=None):
-        return reader.read(available[name], ranges)
-
-    not_loaded = []
-    for rule in held:
-        if all(name in available for name in rule.hf):
-            param = params[rule.zoo]
-            rows = dist.dp_rows_of(param)  # ZeRO's cut: read only the rows of the tp slice this rank keeps
-            tensor = rule.load(read, dist.tp_slice_of(param), param.shape, rows)
-            if rows is None:
-                dist.fill_shard_(param, tensor, tp_sliced=True)
-            else:
-                param.to_local().copy_(tensor)
-        else:
-            not_loaded.append(rule.zoo)
-    return {"missing_keys": missing, "unexpected_keys": unexpected, "not_loaded": not_loaded}
+    return params, held, available, missing, unexpected
 
 
 def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:

@@ -1,8 +1,10 @@
 """How gradients meet over the data-parallel dimension, for each ZeRO stage, on FSDP2's engine.
 
-    zero_stage 0  `replicate` (FSDP2's DDP) per layer of the layer stack and on the root: every
-                  rank keeps everything; each layer's gradients are all-reduced as soon as backward
-                  has made them (after the last micro-batch), overlapping the rest of backward
+    zero_stage 0  `replicate` (FSDP2's DDP) on buckets of consecutive layers of the layer stack
+                  (at least 25 MiB of parameters each, DDP's bucket size: one layer of a 1B model)
+                  and on the root: every rank keeps everything; a bucket's gradients are
+                  all-reduced as soon as backward has made them (after the last micro-batch),
+                  overlapping the rest of backward
     zero_stage 1  `fully_shard`, parameters kept gathered through a step's micro-batches and
                   gradients kept whole until the last one, then reduce-scattered: optimizer state
                   (and the parameters between steps) 1/dp per rank, every tensor cut evenly
@@ -15,8 +17,11 @@ Every reduction averages over dp; the train step scales each rank's loss by dp /
 of targets), so the average is the mean over the whole global batch. The parameter groups gather
 one layer ahead in forward and backward (FSDP2's prefetch), and reductions run while backward
 goes on. FSDP2 composes with tensor parallelism (its shards are 2-D DTensors on the dp × tp
-mesh) and with pipeline stages (the pipeline schedule drives the gradient sync of a stage
-module wrapped here: once, after its last micro-batch). Modules may be wrapped on the meta device.
+mesh) and with pipeline stages: the pipeline schedule drives a wrapped stage module itself, with
+no gradient sync and no resharding after backward until its last micro-batch, so under pp ZeRO-2
+reduces once per step like ZeRO-1, and ZeRO-3 keeps a stage's parameters gathered from its first
+backward to the end of the step (they are 1/dp between steps at every stage). Modules may be
+wrapped on the meta device.
 """
 
 from __future__ import annotations
@@ -30,6 +35,25 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from libai_zoo.dist import ParallelContext
+from libai_zoo.utils import parameter_bytes
+
+
+#: The parameter bytes a ZeRO-0 all-reduce bucket gathers before it starts (DDP's default).
+BUCKET_BYTES = 25 * 2**20
+
+
+def buckets(layers: list[nn.Module], min_bytes: int) -> list[list[nn.Module]]:
+    """Consecutive `layers` grouped until each group holds `min_bytes` of (this rank's) parameters;
+    the last group takes what is left. Fewer, larger all-reduces for small layers."""
+    groups: list[list[nn.Module]] = [[]]
+    size = 0
+    for layer in layers:
+        if size >= min_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(layer)
+        size += parameter_bytes(layer)
+    return [group for group in groups if group]
 
 
 class DataParallel:
@@ -65,8 +89,9 @@ class DataParallel:
         mp_policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32) \
             if self.param_dtype is not None else MixedPrecisionPolicy()
         if self.zero_stage == 0:
-            for target in [*layers, module]:
-                replicate(target, mesh=mesh, mp_policy=mp_policy)
+            for bucket in buckets(layers, BUCKET_BYTES):
+                replicate(bucket if len(bucket) > 1 else bucket[0], mesh=mesh, mp_policy=mp_policy)
+            replicate(module, mesh=mesh, mp_policy=mp_policy)
         else:
             offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
             for target in [*layers, module]:

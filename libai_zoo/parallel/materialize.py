@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from libai_zoo.dist import fill_shard_, parameter_uses, retie
-from libai_zoo.hf import HFWeightReader, load_hf_weights
+from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -64,11 +64,13 @@ def materialize(part: nn.Module, device: torch.device, *, seed: int, model: nn.M
     ties = parameter_uses(part)
     part.to_empty(device=device)  # allocates each holder of a tied weight anew: tie them again
     retie(ties)
+    part.init_buffers()
     source = getattr(model, "pretrained_source", None)
     if source is None:
         init_parameters(part, seed, model=model, aliases=aliases)
         return {}
     with HFWeightReader(source.path) as reader:
+        check_hf_weights(model, reader, strict=source.strict)  # the whole model: every rank fails alike
         info = load_hf_weights(part, reader, strict=source.strict, aliases=aliases)
         info["bytes_read"] = reader.bytes_read
     if info["not_loaded"]:

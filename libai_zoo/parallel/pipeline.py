@@ -281,10 +281,10 @@ class Pipeline:
     """This rank's share of a model run pipelined: its stages' model parts and the schedule that
     runs them.
 
-    ``model`` is the full model (it implements the model contract), built identically on every
-    rank (same seed or same checkpoint) and already split over tp by `dist.shard` at tp > 1; this
-    rank's stages are pruned copies of it (stage s on pp rank s % pp for the looped schedules;
-    V-shaped for "zbv"), so ``model`` itself can be freed afterwards. ``virtual_stages`` is the
+    ``model`` is the full model (it implements the model contract), usually still on the meta
+    device (the trainer fills the stages afterwards: `materialize`) and already split over tp by
+    `dist.shard` at tp > 1; this rank's stages are pruned copies of it (stage s on pp rank s % pp
+    for the looped schedules; V-shaped for "zbv"), which hold no memory of ``model``'s. ``virtual_stages`` is the
     number of stages per rank (1 for "gpipe"/"1f1b", >= 2 for "interleaved_1f1b", >= 1 for
     "zero_bubble", exactly 2 for "zbv"). ``boundaries``: see `split_layers`.
 
@@ -411,8 +411,10 @@ class Pipeline:
             stages = [PipelineStage(stage, stage.stage_index, self.num_stages, device, group=group)
                       for stage in self.stages]
             kwargs = dict(n_microbatches=self.num_micro_batches, loss_fn=self._loss, scale_grads=False)
-            cls = self.kind.cls if train else self.kind.eval_cls or self.kind.cls
-            self._schedules[train, shapes] = cls(stages if self.kind.multi else stages[0], **kwargs)
+            cls, multi = self.kind.cls, self.kind.multi
+            if not train and self.kind.eval_cls is not None:  # one local stage: GPipe runs it forward only
+                cls, multi = (self.kind.eval_cls, True) if len(stages) > 1 else (ScheduleGPipe, False)
+            self._schedules[train, shapes] = cls(stages if multi else stages[0], **kwargs)
         return self._schedules[train, shapes]
 
     def _run(self, train: bool, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
