@@ -52,6 +52,10 @@ class CausalLM(GenerationMixin, TrainableModel):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         return self.lm_head.loss(outputs, targets, reduction)
 
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The loss without all the logits at once: `LMHead.loss_from_hidden`."""
+        return self.lm_head.loss_from_hidden(hidden, targets, reduction)
+
     def lm_output(self, hidden: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
                   past_key_values: list[KVCache] | None, logits_to_keep: int,
                   return_logits: bool) -> CausalLMOutputWithPast:
@@ -65,8 +69,7 @@ class CausalLM(GenerationMixin, TrainableModel):
                 raise ValueError("logits_to_keep computes the last positions only: it cannot take labels")
             hidden = hidden[:, -logits_to_keep:]
         if targets is not None and not return_logits:  # training: never all the logits at once
-            return CausalLMOutputWithPast(loss=self.lm_head.loss_from_hidden(hidden, targets),
-                                          past_key_values=past_key_values)
+            return CausalLMOutputWithPast(loss=self.head_loss(hidden, targets), past_key_values=past_key_values)
         logits = self.head(hidden)
         loss = None if targets is None else self.loss(logits, targets)
         return CausalLMOutputWithPast(loss=loss, logits=self.lm_head.gather(logits) if return_logits else None,

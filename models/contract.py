@@ -10,8 +10,8 @@ under data, tensor and pipeline parallelism like the zoo's. How one step uses th
     pipeline stages:
       first stage   hidden = model.embed(inputs)
       every stage   hidden = layer(hidden, **model.layer_inputs(inputs))  for its layers of the stack
-      last stage    outputs = model.head(model.final_norm(hidden))
-                    model.loss(outputs, targets, reduction="sum")         (summed over the targets)
+      last stage    model.head_loss(model.final_norm(hidden), targets, reduction="sum")
+                    (= model.loss(model.head(hidden), ...), summed over the targets)
     step weighting  model.num_loss_targets(targets): how many targets the batch scores
     fresh weights   model.init_parameter(name, module, full_tensor, generator): one parameter's
                     initial value; the trainer builds the model on the meta device and draws each
@@ -84,6 +84,11 @@ class TrainableModel(ABC):
         """The loss of the head's outputs against the targets, in float32: "mean" over the targets,
         or "sum" (the mean times `num_loss_targets`, so micro-batches add up without dividing)."""
 
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """``loss(head(hidden), targets, reduction)``; a model with a large head overrides it to
+        never hold all of the head's outputs (a causal LM computes it in chunks of tokens)."""
+        return self.loss(self.head(hidden), targets, reduction)
+
     def init_parameter(self, name: str, module: nn.Module, tensor: torch.Tensor,
                        generator: torch.Generator | None) -> None:
         """Fill `tensor` with the initial value of parameter `name` (dotted, of the whole model),
@@ -138,8 +143,8 @@ def check_trainable(model: nn.Module) -> None:
     name = type(model).__name__
     missing = [member for member in ("layer_stack", "first_stage_modules", "last_stage_modules", "loss_unit",
                                      "main_input_name") if not hasattr(model, member)]
-    methods = sorted(TrainableModel.__abstractmethods__) + ["split_batch", "num_loss_targets", "flops_per_token",
-                                                           "init_parameter"]
+    methods = sorted(TrainableModel.__abstractmethods__) + ["split_batch", "head_loss", "num_loss_targets",
+                                                           "flops_per_token", "init_parameter"]
     missing += [member for member in methods if not callable(getattr(model, member, None))]
     if not isinstance(model, nn.Module):
         missing.insert(0, "nn.Module as a base class")

@@ -11,8 +11,8 @@ are its model parts (`Pipeline.model_parts`), real modules the trainer hands to 
 
     stage 0      model.embed(inputs) -> layers[0:a]
     stage s      layers[a:b]             each layer(x, **model.layer_inputs(inputs))
-    stage S-1    layers[c:L] -> model.final_norm -> model.head (split logits under tp)
-                 -> model.loss(outputs, targets, "sum") x loss_scale
+    stage S-1    layers[c:L] -> model.head_loss(model.final_norm(x), targets, "sum") x loss_scale
+                 (the head and its loss inside the stage: a causal LM's in chunks of tokens)
 
 The batch's main input (``model.main_input_name``) enters the first stage; its other inputs
 (attention mask, positions, ...) go to every stage as keyword arguments, split into micro-batches
@@ -207,18 +207,24 @@ def prune_for_stage(model: nn.Module, layer_range: range, is_first: bool, is_las
     return pruned
 
 
+#: The keyword under which every stage gets its micro-batch's targets (the last stage scores them).
+TARGETS = "pipeline_targets"
+
+
 class PipelineStageModule(nn.Module):
     """One pipeline stage: ``model`` is the pruned copy (full-model parameter names).
 
     forward(x, **inputs): the first stage embeds the main input x (with the other inputs); then the
-    stage's layers; the last stage returns the head's outputs (vocabulary-split logits under tp:
-    the loss is computed on them without gathering).
+    stage's layers; the last stage returns the micro-batch's loss, summed over its targets
+    (``inputs[TARGETS]``) and times `loss_scale`: the head runs inside the stage, where FSDP has
+    gathered its weights, and a causal LM never holds all its logits.
     """
 
     def __init__(self, model: nn.Module, stage_index: int, num_stages: int, layer_range: range):
         super().__init__()
         self.model = model
         self.stage_index, self.num_stages, self.layer_range = stage_index, num_stages, layer_range
+        self.loss_scale = 1.0
 
     @property
     def is_first(self) -> bool:
@@ -230,13 +236,14 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         model = self.model
+        targets = inputs.pop(TARGETS)
         if self.is_first:
             x = model.embed({model.main_input_name: x, **inputs})
         layer_inputs = model.layer_inputs(inputs)
         for layer in get_layer_stack(model):
             x = layer(x, **layer_inputs)
         if self.is_last:
-            x = model.head(model.final_norm(x))
+            return model.head_loss(model.final_norm(x), targets, reduction="sum") * self.loss_scale
         return x
 
     def extra_repr(self) -> str:
@@ -335,7 +342,6 @@ class Pipeline:
         self.last_stage_rank = self.stage_ranks[-1]
         self.main_input_name = model.main_input_name
         self._last_part = next((s.model for s in self.stages if s.is_last), None)
-        self._loss_scale = 1.0
 
         # Parameters tied between the end stages (an embedding and its LM head): each end holds a copy.
         self.tied = _tied_names(model) if self.num_stages > 1 else []
@@ -389,9 +395,10 @@ class Pipeline:
             torch_dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tied_group)
 
     # ---- one training step
-    def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The model's loss of one micro-batch, summed over its targets, times the step's loss_scale."""
-        return self._last_part.loss(outputs, targets, reduction="sum") * self._loss_scale
+    @staticmethod
+    def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the last stage has already computed its micro-batch's loss."""
+        return outputs
 
     @property
     def splits_backward(self) -> bool:
@@ -431,16 +438,18 @@ class Pipeline:
                              f"stages forward only): train with another schedule, or without dataloader.test")
         shapes = tuple((key, tuple(value.shape)) for key, value in sorted(inputs.items()))
         schedule = self._schedule_for(train, shapes)
-        self._loss_scale = float(loss_scale)
+        for stage in self.stages:
+            stage.loss_scale = float(loss_scale)
         device = self.ctx.device
         args = (main.to(device),) if self.has_first else ()
         others = {key: value.to(device) for key, value in inputs.items() if key != self.main_input_name}
-        target = targets.to(device) if self.has_last else None
+        others[TARGETS] = targets.to(device)
+        target = others[TARGETS] if self.has_last else None
         losses: list[torch.Tensor] = []
         if train:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **others)
         else:
-            schedule.eval(*args, target=target, losses=losses, **others)
+            schedule.eval(*args, target=target, losses=losses, return_outputs=False, **others)
         if not self.has_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
