@@ -18,15 +18,12 @@ import datetime
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-
-ROOT = Path(__file__).resolve().parents[1]
 
 LAYOUTS = {
     "tp4": ["dist.tp=4", "train.micro_batch_size=4"],
@@ -102,7 +99,6 @@ def main() -> None:
                         help="the fixed overhead the limit allows (allocator, gloo buffers)")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory() as tmp:
         config_file = Path(tmp, "config.py")
         config_file.write_text(CONFIG.format(vocab=args.vocab, hidden=args.hidden, ffn=args.ffn, layers=args.layers,

@@ -5,8 +5,8 @@ in the same process the same model as `transformers.LlamaForCausalLM` (SDPA atte
 a plain loop with `torch.optim.AdamW` (fused on CUDA), each with and without `torch.compile`
 (the trainer compiles each layer; the loop compiles the model). Both train on the same random
 tokens with fp32 master weights under bf16 autocast (fp32 on CPU), global batch = micro batch
-(no accumulation), the same AdamW settings (fused on CUDA in both). Per run it prints tokens/s (median of the timed steps,
-each synchronised), MFU and peak memory.
+(no accumulation), the same AdamW settings (fused on CUDA in both). Per run it prints tokens/s
+(median of the timed steps, each synchronised), MFU and peak memory.
 
 MFU = tokens/s × FLOPs per token / peak FLOP/s, with the FLOPs of the model contract (PaLM's
 convention, attention counted, recomputation not): 6 × (parameters every token multiplies: all
@@ -27,10 +27,8 @@ import io
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import transformers
@@ -196,5 +194,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()
