@@ -35,7 +35,7 @@ from libai_zoo import dist
 from libai_zoo.checkpoint import Checkpointer
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import MicroBatchSampler, Prefetcher
-from libai_zoo.hf import HFWeightReader, load_hf_weights
+from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
 from libai_zoo.models import check_trainable, get_layer_stack
 from libai_zoo.optim import unique_parameters
 from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpointing, materialize
@@ -65,6 +65,9 @@ class BuiltModel:
     pipeline: Pipeline | None
     #: FLOPs of one training token of the whole model (for MFU); None when the data has no sequence length.
     flops_per_token: float | None
+    #: The whole model: `parts[0]` without pipeline stages, else still on the meta device (no memory):
+    #: the names and shapes of every stage's parameters, which a checkpoint is checked against.
+    whole: nn.Module
 
 
 class DefaultTrainer(TrainerBase):
@@ -90,6 +93,7 @@ class DefaultTrainer(TrainerBase):
             param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 and train.zero_stage >= 1 else None)
         built = self.build_model(cfg)
         self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
+        self.whole_model = built.whole
         self.optimizer = self.build_optimizer(cfg, self.model_parts)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
         self.step = TrainStep(self.model_parts, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
@@ -145,20 +149,20 @@ class DefaultTrainer(TrainerBase):
                                 boundaries=pipe.get("boundaries"))
             logger.info("%s", pipeline)
             parts, roots = pipeline.model_parts, pipeline.stages
-        layers = [get_layer_stack(part) for part in parts]
+        stacks = [list(get_layer_stack(part)) for part in parts]
+        layers = [layer for stack in stacks for layer in stack]
         if cfg.train.activation_checkpoint.enabled:
-            logger.info("activation checkpointing on %d layers",
-                        apply_activation_checkpointing([layer for stack in layers for layer in stack]))
+            logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(layers))
         compile_with = cfg.train.get("compile", False)
         if compile_with:  # True: inductor; a string names another torch.compile backend
-            for layer in (layer for stack in layers for layer in stack):
+            for layer in layers:
                 layer.compile(backend="inductor" if compile_with is True else compile_with)
         keep_gathered = pipeline is not None and pipeline.splits_backward
         if keep_gathered and self.data_parallel.zero_stage == 3:
             logger.info("ZeRO-3 under %s: parameters stay gathered from a step's first forward to its last "
                         "backward (the weight gradients come after FSDP's backward hooks)", pipeline.schedule_name)
-        for root, stack in zip(roots, layers):
-            self.data_parallel.wrap(root, list(stack), keep_gathered=keep_gathered)
+        for root, stack in zip(roots, stacks):
+            self.data_parallel.wrap(root, stack, keep_gathered=keep_gathered)
         aliases = pipeline.tied_aliases() if pipeline is not None else None
         start = time.perf_counter()
         # ZeRO offload keeps the shards in CPU memory: allocate them there (FSDP2 pins them)
@@ -167,7 +171,7 @@ class DefaultTrainer(TrainerBase):
         logger.info("model materialised in %.1f s: %s", time.perf_counter() - start,
                     f"{sum(i['bytes_read'] for i in loaded) / 2**20:.2f} MiB read from {model.pretrained_source.path}"
                     if loaded[0] else f"fresh weights from seed {cfg.train.seed}")
-        return BuiltModel([part.train() for part in parts], pipeline, flops_per_token)
+        return BuiltModel([part.train() for part in parts], pipeline, flops_per_token, model)
 
     def build_optimizer(self, cfg: DictConfig, model_parts: list[nn.Module]) -> torch.optim.Optimizer:
         """instantiate(cfg.optim) with its ``params`` built for the model parts (param_groups by default)."""
@@ -260,6 +264,7 @@ class DefaultTrainer(TrainerBase):
         if (path / "config.json").is_file():
             aliases = self.pipeline.tied_aliases() if self.pipeline is not None else None
             with HFWeightReader(path) as reader:
+                check_hf_weights(self.whole_model, reader)  # every rank, every stage's names: all fail alike
                 for part in self.model_parts:
                     load_hf_weights(part, reader, aliases=aliases)
         else:
