@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 from safetensors.torch import load_file
@@ -140,8 +141,26 @@ def _train(config_file: str, root: str, hf_dir: str, name: str) -> dict:
     return {"losses": losses, "logits": logits}
 
 
+def _bad_checkpoint_error(config_file: str, root: str) -> str | None:
+    """This rank's error for a directory lacking the final norm, which only the last of 2 pipeline
+    stages holds: every rank must raise (none may wait for a stage that failed alone)."""
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file), [
+        f"train.output_dir={root}/run_bad_hf", f"train.global_batch_size={GLOBAL_BATCH}",
+        f"train.load_weight={root}/hf_without_ln_f", "dist.tp=2", "dist.pp=2", "train.micro_batch_size=4"])
+    trainer = DefaultTrainer(cfg)
+    try:
+        trainer.resume_or_load(resume=False)
+    except ValueError as error:
+        return str(error)
+    finally:
+        dist.destroy()
+    return None
+
+
 def _all_runs(config_file: str, root: str, hf_dir: str) -> dict:
-    return {name: _train(config_file, root, hf_dir, name) for name in RUNS}
+    results = {name: _train(config_file, root, hf_dir, name) for name in RUNS}
+    results["bad_hf"] = _bad_checkpoint_error(config_file, root)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +177,12 @@ def runs(tmp_path_factory, hf_dir):
     ok("hf-to-zoo", hf_dir, root / "zoo_tp2_pp2", "--tp", 2, "--pp", 2)
     config_file = root / "config.py"
     config_file.write_text(CONFIG.format(zoo=root / "zoo_dp2_tp2", samples=SAMPLES, seq=SEQ, vocab=VOCAB))
-    results = run_distributed(_all_runs, 4, str(config_file), str(root), str(hf_dir))[0]
-    return root, results
+    shutil.copytree(hf_dir, root / "hf_without_ln_f")
+    weights = safetensors.torch.load_file(hf_dir / "model.safetensors")
+    safetensors.torch.save_file({k: v for k, v in weights.items() if "ln_f" not in k},
+                                root / "hf_without_ln_f" / "model.safetensors", metadata={"format": "pt"})
+    ranks = run_distributed(_all_runs, 4, str(config_file), str(root), str(hf_dir))
+    return root, {**ranks[0], "bad_hf_per_rank": [rank["bad_hf"] for rank in ranks]}
 
 
 def _hf_loss(hf_dir: Path) -> float:
@@ -204,6 +227,13 @@ def test_hugging_face_directory_loads_into_pipeline_stages(runs, hf_dir):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_missing_a_last_stage_tensor_fails_on_every_rank(runs):
+    _, results = runs
+    for error in results["bad_hf_per_rank"]:
+        assert error is not None and "2 missing tensor(s): transformer.ln_f.weight, transformer.ln_f.bias" \
+            in error, error
+
+
 def test_hugging_face_directory_loads_by_slices_under_zero3(runs, hf_dir):
     """Each rank reads its tp slice of each tensor and keeps its ZeRO-3 shard of it: the first
     loss is the checkpoint's."""
