@@ -13,6 +13,7 @@ under data, tensor and pipeline parallelism like the zoo's. How one step uses th
       last stage    model.head_loss(model.final_norm(hidden), targets, reduction="sum")
                     (= model.loss(model.head(hidden), ...), summed over the targets)
     step weighting  model.num_loss_targets(targets): how many targets the batch scores
+    data check      model.input_limits(): the vocabulary and position limits the data must fit
     fresh weights   model.init_parameter(name, module, full_tensor, generator): one parameter's
                     initial value; the trainer builds the model on the meta device and draws each
                     parameter whole (then keeps this rank's part), so any layout starts alike
@@ -111,6 +112,19 @@ class TrainableModel(ABC):
                             f"has no values for: implement init_buffers() to compute them, or compute them in "
                             f"forward")
 
+    def input_limits(self) -> dict[str, int | None]:
+        """The inputs the model's tables can take, for checking the data before the first step
+        (`libai_zoo.data.check_dataset(dataset, **model.input_limits())`): "vocab_size", the token ids
+        its embedding holds, and "max_positions", the longest sequence its learned position
+        embeddings hold; None where there is no such limit. Default: the config's vocab_size and
+        max_position_embeddings (GPT-2's n_positions) for a model that embeds input_ids, none for
+        others (images); a model whose positions are computed (rotary) returns max_positions None."""
+        if self.main_input_name != "input_ids":
+            return {"vocab_size": None, "max_positions": None}
+        config = getattr(self, "config", None)
+        return {"vocab_size": getattr(config, "vocab_size", None),
+                "max_positions": getattr(config, "max_position_embeddings", None)}
+
     def num_loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """How many targets a batch scores: its targets that are not IGNORE_INDEX (tokens), or its
         samples."""
@@ -144,7 +158,7 @@ def check_trainable(model: nn.Module) -> None:
     missing = [member for member in ("layer_stack", "first_stage_modules", "last_stage_modules", "loss_unit",
                                      "main_input_name") if not hasattr(model, member)]
     methods = sorted(TrainableModel.__abstractmethods__) + ["split_batch", "head_loss", "num_loss_targets",
-                                                           "flops_per_token", "init_parameter"]
+                                                           "flops_per_token", "init_parameter", "input_limits"]
     missing += [member for member in methods if not callable(getattr(model, member, None))]
     if not isinstance(model, nn.Module):
         missing.insert(0, "nn.Module as a base class")

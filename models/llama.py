@@ -122,6 +122,11 @@ class LlamaForCausalLM(PreTrainedModel, CausalLM):
     def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"attention_mask": inputs.get("attention_mask"), "position_ids": inputs.get("position_ids")}
 
+    def input_limits(self) -> dict[str, int | None]:
+        """Rotary positions are computed, not looked up: max_position_embeddings (the length it was
+        trained at) is no hard limit."""
+        return {"vocab_size": self.config.vocab_size, "max_positions": None}
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 past_key_values: list[KVCache] | None = None, logits_to_keep: int = 0,

@@ -6,6 +6,7 @@ Every dataset returns dicts of tensors, so `torch.utils.data.default_collate` ba
 Pre-training data at scale lives in Megatron-LM's indexed format (.bin/.idx, written by
 tools/preprocess_data.py): `IndexedDataset` reads it, `build_indexed_gpt_dataset` and
 `build_indexed_mlm_dataset` make GPT and BERT samples of it, and `Prefetcher` reads batches ahead.
+`check_dataset` tells, before training, whether a dataset's token ids and lengths fit a model.
 """
 
 from .bert_dataset import IndexedMLMDataset, build_indexed_mlm_dataset
@@ -19,8 +20,10 @@ from .prefetch import Prefetcher
 from .samplers import MicroBatchSampler
 from .text_classification import build_text_classification_dataset
 from .tokenizer import load_tokenizer
+from .validation import TokenDataset, TokenIdRange, check_dataset
 
 __all__ = ["MicroBatchSampler", "PackedTokenDataset", "build_gpt_dataset", "read_documents",
            "build_text_classification_dataset", "DigitsDataset", "load_tokenizer",
            "IndexedDataset", "IndexedDatasetWriter", "best_fitting_dtype", "IndexedGPTDataset", "BlendedDataset",
-           "build_indexed_gpt_dataset", "IndexedMLMDataset", "build_indexed_mlm_dataset", "Prefetcher"]
+           "build_indexed_gpt_dataset", "IndexedMLMDataset", "build_indexed_mlm_dataset", "Prefetcher",
+           "check_dataset", "TokenDataset", "TokenIdRange"]

@@ -27,9 +27,10 @@ import torch
 from torch.utils.data import Dataset
 
 from .blending import BlendedDataset, cached_blending_indices, normalized_weights
-from .index_cache import cached_array, index_fingerprint
-from .indexed_dataset import IndexedDataset, prefix_list, read_stream
+from .index_cache import cached_array, cached_token_range, index_fingerprint
+from .indexed_dataset import IndexedDataset, data_path, prefix_list, read_stream
 from .tokenizer import load_tokenizer
+from .validation import TokenIdRange
 
 
 def build_window_index(data: IndexedDataset, window: int, eod_id: int | None) -> np.ndarray:
@@ -73,7 +74,7 @@ class IndexedMLMDataset(Dataset):
             raise ValueError(f"need 0 < mask_prob ({mask_prob}) <= 1 and non-negative mask_token_prob "
                              f"({mask_token_prob}) + random_token_prob ({random_token_prob}) <= 1")
         self.data = prefix if isinstance(prefix, IndexedDataset) else IndexedDataset(prefix)
-        self.seq_len, self.seed = seq_len, seed
+        self.seq_len, self.seed, self.cache_dir = seq_len, seed, cache_dir
         self.cls_id, self.sep_id, self.pad_id, self.mask_id = cls_id, sep_id, pad_id, mask_id
         self.mask_prob, self.mask_token_prob, self.random_token_prob = mask_prob, mask_token_prob, random_token_prob
         self.special_ids = np.unique(np.asarray(list(special_ids), dtype=np.int64))
@@ -90,6 +91,22 @@ class IndexedMLMDataset(Dataset):
 
     def __len__(self) -> int:
         return self.num_samples
+
+    @property
+    def source(self) -> str:
+        return data_path(self.data.prefix)
+
+    def token_id_ranges(self) -> list[TokenIdRange]:
+        """The range of the ids in the .bin (one read of all of its tokens, cached in cache_dir:
+        `cached_token_range`) and of those the masking adds: [CLS], [SEP], [PAD], [MASK] and
+        random replacements."""
+        added = [self.cls_id, self.sep_id, self.pad_id, self.mask_id]
+        if self.random_token_prob > 0 and len(self.random_ids):
+            added += [int(self.random_ids[0]), int(self.random_ids[-1])]
+        ranges = [TokenIdRange(f"the tokenizer that masks {self.source} (its [CLS], [SEP], [PAD], [MASK] and random "
+                               f"replacement tokens)", min(added), max(added))]
+        found = cached_token_range(self.data, self.cache_dir)
+        return ranges if found is None else [TokenIdRange(self.source, *found), *ranges]
 
     def with_num_samples(self, num_samples: int) -> IndexedMLMDataset:
         """The same dataset (shared index) with another length; indices past the windows get new masks."""

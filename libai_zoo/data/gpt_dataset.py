@@ -18,17 +18,21 @@ from torch.utils.data import Dataset
 
 from .documents import read_documents
 from .index_cache import cached_array, file_fingerprint
+from .indexed_dataset import value_range
 from .tokenizer import load_tokenizer
+from .validation import TokenIdRange
 
 CACHE_FORMAT = "gpt-tokens-v1"  # change it when the stream's layout changes, so old caches are not reused
 TOKENIZE_BATCH = 1024
+SCAN_TOKENS = 1 << 24  # tokens token_id_ranges reads at a time
 
 
 class PackedTokenDataset(Dataset):
     """A 1-D token stream as len(tokens) // seq_len consecutive, non-overlapping samples (the tail
-    that does not fill a sample is left out). Works on memory-mapped arrays without copying them."""
+    that does not fill a sample is left out). Works on memory-mapped arrays without copying them.
+    `source` says what the tokens were made of (a text file), for `check_dataset`'s errors."""
 
-    def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int):
+    def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int, *, source: str = "the token stream"):
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.detach().cpu().numpy()
         if tokens.ndim != 1:
@@ -40,6 +44,7 @@ class PackedTokenDataset(Dataset):
                              f"use more text or a shorter seq_len")
         self.tokens = tokens
         self.seq_len = seq_len
+        self.source = source
 
     def __len__(self) -> int:
         return len(self.tokens) // self.seq_len
@@ -50,6 +55,13 @@ class PackedTokenDataset(Dataset):
         start = (index % len(self)) * self.seq_len
         input_ids = torch.from_numpy(self.tokens[start: start + self.seq_len].astype(np.int64))
         return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+    def token_id_ranges(self) -> list[TokenIdRange]:
+        """The range of the ids in the samples (`check_dataset`): a min/max over the stream, SCAN_TOKENS
+        at a time (a memory-mapped cache is read once)."""
+        used = len(self) * self.seq_len
+        found = value_range(self.tokens[start: min(start + SCAN_TOKENS, used)] for start in range(0, used, SCAN_TOKENS))
+        return [] if found is None else [TokenIdRange(self.source, *found)]
 
 
 def build_gpt_dataset(text_file: str, tokenizer_dir: str, seq_len: int,
@@ -69,7 +81,7 @@ def build_gpt_dataset(text_file: str, tokenizer_dir: str, seq_len: int,
            "tokenizer": file_fingerprint(tokenizer_json)}
     tokens = cached_array(cache_dir, Path(text_file).stem, key,
                           lambda: _tokenize_documents(documents, tokenizer, dtype))
-    return PackedTokenDataset(tokens, seq_len)
+    return PackedTokenDataset(tokens, seq_len, source=f"{text_file} (tokenized with {tokenizer_dir})")
 
 
 def _tokenize_documents(documents: list[str], tokenizer, dtype: type) -> np.ndarray:

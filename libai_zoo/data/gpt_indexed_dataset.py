@@ -35,8 +35,9 @@ import torch
 from torch.utils.data import Dataset
 
 from .blending import BlendedDataset, cached_blending_indices, normalized_weights
-from .index_cache import cached_array, index_fingerprint
-from .indexed_dataset import IndexedDataset, prefix_list, read_stream
+from .index_cache import cached_array, cached_token_range, index_fingerprint
+from .indexed_dataset import IndexedDataset, data_path, prefix_list, read_stream
+from .validation import TokenIdRange
 
 # ------------------------------------------------------------------------------------------ indices
 def build_sample_index(sequence_lengths: np.ndarray, seq_len: int) -> np.ndarray:
@@ -77,7 +78,7 @@ class IndexedGPTDataset(Dataset):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.data = prefix if isinstance(prefix, IndexedDataset) else IndexedDataset(prefix)
-        self.seq_len, self.seed, self.shuffle = seq_len, seed, shuffle
+        self.seq_len, self.seed, self.shuffle, self.cache_dir = seq_len, seed, shuffle, cache_dir
         self.fingerprint = index_fingerprint(self.data.prefix)
         self.sample_index = gpt_sample_index(self.data, seq_len, cache_dir, self.fingerprint)
         self.samples_per_epoch = len(self.sample_index)
@@ -106,6 +107,16 @@ class IndexedGPTDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         window = torch.from_numpy(self.window(index).astype(np.int64))
         return {"input_ids": window[:-1], "shift_labels": window[1:]}
+
+    @property
+    def source(self) -> str:
+        return data_path(self.data.prefix)
+
+    def token_id_ranges(self) -> list[TokenIdRange]:
+        """The range of the ids in the .bin (`check_dataset`): one read of all of its tokens, cached
+        in cache_dir (`cached_token_range`)."""
+        found = cached_token_range(self.data, self.cache_dir)
+        return [] if found is None else [TokenIdRange(self.source, *found)]
 
 
 def build_indexed_gpt_dataset(prefixes: str | Sequence[str], weights: Sequence[float] | None = None, *, seq_len: int,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .indexed_dataset import index_path
+from .indexed_dataset import IndexedDataset, data_path, index_path
 
 CACHE_FORMAT = "libai-zoo-indexed-v1"  # change it when an index's meaning changes, so old caches are not reused
 
@@ -27,6 +27,18 @@ def index_fingerprint(prefix: str) -> str:
     """A hash of PREFIX.idx's contents: the indices depend on nothing else of the files. Reading the
     .idx costs 20 bytes per document."""
     return file_fingerprint(index_path(prefix))
+
+
+def cached_token_range(data: IndexedDataset, cache_dir: str | None) -> tuple[int, int] | None:
+    """`data.token_range()` (one read of the .bin's tokens), cached in cache_dir: the key is the .idx's
+    hash and the .bin's size and modification time (hashing the .bin would cost as much as the scan),
+    so a later run on the same files reads a file of two numbers instead (ranks that start together
+    each scan, reading the same pages of the OS cache)."""
+    stat = os.stat(data_path(data.prefix))
+    key = {"idx": index_fingerprint(data.prefix), "bin_size": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns}
+    found = cached_array(cache_dir, f"{Path(data.prefix).name}-token-range", key,
+                         lambda: np.array(data.token_range() or (), dtype=np.int64))
+    return (int(found[0]), int(found[1])) if len(found) else None
 
 
 def file_fingerprint(path: str | os.PathLike) -> str:

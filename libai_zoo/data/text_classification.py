@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from datasets import Dataset
+from datasets import Dataset, DatasetInfo
 
 from .documents import read_documents
 from .tokenizer import load_tokenizer
@@ -73,6 +73,8 @@ def build_text_classification_dataset(text_file: str, tokenizer_dir: str, max_le
         return tokenizer(batch["text"], padding="max_length", truncation=True, max_length=max_length,
                          return_token_type_ids=True, return_attention_mask=True)
 
-    dataset = Dataset.from_dict({"text": texts, "labels": labels})
+    # The description names the data in check_dataset's errors.
+    info = DatasetInfo(description=f"{text_file} (tokenized with {tokenizer_dir})")
+    dataset = Dataset.from_dict({"text": texts, "labels": labels}, info=info)
     dataset = dataset.map(encode, batched=True, remove_columns=["text"])
     return dataset.with_format("torch", columns=["input_ids", "attention_mask", "token_type_ids", "labels"])
