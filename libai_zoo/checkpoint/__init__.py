@@ -1,5 +1,6 @@
 """libai_zoo.checkpoint: the trainer's resumable checkpoints (torch.distributed.checkpoint, any
-layout) and how a checkpoint is committed only once complete. Hugging Face directories are
+layout, written synchronously or in the background), how a checkpoint is committed only once
+complete, and the manifest that proves it intact before a resume. Hugging Face directories are
 `libai_zoo.hf`; conversions between formats are `libai_zoo.convert`."""
 
 from . import commit

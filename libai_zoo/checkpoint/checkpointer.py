@@ -1,31 +1,57 @@
-"""Training checkpoints that survive crashes and layout changes.
+"""Training checkpoints that survive crashes and layout changes, and that cannot lie.
 
     output_dir/
       model_0000500/         model + optimizer (torch.distributed.checkpoint: every rank writes
                              its own shards; DTensors keep their global shapes, so a checkpoint
                              loads at another dp × tp × pp) and trainer_state_rank{r}.pt
                              (iteration, RNG states, and the state of the run's other stateful
-                             objects: LR schedule, loss scaler)
+                             objects: LR schedule, loss scaler); manifest.json (every file's size
+                             and CRC-32)
       last_checkpoint        the name of the newest complete checkpoint
 
 A checkpoint counts only once complete (`commit`: written under ``<name>.tmp``, renamed when every
 rank has finished, then named by `last_checkpoint`): a run killed while writing resumes from the
 previous one.
+
+Integrity: at save every rank records the size and CRC-32 of the files it wrote; rank 0 gathers
+the records and writes ``manifest.json`` into the staging directory before the commit.
+`Checkpointer.find_resumable` (every rank) walks the committed checkpoints newest first, each
+rank checking every world-size-th file of the manifest, and returns the newest whose files all
+match, logging a warning that names each skipped checkpoint and what differed; a checkpoint
+written before manifests existed is accepted unverified.
+
+Asynchronous saving (``Checkpointer(..., async_save=True)``, torch.distributed.checkpoint's
+``async_save``): `save` copies the state off the live tensors (staging) and returns; the shards
+are written by a background thread whose collectives run on a gloo group of their own, then the
+rank writes its trainer state and records its files. The trainer calls `poll` after every step
+(no collective while nothing is pending; otherwise one 1-element all-reduce on a second gloo group
+until every rank has finished, then rank 0 writes the manifest and commits) and `wait` at the
+end of training; `save`, `remove_incomplete`, `find_resumable` and `resume` wait for a pending
+save themselves. With ``stage_in_background=True`` even the copy runs in the background: `save`
+returns at once and the optimizer's next ``step()`` waits for the copy (a step pre-hook, or
+`wait_for_staging`). A run killed while a write is pending never commits it: its ``.tmp`` is
+removed on resume.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from libai_zoo.utils import rng_state, set_rng_state
@@ -38,12 +64,20 @@ logger = logging.getLogger("libai_zoo")
 OLD_ZERO1_OPTIMIZER = "optimizer_zero1.pt"
 
 
+def _distributed() -> bool:
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
 def _rank() -> int:
-    return torch_dist.get_rank() if torch_dist.is_initialized() else 0
+    return torch_dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return torch_dist.get_world_size() if _distributed() else 1
 
 
 def _barrier() -> None:
-    if torch_dist.is_initialized():
+    if _distributed():
         torch_dist.barrier()
 
 
@@ -53,6 +87,20 @@ def _one_process_ok():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+@dataclass
+class _PendingSave:
+    """An asynchronous save not committed yet: `staging` completes once the state is copied (None:
+    it was copied inside save()), `written` once this rank's files are on disk (its result: the
+    rank's report for the manifest)."""
+
+    final: Path
+    iteration: int
+    pointer: bool
+    staging: Future | None
+    written: Future
+    started: float
 
 
 class Checkpointer:
@@ -65,16 +113,39 @@ class Checkpointer:
     ``aliases``: this rank's name of a parameter -> the name its optimizer state may be saved
     under instead (a pipeline's last stage holds a copy of the embedding tied to its head; a
     layout without that copy saves the state under the embedding's name).
+    ``async_save``: write in the background (see the module docstring); with a process group,
+    constructing the Checkpointer is then a collective (it creates two gloo groups).
+    ``stage_in_background``: with `async_save`, copy the state in the background too; the
+    optimizer's next ``step()`` waits for the copy.
     """
 
     def __init__(self, output_dir: str | Path, model_parts: Sequence[nn.Module],
                  optimizer: torch.optim.Optimizer | None = None, *, stateful: dict[str, object] | None = None,
-                 aliases: dict[str, str] | None = None):
+                 aliases: dict[str, str] | None = None, async_save: bool = False, stage_in_background: bool = False):
+        if stage_in_background and not async_save:
+            raise ValueError("stage_in_background=True needs async_save=True: a synchronous save copies nothing")
         self.output_dir = Path(output_dir)
         self.model = _one_module(list(model_parts))
         self.optimizer = optimizer
         self.stateful = stateful or {}
         self.aliases = aliases or {}
+        self.async_save = async_save
+        self.stage_in_background = stage_in_background
+        self._pending: _PendingSave | None = None
+        self._prune_after_commit: int | None = None
+        # The background write's DCP collectives run on one gloo group, the main thread's checkpoint
+        # collectives (poll, manifest, verification) on another: two threads must never interleave
+        # collectives on one group, and the training's group (NCCL on GPUs) stays untouched.
+        self._write_group = self._group = None
+        if async_save and _distributed():
+            self._write_group = torch_dist.new_group(backend="gloo")
+            self._group = torch_dist.new_group(backend="gloo")
+        if async_save and not _distributed():
+            # DCP's background thread warns that it runs without a process group: here that is the intent.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                    module=r"torch\.distributed\.checkpoint\.")
+        if stage_in_background and optimizer is not None:
+            optimizer.register_step_pre_hook(lambda *_: self.wait_for_staging())
 
     def _sharded_optimizers(self, with_optimizer: bool = True) -> list[torch.optim.Optimizer]:
         """The optimizer, when its state is saved or loaded with the model's."""
@@ -86,31 +157,159 @@ class Checkpointer:
         model_state, optim_state = get_state_dict(self.model, optimizers)
         return {"model": model_state, "optim": optim_state} if optimizers else {"model": model_state}
 
+    def _trainer_state(self, iteration: int) -> dict:
+        """What trainer_state_rank{r}.pt holds, copied now (a later step must not change it)."""
+        return copy.deepcopy({"iteration": iteration, "rng": rng_state(),
+                              **{key: obj.state_dict() for key, obj in self.stateful.items()}})
+
+    # ------------------------------------------------------------------------------ collectives
+    def _gather(self, obj: object) -> list | None:
+        """Every rank's `obj` on rank 0 (None elsewhere), over the checkpoint group."""
+        if not _distributed():
+            return [obj]
+        gathered = [None] * _world_size() if _rank() == 0 else None
+        torch_dist.gather_object(obj, gathered, dst=0, group=self._group)
+        return gathered
+
+    def _all_gather(self, obj: object) -> list:
+        """Every rank's `obj` on every rank, over the checkpoint group."""
+        if not _distributed():
+            return [obj]
+        gathered = [None] * _world_size()
+        torch_dist.all_gather_object(gathered, obj, group=self._group)
+        return gathered
+
+    def _broadcast(self, obj: object) -> object:
+        """Rank 0's `obj` on every rank, over the checkpoint group."""
+        if not _distributed():
+            return obj
+        box = [obj]
+        torch_dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
     # ------------------------------------------------------------------------------------ saving
     def save(self, name: str, iteration: int, *, pointer: bool = True) -> Path:
         """Write checkpoint `name` after `iteration` steps (every rank must call this); with
-        `pointer`, `last_checkpoint` names it once it is complete."""
+        `pointer`, `last_checkpoint` names it once it is complete. Returns where it will be.
+
+        Synchronous: returns once it is committed. Asynchronous: first waits for a pending save
+        to commit, then returns once the state is staged (copied), or at once with
+        `stage_in_background`; `poll` or `wait` commits it."""
+        self.wait()
         final = self.output_dir / name
         staged = commit.staging_dir(final)
         if _rank() == 0:
             commit.start(final)
+        if self.async_save:
+            if self._group is not None:
+                torch_dist.barrier(group=self._group)
+            self._pending = self._save_async(final, iteration, pointer)
+            return final
         _barrier()
         with _one_process_ok():
             dcp.save(self._state(), checkpoint_id=str(staged))
-        trainer_state = {"iteration": iteration, "rng": rng_state(),
-                         **{key: obj.state_dict() for key, obj in self.stateful.items()}}
-        torch.save(trainer_state, staged / f"trainer_state_rank{_rank()}.pt")
-        _barrier()
-        if _rank() == 0:
-            commit.finish(final, pointer=pointer)
-            logger.info("saved checkpoint %s", final)
-        _barrier()
+        torch.save(self._trainer_state(iteration), staged / f"trainer_state_rank{_rank()}.pt")
+        self._commit(final, iteration, pointer, _report(lambda: commit.record_files(staged, _rank())))
         return final
 
+    def _save_async(self, final: Path, iteration: int, pointer: bool) -> _PendingSave:
+        """Start DCP's async_save of the state into the staging directory of `final`, and a thread
+        that, once the shards are written, writes this rank's trainer state and records its files."""
+        started = time.perf_counter()
+        staged = commit.staging_dir(final)
+        trainer_state = self._trainer_state(iteration)
+        stager = (DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                               use_async_staging=True, use_non_blocking_copy=False))
+                  if self.stage_in_background else None)
+        response = dcp.async_save(self._state(), checkpoint_id=str(staged), process_group=self._write_group,
+                                  async_stager=stager, no_dist=not _distributed())
+        if isinstance(response, Future):
+            staged_future, upload = None, response
+        else:
+            staged_future, upload = response.staging_completion, response.upload_completion
+        rank = _rank()
+
+        def finish_rank() -> dict:
+            try:
+                upload.result()
+            finally:
+                if stager is not None:
+                    stager.close()
+            torch.save(trainer_state, staged / f"trainer_state_rank{rank}.pt")
+            return commit.record_files(staged, rank)
+
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="libai_zoo_checkpoint")
+        written = executor.submit(_report, finish_rank)
+        executor.shutdown(wait=False)
+        return _PendingSave(final, iteration, pointer, staged_future, written, started)
+
+    def _commit(self, final: Path, iteration: int, pointer: bool, report: dict) -> None:
+        """Gather every rank's report ({"files": records} or {"error": message}) on rank 0, which
+        writes the manifest and commits; every rank raises if any part failed."""
+        reports = self._gather(report)
+        error = None
+        if _rank() == 0:
+            try:
+                error = _manifest_and_commit(final, iteration, pointer, reports)
+            except Exception as exc:  # every rank must learn of it, not rank 0 alone
+                error = f"committing failed on rank 0: {type(exc).__name__}: {exc}"
+            if error is None and self._prune_after_commit is not None:
+                self._prune_now(self._prune_after_commit)
+        self._prune_after_commit = None
+        error = self._broadcast(error)
+        if error is not None:
+            raise RuntimeError(f"checkpoint {final} was not saved: {error}; the previous checkpoint stays the "
+                               f"newest (its staging directory {commit.staging_dir(final).name} is removed on "
+                               f"resume)")
+
+    def poll(self) -> Path | None:
+        """Commit the pending asynchronous save if every rank has finished writing it; return the
+        checkpoint it committed, else None. Every rank calls it after every step: no collective
+        when nothing is pending, one 1-element all-reduce while a save is."""
+        pending = self._pending
+        if pending is None:
+            return None
+        unfinished = torch.tensor([0 if pending.written.done() else 1])
+        if self._group is not None:
+            torch_dist.all_reduce(unfinished, group=self._group)
+        if unfinished.item():
+            return None
+        self._pending = None
+        self._commit(pending.final, pending.iteration, pending.pointer, pending.written.result())
+        logger.info("committed %s, %.2f s after its save started", pending.final, time.perf_counter() - pending.started)
+        return pending.final
+
+    def wait(self) -> Path | None:
+        """Block until the pending asynchronous save (if any) is committed, and return it (every rank)."""
+        pending = self._pending
+        if pending is None:
+            return None
+        wait_for_futures([pending.written])
+        return self.poll()
+
+    def wait_for_staging(self) -> None:
+        """Block until the pending save's copy of the state is complete, so the parameters and the
+        optimizer state may change (the optimizer's step pre-hook calls it; this rank only)."""
+        pending = self._pending
+        if pending is not None and pending.staging is not None:
+            pending.staging.result()
+
+    @property
+    def pending(self) -> Path | None:
+        """The checkpoint an asynchronous save is writing and has not committed yet."""
+        return None if self._pending is None else self._pending.final
+
     def prune(self, max_to_keep: int | None) -> None:
-        """Keep only the newest `max_to_keep` periodic checkpoints (model_XXXXXXX; model_best stays)."""
-        if max_to_keep is None or _rank() != 0:
+        """Keep only the newest `max_to_keep` periodic checkpoints (model_XXXXXXX; model_best stays);
+        while a save is pending, once it is committed (so it is counted and the previous one stays)."""
+        if max_to_keep is None:
             return
+        if self._pending is not None:
+            self._prune_after_commit = max_to_keep
+        elif _rank() == 0:
+            self._prune_now(max_to_keep)
+
+    def _prune_now(self, max_to_keep: int) -> None:
         periodic = sorted(p for p in self.output_dir.glob("model_*") if p.is_dir() and p.name[6:].isdigit())
         for old in periodic[:-max_to_keep]:
             shutil.rmtree(old)
@@ -118,21 +317,51 @@ class Checkpointer:
     # ----------------------------------------------------------------------------------- loading
     def remove_incomplete(self) -> None:
         """Delete the checkpoints whose writing was interrupted (every rank must call this)."""
+        self.wait()
         if _rank() == 0:
             commit.remove_incomplete(self.output_dir)
         _barrier()
 
     def last_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint (named by `last_checkpoint`), or None when there is none yet."""
+        """The checkpoint `last_checkpoint` names, unverified, or None when there is none yet
+        (`find_resumable` is what a resume should use)."""
         path = commit.pointed_to(self.output_dir)
         if path is not None and not path.is_dir():
             raise FileNotFoundError(f"{self.output_dir / commit.POINTER} names {path.name}, which does not exist: "
                                     f"restore it or delete {commit.POINTER} to start from scratch")
         return path
 
+    def find_resumable(self, at_most: int | None = None) -> Path | None:
+        """The newest committed checkpoint whose files match its manifest (every rank calls this and
+        gets the same answer): the one `last_checkpoint` names, else the periodic ones before it,
+        newest first; `at_most` keeps only those of at most that iteration (a rollback). Each rank
+        checks every world-size-th file. A bad one is skipped with a warning naming its bad files;
+        one without a manifest (written before manifests existed) is accepted. None: nothing to resume."""
+        self.wait()
+        candidates = self._broadcast(commit.resumable_candidates(self.output_dir, at_most)
+                                     if _rank() == 0 else None)
+        for path in candidates:
+            verdicts = self._all_gather(_check_share(path, _rank(), _world_size()))
+            problems = [problem for verdict in verdicts for problem in verdict["problems"]]
+            unverified = {verdict["unverified"] for verdict in verdicts}
+            if len(unverified) > 1:
+                problems.append(f"ranks disagree whether {commit.MANIFEST} exists (a stale shared file system?)")
+            if problems:
+                logger.warning("checkpoint %s is damaged, skipping it: %s", path, "; ".join(problems))
+                continue
+            if unverified.pop():
+                logger.info("checkpoint %s has no %s (written before integrity manifests): using it unverified",
+                            path, commit.MANIFEST)
+            return path
+        if candidates:
+            logger.warning("no intact checkpoint in %s%s: starting from scratch", self.output_dir,
+                           "" if at_most is None else f" at or before iteration {at_most}")
+        return None
+
     def load(self, path: str | Path, *, with_optimizer: bool = False) -> None:
         """Load the model parts' weights (and, `with_optimizer`, the optimizer) from checkpoint `path`,
         whatever layout wrote it."""
+        self.wait_for_staging()
         path = Path(path)
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path} is not a libai_zoo checkpoint (no .metadata): pass a model_XXXXXXX "
@@ -154,7 +383,8 @@ class Checkpointer:
 
     def resume(self, path: str | Path) -> int:
         """Restore everything a run saved in checkpoint `path` (model, optimizer, stateful objects,
-        RNG states); return the number of steps it had done."""
+        RNG states); return the number of steps it had done. Waits for a pending save first."""
+        self.wait()
         path = Path(path)
         states = [path / f"trainer_state_rank{_rank()}.pt", path / "trainer_state_rank0.pt"]
         state_file = next((file for file in states if file.is_file()), None)
@@ -167,6 +397,51 @@ class Checkpointer:
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         return state["iteration"]
+
+
+def _report(records: Callable[[], dict[str, dict]]) -> dict:
+    """A rank's report for the manifest: {"files": records()} or, if that failed, {"error": ...}."""
+    try:
+        return {"files": records()}
+    except Exception as exc:  # reported to every rank through rank 0
+        return {"error": f"rank {_rank()}: {type(exc).__name__}: {exc}"}
+
+
+def _manifest_and_commit(final: Path, iteration: int, pointer: bool, reports: list[dict]) -> str | None:
+    """On rank 0: merge the ranks' records, check they cover every file ``.metadata`` refers to,
+    write the manifest and commit; return what failed instead, if anything did."""
+    errors = [report["error"] for report in reports if "error" in report]
+    if errors:
+        return "; ".join(errors)
+    staged = commit.staging_dir(final)
+    files = {name: record for report in reports for name, record in report["files"].items()}
+    metadata = dcp.FileSystemReader(str(staged)).read_metadata()
+    referenced = {info.relative_path for info in metadata.storage_data.values()}
+    unrecorded = sorted(referenced - set(files))
+    if unrecorded:
+        return (f"{', '.join(unrecorded)} in .metadata but recorded by no rank (torch.distributed.checkpoint "
+                f"names its files differently than commit.files_of_rank expects: update files_of_rank)")
+    commit.write_manifest(staged, files, iteration=iteration, world_size=len(reports))
+    commit.finish(final, pointer=pointer)
+    logger.info("saved checkpoint %s", final)
+    return None
+
+
+def _check_share(path: Path, rank: int, world_size: int) -> dict:
+    """This rank's share of verifying checkpoint `path`: {"problems": [...], "unverified": bool}
+    (unverified: it has no manifest)."""
+    if not path.is_dir():
+        return {"problems": [f"{path.name} does not exist"], "unverified": False}
+    try:
+        manifest = commit.read_manifest(path)
+    except ValueError as error:
+        return {"problems": [str(error)], "unverified": False}
+    if manifest is None:
+        problems = [] if (path / commit.METADATA).is_file() else [f"{commit.METADATA} is missing"]
+        return {"problems": problems, "unverified": True}
+    names = sorted(manifest["files"])
+    problems = [commit.check_file(path, name, manifest["files"][name]) for name in names[rank::world_size]]
+    return {"problems": [problem for problem in problems if problem is not None], "unverified": False}
 
 
 def _one_module(parts: list[nn.Module]) -> nn.Module:
