@@ -3,16 +3,26 @@
     python tools/train.py projects/gpt2_pretrain/config.py
     python tools/train.py CONFIG.py train.max_iter=100 optim.lr=3e-4 dist.tp=2
     torchrun --nproc_per_node=2 tools/train.py CONFIG.py dist.tp=2
+    torchrun --nproc_per_node=8 --max-restarts=3 tools/train.py CONFIG.py dist.tp=8    # survives lost ranks
+
+A run resumes by itself from the newest intact checkpoint in train.output_dir (a first start has
+none and starts fresh), so a restarted or requeued job simply runs the same command again.
+Exit codes: 0 done; 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT after saving a checkpoint: run it
+again to resume; 1 anything else (with several processes the process exits at once, without the
+teardown a dead peer could hang, so torchrun can restart the job).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
+import traceback
 
 from libai_zoo import dist
 from libai_zoo.config import LazyConfig
-from libai_zoo.engine import DefaultTrainer
+from libai_zoo.engine import DefaultTrainer, Preempted
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,11 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. train.max_iter=100 optim.lr=1e-3; a key that does not exist "
                              "is an error (prefix it with + to add it)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint in train.output_dir (model, optimizer, "
-                             "schedule, loss scale, RNG and data position); starts fresh if there is none")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start from scratch (or train.load_weight) even if train.output_dir holds checkpoints, "
+                             "which the new run then overwrites; by default a run continues from the newest intact "
+                             "checkpoint there (model, optimizer, schedule, loss scale, RNG and data position)")
     parser.add_argument("--eval-only", action="store_true",
-                        help="evaluate on dataloader.test (after --resume or train.load_weight) and exit")
+                        help="evaluate on dataloader.test (the newest checkpoint, or train.load_weight) and exit")
     parser.add_argument("--fast-dev-run", action="store_true",
                         help="smoke test: 2 training steps, logging every step, 2 evaluation batches, "
                              "no checkpoints")
@@ -38,17 +49,32 @@ def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config), args.overrides)
     trainer = DefaultTrainer(cfg, fast_dev_run=args.fast_dev_run)
-    trainer.resume_or_load(resume=args.resume)
     try:
+        trainer.resume_or_load(resume=not args.no_resume)
         if args.eval_only:
             results = trainer.test()
             logging.getLogger("libai_zoo").info("evaluation: %s", results)
+            dist.destroy()
             return results
         trainer.train()
-    finally:
-        dist.destroy()
+    except BaseException as error:
+        if dist.launched_world_size() == 1 or isinstance(error, Preempted):
+            dist.destroy()  # with several processes a dead or hung peer could block the teardown
+        raise
+    dist.destroy()
     return None
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Preempted as stop:
+        sys.exit(stop.exit_code)
+    except BaseException:
+        if dist.launched_world_size() == 1:
+            raise
+        traceback.print_exc()
+        for handler in logging.getLogger("libai_zoo").handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(1)  # skip interpreter teardown: threads waiting on a dead peer would keep the process alive

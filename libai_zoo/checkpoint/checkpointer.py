@@ -36,6 +36,7 @@ removed on resume.
 from __future__ import annotations
 
 import copy
+import datetime
 import logging
 import shutil
 import time
@@ -116,12 +117,14 @@ class Checkpointer:
     ``async_save``: write in the background (see the module docstring); with a process group,
     constructing the Checkpointer is then a collective (it creates two gloo groups).
     ``stage_in_background``: with `async_save`, copy the state in the background too; the
-    optimizer's next ``step()`` waits for the copy.
+    optimizer's next ``step()`` waits for the copy. ``timeout`` (seconds): bounds the collectives
+    of those groups (None: gloo's default).
     """
 
     def __init__(self, output_dir: str | Path, model_parts: Sequence[nn.Module],
                  optimizer: torch.optim.Optimizer | None = None, *, stateful: dict[str, object] | None = None,
-                 aliases: dict[str, str] | None = None, async_save: bool = False, stage_in_background: bool = False):
+                 aliases: dict[str, str] | None = None, async_save: bool = False, stage_in_background: bool = False,
+                 timeout: float | None = None):
         if stage_in_background and not async_save:
             raise ValueError("stage_in_background=True needs async_save=True: a synchronous save copies nothing")
         self.output_dir = Path(output_dir)
@@ -138,8 +141,9 @@ class Checkpointer:
         # collectives on one group, and the training's group (NCCL on GPUs) stays untouched.
         self._write_group = self._group = None
         if async_save and _distributed():
-            self._write_group = torch_dist.new_group(backend="gloo")
-            self._group = torch_dist.new_group(backend="gloo")
+            limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
+            self._write_group = torch_dist.new_group(backend="gloo", timeout=limit)
+            self._group = torch_dist.new_group(backend="gloo", timeout=limit)
         if async_save and not _distributed():
             # DCP's background thread warns that it runs without a process group: here that is the intent.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled",
@@ -394,7 +398,8 @@ class Checkpointer:
         self.load(path, with_optimizer=True)
         state = torch.load(state_file, weights_only=True)
         for key, obj in self.stateful.items():
-            obj.load_state_dict(state[key])
+            if key in state:  # a checkpoint from before `key` was saved leaves it as built
+                obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         return state["iteration"]
 

@@ -8,12 +8,14 @@ torchrun it is one process and needs no process group at all.
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
 import torch.distributed as torch_dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .rendezvous import attempt_store, forget, shares_agent_store
 from .tensor_parallel import TensorParallel
 
 MESH_DIMS = ("pp", "dp", "tp")
@@ -70,10 +72,28 @@ class ParallelContext:
     def is_main_process(self) -> bool:
         return self.rank == 0
 
+    def set_timeout(self, seconds: float) -> None:
+        """Bound every later collective of this run's process groups by `seconds` (a collective
+        that waits longer raises on gloo, aborts the process on NCCL). Every rank calls it."""
+        if self.mesh is None:
+            return
+        timeout = datetime.timedelta(seconds=seconds)
+        torch_dist.barrier()  # no collective is in flight while the timeout changes
+        for group in [None, *self.mesh.get_all_groups()]:
+            torch_dist.distributed_c10d._set_pg_timeout(timeout, group)
+
     def __repr__(self) -> str:
         return (f"ParallelContext(world_size={self.world_size}, dp={self.dp}, tp={self.tp}, "
                 f"pp={self.pp}, rank={self.rank}, device={self.device}, "
                 f"sequence_parallel={self.sequence_parallel})")
+
+
+def launched_world_size() -> int:
+    """The number of processes this run was launched with: the process group's, else torchrun's
+    ``WORLD_SIZE`` (1 without it); read before any process group is built."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def resolve_sizes(world_size: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
@@ -106,20 +126,21 @@ def _default_device(local_rank: int) -> torch.device:
 
 
 def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False,
-         backend: str | None = None) -> ParallelContext:
+         backend: str | None = None, timeout: float | None = None) -> ParallelContext:
     """Set up the process layout of this run and make it the current context.
 
     Reads torchrun's ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``; without them this is a single
     process and no process group is created. An already initialized default process group (from
     ``accelerate`` or a test harness) is reused. The backend is nccl on CUDA and gloo on CPU.
     ``sequence_parallel`` splits norms and dropout over the sequence inside the tp group.
+    ``timeout`` (seconds; None: the backend's default) bounds forming the group and every
+    collective until `ParallelContext.set_timeout` changes it. Under a torchrun restart the new
+    workers form their group from a store of their own attempt (`rendezvous.attempt_store`).
     """
     global _current
-    if torch_dist.is_available() and torch_dist.is_initialized():
-        world_size, rank = torch_dist.get_world_size(), torch_dist.get_rank()
-    else:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
+    world_size = launched_world_size()
+    initialized = torch_dist.is_available() and torch_dist.is_initialized()
+    rank = torch_dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     dp, tp, pp = resolve_sizes(world_size, dp, tp, pp)
     if sequence_parallel and tp == 1:
@@ -130,7 +151,13 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = Fa
     owns_process_group = False
     if world_size > 1:
         if not torch_dist.is_initialized():
-            torch_dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"))
+            backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+            limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
+            if shares_agent_store():
+                store = attempt_store(rank, world_size, limit or datetime.timedelta(minutes=10))
+                torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=limit)
+            else:
+                torch_dist.init_process_group(backend, timeout=limit)
             owns_process_group = True
         mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
     _current = ParallelContext(dp, tp, pp, rank=rank, local_rank=local_rank, device=device,
@@ -151,4 +178,5 @@ def destroy() -> None:
     global _current
     if _current is not None and _current.owns_process_group and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+    forget()
     _current = None

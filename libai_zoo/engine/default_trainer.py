@@ -1,10 +1,17 @@
 """`DefaultTrainer(cfg)`: the standard recipe around the loop, every part overridable.
 
-    dist.init(cfg.dist) -> build_model (on the meta device: instantiate, dist.shard, pipeline
-    stages, activation checkpointing, compile, the data-parallel wrap; then materialize: each rank
-    allocates and fills only its own shards) -> build_optimizer -> build_lr_scheduler -> the step and the
-    checkpointer -> build_test_loader, build_evaluator -> hooks (timer, LR, eval, best checkpoint,
-    periodic checkpoint, writers, progress bar) -> resume_or_load -> train() (build_train_loader)
+    checks that need no process group (layout, batch sizes) -> dist.init(cfg.dist) -> build_model
+    (on the meta device: instantiate, dist.shard, pipeline stages, activation checkpointing, compile,
+    the data-parallel wrap; then materialize: each rank allocates and fills only its own shards)
+    -> the data checked against the model -> build_optimizer -> build_lr_scheduler -> the step and
+    the checkpointer -> build_test_loader, build_evaluator -> hooks (timer, LR, eval, best
+    checkpoint, periodic checkpoint, step-time spread, goodput, writers, progress bar, preemption)
+    -> resume_or_load -> train() (build_train_loader)
+
+A run survives what a long job meets (see the README's "Running long jobs"): it resumes by itself
+from the newest intact checkpoint, saves and exits with `EXIT_PREEMPTED` on SIGTERM/SIGINT, stops
+(or rolls back, ``train.on_divergence="rollback"``) after ``train.max_bad_steps`` non-finite steps
+in a row, and when a collective times out (``dist.timeout``) names the ranks that never arrived.
 
 The model is read only through the model contract (`libai_zoo.models.TrainableModel`): any model
 that implements it trains at every layout.
@@ -22,11 +29,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as torch_dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
@@ -34,20 +42,35 @@ from torch.utils.data import DataLoader
 from libai_zoo import dist
 from libai_zoo.checkpoint import Checkpointer
 from libai_zoo.config import LazyConfig, instantiate
-from libai_zoo.data import MicroBatchSampler, Prefetcher
+from libai_zoo.data import MicroBatchSampler, Prefetcher, check_dataset
 from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
 from libai_zoo.models import check_trainable, get_layer_stack
 from libai_zoo.optim import unique_parameters
-from libai_zoo.parallel import DataParallel, Pipeline, apply_activation_checkpointing, materialize
+from libai_zoo.parallel import (DataParallel, Pipeline, apply_activation_checkpointing, check_pipeline_layout,
+                                materialize)
 from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
 from . import hooks
 from .evaluator import Evaluator, pipelined_forward, run_evaluation
 from .events import ConsoleWriter, JSONWriter, TensorBoardWriter
+from .faults import fault_injector
+from .goodput import Goodput
+from .heartbeat import Heartbeat
+from .preemption import Preempted, Preemption
 from .train_step import AMP_DTYPES, TrainStep
-from .trainer_base import TrainerBase
+from .trainer_base import RolledBack, TrainerBase
 
 logger = logging.getLogger("libai_zoo")
+
+
+MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 2
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    """A collective that timed out or lost a peer (gloo raises these; NCCL's watchdog aborts instead)."""
+    text = str(error)
+    return isinstance(error, torch_dist.DistError) or any(
+        word in text for word in ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL"))
 
 
 def _with(node: DictConfig, **given) -> dict:
@@ -70,41 +93,77 @@ class BuiltModel:
     whole: nn.Module
 
 
+class DivergenceError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm."""
+
+
+class DataPosition:
+    """Where the training data stands beyond the step count: the batches a rollback skipped
+    (saved with every checkpoint, so a resumed run reads on from the same sample)."""
+
+    def __init__(self):
+        self.skipped_batches = 0
+
+    def state_dict(self) -> dict:
+        return {"skipped_batches": self.skipped_batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_batches = state["skipped_batches"]
+
+
 class DefaultTrainer(TrainerBase):
     """Builds everything a run needs from `cfg` (see libai_zoo/config/common for the keys)."""
 
     def __init__(self, cfg: DictConfig, *, fast_dev_run: bool = False):
+        started_at = time.time()
         super().__init__()
         self.cfg, self.fast_dev_run = cfg, fast_dev_run
         train = cfg.train
+        # What can be refused without a process group is refused before one exists.
+        dp, tp, pp = dist.resolve_sizes(dist.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
+        self.accumulation = self._accumulation(train, dp)
+        self.amp_dtype = self._amp_dtype(train)
+        self.on_divergence = self._on_divergence(train)
+        self.check_layout(cfg, tp, pp, self.accumulation)
         self.ctx = dist.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp,
-                             sequence_parallel=cfg.dist.get("sequence_parallel", False))
-        self.accumulation = self._accumulation(train, self.ctx.dp)
+                             sequence_parallel=cfg.dist.get("sequence_parallel", False),
+                             timeout=cfg.dist.get("init_timeout"))
         self.output_dir = Path(train.output_dir)
         setup_logging(self.output_dir, self.ctx.rank)
         logger.info("%s; %d micro-batch(es) of %d per step, global batch %d", self.ctx, self.accumulation,
                     train.micro_batch_size, train.global_batch_size)
-        if self.ctx.is_main_process:
-            LazyConfig.save(cfg, self.output_dir / "config.yaml")
+        self.heartbeat = Heartbeat(dist.progress_store(), self.ctx.rank, self.ctx.world_size)
         seed_all(train.seed)
-        self.amp_dtype = self._amp_dtype(train)
         self.data_parallel = DataParallel(
             self.ctx, train.zero_stage, offload=train.get("zero_offload", False),
             param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 and train.zero_stage >= 1 else None)
         built = self.build_model(cfg)
         self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
         self.whole_model = built.whole
+        self.layers = [layer for part in self.model_parts for layer in get_layer_stack(part)]
+        self.train_dataset = instantiate(cfg.dataloader.train)
+        check_dataset(self.train_dataset, **self.whole_model.input_limits())
         self.optimizer = self.build_optimizer(cfg, self.model_parts)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
         self.step = TrainStep(self.model_parts, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
                               clip_grad_norm=train.get("clip_grad_norm"), data_parallel=self.data_parallel,
                               pipeline=self.pipeline)
+        self.data_position = DataPosition()
         self.checkpointer = Checkpointer(self.output_dir, self.model_parts, self.optimizer,
-                                         stateful={"scheduler": self.scheduler, "scaler": self.step.scaler},
-                                         aliases=self.pipeline.tied_aliases() if self.pipeline else None)
+                                         stateful={"scheduler": self.scheduler, "scaler": self.step.scaler,
+                                                   "data": self.data_position},
+                                         aliases=self.pipeline.tied_aliases() if self.pipeline else None,
+                                         async_save=train.checkpoint.get("async_save", False),
+                                         timeout=cfg.dist.get("timeout"))
         self.test_loader = self.build_test_loader(cfg)
         self.evaluator = self.build_evaluator(cfg)
+        self.goodput = Goodput(self.output_dir, started_at) if self.ctx.is_main_process else None
         self.register_hooks(self.build_hooks())
+        self._bad_steps: list[int] = []  # the iterations of the current run of non-finite steps
+        self._rollbacks: dict[int, int] = {}  # checkpoint iteration -> rollbacks to it
+        self._data_stack = ExitStack()
+        if self.ctx.is_main_process:  # only a run that passed every check leaves more than its log
+            LazyConfig.save(cfg, self.output_dir / "config.yaml")
 
     # ---------------------------------------------------------------------------------- checks
     @staticmethod
@@ -115,6 +174,30 @@ class DefaultTrainer(TrainerBase):
                              f"micro_batch_size × dp = {train.micro_batch_size} × {dp} = {per_step}: change one "
                              f"of them (the quotient is the number of accumulated micro-batches)")
         return train.global_batch_size // per_step
+
+    @staticmethod
+    def _on_divergence(train: DictConfig) -> str:
+        action = train.get("on_divergence", "stop")
+        if action not in ("stop", "rollback"):
+            raise ValueError(f"train.on_divergence = {action!r} must be 'stop' or 'rollback'")
+        if train.get("max_bad_steps", 1) < 1:
+            raise ValueError(f"train.max_bad_steps = {train.max_bad_steps} must be at least 1")
+        return action
+
+    @staticmethod
+    def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int) -> None:
+        """Refuse, before any process group exists, a model that cannot be split over tp or into pp
+        stages (it is built on the meta device: no memory, nothing read but a config)."""
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        problems = dist.tp_problems(model, tp) if tp > 1 else []
+        if problems:
+            raise ValueError(f"the model cannot be split over dist.tp = {tp}:\n  " + "\n  ".join(problems))
+        if pp > 1:
+            pipe = cfg.train.get("pipeline") or {}
+            check_pipeline_layout(len(get_layer_stack(model)), pp, schedule=pipe.get("schedule", "1f1b"),
+                                  num_micro_batches=num_micro_batches, virtual_stages=pipe.get("virtual_stages", 1),
+                                  boundaries=pipe.get("boundaries"))
 
     @staticmethod
     def _amp_dtype(train: DictConfig) -> torch.dtype | None:
@@ -185,8 +268,8 @@ class DefaultTrainer(TrainerBase):
         return instantiate(_with(cfg.train.scheduler, optimizer=optimizer, max_iter=cfg.train.max_iter))
 
     def build_train_loader(self, cfg: DictConfig, consumed_samples: int = 0) -> DataLoader:
-        """The training data, resuming after `consumed_samples` (a global count)."""
-        dataset = instantiate(cfg.dataloader.train)
+        """The training data (`train_dataset`), resuming after `consumed_samples` (a global count)."""
+        dataset = self.train_dataset
         sampler = MicroBatchSampler(len(dataset), cfg.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
                                     dp_size=self.ctx.dp, shuffle=cfg.dataloader.get("shuffle", True),
                                     seed=cfg.train.seed, consumed_samples=consumed_samples,
@@ -208,7 +291,9 @@ class DefaultTrainer(TrainerBase):
                              f"cannot evaluate (torch has no forward-only schedule for its V-placed stages): use "
                              f"another schedule (zero_bubble, interleaved_1f1b), or set dataloader.test=null")
         batch_size = cfg.train.micro_batch_size * (self.accumulation if pipelined else 1)
-        return DataLoader(instantiate(cfg.dataloader.test), batch_size=batch_size, shuffle=False, drop_last=pipelined)
+        dataset = instantiate(cfg.dataloader.test)
+        check_dataset(dataset, **self.whole_model.input_limits())
+        return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=pipelined)
 
     def build_evaluator(self, cfg: DictConfig) -> Evaluator:
         return instantiate(cfg.evaluator) if cfg.get("evaluator") is not None else Evaluator()
@@ -217,7 +302,8 @@ class DefaultTrainer(TrainerBase):
         """The built-in hooks, then the config's own ``hooks`` list (LazyCalls of HookBase subclasses)."""
         train = self.cfg.train
         peak = peak_flops(self.ctx.device, self.amp_dtype or torch.float32)
-        result = [hooks.IterationTimer(self.flops_per_token, peak, self.ctx.world_size),
+        result = [fault_injector(self.ctx.rank, self.output_dir),
+                  hooks.IterationTimer(self.flops_per_token, peak, self.ctx.world_size),
                   hooks.LRScheduler(self.optimizer, self.scheduler)]
         eval_period = train.eval.period
         if self.test_loader is not None:
@@ -228,12 +314,16 @@ class DefaultTrainer(TrainerBase):
         if not self.fast_dev_run:
             result.append(hooks.PeriodicCheckpointer(self.checkpointer, train.checkpoint.period,
                                                      train.checkpoint.get("max_to_keep")))
+        log_period = 1 if self.fast_dev_run else train.log_period
+        result += [hooks.CheckpointCommitter(self.checkpointer),
+                   hooks.StepTimeSpread(log_period, self.ctx.device) if self.ctx.world_size > 1 else None,
+                   self.goodput]
         if self.ctx.is_main_process:
             writers = [ConsoleWriter(), JSONWriter(self.output_dir / "metrics.json")]
             if train.get("tensorboard", False):
                 writers.append(TensorBoardWriter(self.output_dir / "tensorboard"))
-            result += [hooks.PeriodicWriter(writers, 1 if self.fast_dev_run else train.log_period),
-                       hooks.ProgressBar()]
+            result += [hooks.PeriodicWriter(writers, log_period), hooks.ProgressBar()]
+        result.append(Preemption(self._save_now, self.ctx.device))  # after the writers: the last step is logged
         return result + [instantiate(hook) for hook in self.cfg.get("hooks") or []]
 
     def _sequence_length(self) -> int | None:
@@ -242,11 +332,12 @@ class DefaultTrainer(TrainerBase):
 
     # ------------------------------------------------------------------------------------ resume
     def resume_or_load(self, resume: bool = True) -> None:
-        """With `resume` and a checkpoint in output_dir: restore everything from the newest
-        complete one. Otherwise start at 0, from ``train.load_weight`` if set (a Hugging Face
-        directory or a trainer checkpoint: weights only)."""
+        """With `resume` and a checkpoint in output_dir: restore everything from the newest intact
+        one (a damaged one is skipped with a warning naming its bad file). Otherwise start at 0,
+        from ``train.load_weight`` if set (a Hugging Face directory or a trainer checkpoint:
+        weights only)."""
         self.checkpointer.remove_incomplete()
-        path = self.checkpointer.last_checkpoint() if resume else None
+        path = self.checkpointer.find_resumable() if resume else None
         if path is not None:
             self.start_iter = self.checkpointer.resume(path)
             logger.info("resumed from %s at iteration %d", path, self.start_iter)
@@ -273,21 +364,93 @@ class DefaultTrainer(TrainerBase):
 
     # ------------------------------------------------------------------------------- the loop
     def train(self) -> None:
-        """Train from `start_iter` (set by resume_or_load) to ``train.max_iter``."""
+        """Train from `start_iter` (set by resume_or_load) to ``train.max_iter``. A collective that
+        fails or times out is reported with the ranks it waited for (their last heartbeats)."""
         max_iter = self.start_iter + 2 if self.fast_dev_run else self.cfg.train.max_iter
-        loader = self.build_train_loader(self.cfg, self.start_iter * self.cfg.train.global_batch_size)
+        with self._data_stack:
+            self._open_data(self.start_iter)
+            try:
+                super().train(self.start_iter, max_iter)
+            except (Preempted, DivergenceError, KeyboardInterrupt):
+                raise
+            except Exception as error:
+                if self.ctx.world_size > 1 and _is_collective_failure(error):
+                    self.heartbeat.report(error)
+                raise
+
+    def _open_data(self, iteration: int) -> None:
+        """Read the training data from the batch of step `iteration` + 1 on (after the batches a
+        rollback skipped); a thread reads ``dataloader.prefetch`` batches ahead (0: none)."""
+        self._data_stack.close()
+        batches = (iteration + self.data_position.skipped_batches) * self.cfg.train.global_batch_size
+        loader = self.build_train_loader(self.cfg, batches)
         depth = self.cfg.dataloader.get("prefetch", 2)
-        batches = Prefetcher(loader, depth) if depth else nullcontext(loader)
-        with batches as source:  # a thread reads `prefetch` batches ahead of the step (0: none)
-            self._data = iter(source)
-            super().train(self.start_iter, max_iter)
+        self._data = iter(self._data_stack.enter_context(Prefetcher(loader, depth)) if depth else loader)
 
     def run_step(self) -> None:
+        step = self.iter + 1
+        self.heartbeat.beat(step, "waiting for data")
         start = time.perf_counter()
         micro_batches = [next(self._data) for _ in range(self.accumulation)]
         data_time = time.perf_counter() - start
+        self.heartbeat.beat(step, "forward, backward and optimizer step")
         metrics = self.step(micro_batches)
         self.storage.put_scalars(data_time=data_time, **metrics)
+        if self.iter == self.start_iter and self.cfg.dist.get("timeout"):
+            self.ctx.set_timeout(self.cfg.dist.timeout)  # start-up is done: the shorter bound from now on
+        self._watch_divergence(metrics)
+        self.heartbeat.beat(step, "hooks after the step (checkpoint, evaluation, logging)")
+
+    def _watch_divergence(self, metrics: dict) -> None:
+        """Count steps in a row whose loss or gradient norm was not finite (skipped on every rank);
+        after ``train.max_bad_steps`` stop with an error, or roll back (``train.on_divergence``)."""
+        if not metrics["diverged"]:
+            self._bad_steps.clear()
+            return
+        self._bad_steps.append(self.iter)
+        if len(self._bad_steps) < self.cfg.train.get("max_bad_steps", 5):
+            return
+        first, last = self._bad_steps[0] + 1, self.iter + 1
+        what = (f"steps {first}..{last} had a non-finite loss or gradient norm (last loss {metrics['loss']}, "
+                f"gradient norm {metrics['grad_norm']}); parameters whose gradients were not finite on rank "
+                f"{self.ctx.rank}: {', '.join(self.step.nonfinite_grads) or 'none (the loss itself)'}")
+        if self.on_divergence == "rollback":
+            self._roll_back(first - 1, what)
+        raise DivergenceError(f"the run diverged: {what}. Lower optim.lr or raise the warm-up, look at the data "
+                              f"of those steps, or set train.on_divergence=rollback to go back to the last good "
+                              f"checkpoint and skip those batches")
+
+    def _roll_back(self, good: int, what: str) -> None:
+        """Restore the newest intact checkpoint of at most `good` steps, skip the data batches read
+        since it (PaLM's recipe), and go on from there (raises `RolledBack`)."""
+        path = self.checkpointer.find_resumable(at_most=good)
+        if path is None:
+            raise DivergenceError(f"the run diverged and there is no checkpoint of at most {good} steps to roll back "
+                                  f"to: {what}")
+        position = self.iter + 1 + self.data_position.skipped_batches  # the next batch of the data stream
+        back_to = self.checkpointer.resume(path)
+        self._rollbacks[back_to] = self._rollbacks.get(back_to, 0) + 1
+        if self._rollbacks[back_to] > MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
+            raise DivergenceError(f"the run diverged again after {MAX_ROLLBACKS_TO_ONE_CHECKPOINT} rollbacks to "
+                                  f"{path}: {what}. Lower optim.lr or look at the data")
+        skipped = position - back_to - self.data_position.skipped_batches
+        self.data_position.skipped_batches = position - back_to
+        logger.warning("the run diverged (%s): rolled back to %s (after %d steps); skipping the %d data batches "
+                       "read since it (steps %d..%d)", what, path, back_to, skipped, back_to + 1, self.iter + 1)
+        self._bad_steps.clear()
+        self._open_data(back_to)
+        if self.goodput is not None:
+            self.goodput.rolled_back(back_to, self.iter + 1)
+        raise RolledBack(back_to)
+
+    def _save_now(self, done: int) -> Path:
+        """Checkpoint the run after `done` steps unless that step's checkpoint exists; return it
+        once committed (every rank calls this)."""
+        path = self.output_dir / f"model_{done:07d}"
+        if self.checkpointer.pending != path and self.checkpointer.last_checkpoint() != path:
+            self.checkpointer.save(path.name, done)
+        self.checkpointer.wait()
+        return path
 
     def test(self) -> dict[str, float]:
         """Evaluate on the test loader (``train.eval.max_batches`` batches at most)."""

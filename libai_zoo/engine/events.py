@@ -41,7 +41,8 @@ class EventStorage:
 
 class ConsoleWriter:
     """One line per logged iteration: progress (of the running loop's max_iter), ETA, loss, lr, grad
-    norm, throughput, MFU, memory."""
+    norm, throughput, MFU, memory, step time and, with several ranks, its spread over them (the
+    fastest and the slowest rank's median step time, and which rank is the slowest)."""
 
     FIELDS = (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.3e}"), ("grad_norm", "grad_norm", "{:.3f}"),
               ("samples_per_s", "samples/s", "{:.1f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
@@ -61,6 +62,9 @@ class ConsoleWriter:
                 parts.append(f"{label}: {fmt.format(value)}")
         if step_time is not None:
             parts.append(f"time: {step_time:.4f}s")
+        if "time_max" in latest and latest["time_max"][1] == storage.iter:
+            parts.append(f"ranks: {latest['time_min'][0]:.4f}-{latest['time_max'][0]:.4f}s "
+                         f"(slowest {int(latest['slowest_rank'][0])})")
         logger.info("  ".join(parts))
 
 

@@ -1,5 +1,5 @@
 """The built-in hooks of `DefaultTrainer`: timing, LR schedule, checkpoints, evaluation,
-best-checkpoint keeping, log writing and a progress bar."""
+best-checkpoint keeping, the spread of step time over ranks, log writing and a progress bar."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as torch_dist
 from transformers import AutoTokenizer
 
 from libai_zoo.checkpoint import Checkpointer
@@ -81,8 +82,24 @@ class PeriodicCheckpointer(HookBase):
     def after_step(self) -> None:
         done = self.trainer.iter + 1
         if (self.period and done % self.period == 0) or done == self.trainer.max_iter:
+            start = time.perf_counter()
             self.checkpointer.save(f"model_{done:07d}", done)
             self.checkpointer.prune(self.max_to_keep)
+            self.trainer.storage.put_scalar("checkpoint_s", time.perf_counter() - start)  # the loop's stall
+
+
+class CheckpointCommitter(HookBase):
+    """Commit an asynchronous checkpoint once every rank has written it (`Checkpointer.poll`, a
+    no-op without one pending), and wait for the last one when the run ends."""
+
+    def __init__(self, checkpointer: Checkpointer):
+        self.checkpointer = checkpointer
+
+    def after_step(self) -> None:
+        self.checkpointer.poll()
+
+    def after_train(self) -> None:
+        self.checkpointer.wait()
 
 
 class EvalHook(HookBase):
@@ -95,7 +112,9 @@ class EvalHook(HookBase):
     def after_step(self) -> None:
         done = self.trainer.iter + 1
         if (self.period and done % self.period == 0) or done == self.trainer.max_iter:
+            start = time.perf_counter()
             results = self.eval_function()
+            self.trainer.storage.put_scalar("eval_s", time.perf_counter() - start)
             self.trainer.storage.put_scalars(**{f"eval/{name}": value for name, value in results.items()})
             logger.info("evaluation after %d steps: %s", done,
                         ", ".join(f"{name} = {value:.4f}" for name, value in results.items()))
@@ -121,6 +140,32 @@ class BestCheckpointer(HookBase):
             self.checkpointer.save("model_best", self.trainer.iter + 1, pointer=False)
 
 
+def is_log_step(trainer, period: int) -> bool:
+    """Whether the step just done is logged: the run's first (the starting loss), every `period`-th
+    and the last."""
+    done = trainer.iter + 1
+    return done % period == 0 or done == trainer.max_iter or trainer.iter == trainer.start_iter
+
+
+class StepTimeSpread(HookBase):
+    """At every logged step, the step time of the slowest and the fastest rank (one all-gather), so
+    a straggler shows in the console line: ``time_max``, ``time_min``, ``slowest_rank``."""
+
+    def __init__(self, period: int, device: torch.device):
+        self.period, self.device = period, device
+
+    def after_step(self) -> None:
+        if not is_log_step(self.trainer, self.period):
+            return
+        storage = self.trainer.storage
+        mine = torch.tensor([storage.median("time") or 0.0], dtype=torch.float64, device=self.device)
+        times = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
+        torch_dist.all_gather(times, mine)
+        times = [t.item() for t in times]
+        slowest = max(range(len(times)), key=times.__getitem__)
+        storage.put_scalars(time_max=times[slowest], time_min=min(times), slowest_rank=slowest)
+
+
 class PeriodicWriter(HookBase):
     """Call every writer after the run's first step (the starting loss), every `period` steps and
     after the last step."""
@@ -129,8 +174,7 @@ class PeriodicWriter(HookBase):
         self.writers, self.period = writers, period
 
     def after_step(self) -> None:
-        done = self.trainer.iter + 1
-        if done % self.period == 0 or done == self.trainer.max_iter or self.trainer.iter == self.trainer.start_iter:
+        if is_log_step(self.trainer, self.period):
             for writer in self.writers:
                 writer.write(self.trainer.storage)
 

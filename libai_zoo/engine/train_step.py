@@ -13,6 +13,7 @@ through the pipeline schedule instead, each scaled the same way.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -46,6 +47,9 @@ class TrainStep:
         self.model_parts, self.optimizer, self.device = list(model_parts), optimizer, device
         self.model = self.model_parts[0]  # what the contract's batch methods are asked of
         self.params = unique_parameters(self.model_parts)
+        self.names = {id(p): name for part in self.model_parts for name, p in part.named_parameters()}
+        #: The parameters whose gradients were not finite in the last skipped step (this rank's shards).
+        self.nonfinite_grads: list[str] = []
         self.amp_dtype, self.clip_grad_norm = amp_dtype, clip_grad_norm or 0.0
         self.data_parallel, self.pipeline = data_parallel, pipeline
         self.dp = data_parallel.ctx.dp if data_parallel is not None else 1
@@ -97,25 +101,43 @@ class TrainStep:
         excluded = self.pipeline.tied_duplicates() if self.pipeline is not None else []
         grad_norm = clip_grad_norm_(self.params, self.clip_grad_norm, sum_over=pp_group, exclude=excluded)
         skipped = False
+        loss_value = loss.item()  # the same on every rank (reduced over dp, broadcast from the last stage)
+        # Diverged: a non-finite loss, or a non-finite gradient norm that loss scaling does not explain.
+        diverged = not math.isfinite(loss_value) or (not self.scaler.is_enabled() and not torch.isfinite(grad_norm))
         if self.scaler.is_enabled():
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skipped inside when a gradient overflowed
             self.scaler.update()
             skipped = self.scaler.get_scale() < scale
-        elif torch.isfinite(grad_norm):
+        elif not diverged:
             self.optimizer.step()
         else:
             skipped = True
         if skipped:
-            logger.warning("skipped the optimizer step: the gradient norm is %s", grad_norm.item())
+            self.nonfinite_grads = self._nonfinite_grads()
+            logger.warning("skipped the optimizer step: the loss is %s, the gradient norm %s", loss_value,
+                           grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "skipped": float(skipped),
+        metrics = {"loss": loss_value, "grad_norm": grad_norm.item(), "skipped": float(skipped),
+                   "diverged": float(diverged),
                    "samples": sum(_batch_size(b) for b in batches) * self.dp}
         if all("input_ids" in b for b in batches):
             metrics["tokens"] = sum(b["input_ids"].numel() for b in batches) * self.dp
         if self.scaler.is_enabled():
             metrics["loss_scale"] = self.scaler.get_scale()
         return metrics
+
+
+    def _nonfinite_grads(self, limit: int = 5) -> list[str]:
+        """The first `limit` parameters (by name) whose gradient shard on this rank is not finite."""
+        found = []
+        for param in self.params:
+            grad = dist.local(param.grad) if param.grad is not None else None
+            if grad is not None and not torch.isfinite(grad).all():
+                found.append(self.names.get(id(param), "?"))
+                if len(found) == limit:
+                    break
+        return found
 
 
 def _batch_size(batch: dict) -> int:

@@ -6,6 +6,9 @@
     after_train                     only when every step ran (not when the loop raised)
     close                           always: release files, progress bars
 
+`run_step` may raise `RolledBack(iteration)`: the run went back to the state after `iteration`
+steps (a divergence rollback), and the loop goes on from there without that step's after_step.
+
 `trainer.iter` is the index of the running step, so after_step sees `iter + 1` steps done. When
 the loop raises, the log says at which iteration, and no hook does work meant for a finished
 run (a summary line, a sample generated with collectives a dead peer would never join).
@@ -19,6 +22,14 @@ import weakref
 from .events import EventStorage
 
 logger = logging.getLogger("libai_zoo")
+
+
+class RolledBack(Exception):
+    """Raised by `run_step` when the trainer restored the state after `iteration` steps."""
+
+    def __init__(self, iteration: int):
+        super().__init__(f"rolled back to iteration {iteration}")
+        self.iteration = iteration
 
 
 class HookBase:
@@ -65,15 +76,19 @@ class TrainerBase:
         self.storage = EventStorage(start_iter, max_iter)
         try:
             self._call("before_train")
-            for self.iter in range(start_iter, max_iter):
+            while self.iter < max_iter:
                 self.storage.iter = self.iter
                 self._call("before_step")
-                self.run_step()
+                try:
+                    self.run_step()
+                except RolledBack as back:
+                    self.iter = back.iteration
+                    continue
                 self._call("after_step")
-            self.iter = max_iter  # the loop is done: after_train sees every step counted
+                self.iter += 1
         except BaseException as error:
-            logger.error("the run stopped with an error at iteration %d: %s: %s", self.iter + 1,
-                         type(error).__name__, error)
+            log = logger.warning if getattr(error, "exit_code", None) else logger.error
+            log("the run stopped at iteration %d: %s: %s", self.iter + 1, type(error).__name__, error)
             raise
         else:
             self._call("after_train")

@@ -5,7 +5,8 @@ allocation of a meta-built model's shards (`materialize`)."""
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel
 from .materialize import init_parameters, materialize, parameter_seed
-from .pipeline import SCHEDULES, Pipeline, split_layers
+from .pipeline import SCHEDULES, Pipeline, check_pipeline_layout, split_layers
 
-__all__ = ["apply_activation_checkpointing", "DataParallel", "Pipeline", "SCHEDULES", "split_layers", "materialize",
+__all__ = ["apply_activation_checkpointing", "DataParallel", "Pipeline", "SCHEDULES", "split_layers",
+           "check_pipeline_layout", "materialize",
            "init_parameters", "parameter_seed"]

@@ -284,6 +284,23 @@ def _check_micro_batches(name: str, n: int, pp: int) -> None:
                 f"use a multiple of pp = {pp} (or fewer than 2 × pp)")
 
 
+def check_pipeline_layout(num_layers: int, pp: int, *, schedule: str, num_micro_batches: int,
+                          virtual_stages: int = 1, boundaries: list[int] | None = None) -> None:
+    """Refuse a pipeline layout that cannot run (a ValueError that names the fix); needs no process
+    group, so a run can be refused before it starts one."""
+    if schedule not in _KINDS:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {sorted(_KINDS)} "
+                         f"(torch {torch.__version__})")
+    kind = _KINDS[schedule]
+    if virtual_stages < kind.min_virtual or (kind.max_virtual is not None and virtual_stages > kind.max_virtual):
+        wanted = (f"exactly {kind.min_virtual}" if kind.min_virtual == kind.max_virtual
+                  else f"at least {kind.min_virtual}")
+        raise ValueError(f"schedule {schedule!r} runs {wanted} virtual stage(s) per rank, got "
+                         f"virtual_stages={virtual_stages}")
+    _check_micro_batches(schedule, num_micro_batches, pp)
+    split_layers(num_layers, pp * virtual_stages, boundaries)
+
+
 class Pipeline:
     """This rank's share of a model run pipelined: its stages' model parts and the schedule that
     runs them.
@@ -311,19 +328,12 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str = "1f1b", num_micro_batches: int,
                  virtual_stages: int = 1, boundaries: list[int] | None = None):
-        if schedule not in _KINDS:
-            raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {sorted(_KINDS)} "
-                             f"(torch {torch.__version__})")
-        kind = _KINDS[schedule]
         layers = _full_layer_stack(model)
+        check_pipeline_layout(len(layers), ctx.pp, schedule=schedule, num_micro_batches=num_micro_batches,
+                              virtual_stages=virtual_stages, boundaries=boundaries)
         if ctx.mesh is None:
             raise ValueError("a pipeline needs a process group: launch with torchrun and dist.init(pp=...)")
-        if virtual_stages < kind.min_virtual or (kind.max_virtual is not None and virtual_stages > kind.max_virtual):
-            wanted = (f"exactly {kind.min_virtual}" if kind.min_virtual == kind.max_virtual
-                      else f"at least {kind.min_virtual}")
-            raise ValueError(f"schedule {schedule!r} runs {wanted} virtual stage(s) per rank, got "
-                             f"virtual_stages={virtual_stages}")
-        _check_micro_batches(schedule, num_micro_batches, ctx.pp)
+        kind = _KINDS[schedule]
         self.ctx, self.schedule_name, self.kind = ctx, schedule, kind
         self.pp, self.pp_rank, self.pp_group = ctx.pp, ctx.pp_rank, ctx.group("pp")
         self.num_micro_batches = num_micro_batches

@@ -19,10 +19,17 @@ train = dict(
     zero_offload=False,             # keep the sharded state in CPU memory
     compile=False,                  # torch.compile each transformer layer (True: inductor; or a backend name)
     log_period=10,                  # iterations between metric logs
-    checkpoint=dict(period=500, max_to_keep=None),   # save every `period` iterations; None keeps all
+    # Save every `period` iterations; None keeps all. async_save: write in the background (the loop
+    # waits only while the state is copied; the checkpoint counts once every rank has written it).
+    checkpoint=dict(period=500, max_to_keep=None, async_save=False),
     eval=dict(period=0, max_batches=None),           # eval every `period` iterations (0: no periodic
                                                      # eval); None: the whole eval set
     clip_grad_norm=1.0,             # clip the global gradient norm to this; None: no clipping
+    # A step whose loss or gradient norm is not finite is skipped on every rank; after max_bad_steps
+    # such steps in a row the run stops with an error ("stop"), or ("rollback") reloads the newest
+    # checkpoint from before them and skips the data batches read since it.
+    max_bad_steps=5,
+    on_divergence="stop",
     load_weight=None,               # a checkpoint or Hugging Face directory to start from; None: fresh init
     # The LR schedule; the trainer fills in the optimizer and the run length when it builds it.
     # Also in libai_zoo.optim: WarmupLinearLR, ConstantLR.
@@ -39,5 +46,7 @@ train = dict(
 
 # Parallel layout, read by dist.init: data × tensor × pipeline = number of processes
 # (dp=-1 infers dp from the world size). sequence_parallel splits norms and dropout over the
-# sequence inside the tp group.
-dist = dict(dp=1, tp=1, pp=1, sequence_parallel=False)
+# sequence inside the tp group. Timeouts in seconds: init_timeout bounds forming the process group
+# and every collective until the first step is done; timeout every collective after it (a rank
+# that waits longer names the ranks that did not arrive and exits non-zero, so torchrun restarts).
+dist = dict(dp=1, tp=1, pp=1, sequence_parallel=False, init_timeout=600, timeout=300)

@@ -1,0 +1,101 @@
+"""Goodput: how much of a job's wall time went into training steps that count.
+
+    effective training time ratio = time in steps that were kept / wall time since the job started
+
+Time is lost to restarts (from the last sign of life of the failed attempt until the next one
+starts training again), to replayed steps (those done after the checkpoint a restart or a
+rollback went back to: their time is lost, the steps are done again), to checkpoint stalls and to
+evaluation. ``output_dir/goodput.json`` carries the account across restarts; its figures go into
+metrics.json as ``goodput/*`` and the end of the run reports them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from .trainer_base import HookBase
+
+logger = logging.getLogger("libai_zoo")
+
+FILE = "goodput.json"
+
+
+class Goodput(HookBase):
+    """Keeps the job's time account in `output_dir`/goodput.json (the main process only).
+
+    ``started_at``: when this process started (time.time()), so that start-up counts as lost."""
+
+    def __init__(self, output_dir: str | Path, started_at: float):
+        self.path = Path(output_dir) / FILE
+        self.started_at = started_at
+        self.account: dict = {}
+
+    def before_train(self) -> None:
+        start_iter = self.trainer.start_iter
+        previous = json.loads(self.path.read_text()) if self.path.is_file() and start_iter > 0 else None
+        if previous is None:  # a new job
+            self.account = {"job_start": self.started_at, "productive_s": 0.0, "restarts": 0, "restart_lost_s": 0.0,
+                            "replayed_steps": 0, "replayed_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0,
+                            "productive_at": {}, "last_iter": start_iter, "last_time": self.started_at}
+        else:
+            self.account = previous
+            self.account["restarts"] += 1
+            self.account["restart_lost_s"] += time.time() - previous["last_time"]
+            self._go_back(start_iter)
+            logger.info("goodput: restart %d of this job; %.1f s lost since the last attempt's last step",
+                        self.account["restarts"], time.time() - previous["last_time"])
+        self._save()
+
+    def rolled_back(self, iteration: int, reached: int) -> None:
+        """The run went back from step `reached` to the checkpoint of `iteration`: the steps after it are lost."""
+        self.account["last_iter"] = reached
+        self._go_back(iteration)
+
+    def _go_back(self, iteration: int) -> None:
+        account = self.account
+        kept = account["productive_at"].get(str(iteration), 0.0)
+        account["replayed_steps"] += max(account["last_iter"] - iteration, 0)
+        account["replayed_s"] += max(account["productive_s"] - kept, 0.0)
+        account["productive_s"] = kept
+        account["last_iter"] = iteration
+
+    def after_step(self) -> None:
+        storage, account = self.trainer.storage, self.account
+        latest = storage.latest()
+        now = self.trainer.iter
+        step_time = latest["time"][0] if "time" in latest and latest["time"][1] == now else 0.0
+        for key in ("checkpoint_s", "eval_s"):  # the step timer stops before these hooks run
+            if key in latest and latest[key][1] == now:
+                account[key] += latest[key][0]
+        account["productive_s"] += step_time
+        account["last_iter"] = now + 1
+        account["last_time"] = time.time()
+        if "checkpoint_s" in latest and latest["checkpoint_s"][1] == now:
+            account["productive_at"][str(now + 1)] = account["productive_s"]
+        storage.put_scalars(**{f"goodput/{key}": value for key, value in self.figures().items()})
+        self._save()
+
+    def figures(self) -> dict[str, float]:
+        """The account so far: the ratio and where the rest of the time went."""
+        account = self.account
+        wall = max(time.time() - account["job_start"], 1e-9)
+        return {"ratio": account["productive_s"] / wall, "wall_s": wall, "productive_s": account["productive_s"],
+                "restarts": account["restarts"], "restart_lost_s": account["restart_lost_s"],
+                "replayed_steps": account["replayed_steps"], "replayed_s": account["replayed_s"],
+                "checkpoint_s": account["checkpoint_s"], "eval_s": account["eval_s"]}
+
+    def after_train(self) -> None:
+        f = self.figures()
+        logger.info("goodput: effective training time ratio %.3f (%.1f s of training steps kept in %.1f s since "
+                    "the job started; lost: %d restart(s) %.1f s, %d replayed step(s) %.1f s, checkpoint stalls "
+                    "%.1f s, evaluation %.1f s)", f["ratio"], f["productive_s"], f["wall_s"], f["restarts"],
+                    f["restart_lost_s"], f["replayed_steps"], f["replayed_s"], f["checkpoint_s"], f["eval_s"])
+
+    def _save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.account))
+        os.replace(tmp, self.path)

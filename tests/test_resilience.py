@@ -1,0 +1,306 @@
+"""A run survives what a long job meets, on its own: ranks killed under torchrun restarts (static,
+standalone and c10d rendezvous, one agent or two), SIGTERM, a damaged checkpoint, divergence, a
+hung rank, and inputs that would crash late. Every recovered run is compared with an
+uninterrupted one: the same losses (≤ 1e-6) and the same samples, each trained once, in order."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distributed_runner import run_distributed
+from libai_zoo.config import LazyCall, LazyConfig
+from libai_zoo.data import IndexedDatasetWriter, IndexedGPTDataset, MicroBatchSampler
+from libai_zoo.engine import DivergenceError
+from recorded_data import attempts
+from trainer_runs import losses, records, run_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+MAX_ITER, PER_RANK_STEP = 8, 2  # micro-batch 2, global batch 4: 2 samples per dp rank and step at dp2, 4 at dp1
+
+CONFIG = '''
+from libai_zoo.config import LazyCall, get_config
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel
+from recorded_data import RecordedTokens
+
+train = get_config("common/train.py").train
+dist = get_config("common/train.py").dist
+optim = get_config("common/optim.py").optim
+model = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
+    vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+dataloader = dict(train=LazyCall(RecordedTokens)(num_samples=256, seq_len=16, vocab_size=128,
+                                                 record_dir="${train.output_dir}/samples"),
+                  prefetch=0)
+train.update(max_iter=8, micro_batch_size=2, global_batch_size=4, log_period=1, checkpoint=dict(period=2),
+             clip_grad_norm=1.0)
+optim.lr = 1e-3
+'''
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("resilience") / "config.py"
+    path.write_text(CONFIG)
+    return path
+
+
+def load(config_file: Path, output_dir: Path, *overrides: str):
+    return LazyConfig.apply_overrides(LazyConfig.load(str(config_file)), [f"train.output_dir={output_dir}",
+                                                                            *overrides])
+
+
+def _reference(config_file: Path, output_dir: Path, overrides: list[str]) -> None:
+    run_trainer(load(config_file, output_dir, *overrides))
+
+
+@pytest.fixture(scope="module")
+def references(config_file, tmp_path_factory) -> dict[str, Path]:
+    """Uninterrupted runs at tp2 and dp2×tp2 (forked gloo workers, no torchrun)."""
+    out = {}
+    for name, world, overrides in (("tp2", 2, ["dist.tp=2"]), ("dp2_tp2", 4, ["dist.tp=2", "dist.dp=2"])):
+        out[name] = tmp_path_factory.mktemp(f"reference_{name}")
+        run_distributed(_reference, world, config_file, out[name], overrides)
+    return out
+
+
+def torchrun_env(tmp_path: Path, fault: str | None = None) -> dict:
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env.pop("LIBAI_ZOO_FAULT", None)
+    if fault:
+        env["LIBAI_ZOO_FAULT"] = fault
+    return env
+
+
+def torchrun(launcher: list[str], config_file: Path, output_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "tools/train.py"), str(config_file),
+            f"train.output_dir={output_dir}", *overrides]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def assert_same_run(output_dir: Path, reference: Path, ranks: list[int], per_rank_step: int) -> None:
+    """Same losses as the reference at every step; each rank read, over its attempts, exactly the
+    samples the reference read, in order (the last attempt resumed at its checkpoint's step)."""
+    got, want = losses(output_dir), losses(reference)
+    assert sorted(got) == list(range(1, MAX_ITER + 1))
+    assert max(abs(got[i] - want[i]) for i in want) <= 1e-6, (got, want)
+    for rank in ranks:
+        runs = attempts(output_dir / "samples", rank)
+        expected = [i for run in attempts(reference / "samples", rank) for i in run]
+        assert len(runs) >= 2, "the run was not restarted"
+        resumed_at = MAX_ITER - len(runs[-1]) // per_rank_step  # the steps the last attempt did not redo
+        kept = [i for run in runs[:-1] for i in run]
+        assert kept[:resumed_at * per_rank_step] == expected[:resumed_at * per_rank_step]
+        assert runs[-1] == expected[resumed_at * per_rank_step:]
+
+
+def kill_step(seed: int) -> int:
+    step = random.Random(seed).randint(2, MAX_ITER - 1)
+    print(f"killing at step {step}")
+    return step
+
+
+@pytest.mark.slow
+def test_kill_a_rank_static_rendezvous_tp2(config_file, references, tmp_path):
+    out = tmp_path / "run"
+    env = torchrun_env(tmp_path, f"kill:rank=1:step={kill_step(1)}")
+    result = subprocess.run(torchrun(["--nproc_per_node=2", "--max-restarts=2"], config_file, out, "dist.tp=2"),
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_run(out, references["tp2"], [0, 1], PER_RANK_STEP * 2)
+    goodput = records(out)[-1]
+    assert goodput["goodput/restarts"] == 1 and 0 < goodput["goodput/ratio"] < 1
+
+
+@pytest.mark.slow
+def test_kill_a_rank_standalone_dp2_tp2(config_file, references, tmp_path):
+    out = tmp_path / "run"
+    env = torchrun_env(tmp_path, f"kill:rank=2:step={kill_step(2)}")
+    result = subprocess.run(torchrun(["--standalone", "--nproc_per_node=4", "--max-restarts=2"], config_file, out,
+                                     "dist.tp=2", "dist.dp=2"), env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_run(out, references["dp2_tp2"], [0, 1, 2, 3], PER_RANK_STEP)
+
+
+@pytest.mark.slow
+def test_kill_a_rank_of_one_of_two_agents_c10d(config_file, references, tmp_path):
+    out = tmp_path / "run"
+    env = torchrun_env(tmp_path, f"kill:rank=1:step={kill_step(3)}")
+    launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}",
+                "--rdzv-id=resilience", "--max-restarts=2"]
+    agents = [subprocess.Popen(torchrun(launcher, config_file, out, "dist.tp=2"), env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert_same_run(out, references["tp2"], [0, 1], PER_RANK_STEP * 2)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_then_the_restart_resumes(config_file, references, tmp_path):
+    """The scheduler's SIGTERM to torchrun: the workers finish the step, save, exit; the same command
+    run again resumes there."""
+    out = tmp_path / "run"
+    command = torchrun(["--nproc_per_node=2"], config_file, out, "dist.tp=2", "train.checkpoint.period=100")
+    agent = subprocess.Popen(command, env=torchrun_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.monotonic() + 300
+    while len(losses(out)) < 3 and time.monotonic() < deadline and agent.poll() is None:
+        time.sleep(0.05)
+    agent.send_signal(signal.SIGTERM)
+    agent.communicate(timeout=120)
+    stopped = max(losses(out))
+    assert stopped < MAX_ITER and (out / "last_checkpoint").read_text() == f"model_{stopped:07d}"
+    assert f"stopped on SIGTERM after {stopped} steps" in (out / "log.txt").read_text()
+    result = subprocess.run(command, env=torchrun_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    got, want = losses(out), losses(references["tp2"])
+    assert max(abs(got[i] - want[i]) for i in want) <= 1e-6
+    assert f"resumed from {out / f'model_{stopped:07d}'} at iteration {stopped}" in (out / "log.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_naming_it(config_file, tmp_path):
+    out = tmp_path / "run"
+    timeout = 5
+    start = time.monotonic()
+    result = subprocess.run(torchrun(["--nproc_per_node=2"], config_file, out, "dist.tp=2", f"dist.timeout={timeout}"),
+                            env=torchrun_env(tmp_path, "hang:rank=1:step=3"), capture_output=True, text=True,
+                            timeout=300)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    log = (out / "log.txt").read_text()
+    assert "rank 1 last seen" in log and "in step 2 (hooks after the step" in log, log[-3000:]
+    assert elapsed < timeout + 90, elapsed  # start-up, the timeout, torchrun's 30 s before SIGKILL
+
+
+def test_preemption_exit_code_and_resume_in_one_process(config_file, tmp_path):
+    """SIGTERM in a single-process run: save after the step, exit 75; run again: same losses."""
+    straight = tmp_path / "straight"
+    run_trainer(load(config_file, straight))
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, str(ROOT / "tools/train.py"), str(config_file), f"train.output_dir={out}"],
+                            env=torchrun_env(tmp_path, "term:rank=0:step=3"), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert (out / "last_checkpoint").read_text() == "model_0000003"
+    os.environ.pop("LIBAI_ZOO_FAULT", None)
+    run_trainer(load(config_file, out), resume=True)
+    got, want = losses(out), losses(straight)
+    assert max(abs(got[i] - want[i]) for i in want) <= 1e-6
+    first, second = attempts(out / "samples", 0)
+    assert first[:12] + second == attempts(straight / "samples", 0)[0]  # 3 steps of 4 samples, then the rest
+
+
+def test_damaged_newest_checkpoint_falls_back(config_file, tmp_path):
+    straight = tmp_path / "straight"
+    run_trainer(load(config_file, straight))
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_trainer(load(config_file, out), interrupt_after=6)
+    data = sorted((out / "model_0000006").glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    trainer = run_trainer(load(config_file, out), resume=True)
+    assert trainer.start_iter == 4
+    assert f"checkpoint {out / 'model_0000006'} is damaged, skipping it: {data.name} has CRC-32" in \
+        (out / "log.txt").read_text()
+    got, want = losses(out), losses(straight)
+    assert max(abs(got[i] - want[i]) for i in want) <= 1e-6
+
+
+def test_divergence_stops_naming_the_steps_and_parameters(config_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("LIBAI_ZOO_FAULT", "nan:rank=0:step=3:count=9")
+    out = tmp_path / "run"
+    with pytest.raises(DivergenceError, match=r"steps 3\.\.5 had a non-finite loss") as error:
+        run_trainer(load(config_file, out, "train.max_bad_steps=3"))
+    assert "transformer.h.0." in str(error.value) and "train.on_divergence=rollback" in str(error.value)
+    assert max(losses(out)) == 4  # the run stopped inside step 5
+
+
+def test_divergence_rolls_back_and_skips_the_bad_batches(config_file, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    run_trainer(load(config_file, straight))
+    monkeypatch.setenv("LIBAI_ZOO_FAULT", "nan:rank=0:step=5:count=2")
+    out = tmp_path / "run"
+    trainer = run_trainer(load(config_file, out, "train.max_bad_steps=2", "train.on_divergence=rollback"))
+    log = (out / "log.txt").read_text()
+    assert f"rolled back to {out / 'model_0000004'} (after 4 steps); skipping the 2 data batches read since it " \
+           f"(steps 5..6)" in log
+    sampler = iter(MicroBatchSampler(256, 2, seed=42, global_batch_size=4))
+    batches = [next(sampler) + next(sampler) for _ in range(MAX_ITER + 2)]  # one process: 2 micro-batches a step
+    # steps 1-6 read batches 1-6 (5 and 6 diverged); after the rollback to step 4, steps 5-8 read batches 7-10
+    assert attempts(out / "samples", 0) == [[i for batch in batches for i in batch]]
+    got, want = losses(out), losses(straight)
+    assert all(abs(got[i] - want[i]) <= 1e-6 for i in range(1, 5))
+    assert all(torch.isfinite(torch.tensor(got[i])) for i in range(5, MAX_ITER + 1))
+    assert trainer.data_position.skipped_batches == 2
+    assert records(out)[-1]["goodput/replayed_steps"] == 2
+
+
+def test_bad_inputs_are_refused_before_the_first_step(config_file, tmp_path, monkeypatch):
+    """Each gives one error naming the file or key and the fix, before any step, and the output
+    directory holds at most the log."""
+    corpus = tmp_path / "corpus"
+    with IndexedDatasetWriter(corpus, np.uint16) as writer:
+        writer.add_document(np.arange(200) % 128)
+    indexed = LazyCall(IndexedGPTDataset)(prefix=str(corpus), seq_len=16)
+    cases = {
+        "token ids": (["model.config.vocab_size=64"], {}, rf"{corpus}.bin holds token ids up to 127, but the model's "
+                                                          rf"vocabulary has 64"),
+        "positions": (["dataloader.train.seq_len=32"], {}, r"seq_len = 32 tokens, but the model's learned position "
+                                                           r"embeddings hold 16 positions"),
+        "heads": (["dist.tp=3"], {"WORLD_SIZE": "3"}, r"cannot be split over dist.tp = 3"),
+        "batch": (["train.global_batch_size=6", "dist.dp=2"], {"WORLD_SIZE": "2"}, r"global_batch_size = 6 is not"),
+        "world": (["dist.tp=2"], {"WORLD_SIZE": "3"}, r"world size 3 does not match"),
+        "pipeline": (["dist.pp=4", "train.global_batch_size=8"], {"WORLD_SIZE": "4"},
+                     r"larger than the number of layers 2"),
+    }
+    for name, (overrides, env, message) in cases.items():
+        out = tmp_path / name
+        cfg = load(config_file, out)
+        cfg.dataloader.train = indexed
+        cfg = LazyConfig.apply_overrides(cfg, overrides)
+        with monkeypatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            with pytest.raises(ValueError, match=message):
+                run_trainer(cfg)
+        assert not out.exists() or set(os.listdir(out)) <= {"log.txt"}, (name, os.listdir(out))
+    assert not torch.distributed.is_initialized()
+
+
+def test_fault_switch_is_parsed_strictly():
+    from libai_zoo.engine.faults import Fault, parse_faults
+
+    assert parse_faults("kill:rank=1:step=5; nan:rank=0:step=2:count=3") == [
+        Fault("kill", 1, 5), Fault("nan", 0, 2, count=3)]
+    with pytest.raises(ValueError, match="KIND:rank=R:step=K"):
+        parse_faults("kill:rank=1")
+    with pytest.raises(ValueError, match="kind 'explode'"):
+        parse_faults("explode:rank=1:step=2")
+
+
+def test_goodput_file_is_json(config_file, tmp_path):
+    out = tmp_path / "run"
+    run_trainer(load(config_file, out, "train.max_iter=2"))
+    account = json.loads((out / "goodput.json").read_text())
+    assert account["restarts"] == 0 and account["last_iter"] == 2 and account["productive_s"] > 0
