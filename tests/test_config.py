@@ -219,12 +219,15 @@ def test_get_config_train_has_the_contract_keys():
     assert LazyConfig.to_container(cfg.train) == dict(
         output_dir="output", max_iter=1000, seed=42, micro_batch_size=8, global_batch_size=8,
         amp=dict(enabled=False, dtype="bf16"), activation_checkpoint=dict(enabled=False), zero_stage=0,
-        zero_offload=False, compile=False, log_period=10, checkpoint=dict(period=500, max_to_keep=None),
-        eval=dict(period=0, max_batches=None), clip_grad_norm=1.0, load_weight=None,
+        zero_offload=False, compile=False, log_period=10,
+        checkpoint=dict(period=500, max_to_keep=None, async_save=False),
+        eval=dict(period=0, max_batches=None), clip_grad_norm=1.0, max_bad_steps=5, on_divergence="stop",
+        load_weight=None,
         scheduler={"_target_": "libai_zoo.optim.WarmupCosineLR", "warmup_iters": 0, "min_lr_ratio": 0.0},
         tensorboard=False, best_metric=None, best_mode="max",
         pipeline=dict(schedule="1f1b", virtual_stages=1, boundaries=None))
-    assert LazyConfig.to_container(cfg.dist) == dict(dp=1, tp=1, pp=1, sequence_parallel=False)
+    assert LazyConfig.to_container(cfg.dist) == dict(dp=1, tp=1, pp=1, sequence_parallel=False, init_timeout=600,
+                                                     timeout=300)
     cfg.train.max_iter = 1
     assert get_config("common/train.py").train.max_iter == 1000      # a fresh config every call
 

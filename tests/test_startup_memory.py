@@ -30,8 +30,8 @@ LIMIT, OVERHEAD = 1.15, 256 * 1024  # the issue's bound: 1.15 × shard + largest
 
 CONFIG = '''
 from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_gpt_dataset
 from libai_zoo.models import LlamaConfig, LlamaForCausalLM
+from recorded_data import RecordedTokens
 
 train = get_config("common/train.py").train
 dist = get_config("common/train.py").dist
@@ -40,7 +40,8 @@ model = LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
     vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
     num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
 pretrained = LazyCall("libai_zoo.models.LlamaForCausalLM.from_pretrained")(path="{hf_dir}", dtype="float32")
-dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16))
+dataloader = dict(train=LazyCall(RecordedTokens)(num_samples=64, seq_len=16, vocab_size=512,
+                                                 record_dir="${{train.output_dir}}/samples"))
 '''
 
 LAYOUTS = {
@@ -85,13 +86,12 @@ def _all_layouts(config_file: str, out: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("startup")
-    (root / "text.txt").write_text((ROOT / "data/corpus/python_docs.txt").read_text()[:20000])
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
     hf.save_pretrained(root / "hf")
     config_file = root / "config.py"
-    config_file.write_text(CONFIG.format(hf_dir=root / "hf", text=root / "text.txt", tokenizer=ROOT / "data/tokenizer"))
+    config_file.write_text(CONFIG.format(hf_dir=root / "hf"))
     one = build(str(config_file), str(root / "one"), ["train.micro_batch_size=8"])
     one_pretrained = build(str(config_file), str(root / "one_pretrained"), ["train.micro_batch_size=8"],
                            pretrained=True)
