@@ -107,13 +107,15 @@ def assert_same_run(output_dir: Path, reference: Path, ranks: list[int], per_ran
         expected = [i for run in attempts(reference / "samples", rank) for i in run]
         assert len(runs) >= 2, "the run was not restarted"
         resumed_at = MAX_ITER - len(runs[-1]) // per_rank_step  # the steps the last attempt did not redo
+        log = (output_dir / ("log.txt" if rank == 0 else f"log.txt.rank{rank}")).read_text()
+        assert resumed_at > 0 and f"resumed from {output_dir / f'model_{resumed_at:07d}'}" in log
         kept = [i for run in runs[:-1] for i in run]
         assert kept[:resumed_at * per_rank_step] == expected[:resumed_at * per_rank_step]
         assert runs[-1] == expected[resumed_at * per_rank_step:]
 
 
 def kill_step(seed: int) -> int:
-    step = random.Random(seed).randint(2, MAX_ITER - 1)
+    step = random.Random(seed).randint(3, MAX_ITER - 1)  # after the first checkpoint (step 2)
     print(f"killing at step {step}")
     return step
 
@@ -122,7 +124,8 @@ def kill_step(seed: int) -> int:
 def test_kill_a_rank_static_rendezvous_tp2(config_file, references, tmp_path):
     out = tmp_path / "run"
     env = torchrun_env(tmp_path, f"kill:rank=1:step={kill_step(1)}")
-    result = subprocess.run(torchrun(["--nproc_per_node=2", "--max-restarts=2"], config_file, out, "dist.tp=2"),
+    result = subprocess.run(torchrun(["--nproc_per_node=2", "--max-restarts=2", f"--master-port={free_port()}"],
+                                     config_file, out, "dist.tp=2"),
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_same_run(out, references["tp2"], [0, 1], PER_RANK_STEP * 2)
@@ -132,12 +135,16 @@ def test_kill_a_rank_static_rendezvous_tp2(config_file, references, tmp_path):
 
 @pytest.mark.slow
 def test_kill_a_rank_standalone_dp2_tp2(config_file, references, tmp_path):
+    """Rank 1 dies; rank 2 is a straggler (0.3 s late with its data every step), which the
+    console line names."""
     out = tmp_path / "run"
-    env = torchrun_env(tmp_path, f"kill:rank=2:step={kill_step(2)}")
+    env = torchrun_env(tmp_path, f"kill:rank=1:step={kill_step(2)}; slow:rank=2:step=1:seconds=0.3")
     result = subprocess.run(torchrun(["--standalone", "--nproc_per_node=4", "--max-restarts=2"], config_file, out,
                                      "dist.tp=2", "dist.dp=2"), env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_same_run(out, references["dp2_tp2"], [0, 1, 2, 3], PER_RANK_STEP)
+    lines = [line for line in (out / "log.txt").read_text().splitlines() if "(slowest " in line]
+    assert len(lines) >= MAX_ITER and sum("(slowest 2)" in line for line in lines) >= len(lines) - 2, lines
 
 
 @pytest.mark.slow

@@ -135,6 +135,8 @@ class Checkpointer:
         self.async_save = async_save
         self.stage_in_background = stage_in_background
         self._pending: _PendingSave | None = None
+        #: The checkpoint this run committed last with the pointer (the same on every rank; None before).
+        self.last_committed: Path | None = None
         self._prune_after_commit: int | None = None
         # The background write's DCP collectives run on one gloo group, the main thread's checkpoint
         # collectives (poll, manifest, verification) on another: two threads must never interleave
@@ -265,6 +267,8 @@ class Checkpointer:
             raise RuntimeError(f"checkpoint {final} was not saved: {error}; the previous checkpoint stays the "
                                f"newest (its staging directory {commit.staging_dir(final).name} is removed on "
                                f"resume)")
+        if pointer:
+            self.last_committed = final
 
     def poll(self) -> Path | None:
         """Commit the pending asynchronous save if every rank has finished writing it; return the
@@ -318,6 +322,17 @@ class Checkpointer:
         for old in periodic[:-max_to_keep]:
             shutil.rmtree(old)
 
+    def discard_after(self, iteration: int) -> None:
+        """Delete the periodic checkpoints of more than `iteration` steps (a rollback abandons them;
+        a restart must not resume from them). Every rank calls this."""
+        self.wait()
+        if _rank() == 0:
+            for path in self.output_dir.glob("model_*"):
+                if path.is_dir() and (commit.iteration_of(path) or 0) > iteration:
+                    logger.info("removing %s: the run rolled back to iteration %d", path, iteration)
+                    shutil.rmtree(path)
+        _barrier()
+
     # ----------------------------------------------------------------------------------- loading
     def remove_incomplete(self) -> None:
         """Delete the checkpoints whose writing was interrupted (every rank must call this)."""
@@ -358,7 +373,7 @@ class Checkpointer:
                             path, commit.MANIFEST)
             return path
         if candidates:
-            logger.warning("no intact checkpoint in %s%s: starting from scratch", self.output_dir,
+            logger.warning("no intact checkpoint in %s%s", self.output_dir,
                            "" if at_most is None else f" at or before iteration {at_most}")
         return None
 

@@ -71,7 +71,7 @@ def pointed_to(output_dir: Path) -> Path | None:
 def remove_incomplete(output_dir: Path) -> None:
     """Delete the staging directories of interrupted writes (one process)."""
     if output_dir.is_dir():
-        for staged in output_dir.glob("*.tmp"):
+        for staged in output_dir.glob("model_*.tmp"):
             logger.warning("removing %s: an interrupted checkpoint write", staged)
             shutil.rmtree(staged, ignore_errors=True) if staged.is_dir() else staged.unlink()
 

@@ -77,10 +77,9 @@ class ParallelContext:
         that waits longer raises on gloo, aborts the process on NCCL). Every rank calls it."""
         if self.mesh is None:
             return
-        timeout = datetime.timedelta(seconds=seconds)
-        torch_dist.barrier()  # no collective is in flight while the timeout changes
-        for group in [None, *self.mesh.get_all_groups()]:
-            torch_dist.distributed_c10d._set_pg_timeout(timeout, group)
+        # no collective is in flight while the timeout changes
+        torch_dist.barrier(device_ids=[self.local_rank] if self.device.type == "cuda" else None)
+        _bound(self.mesh, seconds)
 
     def __repr__(self) -> str:
         return (f"ParallelContext(world_size={self.world_size}, dp={self.dp}, tp={self.tp}, "
@@ -160,10 +159,18 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = Fa
                 torch_dist.init_process_group(backend, timeout=limit)
             owns_process_group = True
         mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+        if timeout is not None:  # the mesh's groups take the backend's default, not the default group's
+            _bound(mesh, timeout)
     _current = ParallelContext(dp, tp, pp, rank=rank, local_rank=local_rank, device=device,
                                mesh=mesh, sequence_parallel=sequence_parallel,
                                owns_process_group=owns_process_group)
     return _current
+
+
+def _bound(mesh: DeviceMesh, seconds: float) -> None:
+    """Set the timeout of the default process group and of every group of `mesh`."""
+    for group in [None, *mesh.get_all_groups()]:
+        torch_dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 def get_context() -> ParallelContext:

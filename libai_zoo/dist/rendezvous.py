@@ -6,21 +6,25 @@ workers find the old attempt's keys in it: gloo reads the dead workers' addresse
 "Connection refused", or the new group waits forever for keys it will never get. Nor is the restart
 count a safe prefix: under c10d with several nodes, only the failed node's agent counts the restart.
 
-So rank 0 of each attempt opens a store of its own on a free port and publishes the port in the
-agent's store; the others connect to the port they read there. A port left by an earlier attempt
-belongs to a dead process and refuses the connection, so a worker retries until it reads the new
-one. The process group then starts from a store that only this attempt's workers have seen.
+So rank 0 of each attempt opens a store of its own on a free port and publishes the port, with a
+random token, in the agent's store; the others connect to the port they read there and check the
+token in the store they reached. A port left by an earlier attempt belongs to a dead process and
+refuses the connection (or, reused by another store, holds no such token), so a worker retries
+until it reads the new one. The process group then starts from a store that only this attempt's
+workers have seen, and the token names the attempt's heartbeats.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import secrets
 import time
 
 import torch.distributed as torch_dist
 
-PORT_KEY = "libai_zoo/process_group_store_port"
+PORT_KEY = "libai_zoo/process_group_store"  # "port token" of this attempt's store
+TOKEN_KEY = "libai_zoo/attempt_token"
 PROGRESS_PREFIX = "libai_zoo/progress"
 CONNECT_TIMEOUT = datetime.timedelta(seconds=2)  # a stale port refuses at once; a live one answers in ms
 
@@ -40,14 +44,19 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> to
     agent = torch_dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     if rank == 0:
         store = torch_dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        agent.set(PORT_KEY, str(store.port))
-        _progress = torch_dist.PrefixStore(f"{PROGRESS_PREFIX}/{store.port}", agent)
+        token = secrets.token_hex(8)
+        store.set(TOKEN_KEY, token)
+        agent.set(PORT_KEY, f"{store.port} {token}")
+        _progress = torch_dist.PrefixStore(f"{PROGRESS_PREFIX}/{token}", agent)
         return store
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
-        published = int(agent.get(PORT_KEY))  # waits until an attempt's rank 0 has published one
+        port, token = agent.get(PORT_KEY).decode().split()  # waits until an attempt's rank 0 has published one
+        published = int(port)
         try:
             store = torch_dist.TCPStore(host, published, world_size, is_master=False, timeout=CONNECT_TIMEOUT)
+            if store.get(TOKEN_KEY).decode() != token:
+                raise RuntimeError(f"port {published} is another store")
         except (RuntimeError, TimeoutError) as error:  # an earlier attempt's port: its process is gone
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {rank} found no process-group store of this attempt at {host} within "
@@ -56,7 +65,7 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> to
             time.sleep(0.2)
             continue
         store.set_timeout(timeout)
-        _progress = torch_dist.PrefixStore(f"{PROGRESS_PREFIX}/{published}", agent)
+        _progress = torch_dist.PrefixStore(f"{PROGRESS_PREFIX}/{token}", agent)
         return store
 
 

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from libai_zoo import dist
-from libai_zoo.checkpoint import Checkpointer
+from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import MicroBatchSampler, Prefetcher, check_dataset
 from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
@@ -123,7 +123,7 @@ class DefaultTrainer(TrainerBase):
         dp, tp, pp = dist.resolve_sizes(dist.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
         self.accumulation = self._accumulation(train, dp)
         self.amp_dtype = self._amp_dtype(train)
-        self.on_divergence = self._on_divergence(train)
+        self.on_divergence, self.max_bad_steps = self._on_divergence(train)
         self.check_layout(cfg, tp, pp, self.accumulation)
         self.ctx = dist.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp,
                              sequence_parallel=cfg.dist.get("sequence_parallel", False),
@@ -162,6 +162,7 @@ class DefaultTrainer(TrainerBase):
         self._bad_steps: list[int] = []  # the iterations of the current run of non-finite steps
         self._rollbacks: dict[int, int] = {}  # checkpoint iteration -> rollbacks to it
         self._data_stack = ExitStack()
+        self.resumes = True  # resume_or_load(resume=False) starts a new run over the directory
         if self.ctx.is_main_process:  # only a run that passed every check leaves more than its log
             LazyConfig.save(cfg, self.output_dir / "config.yaml")
 
@@ -176,13 +177,14 @@ class DefaultTrainer(TrainerBase):
         return train.global_batch_size // per_step
 
     @staticmethod
-    def _on_divergence(train: DictConfig) -> str:
-        action = train.get("on_divergence", "stop")
+    def _on_divergence(train: DictConfig) -> tuple[str, int]:
+        """(train.on_divergence, train.max_bad_steps), checked."""
+        action, limit = train.get("on_divergence", "stop"), train.get("max_bad_steps", 5)
         if action not in ("stop", "rollback"):
             raise ValueError(f"train.on_divergence = {action!r} must be 'stop' or 'rollback'")
-        if train.get("max_bad_steps", 1) < 1:
-            raise ValueError(f"train.max_bad_steps = {train.max_bad_steps} must be at least 1")
-        return action
+        if limit < 1:
+            raise ValueError(f"train.max_bad_steps = {limit} must be at least 1")
+        return action, limit
 
     @staticmethod
     def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int) -> None:
@@ -302,8 +304,8 @@ class DefaultTrainer(TrainerBase):
         """The built-in hooks, then the config's own ``hooks`` list (LazyCalls of HookBase subclasses)."""
         train = self.cfg.train
         peak = peak_flops(self.ctx.device, self.amp_dtype or torch.float32)
-        result = [fault_injector(self.ctx.rank, self.output_dir),
-                  hooks.IterationTimer(self.flops_per_token, peak, self.ctx.world_size),
+        result = [hooks.IterationTimer(self.flops_per_token, peak, self.ctx.world_size),
+                  fault_injector(self.ctx.rank, self.output_dir),  # inside the timed step: a slow rank shows
                   hooks.LRScheduler(self.optimizer, self.scheduler)]
         eval_period = train.eval.period
         if self.test_loader is not None:
@@ -323,8 +325,8 @@ class DefaultTrainer(TrainerBase):
             if train.get("tensorboard", False):
                 writers.append(TensorBoardWriter(self.output_dir / "tensorboard"))
             result += [hooks.PeriodicWriter(writers, log_period), hooks.ProgressBar()]
-        result.append(Preemption(self._save_now, self.ctx.device))  # after the writers: the last step is logged
-        return result + [instantiate(hook) for hook in self.cfg.get("hooks") or []]
+        result += [instantiate(hook) for hook in self.cfg.get("hooks") or []]
+        return result + [Preemption(self._save_now, self.ctx.device)]  # last: every hook saw the step
 
     def _sequence_length(self) -> int | None:
         dataset_cfg = self.cfg.dataloader.train
@@ -336,8 +338,12 @@ class DefaultTrainer(TrainerBase):
         one (a damaged one is skipped with a warning naming its bad file). Otherwise start at 0,
         from ``train.load_weight`` if set (a Hugging Face directory or a trainer checkpoint:
         weights only)."""
+        self.resumes = resume
         self.checkpointer.remove_incomplete()
         path = self.checkpointer.find_resumable() if resume else None
+        if path is None and resume and commit.resumable_candidates(self.output_dir):
+            raise RuntimeError(f"every checkpoint in {self.output_dir} is damaged (see the warnings above): restore "
+                               f"one, or start over with --no-resume (resume_or_load(resume=False))")
         if path is not None:
             self.start_iter = self.checkpointer.resume(path)
             logger.info("resumed from %s at iteration %d", path, self.start_iter)
@@ -382,8 +388,8 @@ class DefaultTrainer(TrainerBase):
         """Read the training data from the batch of step `iteration` + 1 on (after the batches a
         rollback skipped); a thread reads ``dataloader.prefetch`` batches ahead (0: none)."""
         self._data_stack.close()
-        batches = (iteration + self.data_position.skipped_batches) * self.cfg.train.global_batch_size
-        loader = self.build_train_loader(self.cfg, batches)
+        samples = (iteration + self.data_position.skipped_batches) * self.cfg.train.global_batch_size
+        loader = self.build_train_loader(self.cfg, samples)
         depth = self.cfg.dataloader.get("prefetch", 2)
         self._data = iter(self._data_stack.enter_context(Prefetcher(loader, depth)) if depth else loader)
 
@@ -408,7 +414,7 @@ class DefaultTrainer(TrainerBase):
             self._bad_steps.clear()
             return
         self._bad_steps.append(self.iter)
-        if len(self._bad_steps) < self.cfg.train.get("max_bad_steps", 5):
+        if len(self._bad_steps) < self.max_bad_steps:
             return
         first, last = self._bad_steps[0] + 1, self.iter + 1
         what = (f"steps {first}..{last} had a non-finite loss or gradient norm (last loss {metrics['loss']}, "
@@ -425,8 +431,9 @@ class DefaultTrainer(TrainerBase):
         since it (PaLM's recipe), and go on from there (raises `RolledBack`)."""
         path = self.checkpointer.find_resumable(at_most=good)
         if path is None:
-            raise DivergenceError(f"the run diverged and there is no checkpoint of at most {good} steps to roll back "
-                                  f"to: {what}")
+            raise DivergenceError(f"the run diverged and there is no intact checkpoint of at most {good} steps to "
+                                  f"roll back to: {what}. Lower optim.lr, or save more often "
+                                  f"(train.checkpoint.period) and keep more (train.checkpoint.max_to_keep)")
         position = self.iter + 1 + self.data_position.skipped_batches  # the next batch of the data stream
         back_to = self.checkpointer.resume(path)
         self._rollbacks[back_to] = self._rollbacks.get(back_to, 0) + 1
@@ -437,6 +444,10 @@ class DefaultTrainer(TrainerBase):
         self.data_position.skipped_batches = position - back_to
         logger.warning("the run diverged (%s): rolled back to %s (after %d steps); skipping the %d data batches "
                        "read since it (steps %d..%d)", what, path, back_to, skipped, back_to + 1, self.iter + 1)
+        # A restart from here on must find this state, the skipped batches included, and nothing newer.
+        self.checkpointer.discard_after(back_to)
+        self.checkpointer.save(path.name, back_to)
+        self.checkpointer.wait()
         self._bad_steps.clear()
         self._open_data(back_to)
         if self.goodput is not None:
@@ -447,9 +458,11 @@ class DefaultTrainer(TrainerBase):
         """Checkpoint the run after `done` steps unless that step's checkpoint exists; return it
         once committed (every rank calls this)."""
         path = self.output_dir / f"model_{done:07d}"
-        if self.checkpointer.pending != path and self.checkpointer.last_checkpoint() != path:
+        if path not in (self.checkpointer.pending, self.checkpointer.last_committed):
             self.checkpointer.save(path.name, done)
         self.checkpointer.wait()
+        if self.goodput is not None:
+            self.goodput.checkpointed(done)
         return path
 
     def test(self) -> dict[str, float]:

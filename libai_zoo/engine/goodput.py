@@ -36,7 +36,8 @@ class Goodput(HookBase):
 
     def before_train(self) -> None:
         start_iter = self.trainer.start_iter
-        previous = json.loads(self.path.read_text()) if self.path.is_file() and start_iter > 0 else None
+        resumes = self.trainer.resumes  # False: a new run over an old directory
+        previous = json.loads(self.path.read_text()) if self.path.is_file() and resumes else None
         if previous is None:  # a new job
             self.account = {"job_start": self.started_at, "productive_s": 0.0, "restarts": 0, "restart_lost_s": 0.0,
                             "replayed_steps": 0, "replayed_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0,
@@ -50,6 +51,11 @@ class Goodput(HookBase):
                         self.account["restarts"], time.time() - previous["last_time"])
         self._save()
 
+    def checkpointed(self, iteration: int) -> None:
+        """The state after `iteration` steps is saved: a restart goes back to it."""
+        self.account["productive_at"][str(iteration)] = self.account["productive_s"]
+        self._save()
+
     def rolled_back(self, iteration: int, reached: int) -> None:
         """The run went back from step `reached` to the checkpoint of `iteration`: the steps after it are lost."""
         self.account["last_iter"] = reached
@@ -57,7 +63,9 @@ class Goodput(HookBase):
 
     def _go_back(self, iteration: int) -> None:
         account = self.account
-        kept = account["productive_at"].get(str(iteration), 0.0)
+        # the time kept at that checkpoint (its own record; else all of it when nothing came after)
+        kept = account["productive_at"].get(str(iteration),
+                                            account["productive_s"] if iteration >= account["last_iter"] else 0.0)
         account["replayed_steps"] += max(account["last_iter"] - iteration, 0)
         account["replayed_s"] += max(account["productive_s"] - kept, 0.0)
         account["productive_s"] = kept

@@ -148,8 +148,13 @@ def is_log_step(trainer, period: int) -> bool:
 
 
 class StepTimeSpread(HookBase):
-    """At every logged step, the step time of the slowest and the fastest rank (one all-gather), so
-    a straggler shows in the console line: ``time_max``, ``time_min``, ``slowest_rank``."""
+    """At every logged step, the busy time of the slowest and the fastest rank (one all-gather), so
+    a straggler shows in the console line: ``time_max``, ``time_min``, ``slowest_rank``.
+
+    Busy time is the step time less the wait at the step's first collective (``sync_wait_s``, the
+    targets count): a rank late with its data or its host work makes the others wait there, so its
+    busy time is the largest. A rank slow inside forward/backward makes the others wait inside
+    collectives this does not time: there the step time evens out."""
 
     def __init__(self, period: int, device: torch.device):
         self.period, self.device = period, device
@@ -158,7 +163,9 @@ class StepTimeSpread(HookBase):
         if not is_log_step(self.trainer, self.period):
             return
         storage = self.trainer.storage
-        mine = torch.tensor([storage.median("time") or 0.0], dtype=torch.float64, device=self.device)
+        latest = storage.latest()
+        busy = latest["time"][0] - latest.get("sync_wait_s", (0.0,))[0] if "time" in latest else 0.0
+        mine = torch.tensor([busy], dtype=torch.float64, device=self.device)
         times = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
         torch_dist.all_gather(times, mine)
         times = [t.item() for t in times]

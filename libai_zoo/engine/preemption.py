@@ -3,12 +3,16 @@ what torchrun forwards to its workers), finish the running step, save a checkpoi
 and exit with `EXIT_PREEMPTED`, so the job script can requeue the run, which resumes by itself.
 
 The signal may reach only some ranks; after every step the ranks agree (one max-reduction of a
-flag) so that all of them stop after the same step. A second SIGINT stops at once.
+flag) so that all of them stop after the same step. A second SIGINT stops at once. A rank that has
+not reached that agreement `GRACE` seconds after the signal exits (code 1): it is stuck in a
+collective with a dead peer (torchrun stops the survivors of a failure with SIGTERM), and NCCL
+would otherwise hold it until torchrun's SIGKILL.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -20,6 +24,7 @@ from .trainer_base import HookBase
 logger = logging.getLogger("libai_zoo")
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, try again
+GRACE = 20.0  # seconds: under torchrun's default --shutdown-timeout of 30
 
 
 class Preempted(Exception):
@@ -38,6 +43,7 @@ class Preemption(HookBase):
         self.save, self.device = save, device
         self.received: int | None = None
         self._previous: dict[int, object] = {}
+        self._watchdog: threading.Timer | None = None
 
     def before_train(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -52,6 +58,10 @@ class Preemption(HookBase):
         self.received = signum
         logger.warning("received %s: finishing this step, then saving a checkpoint and exiting",
                        signal.Signals(signum).name)
+        if self._watchdog is None:
+            self._watchdog = threading.Timer(GRACE, _stuck, (signum,))
+            self._watchdog.daemon = True
+            self._watchdog.start()
 
     def after_step(self) -> None:
         flag = torch.tensor([0 if self.received is None else self.received], device=self.device)
@@ -59,12 +69,24 @@ class Preemption(HookBase):
             torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
         if not flag.item():
             return
+        if self._watchdog is not None:  # every rank got here: the save may take its time
+            self._watchdog.cancel()
         done = self.trainer.iter + 1
         path = self.save(done)
         raise Preempted(f"stopped on {signal.Signals(int(flag.item())).name} after {done} steps; checkpoint "
                         f"{path} is saved: run the same command again to resume")
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def _stuck(signum: int) -> None:
+    logger.error("%s arrived %.0f s ago and this rank has not finished its step (a collective waits for a dead "
+                 "peer?): exiting without a checkpoint", signal.Signals(signum).name, GRACE)
+    for handler in logger.handlers:
+        handler.flush()
+    os._exit(1)

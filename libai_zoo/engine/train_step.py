@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as torch_dist
 from torch import nn
 
 from libai_zoo import dist
@@ -58,10 +60,15 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
     def _total(self, counts: list[float]) -> float:
-        """The targets of the whole global batch (summed over dp)."""
+        """The targets of the whole global batch (summed over dp). Summed over every rank (the tp
+        and pp ranks of a dp rank count the same batch), so that this is the step's first collective
+        of all ranks: the time this rank waited in it for the others is recorded (`sync_wait_s`)."""
         total = torch.tensor(sum(counts), dtype=torch.float64, device=self.device)
-        if self.data_parallel is not None:
-            self.data_parallel.all_reduce_sum(total)
+        start = time.perf_counter()
+        if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+            torch_dist.all_reduce(total)
+            total /= torch_dist.get_world_size() // self.dp
+        self.sync_wait_s = time.perf_counter() - start
         if total.item() == 0:
             raise ValueError("no labelled targets in this step's batches (every label is -100)")
         return total.item()
@@ -119,7 +126,7 @@ class TrainStep:
                            grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {"loss": loss_value, "grad_norm": grad_norm.item(), "skipped": float(skipped),
-                   "diverged": float(diverged),
+                   "diverged": float(diverged), "sync_wait_s": self.sync_wait_s,
                    "samples": sum(_batch_size(b) for b in batches) * self.dp}
         if all("input_ids" in b for b in batches):
             metrics["tokens"] = sum(b["input_ids"].numel() for b in batches) * self.dp
