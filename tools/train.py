@@ -8,8 +8,9 @@
 A run resumes by itself from the newest intact checkpoint in train.output_dir (a first start has
 none and starts fresh), so a restarted or requeued job simply runs the same command again.
 Exit codes: 0 done; 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT after saving a checkpoint: run it
-again to resume; 1 anything else (with several processes the process exits at once, without the
-teardown a dead peer could hang, so torchrun can restart the job).
+again to resume (under torchrun each worker exits 75 and torchrun itself non-zero); 1 anything
+else (with several processes the process exits at once, without the teardown a dead peer could
+hang, so torchrun can restart the job).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="config overrides, e.g. train.max_iter=100 optim.lr=1e-3; a key that does not exist "
                              "is an error (prefix it with + to add it)")
     parser.add_argument("--no-resume", action="store_true",
-                        help="start from scratch (or train.load_weight) even if train.output_dir holds checkpoints, "
-                             "which the new run then overwrites; by default a run continues from the newest intact "
-                             "checkpoint there (model, optimizer, schedule, loss scale, RNG and data position)")
+                        help="start from scratch (or train.load_weight) even if train.output_dir holds checkpoints "
+                             "(the new run writes its own over them; every torchrun restart would start over too); "
+                             "by default a run continues from the newest intact checkpoint there (model, optimizer, "
+                             "schedule, loss scale, RNG and data position)")
     parser.add_argument("--eval-only", action="store_true",
                         help="evaluate on dataloader.test (the newest checkpoint, or train.load_weight) and exit")
     parser.add_argument("--fast-dev-run", action="store_true",
