@@ -341,15 +341,6 @@ class Checkpointer:
             commit.remove_incomplete(self.output_dir)
         _barrier()
 
-    def last_checkpoint(self) -> Path | None:
-        """The checkpoint `last_checkpoint` names, unverified, or None when there is none yet
-        (`find_resumable` is what a resume should use)."""
-        path = commit.pointed_to(self.output_dir)
-        if path is not None and not path.is_dir():
-            raise FileNotFoundError(f"{self.output_dir / commit.POINTER} names {path.name}, which does not exist: "
-                                    f"restore it or delete {commit.POINTER} to start from scratch")
-        return path
-
     def find_resumable(self, at_most: int | None = None) -> Path | None:
         """The newest committed checkpoint whose files match its manifest (every rank calls this and
         gets the same answer): the one `last_checkpoint` names, else the periodic ones before it,

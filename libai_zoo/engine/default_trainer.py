@@ -373,6 +373,9 @@ class DefaultTrainer(TrainerBase):
         """Train from `start_iter` (set by resume_or_load) to ``train.max_iter``. A collective that
         fails or times out is reported with the ranks it waited for (their last heartbeats)."""
         max_iter = self.start_iter + 2 if self.fast_dev_run else self.cfg.train.max_iter
+        if self.start_iter >= max_iter:
+            logger.info("the run is already at train.max_iter = %d: nothing to train (raise train.max_iter to go on, "
+                        "or start over with --no-resume)", max_iter)
         with self._data_stack:
             self._open_data(self.start_iter)
             try:
