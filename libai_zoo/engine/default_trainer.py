@@ -44,10 +44,9 @@ from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import MicroBatchSampler, Prefetcher, check_dataset
 from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
-from libai_zoo.models import check_trainable, get_layer_stack
-from libai_zoo.optim import unique_parameters
-from libai_zoo.parallel import (DataParallel, Pipeline, apply_activation_checkpointing, check_pipeline_layout,
-                                materialize)
+from libai_zoo.models import get_layer_stack
+from libai_zoo.optim import build_optimizer
+from libai_zoo.parallel import DataParallel, Pipeline, check_pipeline_layout, materialize, parallelize
 from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
 from . import hooks
@@ -219,35 +218,15 @@ class DefaultTrainer(TrainerBase):
         alike at every layout from ``train.seed``); in train mode."""
         with torch.device("meta"):
             model = instantiate(cfg.model)
-        check_trainable(model)
-        model = dist.shard(model, self.ctx)
-        seq_len = self._sequence_length()  # MFU needs it; of the whole model, before pipeline stages cut it
-        flops_per_token = model.flops_per_token(seq_len) if seq_len else None
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
-        pipeline = None
-        parts = roots = [model]
-        if self.ctx.pp > 1:
-            pipe = cfg.train.get("pipeline") or {}
-            pipeline = Pipeline(model, self.ctx, schedule=pipe.get("schedule", "1f1b"),
-                                num_micro_batches=self.accumulation, virtual_stages=pipe.get("virtual_stages", 1),
-                                boundaries=pipe.get("boundaries"))
-            logger.info("%s", pipeline)
-            parts, roots = pipeline.model_parts, pipeline.stages
-        stacks = [list(get_layer_stack(part)) for part in parts]
-        layers = [layer for stack in stacks for layer in stack]
-        if cfg.train.activation_checkpoint.enabled:
-            logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(layers))
-        compile_with = cfg.train.get("compile", False)
-        if compile_with:  # True: inductor; a string names another torch.compile backend
-            for layer in layers:
-                layer.compile(backend="inductor" if compile_with is True else compile_with)
-        keep_gathered = pipeline is not None and pipeline.splits_backward
-        if keep_gathered and self.data_parallel.zero_stage == 3:
-            logger.info("ZeRO-3 under %s: parameters stay gathered from a step's first forward to its last "
-                        "backward (the weight gradients come after FSDP's backward hooks)", pipeline.schedule_name)
-        for root, stack in zip(roots, stacks):
-            self.data_parallel.wrap(root, stack, keep_gathered=keep_gathered)
+        built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
+                            pipeline=cfg.train.get("pipeline"),
+                            activation_checkpoint=cfg.train.activation_checkpoint.enabled,
+                            compile_with=cfg.train.get("compile", False))
+        model, parts, pipeline = built.model, built.parts, built.pipeline
+        seq_len = self._sequence_length()  # MFU needs it; of the whole model, not of a pipeline stage
+        flops_per_token = model.flops_per_token(seq_len) if seq_len else None
         aliases = pipeline.tied_aliases() if pipeline is not None else None
         start = time.perf_counter()
         # ZeRO offload keeps the shards in CPU memory: allocate them there (FSDP2 pins them)
@@ -260,11 +239,7 @@ class DefaultTrainer(TrainerBase):
 
     def build_optimizer(self, cfg: DictConfig, model_parts: list[nn.Module]) -> torch.optim.Optimizer:
         """instantiate(cfg.optim) with its ``params`` built for the model parts (param_groups by default)."""
-        node = _with(cfg.optim)
-        params = node.get("params")
-        node["params"] = instantiate({**params, "model": model_parts}) if isinstance(params, dict) \
-            else unique_parameters(model_parts)
-        return instantiate(node)
+        return build_optimizer(cfg.optim, model_parts)
 
     def build_lr_scheduler(self, cfg: DictConfig, optimizer: torch.optim.Optimizer):
         return instantiate(_with(cfg.train.scheduler, optimizer=optimizer, max_iter=cfg.train.max_iter))

@@ -3,7 +3,7 @@
 from .clip_grad import clip_grad_norm_
 from .lamb import Lamb
 from .lr_schedulers import ConstantLR, WarmupCosineLR, WarmupLinearLR
-from .param_groups import param_groups, unique_parameters
+from .param_groups import build_optimizer, param_groups, unique_parameters
 
-__all__ = ["param_groups", "unique_parameters", "clip_grad_norm_", "Lamb", "WarmupCosineLR", "WarmupLinearLR",
-           "ConstantLR"]
+__all__ = ["build_optimizer", "param_groups", "unique_parameters", "clip_grad_norm_", "Lamb", "WarmupCosineLR",
+           "WarmupLinearLR", "ConstantLR"]

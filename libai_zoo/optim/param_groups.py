@@ -1,10 +1,15 @@
-"""Split a model's parameters into the two groups every transformer recipe uses."""
+"""Split a model's parameters into the two groups every transformer recipe uses, and build the
+configured optimizer over them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+from omegaconf import OmegaConf
 from torch import nn
+
+from libai_zoo.config import instantiate
 
 
 def unique_parameters(model: nn.Module | Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -22,3 +27,13 @@ def param_groups(model: nn.Module | Sequence[nn.Module], weight_decay: float = 0
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(optim_cfg, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
+    """instantiate(optim_cfg) (a LazyCall of an optimizer class) over `model_parts`: its ``params``
+    recipe (`param_groups` by default) is given the parts, or without one every parameter once."""
+    node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
+    params = node.get("params")
+    node["params"] = instantiate({**params, "model": model_parts}) if isinstance(params, dict) \
+        else unique_parameters(model_parts)
+    return instantiate(node)

@@ -5,8 +5,9 @@ allocation of a meta-built model's shards (`materialize`)."""
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel
 from .materialize import init_parameters, materialize, parameter_seed
-from .pipeline import SCHEDULES, Pipeline, check_pipeline_layout, split_layers
+from .parallelize import Parallelized, parallelize
+from .pipeline import SCHEDULES, Pipeline, check_pipeline_layout, split_layers, stage_ranks
 
-__all__ = ["apply_activation_checkpointing", "DataParallel", "Pipeline", "SCHEDULES", "split_layers",
-           "check_pipeline_layout", "materialize",
+__all__ = ["apply_activation_checkpointing", "DataParallel", "Pipeline", "SCHEDULES", "split_layers", "stage_ranks",
+           "check_pipeline_layout", "materialize", "parallelize", "Parallelized",
            "init_parameters", "parameter_seed"]

@@ -262,6 +262,11 @@ def _tied_names(model: nn.Module) -> list[tuple[str, str]]:
     return [(first[key], last[key]) for key in first if key in last]
 
 
+def stage_ranks(pp: int, schedule: str, virtual_stages: int = 1) -> list[int]:
+    """The pp rank that runs each of the ``pp × virtual_stages`` stages under `schedule`."""
+    return _stage_ranks(pp, pp * virtual_stages, _KINDS[schedule].placement)
+
+
 def _stage_ranks(pp: int, num_stages: int, placement: str) -> list[int]:
     """pp rank of every stage."""
     if placement == "loop":

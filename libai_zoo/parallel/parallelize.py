@@ -1,0 +1,64 @@
+"""Turn a model (usually still on the meta device) into this rank's training parts: tensor-parallel
+split, pipeline stages, activation checkpointing and compile per layer, the data-parallel wrap.
+The trainer then allocates them (`materialize`); the planner's dry run counts their bytes as they
+are, under a fake process group of any size."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from libai_zoo import dist
+from libai_zoo.models import check_trainable, get_layer_stack
+
+from .activation_checkpoint import apply_activation_checkpointing
+from .data_parallel import DataParallel
+from .pipeline import Pipeline
+
+logger = logging.getLogger("libai_zoo")
+
+
+@dataclass
+class Parallelized:
+    """This rank's share of a model, wrapped for training (not yet allocated when built on meta)."""
+
+    #: The whole model, split over tp (its stages' parts are pruned copies of it under pp).
+    model: nn.Module
+    #: The modules this rank trains: the model, or its pipeline stages' parts.
+    parts: list[nn.Module]
+    #: The schedule that runs the parts under pipeline parallelism; None without it.
+    pipeline: Pipeline | None
+
+
+def parallelize(model: nn.Module, ctx: dist.ParallelContext, data_parallel: DataParallel, *,
+                num_micro_batches: int = 1, pipeline: dict | None = None, activation_checkpoint: bool = False,
+                compile_with: bool | str = False) -> Parallelized:
+    """`dist.shard` over tp; at pp > 1 this rank's stages (``pipeline``: schedule, virtual_stages,
+    boundaries); activation checkpointing and torch.compile (True: inductor, or a backend name)
+    per layer of the layer stack; then `data_parallel.wrap` of the model or of each stage."""
+    check_trainable(model)
+    model = dist.shard(model, ctx)
+    stages = None
+    parts = roots = [model]
+    if ctx.pp > 1:
+        pipe = pipeline or {}
+        stages = Pipeline(model, ctx, schedule=pipe.get("schedule", "1f1b"), num_micro_batches=num_micro_batches,
+                          virtual_stages=pipe.get("virtual_stages", 1), boundaries=pipe.get("boundaries"))
+        logger.info("%s", stages)
+        parts, roots = stages.model_parts, stages.stages
+    stacks = [list(get_layer_stack(part)) for part in parts]
+    layers = [layer for stack in stacks for layer in stack]
+    if activation_checkpoint:
+        logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(layers))
+    if compile_with:
+        for layer in layers:
+            layer.compile(backend="inductor" if compile_with is True else compile_with)
+    keep_gathered = stages is not None and stages.splits_backward
+    if keep_gathered and data_parallel.zero_stage == 3:
+        logger.info("ZeRO-3 under %s: parameters stay gathered from a step's first forward to its last "
+                    "backward (the weight gradients come after FSDP's backward hooks)", stages.schedule_name)
+    for root, stack in zip(roots, stacks):
+        data_parallel.wrap(root, stack, keep_gathered=keep_gathered)
+    return Parallelized(model, parts, stages)
