@@ -43,6 +43,15 @@ def _checks() -> dict:
             module(x.clone().requires_grad_()).sum().backward()
             grads.append(torch.cat([p.grad.to_local().flatten() for p in module.parameters()]))
         results["grad_diff", sp] = (grads[0] - grads[1]).abs().max().item()
+        # a zero-bubble schedule splits backward: the input's gradient, then the weights' (recomputing twice)
+        torch.manual_seed(2)
+        checkpointed.tp.rng.set_state(start)
+        inputs = x.clone().requires_grad_()
+        loss = checkpointed(inputs).sum()
+        torch.autograd.grad(loss, [inputs], retain_graph=True)
+        split = torch.autograd.grad(loss, list(checkpointed.parameters()))
+        split_grads = torch.cat([g.to_local().flatten() for g in split])
+        results["split_grad_diff", sp] = (grads[0] - split_grads).abs().max().item()
     dist.destroy()
     return results
 
@@ -61,3 +70,8 @@ def test_each_tp_rank_has_its_own_stream_and_the_shared_one_is_untouched(ranks):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_activation_checkpointing_replays_the_dropout_masks(ranks, sequence_parallel):
     assert all(rank["grad_diff", sequence_parallel] <= 1e-6 for rank in ranks)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_split_backward_recomputes_with_the_same_masks_twice(ranks, sequence_parallel):
+    assert all(rank["split_grad_diff", sequence_parallel] <= 1e-6 for rank in ranks)

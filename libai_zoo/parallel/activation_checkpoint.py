@@ -39,8 +39,24 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
     return count
 
 
+class _Replay:
+    """Enter: the tp stream restarts where the forward started it; exit: it is left where it was.
+    Re-entrant, because a zero-bubble schedule recomputes a layer twice (for the input gradients,
+    then for the weights')."""
+
+    def __init__(self, rng, started: dict):
+        self.rng, self.started, self.saved = rng, started, []
+
+    def __enter__(self) -> None:
+        self.saved.append(self.rng.get_state())
+        self.rng.set_state(self.started["state"])
+
+    def __exit__(self, *error) -> None:
+        self.rng.set_state(self.saved.pop())
+
+
 def _replay_stream(rng):
-    """(forward context, recompute context) for one checkpointed call: the recompute starts the
+    """(forward context, recompute context) for one checkpointed call: each recompute starts the
     tp stream where the forward started it, and leaves it where it was before the recompute."""
     started = {}
 
@@ -49,13 +65,4 @@ def _replay_stream(rng):
         started["state"] = rng.get_state()
         yield
 
-    @contextmanager
-    def recompute():
-        current = rng.get_state()
-        rng.set_state(started["state"])
-        try:
-            yield
-        finally:
-            rng.set_state(current)
-
-    return forward(), recompute()
+    return forward(), _Replay(rng, started)
