@@ -11,8 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # docs/design.md, "The layers of the house": a package may import only the ones before it.
-ORDER = ["utils", "config", "data", "optim", "dist", "layers", "hf", "models", "parallel", "checkpoint", "convert",
-         "engine"]
+ORDER = ["utils", "config", "data", "optim", "dist", "layers", "hf", "models", "parallel", "plan", "checkpoint",
+         "convert", "engine"]
 FOLDERS = {"layers": ROOT / "layers", "models": ROOT / "models",
            **{name: ROOT / "libai_zoo" / name for name in ORDER if name not in ("layers", "models")}}
 

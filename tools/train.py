@@ -3,6 +3,7 @@
     python tools/train.py projects/gpt2_pretrain/config.py
     python tools/train.py CONFIG.py train.max_iter=100 optim.lr=3e-4 dist.tp=2
     torchrun --nproc_per_node=2 tools/train.py CONFIG.py dist.tp=2
+    torchrun --nproc_per_node=4 tools/train.py CONFIG.py --auto-layout         # the planner picks the layout
     torchrun --nproc_per_node=8 --max-restarts=3 tools/train.py CONFIG.py dist.tp=8    # survives lost ranks
 
 A run resumes by itself from the newest intact checkpoint in train.output_dir (a first start has
@@ -39,17 +40,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(the new run writes its own over them; every torchrun restart would start over too); "
                              "by default a run continues from the newest intact checkpoint there (model, optimizer, "
                              "schedule, loss scale, RNG and data position)")
+    parser.add_argument("--auto-layout", action="store_true",
+                        help="let the layout planner (tools/plan.py) pick dist.dp/tp/pp, sequence parallelism, ZeRO, "
+                             "activation checkpointing, micro-batch size and pipeline schedule for the launched "
+                             "world size (same as dist.auto=true); the log says what it chose and why")
     parser.add_argument("--eval-only", action="store_true",
                         help="evaluate on dataloader.test (the newest checkpoint, or train.load_weight) and exit")
     parser.add_argument("--fast-dev-run", action="store_true",
                         help="smoke test: 2 training steps, logging every step, 2 evaluation batches, "
                              "no checkpoints")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config), args.overrides)
+    if args.auto_layout:
+        cfg.dist["auto"] = True
     trainer = DefaultTrainer(cfg, fast_dev_run=args.fast_dev_run)
     try:
         trainer.resume_or_load(resume=not args.no_resume)

@@ -21,6 +21,7 @@ from .tensor_parallel import TensorParallel
 MESH_DIMS = ("pp", "dp", "tp")
 
 _current: ParallelContext | None = None
+_connected = False  # the default process group was formed by `connect`: this module tears it down
 
 
 class ParallelContext:
@@ -147,16 +148,10 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = Fa
 
     device = _default_device(local_rank)
     mesh = None
-    owns_process_group = False
+    owns_process_group = _connected
     if world_size > 1:
         if not torch_dist.is_initialized():
-            backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-            limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
-            if shares_agent_store():
-                store = attempt_store(rank, world_size, limit or datetime.timedelta(minutes=10))
-                torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=limit)
-            else:
-                torch_dist.init_process_group(backend, timeout=limit)
+            connect(backend=backend, timeout=timeout)
             owns_process_group = True
         mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
         if timeout is not None:  # the mesh's groups take the backend's default, not the default group's
@@ -165,6 +160,26 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = Fa
                                mesh=mesh, sequence_parallel=sequence_parallel,
                                owns_process_group=owns_process_group)
     return _current
+
+
+def connect(*, backend: str | None = None, timeout: float | None = None) -> None:
+    """Form the default process group of torchrun's processes, before the layout is known (`init`
+    then builds its mesh on it and tears it down in `destroy`): e.g. to agree on a planned layout.
+    Under a torchrun restart the group starts from a store of its own attempt (`attempt_store`)."""
+    global _connected
+    world_size = launched_world_size()
+    if world_size == 1 or torch_dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    device = _default_device(int(os.environ.get("LOCAL_RANK", str(rank))))
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
+    if shares_agent_store():
+        store = attempt_store(rank, world_size, limit or datetime.timedelta(minutes=10))
+        torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=limit)
+    else:
+        torch_dist.init_process_group(backend, timeout=limit)
+    _connected = True
 
 
 def _bound(mesh: DeviceMesh, seconds: float) -> None:
@@ -181,9 +196,10 @@ def get_context() -> ParallelContext:
 
 
 def destroy() -> None:
-    """Forget the current context and tear down the process group if `init` created it."""
-    global _current
-    if _current is not None and _current.owns_process_group and torch_dist.is_initialized():
+    """Forget the current context and tear down the process group if `init` or `connect` created it."""
+    global _current, _connected
+    owned = _connected or (_current is not None and _current.owns_process_group)
+    if owned and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
     forget()
-    _current = None
+    _current, _connected = None, False

@@ -46,6 +46,7 @@ from libai_zoo.data import MicroBatchSampler, Prefetcher, check_dataset
 from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
 from libai_zoo.models import get_layer_stack
 from libai_zoo.optim import build_optimizer
+from libai_zoo.plan import agree_on_layout
 from libai_zoo.parallel import DataParallel, Pipeline, check_pipeline_layout, materialize, parallelize
 from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
@@ -118,6 +119,10 @@ class DefaultTrainer(TrainerBase):
         super().__init__()
         self.cfg, self.fast_dev_run = cfg, fast_dev_run
         train = cfg.train
+        auto_layout = None
+        if cfg.dist.get("auto", False):  # the planner picks dp, tp, pp, ZeRO, AC, SP, micro-batch, schedule
+            overrides, auto_layout = agree_on_layout(cfg, timeout=cfg.dist.get("init_timeout"))
+            LazyConfig.apply_overrides(cfg, overrides.split())
         # What can be refused without a process group is refused before one exists.
         dp, tp, pp = dist.resolve_sizes(dist.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
         self.accumulation = self._accumulation(train, dp)
@@ -129,6 +134,8 @@ class DefaultTrainer(TrainerBase):
                              timeout=cfg.dist.get("init_timeout"))
         self.output_dir = Path(train.output_dir)
         setup_logging(self.output_dir, self.ctx.rank)
+        if auto_layout is not None:
+            logger.info("dist.auto: %s", auto_layout)
         logger.info("%s; %d micro-batch(es) of %d per step, global batch %d", self.ctx, self.accumulation,
                     train.micro_batch_size, train.global_batch_size)
         self.heartbeat = Heartbeat(dist.progress_store(), self.ctx.rank, self.ctx.world_size)

@@ -49,4 +49,7 @@ train = dict(
 # sequence inside the tp group. Timeouts in seconds: init_timeout bounds forming the process group
 # and every collective until the first step is done; timeout every collective after it (a rank
 # that waits longer names the ranks that did not arrive and exits non-zero, so torchrun restarts).
-dist = dict(dp=1, tp=1, pp=1, sequence_parallel=False, init_timeout=600, timeout=300)
+# auto=True (tools/train.py --auto-layout): the layout planner (libai_zoo.plan, tools/plan.py) picks
+# dp, tp, pp, sequence_parallel, train.zero_stage, train.activation_checkpoint, train.micro_batch_size
+# and train.pipeline for the launched world size at start-up, and logs what it chose and why.
+dist = dict(dp=1, tp=1, pp=1, sequence_parallel=False, init_timeout=600, timeout=300, auto=False)

@@ -1,0 +1,235 @@
+"""The time model: seconds of one training step under a layout, term by term.
+
+    compute   per micro-batch on a rank: its layers' forward and backward (+ one more forward under
+              activation checkpointing), the embedding on the first stage, the head and loss on
+              the last; measured on this machine's device (`profile.py`) or, for an absent device,
+              a roofline (matmul FLOPs at `Device.matmul_efficiency` of the peak, plus the
+              elementwise traffic at the memory bandwidth). On a CPU, `contention` stretches it:
+              a node running more single-threaded processes than it has cores shares them.
+    tp comm   per layer and micro-batch, Megatron's two all-reduces of the layer's activations
+              forward and two backward (one each for a parallel block; all-gather +
+              reduce-scatter of the same bytes under sequence parallelism; the forward's again when
+              checkpointing recomputes it), one for the embedding and one for the head
+    pp comm   a point-to-point send of the boundary activations forward and of their gradient
+              backward, per micro-batch, on every rank that has a neighbour
+    bubble    the pipeline's idle slots: (pp − 1) micro-batch slots for gpipe and 1F1B, divided
+              by the stages per rank for interleaved 1F1B, and by 3 × that for the zero-bubble
+              schedules (their weight-gradient work fills two thirds of it: ZB-H1, Qi et al. 2023)
+    dp comm   gradient all-reduce (ZeRO 0) or reduce-scatter (1-3) in float32, parameter
+              all-gather (1-3) in the compute dtype: once per step at ZeRO 0/1/2 and under
+              pipelines, each micro-batch at ZeRO 2/3 without them (ZeRO-3 gathers forward and
+              backward); on a GPU the part that fits under the backward (forward, for gathers)
+              it overlaps is hidden, on a CPU (gloo shares the compute cores) none is
+    optimizer the optimizer's step over the rank's parameter shard, measured per element
+
+Collectives follow the alpha-beta model of a ring: all-reduce 2(n−1)·α + 2(n−1)/n·bytes·β,
+all-gather and reduce-scatter (n−1)·α + (n−1)/n·bytes·β, a send α + bytes·β; α and β of a link
+come from `LINKS` (stated presets) or, for gloo on this machine, a short sweep (`fit_gloo_link`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from libai_zoo.parallel.data_parallel import BUCKET_BYTES
+
+from .layouts import Layout
+from .memory import rank_stages, state_bytes, unsharded_bytes
+from .model_table import ModelTable
+from .profile import ComputeTimes
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device's stated figures (dense tensor-core peak; achievable share on a large matmul)."""
+
+    name: str
+    peak_flops: dict[torch.dtype, float]
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: int
+    matmul_efficiency: float = 0.7
+    overlaps_communication: bool = True
+
+
+GiB = 2**30
+
+#: Datasheet figures (SXM parts). matmul_efficiency 0.7: a large bf16 matmul reached ~0.8 of the
+#: peak on the lent H100 (about 800 of 989 TFLOP/s); a layer's matmuls are smaller.
+DEVICES: dict[str, Device] = {
+    "h100": Device("H100 80GB", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}, 3.35e12,
+                   80 * GiB),
+    "h200": Device("H200 141GB", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}, 4.8e12,
+                   141 * 10**9),
+    "a100": Device("A100 80GB", {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12}, 2.0e12,
+                   80 * GiB),
+    "cpu": Device("CPU", {}, 0.0, 0, overlaps_communication=False),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A ring's per-hop latency (s) and inverse bandwidth (s per byte) as one rank sees it."""
+
+    alpha: float
+    beta: float
+
+    def all_reduce(self, nbytes: float, n: int) -> float:
+        return 0.0 if n == 1 else 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * nbytes * self.beta
+
+    def all_gather(self, nbytes: float, n: int) -> float:
+        """Also a reduce-scatter: `nbytes` is the whole (unsharded) tensor."""
+        return 0.0 if n == 1 else (n - 1) * self.alpha + (n - 1) / n * nbytes * self.beta
+
+    def send(self, nbytes: float) -> float:
+        return self.alpha + nbytes * self.beta
+
+
+#: Stated presets: NVLink 4 / NVSwitch (H100, H200: 450 GB/s each way, ~360 GB/s reached by NCCL's
+#: ring), NVLink 3 (A100: 300 GB/s, ~230 reached), and one 400 Gb/s InfiniBand NDR rail per GPU
+#: (50 GB/s, ~40 reached) between nodes; latencies of NCCL's ring per hop.
+LINKS: dict[str, Link] = {
+    "nvlink4": Link(8e-6, 1 / 360e9),
+    "nvlink3": Link(10e-6, 1 / 230e9),
+    "infiniband": Link(20e-6, 1 / 40e9),
+}
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The links between ranks: `intra` inside a node of `gpus_per_node`, `inter` between nodes."""
+
+    intra: Link
+    inter: Link
+    gpus_per_node: int
+
+    def link(self, span: int) -> Link:
+        """The link of a group whose ranks lie within `span` consecutive ranks."""
+        return self.intra if span <= self.gpus_per_node else self.inter
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one step, term by term (the slowest pipeline rank)."""
+
+    compute: float
+    tp_comm: float
+    pp_comm: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+def roofline_compute(table: ModelTable, device: Device, *, tp: int, micro_batch: int, seq_len: int,
+                     amp_dtype: torch.dtype | None) -> ComputeTimes:
+    """Compute times of an absent device: matmul FLOPs at its stated efficiency plus elementwise
+    traffic (about 16 reads or writes of the hidden activations per layer) at its bandwidth."""
+    dtype = amp_dtype or torch.float32
+    peak = device.peak_flops[dtype] * device.matmul_efficiency
+    element = torch.tensor([], dtype=dtype).element_size()
+    tokens = micro_batch * seq_len
+    shape = table.layer
+    matmul = 2 * tokens * table.layer_parameters / tp
+    attention = 2 * tokens * seq_len * shape.num_heads * shape.head_dim / tp  # causal: half of 4·t·s·width
+    traffic = 16 * tokens * shape.hidden_size * element / device.memory_bandwidth
+    forward = (matmul + attention) / peak + traffic
+    head = 2 * tokens * shape.hidden_size * table.vocab_size / tp / peak
+    return ComputeTimes(forward, 2 * forward, traffic / 8, 3 * head + traffic)
+
+
+def _bubble_slots(layout: Layout, num_micro_batches: int) -> float:
+    """Idle micro-batch slots of a rank per step (in units of its whole per-micro-batch work);
+    with fewer micro-batches than stages no schedule overlaps anything: pp − 1."""
+    p, v = layout.pp, layout.virtual_stages
+    if p == 1:
+        return 0.0
+    if layout.schedule in ("gpipe", "1f1b") or num_micro_batches < p:
+        return float(p - 1)
+    if layout.schedule == "interleaved_1f1b":
+        return (p - 1) / v
+    return (p - 1) / (3 * v)  # zero_bubble, zbv
+
+
+def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fabric, *, device: Device,
+              seq_len: int, global_batch_size: int, amp_dtype: torch.dtype | None, optimizer_per_element: float,
+              fsdp_op: float = 0.0, oversubscription: float = 1.0) -> StepTime:
+    """The step time of the slowest pp rank under `layout` (see the module docstring). `fsdp_op`:
+    FSDP2's own seconds around one unit's collective; `oversubscription`: on a CPU, processes per
+    core of a node (compute stretches by it times the share of the step a rank is busy, at least 1)."""
+    m = layout.num_micro_batches(global_batch_size)
+    tp, dp, pp = layout.tp, layout.dp, layout.pp
+    act_bytes = (torch.tensor([], dtype=amp_dtype).element_size() if amp_dtype else 4) \
+        * layout.micro_batch_size * seq_len * table.layer.hidden_size
+    tp_link = fabric.link(tp)
+    dp_link = fabric.link(tp * dp)
+    pp_link = fabric.link(tp * dp * pp)
+    slots = _bubble_slots(layout, m)
+    contention = max(1.0, oversubscription * m / (m + slots))
+    # activation checkpointing recomputes each layer's forward once; a split backward (zero bubble)
+    # runs the recompute for the input and again for the weight gradients
+    recomputes = (2 if layout.schedule in ("zero_bubble", "zbv") else 1) if layout.activation_checkpoint else 0
+    syncs = 1 if table.layer.parallel_block else 2
+    layer_tp = (2 + recomputes) * syncs * tp_link.all_reduce(act_bytes, tp)
+    worst = None
+    for pp_rank in range(pp):
+        stages = rank_stages(table, layout, pp_rank)
+        layers = sum(count for count, _, _ in stages)
+        first, last = any(s[1] for s in stages), any(s[2] for s in stages)
+        per_mb = layers * (times.layer_forward * (1 + recomputes) + times.layer_backward)
+        per_mb += times.first * first + times.last * last
+        per_mb *= contention
+        tp_mb = layers * layer_tp + (first + last) * tp_link.all_reduce(act_bytes, tp)
+        boundaries = sum(2 - is_first - is_last for _, is_first, is_last in stages)  # each: a send each way
+        pp_mb = 2 * boundaries * pp_link.send(act_bytes / (tp if layout.sequence_parallel else 1))
+        slot = per_mb + tp_mb + pp_mb
+        dp_comm = _dp_exposed(table, layout, pp_rank, dp_link, device, m, amp_dtype, fsdp_op * contention,
+                              forward=layers * times.layer_forward * contention,
+                              backward=layers * times.layer_backward * contention)
+        shard = state_bytes(table, layout, pp_rank).params / 4  # float32 parameters
+        result = StepTime(m * per_mb, m * tp_mb, m * pp_mb, slots * slot, dp_comm,
+                          shard * optimizer_per_element * contention)
+        if worst is None or result.total > worst.total:
+            worst = result
+    return worst
+
+
+def _dp_exposed(table: ModelTable, layout: Layout, pp_rank: int, link: Link, device: Device, m: int,
+                amp_dtype: torch.dtype | None, fsdp_op: float, *, forward: float, backward: float) -> float:
+    """Seconds of data-parallel communication not hidden under compute: each collective's latency
+    (one per FSDP unit: a layer, or a stage's root; one per 25 MiB bucket at ZeRO 0) and FSDP's own
+    work around it, plus the bytes, of which a GPU hides what fits under the compute it overlaps."""
+    dp = layout.dp
+    if dp == 1:
+        return 0.0
+    stages = rank_stages(table, layout, pp_rank)
+    layers = sum(count for count, _, _ in stages)
+    grads = unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)  # reduced in float32
+    gathered = unsharded_bytes(table, layout, pp_rank, 2 if amp_dtype == torch.bfloat16 else 4)
+    per_step = layout.pp > 1 or layout.zero_stage < 2
+    reductions = 1 if per_step else m
+    if layout.zero_stage == 0:
+        calls = -(-grads // BUCKET_BYTES) + len(stages)
+        reduce = reductions * (calls * (2 * (dp - 1) * link.alpha + fsdp_op) + link.all_reduce(grads, dp)
+                               - 2 * (dp - 1) * link.alpha)
+        gather = 0.0
+    else:
+        units = layers + len(stages)
+        if layout.zero_stage < 3 or layout.schedule in ("zero_bubble", "zbv"):
+            gathers = 1
+        else:
+            gathers = m + 1 if layout.pp > 1 else 2 * m
+        reduce = reductions * (units * ((dp - 1) * link.alpha + fsdp_op) + (dp - 1) / dp * grads * link.beta)
+        gather = gathers * (units * ((dp - 1) * link.alpha + fsdp_op) + (dp - 1) / dp * gathered * link.beta)
+    if not device.overlaps_communication:
+        return reduce + gather
+    hidden_reduce = backward * reductions
+    hidden_gather = (forward + (backward if layout.zero_stage == 3 else 0)) * (1 if per_step else m)
+    return max(0.0, reduce - hidden_reduce) + max(0.0, gather - hidden_gather)

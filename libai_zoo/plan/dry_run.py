@@ -1,0 +1,73 @@
+"""Build a layout at any world size in one process, with no memory: the model on the meta device,
+torch's fake process group at the layout's world size, and the trainer's own path (`parallelize`:
+tp split, pipeline stages, activation checkpointing, FSDP2 wrap), then the configured optimizer
+over the parts and one step on meta gradients. What each rank holds is counted from the tensors
+(`libai_zoo.utils`' byte counters): the planner's static memory must equal it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from libai_zoo.config import instantiate
+from libai_zoo.optim import build_optimizer, unique_parameters
+from libai_zoo.parallel import DataParallel, parallelize
+from libai_zoo.utils import optimizer_state_bytes
+
+from .fake_world import fake_world
+from .layouts import Layout
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """What one rank of a dry run holds between steps."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    params: int
+    grads: int
+    optimizer: int
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int, *, amp_dtype: torch.dtype | None = None) -> RankBytes:
+    """Build `rank` of `layout` under a fake process group and count its parameters, gradients
+    and optimizer state."""
+    global_batch = cfg.train.global_batch_size
+    with fake_world(layout.world_size, rank, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+                    sequence_parallel=layout.sequence_parallel) as ctx:
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        param_dtype = torch.bfloat16 if amp_dtype == torch.bfloat16 and layout.zero_stage >= 1 else None
+        data_parallel = DataParallel(ctx, layout.zero_stage, param_dtype=param_dtype)
+        built = parallelize(model, ctx, data_parallel, num_micro_batches=layout.num_micro_batches(global_batch),
+                            pipeline={"schedule": layout.schedule, "virtual_stages": layout.virtual_stages},
+                            activation_checkpoint=layout.activation_checkpoint)
+        params = unique_parameters(built.parts)
+        for param in params:
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        optimizer = build_optimizer(cfg.optim, built.parts)
+        optimizer.step()
+        return RankBytes(rank, ctx.pp_rank, ctx.dp_rank, ctx.tp_rank,
+                         sum(_local_bytes(p) for p in params),
+                         sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+                         optimizer_state_bytes(optimizer))
+
+
+def dry_run(cfg: DictConfig, layout: Layout, *, amp_dtype: torch.dtype | None = None) -> list[RankBytes]:
+    """One rank per pipeline stage: dp rank 0 and tp rank 0 of each pp rank (FSDP2 gives dp rank 0
+    the most rows; the tp ranks hold equal slices), plus the last dp rank of the first stage (the
+    fewest rows)."""
+    ranks = [pp_rank * layout.dp * layout.tp for pp_rank in range(layout.pp)]
+    if layout.dp > 1:
+        ranks.append((layout.dp - 1) * layout.tp)
+    return [dry_run_rank(cfg, layout, rank, amp_dtype=amp_dtype) for rank in ranks]

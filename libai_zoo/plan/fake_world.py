@@ -1,0 +1,33 @@
+"""A process group of any size inside one process: torch's fake backend, whose collectives return
+at once with outputs of the right shapes (their values are not computed). Sharding, pipeline stage
+cutting and FSDP wrapping run for real under it, so a layout of 512 ranks can be built on the meta
+device on a laptop (`dry_run`), and one rank's layer can be timed or its saved activations counted
+without its peers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as torch_dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from libai_zoo import dist
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int = 0, *, dp: int = -1, tp: int = 1, pp: int = 1,
+               sequence_parallel: bool = False) -> Iterator[dist.ParallelContext]:
+    """``with fake_world(512, dp=8, tp=8, pp=8) as ctx:`` the parallel context of `rank` in a fake
+    world; on exit the fake process group is destroyed and the context forgotten. Refused when a
+    real process group exists (it would be replaced)."""
+    if torch_dist.is_initialized():
+        raise RuntimeError("fake_world needs a process without a process group: plan before dist.init, "
+                           "or in a process of its own")
+    torch_dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.init(dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel)
+    finally:
+        dist.destroy()
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()

@@ -1,0 +1,114 @@
+"""The layouts a model admits at a world size: dp × tp × pp, ZeRO stage, activation checkpointing,
+sequence parallelism, micro-batch size and pipeline schedule, each as the overrides that run it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from libai_zoo import dist
+from libai_zoo.parallel import check_pipeline_layout
+
+if TYPE_CHECKING:
+    from .model_table import ModelTable
+
+#: The pipeline schedules the planner tries, with the stages per rank it gives each.
+PIPELINE_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1, "zbv": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a step on `dp × tp × pp` processes."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int = 0
+    activation_checkpoint: bool = False
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    schedule: str | None = None  # the pipeline schedule; None without pp
+    virtual_stages: int = 1
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int) -> Layout:
+        """The layout a config's ``dist`` and ``train`` keys ask for at `world_size` (dp=-1 inferred)."""
+        dp, tp, pp = dist.resolve_sizes(world_size, cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
+        pipe = cfg.train.get("pipeline") or {}
+        return cls(dp, tp, pp, cfg.train.zero_stage, bool(cfg.train.activation_checkpoint.enabled),
+                   bool(cfg.dist.get("sequence_parallel", False)), cfg.train.micro_batch_size,
+                   pipe.get("schedule", "1f1b") if pp > 1 else None, pipe.get("virtual_stages", 1) if pp > 1 else 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def num_micro_batches(self, global_batch_size: int) -> int:
+        """Micro-batches each dp rank runs per step (accumulated, or pipelined under pp)."""
+        per_step = self.micro_batch_size * self.dp
+        if global_batch_size % per_step:
+            raise ValueError(f"train.global_batch_size = {global_batch_size} is not a multiple of micro_batch_size × "
+                             f"dp = {self.micro_batch_size} × {self.dp}: change one of them")
+        return global_batch_size // per_step
+
+    def overrides(self) -> str:
+        """The `key=value` overrides of tools/train.py that run this layout."""
+        parts = [f"dist.dp={self.dp}", f"dist.tp={self.tp}", f"dist.pp={self.pp}",
+                 f"dist.sequence_parallel={str(self.sequence_parallel).lower()}",
+                 f"train.zero_stage={self.zero_stage}",
+                 f"train.activation_checkpoint.enabled={str(self.activation_checkpoint).lower()}",
+                 f"train.micro_batch_size={self.micro_batch_size}"]
+        if self.pp > 1:
+            parts += [f"train.pipeline.schedule={self.schedule}",
+                      f"train.pipeline.virtual_stages={self.virtual_stages}"]
+        return " ".join(parts)
+
+    def short(self) -> str:
+        """A compact name for tables: dp2 tp2 pp2 z1 ac sp mb4 1f1b."""
+        text = f"dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero_stage}"
+        text += " ac" if self.activation_checkpoint else ""
+        text += " sp" if self.sequence_parallel else ""
+        text += f" mb{self.micro_batch_size}"
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return text
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int, *,
+                      gpus_per_node: int = 8) -> Iterator[Layout]:
+    """Every layout `table`'s model admits on `world_size` processes: tp inside a node and splitting
+    every layer evenly (the layers' own `tp_problems`), pp ≤ layers, dp dividing the global batch,
+    each micro-batch size that divides a dp rank's share, ZeRO 0-3 (0 alone at dp = 1),
+    activation checkpointing off/on, sequence parallelism off/on at tp > 1, and under pp each
+    schedule the pipeline accepts for that many micro-batches."""
+    for tp in _divisors(world_size):
+        if tp > gpus_per_node or gpus_per_node % tp or table.tp_problems(tp):
+            continue
+        for pp in _divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            if pp > table.num_layers or global_batch_size % dp:
+                continue
+            schedules = [(name, v) for name, v in PIPELINE_SCHEDULES.items()] if pp > 1 else [(None, 1)]
+            for micro_batch in _divisors(global_batch_size // dp):
+                micro_batches = global_batch_size // (dp * micro_batch)
+                for schedule, virtual in schedules:
+                    if schedule is not None and not _pipeline_runs(table, pp, schedule, virtual, micro_batches):
+                        continue
+                    for zero in (range(4) if dp > 1 else [0]):
+                        for sp in ([False, True] if tp > 1 else [False]):
+                            for ac in (False, True):
+                                yield Layout(dp, tp, pp, zero, ac, sp, micro_batch, schedule, virtual)
+
+
+def _pipeline_runs(table: ModelTable, pp: int, schedule: str, virtual: int, micro_batches: int) -> bool:
+    try:
+        check_pipeline_layout(table.num_layers, pp, schedule=schedule, num_micro_batches=micro_batches,
+                              virtual_stages=virtual)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,302 @@
+"""Bytes one rank holds under a layout, term by term, computed from the model's parameter table.
+
+Static state is exact (the planner must equal `dry_run` and a real run to the byte):
+
+    params     each parameter's tp slice (`ParameterInfo.tp_dim`), on the stages this pp rank runs
+               (`split_layers`, `stage_ranks`; the first stage adds the embedding, the last the final
+               norm and head, a tied weight held by both ends counted at each), and at ZeRO 1-3 this
+               dp rank's rows of it (FSDP2 cuts dim 0 of the tp slice as torch.chunk does, so dp
+               rank 0 holds the most: ceil(rows / dp))
+    grads      the same shapes, for trainable parameters: what a rank holds after its gradients
+               are reduced (whole at ZeRO 0, sharded at 1-3)
+    optimizer  the optimizer's state per parameter, probed once on a small tensor (AdamW: two
+               moments like the parameter plus a 4-byte step counter per tensor)
+
+Transient terms, at the step's peak:
+
+    gathered     FSDP2's all-gathered parameters (in the compute dtype under bf16 autocast): every
+                 unit of the rank from forward to backward at ZeRO 1-2 (they reshard after
+                 backward), the root unit (embeddings, head: FSDP2 keeps the root gathered) plus
+                 the two largest layers at ZeRO 3 (the one computing and the one prefetched),
+                 everything under a zero-bubble schedule (kept gathered); at ZeRO 1 with more than one
+                 micro-batch also the unsharded gradients it accumulates
+    activations  what each layer saves for backward (`activations.py`) × the micro-batches in
+                 flight on this rank (gpipe: all; 1F1B: pp − rank; interleaved 1F1B: torch's
+                 warm-up count + 1, in chunks of 1/v; zero bubble: the first rank's count on every
+                 rank, a chunk being held until its weight gradients; ZBV: the chunks run before
+                 the first weight gradient), plus one layer recomputed whole under activation
+                 checkpointing
+    logits       the last stage's head and loss for one micro-batch (all of them under gpipe)
+    overhead     a stated fixed amount (CUDA context, communication buffers, allocator slack)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import torch
+from omegaconf import OmegaConf
+
+from libai_zoo.config import instantiate
+from libai_zoo.parallel import split_layers, stage_ranks
+
+from .activations import embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
+from .layouts import Layout
+from .model_table import ModelTable, ParameterInfo
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """An optimizer's state per parameter tensor: `per_byte` bytes for every byte of the parameter
+    (AdamW: 2.0) plus `fixed` bytes (AdamW: a 4-byte step)."""
+
+    per_byte: float
+    fixed: int
+
+    @classmethod
+    def probe(cls, optim_cfg) -> OptimizerState:
+        """Build the configured optimizer over one small tensor, step once, and measure its state."""
+        node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
+        param = torch.nn.Parameter(torch.zeros(2, 3))
+        optimizer = instantiate({**node, "params": [param]})
+        param.grad = torch.zeros_like(param)
+        optimizer.step()
+        like = fixed = 0
+        for value in optimizer.state[param].values():
+            if isinstance(value, torch.Tensor):
+                size = value.numel() * value.element_size()
+                if value.numel() == param.numel():
+                    like += size
+                else:
+                    fixed += size
+        return cls(like / (param.numel() * param.element_size()), fixed)
+
+
+ADAMW = OptimizerState(2.0, 4)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """One rank's persistent training state."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+
+@dataclass
+class MemoryBreakdown:
+    """Predicted bytes of the rank that holds the most (`pp_rank`), term by term."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    activations: int
+    logits: int
+    overhead: int
+    pp_rank: int = 0
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.gathered + self.activations + self.logits
+                + self.overhead)
+
+    def as_dict(self) -> dict[str, int]:
+        terms = asdict(self)
+        terms.pop("pp_rank")
+        return {**terms, "total": self.total}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _shard_elements(param: ParameterInfo, tp: int, dp: int, zero_stage: int, dp_rank: int) -> int:
+    """Elements of `param` this rank keeps: its tp slice, and at ZeRO 1-3 its dp rows of it."""
+    shape = param.tp_local_shape(tp)
+    if zero_stage == 0 or dp == 1:
+        return _numel(shape)
+    rows = shape[0]
+    per_rank = -(-rows // dp)
+    kept = max(0, min(per_rank, rows - dp_rank * per_rank))
+    return kept * _numel(shape[1:])
+
+
+def rank_stages(table: ModelTable, layout: Layout, pp_rank: int) -> list[tuple[int, bool, bool]]:
+    """(number of layers, holds the first stage's modules, holds the last's) of each stage `pp_rank` runs."""
+    return _rank_stages(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
+
+
+@lru_cache(maxsize=65536)
+def _rank_stages(num_layers: int, pp: int, schedule: str | None, virtual_stages: int,
+                 pp_rank: int) -> list[tuple[int, bool, bool]]:
+    if pp == 1:
+        return [(num_layers, True, True)]
+    num_stages = pp * virtual_stages
+    ranges = split_layers(num_layers, num_stages)
+    owners = stage_ranks(pp, schedule, virtual_stages)
+    return [(len(ranges[s]), s == 0, s == num_stages - 1) for s in range(num_stages) if owners[s] == pp_rank]
+
+
+def _group(table: ModelTable, first: bool | None, last: bool = False) -> list[ParameterInfo]:
+    """One layer's parameters (`first` None: the layers are alike), or those of the end modules a
+    stage holding the first and/or the last stage has (a tied weight once)."""
+    if first is None:
+        return [p for p in table.parameters if p.layer == 0]
+    return [p for p in table.parameters
+            if p.layer is None and (("first" in p.ends and first) or ("last" in p.ends and last))]
+
+
+@lru_cache(maxsize=65536)
+def _group_state(table: ModelTable, first: bool | None, last: bool, tp: int, dp: int, zero_stage: int, dp_rank: int,
+                 optimizer: OptimizerState) -> StateBytes:
+    params = grads = state = 0
+    for param in _group(table, first, last):
+        size = _shard_elements(param, tp, dp, zero_stage, dp_rank) * param.element_size
+        params += size
+        if param.requires_grad:
+            grads += size
+            state += int(optimizer.per_byte * size) + optimizer.fixed
+    return StateBytes(params, grads, state)
+
+
+def state_bytes(table: ModelTable, layout: Layout, pp_rank: int = 0, dp_rank: int = 0,
+                optimizer: OptimizerState = ADAMW) -> StateBytes:
+    """Parameters, gradients and optimizer state one rank holds between steps (exact)."""
+    params = grads = state = 0
+    sizes = (layout.tp, layout.dp, layout.zero_stage, dp_rank, optimizer)
+    for layers, first, last in rank_stages(table, layout, pp_rank):
+        for count, group in ((layers, _group_state(table, None, False, *sizes)),
+                             (1, _group_state(table, first, last, *sizes))):
+            params += count * group.params
+            grads += count * group.grads
+            state += count * group.optimizer
+    return StateBytes(params, grads, state)
+
+
+@lru_cache(maxsize=65536)
+def _group_unsharded(table: ModelTable, first: bool | None, last: bool, tp: int, dp: int, element_size: int | None,
+                     trainable_only: bool = False) -> int:
+    """All-gathered bytes of a group's parameters (FSDP2 pads each to dp equal chunks of rows)."""
+    total = 0
+    for param in _group(table, first, last):
+        if trainable_only and not param.requires_grad:
+            continue
+        shape = param.tp_local_shape(tp)
+        rows = -(-shape[0] // dp) * dp
+        total += rows * _numel(shape[1:]) * (element_size or param.element_size)
+    return total
+
+
+def unsharded_bytes(table: ModelTable, layout: Layout, pp_rank: int, element_size: int | None, *,
+                    trainable_only: bool = False) -> int:
+    """All-gathered bytes of everything `pp_rank` holds (`element_size` None: the parameters' own)."""
+    return sum(layers * _group_unsharded(table, None, False, layout.tp, layout.dp, element_size, trainable_only)
+               + _group_unsharded(table, first, last, layout.tp, layout.dp, element_size, trainable_only)
+               for layers, first, last in rank_stages(table, layout, pp_rank))
+
+
+def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_batches: int,
+                   compute_dtype: torch.dtype | None) -> int:
+    """FSDP2's gathered parameters (and ZeRO-1's accumulated whole gradients) at the step's peak."""
+    if layout.zero_stage == 0 or layout.dp == 1:
+        return 0
+    element = torch.tensor([], dtype=compute_dtype).element_size() if compute_dtype is not None else None
+    if layout.zero_stage < 3 or layout.schedule in ("zero_bubble", "zbv"):
+        total = unsharded_bytes(table, layout, pp_rank, element)
+    else:
+        total = sum(min(2, layers) * _group_unsharded(table, None, False, layout.tp, layout.dp, element)
+                    + _group_unsharded(table, first, last, layout.tp, layout.dp, element)
+                    for layers, first, last in rank_stages(table, layout, pp_rank))
+    if layout.zero_stage == 1 and num_micro_batches > 1:
+        total += unsharded_bytes(table, layout, pp_rank, element, trainable_only=True)
+    return total
+
+
+def micro_batches_in_flight(layout: Layout, pp_rank: int, num_micro_batches: int) -> float:
+    """Micro-batches whose activations pp rank `pp_rank` holds at once, in units of all its layers:
+    the most stage chunks (1/v of them) whose forward has run and whose backward has not, in the
+    order torch's schedule runs them. Under the zero-bubble schedules a chunk is held until its
+    weight gradients (W): the input-gradient pass (I) keeps the graph for them."""
+    m, pp, v = num_micro_batches, layout.pp, layout.virtual_stages
+    if pp == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "1f1b":
+        return float(min(m, pp - pp_rank))
+    if layout.schedule == "zbv":
+        # stage pp_rank runs 2 pp − 1 − pp_rank forwards and stage 2 pp − 1 − pp_rank runs pp_rank + 1
+        # before the first W (of at most m micro-batches each); after it one W follows each forward
+        return (min(m, 2 * pp - 1 - pp_rank) + min(m, pp_rank + 1)) / 2
+    per_round = m // max(1, m // pp)
+    if layout.schedule == "zero_bubble":
+        # warm-up (v − 1)·per_round + pp − 1 − pp_rank forwards, then each W trails its I by
+        # pp_rank steps: every rank holds what the first does (ZB-H1's memory)
+        return min((v - 1) * per_round + pp, m * v) / v
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), m * v)  # interleaved 1F1B
+    return min(warmup + 1, m * v) / v
+
+
+@lru_cache(maxsize=65536)
+def _activations(table: ModelTable, part: str, micro_batch: int, seq_len: int, tp: int, sp: bool,
+                 checkpointed: bool, amp_dtype: torch.dtype | None, device: str, low_precision_weights: bool) -> int:
+    """One micro-batch's saved bytes of a "layer", the "embedding" or the "head" (cached: the
+    planner asks the same shapes of thousands of layouts)."""
+    common = dict(tp=tp, sequence_parallel=sp, amp_dtype=amp_dtype, device=device)
+    if part == "layer":
+        return layer_activation_bytes(table.layer, micro_batch, seq_len, checkpointed=checkpointed,
+                                      low_precision_weights=low_precision_weights, **common)
+    if part == "embedding":
+        return embedding_activation_bytes(table.layer.hidden_size, micro_batch, seq_len,
+                                          dropout=table.embedding_dropout,
+                                          position_embedding=table.learned_positions, **common)
+    return head_activation_bytes(table.layer.hidden_size, table.vocab_size, micro_batch, seq_len,
+                                 norm=table.layer.norm, low_precision_weights=low_precision_weights, **common)
+
+
+def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: int, num_micro_batches: int,
+                     amp_dtype: torch.dtype | None, device: str = "cuda") -> tuple[int, int]:
+    """(activations of the layers and embedding, logits and loss of the head) held at the peak, on
+    a "cuda" or "cpu" device (their attention kernels and dropout masks differ)."""
+    shapes = (layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel)
+    # FSDP2 hands the layers bf16 parameters under bf16 autocast at ZeRO 1-3: no matmul keeps a cast copy
+    low = amp_dtype == torch.bfloat16 and layout.zero_stage >= 1 and layout.dp > 1
+    in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
+    stages = rank_stages(table, layout, pp_rank)
+    layers = sum(count for count, _, _ in stages)
+    held = layers * _activations(table, "layer", *shapes, layout.activation_checkpoint, amp_dtype, device, low)
+    if any(first for _, first, _ in stages):
+        held += _activations(table, "embedding", *shapes, False, amp_dtype, device, low)
+    total = int(in_flight * held)
+    if layout.activation_checkpoint:  # backward recomputes one layer whole at a time
+        total += _activations(table, "layer", *shapes, False, amp_dtype, device, low)
+    logits = 0
+    if any(last for _, _, last in stages):
+        head = _activations(table, "head", *shapes, False, amp_dtype, device, low)
+        logits = head * (num_micro_batches if layout.schedule == "gpipe" else 1)
+    return total, logits
+
+
+def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch_size: int,
+                amp_dtype: torch.dtype | None = None, optimizer: OptimizerState = ADAMW,
+                overhead: int = 0, device: str = "cuda") -> MemoryBreakdown:
+    """The predicted peak of the rank that holds the most (every pp rank at dp rank 0) on a "cuda"
+    or "cpu" device."""
+    m = layout.num_micro_batches(global_batch_size)
+    compute_dtype = amp_dtype if amp_dtype == torch.bfloat16 and layout.zero_stage >= 1 else None
+    best = None
+    for pp_rank in range(layout.pp):
+        state = state_bytes(table, layout, pp_rank, 0, optimizer)
+        acts, logits = activation_bytes(table, layout, pp_rank, seq_len, m, amp_dtype, device)
+        breakdown = MemoryBreakdown(state.params, state.grads, state.optimizer,
+                                    gathered_bytes(table, layout, pp_rank, m, compute_dtype), acts, logits, overhead,
+                                    pp_rank)
+        if best is None or breakdown.total > best.total:
+            best = breakdown
+    return best

@@ -1,0 +1,144 @@
+"""What the planner knows of a model, read once from it built on the meta device: every parameter
+with its shape, the dimension tensor parallelism splits and where the pipeline puts it, plus the
+sizes the activation and time models need. No process group and no memory."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from libai_zoo import dist
+from libai_zoo.models import check_trainable, get_layer_stack
+
+from .activations import LayerShape
+
+
+@dataclass(frozen=True)
+class ParameterInfo:
+    """One parameter (a tied one once, with every place it is used)."""
+
+    shape: tuple[int, ...]
+    element_size: int
+    #: The dimension tensor parallelism splits, or None when every tp rank holds it whole.
+    tp_dim: int | None
+    #: Index in the layer stack, or None for a first/last-stage module's parameter.
+    layer: int | None
+    #: For a parameter outside the layer stack: held by the first stage, the last stage or both (tied).
+    ends: frozenset[str]
+    requires_grad: bool
+
+    def tp_local_shape(self, tp: int) -> tuple[int, ...]:
+        if self.tp_dim is None:
+            return self.shape
+        return tuple(size // tp if dim == self.tp_dim else size for dim, size in enumerate(self.shape))
+
+
+class _SplitRecorder:
+    """Stands in for `dist.TensorParallel` in a layer's ``shard_``: records which dimension each
+    parameter is split along, and splits nothing."""
+
+    size, rank, sequence_parallel = 1, 0, False
+
+    def __init__(self):
+        self.dims: dict[int, int] = {}
+
+    def local_range(self, total: int) -> tuple[int, int]:
+        return dist.local_range(total, self.rank, self.size)
+
+    def shard_parameter(self, module: nn.Module, name: str, dim: int) -> None:
+        param = getattr(module, name)
+        if param is not None:
+            self.dims[id(param)] = dim
+
+    def replicate_parameter(self, module: nn.Module, name: str) -> None:
+        pass
+
+
+def _place(name: str, stack: str, first: tuple[str, ...], last: tuple[str, ...]) -> tuple[int | None, str | None]:
+    """(layer index, None) for a layer-stack parameter, else (None, "first" | "last")."""
+    if name.startswith(stack + "."):
+        return int(name[len(stack) + 1:].split(".", 1)[0]), None
+    for end, paths in (("first", first), ("last", last)):
+        if any(name == path or name.startswith(path + ".") for path in paths):
+            return None, end
+    raise ValueError(f"parameter {name} is neither in the layer stack {stack!r} nor in the first/last stage "
+                     f"modules {first} / {last}: the model contract does not place it on a pipeline stage")
+
+
+class ModelTable:
+    """A meta-built model (it implements the model contract; unsharded) as the planner sees it."""
+
+    def __init__(self, model: nn.Module):
+        check_trainable(model)
+        self.model_type = type(model).__name__
+        self.config = model.config
+        stack = get_layer_stack(model)
+        self.num_layers = len(stack)
+        self.layer = LayerShape.of(stack[0])
+        limits = model.input_limits()
+        self.vocab_size: int = limits["vocab_size"]
+        self.learned_positions = limits["max_positions"] is not None
+        self.flops_per_token = model.flops_per_token
+        self.embedding_dropout = float(getattr(model.config, "embd_pdrop", 0.0) or 0.0)
+        self._unsharded = copy.deepcopy(model)  # the recorder below marks the model's layers as split
+        self._tp_problems: dict[int, list[str]] = {}
+        recorder = _SplitRecorder()
+        for module in model.modules():
+            if callable(getattr(module, "shard_", None)):
+                module.shard_(recorder)
+        places: dict[int, tuple[nn.Parameter, list[tuple[int | None, str | None]]]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            places.setdefault(id(param), (param, []))[1].append(
+                _place(name, model.layer_stack, tuple(model.first_stage_modules), tuple(model.last_stage_modules)))
+        self.parameters: list[ParameterInfo] = []
+        for key, (param, where) in places.items():
+            layers = {layer for layer, _ in where if layer is not None}
+            if len(layers) > 1 or (layers and len(where) > 1):
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is shared between layers {sorted(layers)} "
+                                 f"or between a layer and an end stage: the planner places each on one stage")
+            self.parameters.append(ParameterInfo(
+                tuple(param.shape), param.element_size(), recorder.dims.get(key),
+                layers.pop() if layers else None, frozenset(end for _, end in where if end is not None),
+                param.requires_grad))
+
+        signatures = [[(p.shape, p.tp_dim, p.requires_grad) for p in self.parameters if p.layer == index]
+                      for index in range(self.num_layers)]
+        unlike = [index for index, signature in enumerate(signatures) if signature != signatures[0]]
+        if unlike:
+            raise ValueError(f"layers {unlike} of the layer stack differ from layer 0 in their parameters: the planner "
+                             f"counts one layer for all of them")
+
+    @classmethod
+    def from_config(cls, model_cfg) -> ModelTable:
+        """Instantiate a model recipe (a LazyCall, or a from_pretrained call, which reads nothing)
+        on the meta device."""
+        from libai_zoo.config import instantiate
+
+        with torch.device("meta"):
+            return cls(instantiate(model_cfg))
+
+    @cached_property
+    def layer_parameters(self) -> int:
+        """Elements of one layer of the stack (the layers are alike)."""
+        return sum(_numel(p.shape) for p in self.parameters if p.layer == 0)
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(_numel(p.shape) for p in self.parameters)
+
+    def tp_problems(self, tp: int) -> list[str]:
+        """Why the model cannot be split over `tp` ranks ([] when it can): the layers' own rules."""
+        if tp not in self._tp_problems:
+            self._tp_problems[tp] = dist.tp_problems(self._unsharded, tp) if tp > 1 else []
+        return self._tp_problems[tp]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

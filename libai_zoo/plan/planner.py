@@ -1,0 +1,202 @@
+"""Pick the layout of a run: enumerate what the model admits at a world size (`layouts.py`), drop
+what does not fit in a device's memory (`memory.py`), rank the rest by predicted step time
+(`cost.py`), and say why.
+
+    result = plan(cfg, world_size=64, device="h100")
+    result.best.layout.overrides()      # "dist.dp=8 dist.tp=8 dist.pp=1 ... train.micro_batch_size=2"
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig
+
+from .cost import DEVICES, LINKS, Device, Fabric, Link, StepTime, roofline_compute, step_time
+from .layouts import Layout, enumerate_layouts
+from .memory import MemoryBreakdown, OptimizerState, rank_memory
+from .model_table import ModelTable
+from .profile import ComputeTimes, fit_gloo_link, measure_compute, measure_fsdp_op, measure_optimizer_step
+
+GiB = 2**30
+#: Fixed bytes per GPU outside the model's tensors: CUDA context, NCCL buffers, allocator slack.
+GPU_OVERHEAD = 2 * GiB
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Candidate:
+    """A feasible layout with its predicted memory and time."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    time: StepTime
+    tokens_per_second: float
+    mfu: float | None
+    fits: bool = True  # False only for a layout given to `plan` that needs more memory than there is
+
+    def as_json(self) -> dict:
+        return {"layout": self.layout.short(), "overrides": self.layout.overrides(),
+                "memory_bytes": self.memory.as_dict(), "memory_rank": f"pp rank {self.memory.pp_rank}, dp rank 0",
+                "step_time_s": self.time.total, "time_s": self.time.as_dict(),
+                "tokens_per_s": self.tokens_per_second, "mfu": self.mfu}
+
+
+@dataclass
+class Plan:
+    """The ranked feasible layouts and what was dropped for memory."""
+
+    candidates: list[Candidate]
+    considered: int
+    too_big: int
+    memory_limit: int
+    device: Device
+    timing: str  # "measured on <device>" or "roofline of <device>"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate:
+        if not self.candidates:
+            raise ValueError(f"no layout of the {self.considered} considered fits in {self.memory_limit / GiB:.1f} GiB "
+                             f"per rank: use more processes, a device with more memory (--memory), or a smaller "
+                             f"sequence or global batch")
+        return self.candidates[0]
+
+
+def present_device() -> str:
+    """The key in `DEVICES` of this machine's accelerator ("cpu" without one, or an unknown GPU)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        return next((key for key in DEVICES if key.upper() in name), "cpu")
+    return "cpu"
+
+
+def sequence_length(cfg: DictConfig) -> int:
+    """The training data's sequence length (``seq_len`` or ``max_length`` of ``dataloader.train``)."""
+    data = cfg.dataloader.train
+    seq_len = data.get("seq_len") or data.get("max_length")
+    if not seq_len:
+        raise ValueError("the planner needs the sequence length: dataloader.train has neither seq_len nor max_length")
+    return int(seq_len)
+
+
+def amp_dtype_of(cfg: DictConfig) -> torch.dtype | None:
+    amp = cfg.train.get("amp") or {}
+    return AMP[amp.get("dtype", "bf16")] if amp.get("enabled") else None
+
+
+def _fabric(device_key: str, world_size: int, gpus_per_node: int) -> Fabric:
+    if device_key == "cpu":
+        link = Link(*fit_gloo_link(min(world_size, gpus_per_node, 4))) if world_size > 1 else Link(0.0, 0.0)
+        return Fabric(link, link, gpus_per_node)
+    return Fabric(LINKS["nvlink3" if device_key == "a100" else "nvlink4"], LINKS["infiniband"], gpus_per_node)
+
+
+def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: str | None = None,
+         memory_bytes: int | None = None, overhead_bytes: int | None = None,
+         layouts: Iterable[Layout] | None = None) -> Plan:
+    """Every layout of `cfg`'s model at `world_size` that fits, best first.
+
+    ``device``: a key of `DEVICES` (default: this machine's); its compute is measured when it is
+    this machine's device, else taken from its roofline. ``memory_bytes``: per rank (default: the
+    device's, or this machine's RAM shared by the processes of a node for "cpu").
+    ``overhead_bytes``: fixed bytes per rank (default `GPU_OVERHEAD` on a GPU, 0 on a CPU).
+    ``layouts``: judge only these (e.g. a published layout) instead of every one the model admits,
+    keeping those that do not fit (``Candidate.fits`` False).
+    """
+    device_key = device or present_device()
+    if device_key not in DEVICES:
+        raise ValueError(f"unknown device {device_key!r}: choose one of {sorted(DEVICES)}")
+    spec = DEVICES[device_key]
+    measured = device_key == present_device()
+    on_cpu = device_key == "cpu"
+    procs_per_node = min(world_size, gpus_per_node)
+    if memory_bytes is None:
+        memory_bytes = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // procs_per_node) if on_cpu \
+            else spec.memory_bytes
+    if overhead_bytes is None:
+        overhead_bytes = 0 if on_cpu else GPU_OVERHEAD
+    table = ModelTable.from_config(cfg.model)
+    seq_len = sequence_length(cfg)
+    global_batch = int(cfg.train.global_batch_size)
+    amp_dtype = amp_dtype_of(cfg)
+    optimizer = OptimizerState.probe(cfg.optim)
+    threads = 1 if on_cpu and world_size > 1 else None
+    oversubscription = procs_per_node / (os.cpu_count() or 1) if on_cpu and world_size > 1 else 1.0
+    fabric = _fabric(device_key, world_size, gpus_per_node)
+    per_element = measure_optimizer_step(cfg.optim, threads=threads) if measured \
+        else 16 * (2 + 2 * optimizer.per_byte) / spec.memory_bandwidth / 4
+    compute: dict[tuple, ComputeTimes] = {}
+    fsdp_ops: dict[tuple, float] = {}
+
+    def fsdp_op(layout: Layout) -> float:
+        if layout.dp == 1 or not measured:
+            return 0.0
+        key = (layout.tp, layout.micro_batch_size)
+        if key not in fsdp_ops:
+            fsdp_ops[key] = measure_fsdp_op(cfg.model, tp=layout.tp, micro_batch=layout.micro_batch_size,
+                                            seq_len=seq_len, threads=threads)
+        return fsdp_ops[key]
+
+    def times(layout: Layout) -> ComputeTimes:
+        key = (layout.tp, layout.sequence_parallel, layout.micro_batch_size)
+        if key not in compute:
+            compute[key] = measure_compute(cfg.model, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                                           micro_batch=layout.micro_batch_size, seq_len=seq_len,
+                                           amp_dtype=amp_dtype, threads=threads) if measured \
+                else roofline_compute(table, spec, tp=layout.tp, micro_batch=layout.micro_batch_size,
+                                      seq_len=seq_len, amp_dtype=amp_dtype)
+        return compute[key]
+
+    peak = spec.peak_flops.get(amp_dtype or torch.float32)
+    flops_per_token = table.flops_per_token(seq_len)
+    candidates, considered, too_big = [], 0, 0
+    judge_all = layouts is not None
+    if layouts is None:
+        layouts = enumerate_layouts(table, world_size, global_batch, gpus_per_node=gpus_per_node)
+    for layout in layouts:
+        considered += 1
+        memory = rank_memory(table, layout, seq_len=seq_len, global_batch_size=global_batch, amp_dtype=amp_dtype,
+                             optimizer=optimizer, overhead=overhead_bytes, device="cpu" if on_cpu else "cuda")
+        fits = memory.total <= memory_bytes
+        too_big += not fits
+        if not fits and not judge_all:
+            continue
+        predicted = step_time(table, layout, times(layout), fabric, device=spec, seq_len=seq_len,
+                              global_batch_size=global_batch, amp_dtype=amp_dtype, optimizer_per_element=per_element,
+                              fsdp_op=fsdp_op(layout), oversubscription=oversubscription)
+        tokens = global_batch * seq_len / predicted.total
+        mfu = tokens * flops_per_token / (peak * world_size) if peak else None
+        candidates.append(Candidate(layout, memory, predicted, tokens, mfu, fits))
+    candidates.sort(key=lambda c: (c.time.total, c.memory.total))
+    timing = f"measured on {spec.name if not on_cpu else 'this CPU'}" if measured else f"roofline of {spec.name}"
+    notes = [f"{str(amp_dtype or torch.float32).removeprefix('torch.')} compute"]
+    if on_cpu and world_size > 1:
+        notes.append(f"{procs_per_node} single-threaded processes on {os.cpu_count()} cores: compute × up to "
+                     f"{max(1.0, oversubscription):.2f}")
+    return Plan(candidates, considered, too_big, memory_bytes, spec, timing, notes)
+
+
+def format_table(result: Plan, top: int = 10) -> str:
+    """The best `top` candidates as a text table, with their overrides."""
+    unit, name = (GiB, "GiB") if any(c.memory.total >= GiB for c in result.candidates[:top]) else (2**20, "MiB")
+    lines = [f"{result.considered} layouts considered, {result.too_big} do not fit in "
+             f"{result.memory_limit / GiB:.1f} GiB per rank, {len(result.candidates)} ranked; times "
+             f"{result.timing} ({'; '.join(result.notes)})",
+             f"{'#':>3}  {'layout':<34} {name:>6} {'params':>7} {'grads':>6} {'optim':>6} {'gather':>6} "
+             f"{'acts':>6} {'logits':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'dp':>7} {'bubble':>7}  "
+             f"{'tokens/s':>10} {'MFU':>6}"]
+    for index, c in enumerate(result.candidates[:top], 1):
+        m, t = c.memory, c.time
+        mfu = f"{100 * c.mfu:5.1f}%" if c.mfu is not None else "     -"
+        lines.append(
+            f"{index:>3}  {c.layout.short():<34} {m.total / unit:6.2f} {m.params / unit:7.2f} {m.grads / unit:6.2f} "
+            f"{m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} {m.logits / unit:6.2f}  "
+            f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.dp_comm:7.3f} {t.bubble + t.pp_comm:7.3f}  "
+            f"{c.tokens_per_second:10.0f} {mfu}")
+    if result.candidates:
+        lines.append(f"best: {result.best.layout.overrides()}")
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""Measure on this machine what the time model needs, once, and cache it: the compute of one
+transformer layer, of the embedding and of the head at a layout's local shapes (one rank of a
+fake tp group: real kernels at the shapes a rank runs, no communication), the optimizer's step
+per parameter element, and for CPU runs the alpha-beta cost of gloo collectives (a short sweep on
+processes of this machine).
+
+The cache is a JSON file (``$LIBAI_ZOO_CACHE`` or ~/.cache/libai_zoo/planner.json) keyed by the
+device, the model recipe and the shapes, so a second plan of the same model measures nothing."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+from torch.distributed.fsdp import fully_shard
+
+from libai_zoo import dist
+from libai_zoo.config import instantiate
+from libai_zoo.models import get_layer_stack
+from libai_zoo.optim import build_optimizer
+
+from .fake_world import fake_world
+
+
+@dataclass(frozen=True)
+class ComputeTimes:
+    """Seconds of one micro-batch on one rank (measured, or a roofline for an absent device)."""
+
+    layer_forward: float  # one layer of the stack
+    layer_backward: float
+    first: float  # the first stage's own work: embedding forward and backward
+    last: float  # the last stage's: final norm, head and loss, forward and backward
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("LIBAI_ZOO_CACHE", Path.home() / ".cache" / "libai_zoo" / "planner.json"))
+
+
+def _cached(key: dict, measure) -> dict:
+    """The cached value of `key`, or `measure()` stored under it."""
+    path = cache_path()
+    entries = json.loads(path.read_text()) if path.exists() else {}
+    text = json.dumps(key, sort_keys=True)
+    if text not in entries:
+        entries[text] = measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(entries, indent=1))
+        path.with_suffix(".tmp").replace(path)
+    return entries[text]
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu×{torch.get_num_threads()}"
+
+
+@contextmanager
+def _measuring(threads: int | None):
+    """Flush denormals (a fake group's outputs are uninitialised memory) and, on CPU, run on
+    `threads` threads (a process of a multi-process CPU run has one: torchrun's OMP_NUM_THREADS)."""
+    previous = torch.get_num_threads()
+    torch.set_flush_denormal(True)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+        torch.set_flush_denormal(False)
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn()` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _measure_compute(model_cfg, tp: int, sequence_parallel: bool, micro_batch: int, seq_len: int,
+                     amp_dtype: torch.dtype | None, repeats: int) -> dict:
+    with fake_world(tp, 0, tp=tp, sequence_parallel=sequence_parallel) as ctx:
+        with torch.device("meta"):
+            model = instantiate(model_cfg)
+        model = dist.shard(model, ctx)
+        del get_layer_stack(model)[1:]  # one layer stands for all: they are alike
+        model.to_empty(device=ctx.device)
+        with torch.no_grad():
+            for param in model.parameters():
+                (param.to_local() if hasattr(param, "to_local") else param).normal_(0.0, 0.02)
+        model.init_buffers()
+        model.train()
+        vocab = model.input_limits()["vocab_size"]
+        ids = torch.randint(0, vocab, (micro_batch, seq_len), device=ctx.device)
+        inputs, targets = model.split_batch({"input_ids": ids, "labels": ids})
+        layer = get_layer_stack(model)[0]
+        layer_inputs = model.layer_inputs(inputs)
+        autocast = torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
+        def embed():
+            with autocast:
+                model.embed(inputs).float().sum().backward()
+
+        with torch.no_grad(), autocast:
+            hidden = model.embed(inputs).detach()
+
+        def layer_forward():
+            with autocast:
+                return layer(hidden.requires_grad_(), **layer_inputs)
+
+        def layer_step():
+            layer_forward().float().sum().backward()
+
+        def head():
+            with autocast:
+                model.head_loss(model.final_norm(hidden.requires_grad_()), targets, "sum").backward()
+
+        forward = _timed(lambda: layer_forward(), ctx.device, repeats)
+        with torch.no_grad():
+            forward = min(forward, _timed(lambda: layer_forward(), ctx.device, repeats))
+        both = _timed(layer_step, ctx.device, repeats)
+        return asdict(ComputeTimes(forward, max(both - forward, 0.0), _timed(embed, ctx.device, repeats),
+                                   _timed(head, ctx.device, repeats)))
+
+
+def measure_compute(model_cfg, *, tp: int, sequence_parallel: bool, micro_batch: int, seq_len: int,
+                    amp_dtype: torch.dtype | None = None, threads: int | None = None,
+                    repeats: int = 3) -> ComputeTimes:
+    """The compute of one rank's layer, embedding and head at these shapes, on this machine's
+    device (cached). Needs a process without a process group (it forms a fake one)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    recipe = OmegaConf.to_yaml(model_cfg) if OmegaConf.is_config(model_cfg) else repr(model_cfg)
+    key = {"what": "compute", "device": device_name(device), "threads": threads, "model": recipe, "tp": tp,
+           "sp": sequence_parallel, "mb": micro_batch, "seq": seq_len, "amp": str(amp_dtype)}
+    with _measuring(threads if device.type == "cpu" else None):
+        times = _cached(key, lambda: _measure_compute(model_cfg, tp, sequence_parallel, micro_batch, seq_len,
+                                                      amp_dtype, repeats))
+    return ComputeTimes(**times)
+
+
+def _measure_fsdp_op(model_cfg, tp: int, micro_batch: int, seq_len: int, repeats: int) -> float:
+    with fake_world(2 * tp, 0, dp=2, tp=tp) as ctx:
+        with torch.device("meta"):
+            model = instantiate(model_cfg)
+        model = dist.shard(model, ctx)
+        del get_layer_stack(model)[1:]
+        model.to_empty(device=ctx.device)
+        with torch.no_grad():
+            for param in model.parameters():
+                (param.to_local() if hasattr(param, "to_local") else param).normal_(0.0, 0.02)
+        model.init_buffers()
+        vocab = model.input_limits()["vocab_size"]
+        inputs, _ = model.split_batch({"input_ids": torch.randint(0, vocab, (micro_batch, seq_len),
+                                                                  device=ctx.device)})
+        with torch.no_grad():
+            hidden = model.embed(inputs)
+        layer_inputs = model.layer_inputs(inputs)
+        layer = get_layer_stack(model)[0]
+
+        def step():
+            layer(hidden.requires_grad_(), **layer_inputs).float().sum().backward()
+
+        plain = _timed(step, ctx.device, repeats)
+        fully_shard(layer, mesh=ctx.submesh("dp"))
+        wrapped = _timed(step, ctx.device, repeats)
+        return max(wrapped - plain, 0.0) / 2  # an all-gather before forward, a reduce-scatter after backward
+
+
+def measure_fsdp_op(model_cfg, *, tp: int, micro_batch: int, seq_len: int, threads: int | None = None,
+                    repeats: int = 5) -> float:
+    """Seconds FSDP2 spends on this rank around one collective of one layer's unit (copying the
+    shards into and out of the flat buffer, hooks), apart from the network: a layer's step wrapped by
+    `fully_shard` in a fake dp group of 2, less the same step unwrapped, per collective (cached)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    recipe = OmegaConf.to_yaml(model_cfg) if OmegaConf.is_config(model_cfg) else repr(model_cfg)
+    key = {"what": "fsdp", "device": device_name(device), "threads": threads, "model": recipe, "tp": tp,
+           "mb": micro_batch, "seq": seq_len}
+    with _measuring(threads if device.type == "cpu" else None):
+        return _cached(key, lambda: _measure_fsdp_op(model_cfg, tp, micro_batch, seq_len, repeats))
+
+
+def measure_optimizer_step(optim_cfg, *, threads: int | None = None, elements: int = 1 << 22) -> float:
+    """Seconds the configured optimizer's step takes per parameter element on this device (cached)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
+    node.pop("params", None)
+    key = {"what": "optimizer", "device": device_name(device), "threads": threads, "optim": repr(sorted(node.items()))}
+
+    def measure() -> float:
+        param = torch.nn.Parameter(torch.randn(elements, device=device))
+        param.grad = torch.randn_like(param)
+        optimizer = build_optimizer(node, [torch.nn.ParameterList([param])])
+        return _timed(optimizer.step, device, 3) / elements
+
+    with _measuring(threads if device.type == "cpu" else None):
+        return _cached(key, measure)
+
+
+# ---------------------------------------------------------------------------- gloo collectives
+SWEEP_BYTES = [2**12, 2**16, 2**20, 2**22, 2**24]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _sweep_worker(rank: int, world_size: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    store = torch_dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=60))
+    torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        for size in SWEEP_BYTES:
+            tensor = torch.ones(size // 4)
+            seconds = _timed(lambda: torch_dist.all_reduce(tensor), torch.device("cpu"), 5)
+            if rank == 0:
+                results[size] = seconds
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def fit_gloo_link(world_size: int) -> tuple[float, float]:
+    """(alpha seconds, beta seconds per byte) of a ring all-reduce among `world_size` gloo processes
+    on this machine, fitted by least squares to t = 2(n−1)·alpha + 2(n−1)/n·bytes·beta (cached)."""
+    key = {"what": "gloo", "host_cpus": os.cpu_count(), "world_size": world_size}
+
+    def measure() -> list[float]:
+        with mp.Manager() as manager:
+            results = manager.dict()
+            mp.start_processes(_sweep_worker, args=(world_size, _free_port(), results), nprocs=world_size,
+                               start_method="spawn")
+            points = [(size, results[size]) for size in SWEEP_BYTES]
+        n = world_size
+        xs = [2 * (n - 1) / n * size for size, _ in points]
+        ys = [seconds for _, seconds in points]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+        alpha = max(mean_y - beta * mean_x, 0.0) / (2 * (n - 1))
+        return [alpha, max(beta, 0.0)]
+
+    alpha, beta = _cached(key, measure)
+    return alpha, beta

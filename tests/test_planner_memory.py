@@ -1,0 +1,135 @@
+"""The planner's static memory is the real thing to the byte (issue 13).
+
+`state_bytes` (parameters, gradients, optimizer state of one rank, computed from the model's
+parameter table) equals what `dry_run` counts on the tensors of that rank, built by the trainer's
+own `parallelize` under torch's fake process group on the meta device, for Llama 7B and 70B at 64
+and 512 ranks under a spread of layouts (ZeRO 0-3, tp 1-8, pp 1-8 with 1F1B, interleaved 1F1B
+and ZBV), and for a small GPT-2 whose head is tied to its embedding (a copy at each pipeline end;
+both copies on one rank under ZBV's V placement) at ZeRO 3 over a dp that does not divide the rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from libai_zoo.config import LazyCall, get_config
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from libai_zoo.plan.dry_run import dry_run, dry_run_rank
+from libai_zoo.plan.layouts import Layout
+from libai_zoo.plan.memory import OptimizerState, rank_stages, state_bytes
+from libai_zoo.plan.model_table import ModelTable
+
+MODELS = {
+    "llama7b": LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        vocab_size=32000)),
+    "llama70b": LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=128256)),
+    # hidden 64 and vocab 1000 over dp 3: FSDP2 pads the rows, the last dp rank holds fewer
+    "gpt2_tied": LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
+        vocab_size=1000, n_positions=64, n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0)),
+}
+
+L = Layout
+# (model, layout): world sizes 64 and 512 for the Llamas
+LLAMA_CASES = [
+    ("llama7b", L(64, 1, 1, 0)),                                # plain DDP
+    ("llama7b", L(64, 1, 1, 3)),                                # ZeRO 3 over 64 ranks
+    ("llama7b", L(16, 4, 1, 2)),
+    ("llama7b", L(8, 2, 4, 1, schedule="1f1b")),
+    ("llama7b", L(4, 2, 8, 3, schedule="interleaved_1f1b", virtual_stages=2)),
+    ("llama7b", L(8, 1, 8, 2, schedule="zbv", virtual_stages=2)),
+    ("llama7b", L(16, 4, 8, 3, schedule="interleaved_1f1b", virtual_stages=2)),  # 512 ranks
+    ("llama70b", L(1, 8, 8, 0, schedule="1f1b")),               # 64 ranks, no dp
+    ("llama70b", L(8, 8, 8, 3, schedule="1f1b")),               # 512 ranks
+    ("llama70b", L(64, 8, 1, 3)),                               # 16032 vocab rows per tp rank over 64: padded
+    ("llama70b", L(32, 8, 2, 1, schedule="interleaved_1f1b", virtual_stages=2)),
+    ("llama70b", L(16, 4, 8, 2, schedule="zbv", virtual_stages=2)),
+]
+GPT2_CASES = [
+    L(2, 1, 2, 0, schedule="1f1b"),                             # each end holds a copy of the tied weight
+    L(3, 1, 2, 3, schedule="1f1b"),                             # ... sharded over a dp that leaves padding
+    L(1, 1, 2, 0, schedule="zbv", virtual_stages=2),            # V placement: both ends on pp rank 0
+    L(3, 1, 2, 3, schedule="zbv", virtual_stages=2),
+    L(3, 2, 1, 3),                                              # one copy of the tied weight, tp 2
+    L(3, 1, 1, 1),
+    L(3, 2, 2, 2, schedule="interleaved_1f1b", virtual_stages=2),
+]
+
+
+def _name(case) -> str:
+    model, layout = case
+    return f"{model}-{layout.world_size}ranks-" + layout.short().replace(" ", "-").replace("×", "x")
+
+
+@pytest.fixture(scope="module")
+def tables():
+    """ModelTable per model, built once for the module."""
+    cache: dict[str, ModelTable] = {}
+
+    def get(model: str) -> ModelTable:
+        if model not in cache:
+            cache[model] = ModelTable.from_config(MODELS[model])
+        return cache[model]
+    return get
+
+
+@pytest.fixture(scope="module")
+def optim():
+    cfg = get_config("common/optim.py").optim
+    return cfg, OptimizerState.probe(cfg)
+
+
+def _cfg(model: str, layout: Layout, optim_cfg):
+    # one micro-batch per pipeline rank and dp rank: every schedule accepts pp micro-batches
+    return OmegaConf.create({"train": {"global_batch_size": layout.dp * layout.pp}, "optim": optim_cfg,
+                             "model": MODELS[model]})
+
+
+def _check(table: ModelTable, layout: Layout, ranks, optimizer: OptimizerState) -> None:
+    for r in ranks:
+        predicted = state_bytes(table, layout, r.pp_rank, r.dp_rank, optimizer)
+        measured = (r.params, r.grads, r.optimizer)
+        assert (predicted.params, predicted.grads, predicted.optimizer) == measured, (
+            f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}, tp {r.tp_rank}): planner {predicted}, "
+            f"dry run {measured}")
+
+
+@pytest.mark.parametrize("case", LLAMA_CASES, ids=_name)
+def test_llama_state_bytes_equal_the_dry_run(case, tables, optim):
+    model, layout = case
+    optim_cfg, optimizer = optim
+    ranks = dry_run(_cfg(model, layout, optim_cfg), layout)
+    assert {r.pp_rank for r in ranks} == set(range(layout.pp))
+    _check(tables(model), layout, ranks, optimizer)
+
+
+@pytest.mark.parametrize("layout", GPT2_CASES, ids=lambda layout: _name(("gpt2_tied", layout)))
+def test_tied_gpt2_state_bytes_equal_every_rank(layout, tables, optim):
+    """Every rank of the world (dp and tp ranks included): the last dp rank holds fewer rows, the
+    ranks that hold a pipeline end hold a copy of the tied weight each, one rank under ZBV both."""
+    optim_cfg, optimizer = optim
+    cfg = _cfg("gpt2_tied", layout, optim_cfg)
+    ranks = [dry_run_rank(cfg, layout, rank) for rank in range(layout.world_size)]
+    table = tables("gpt2_tied")
+    _check(table, layout, ranks, optimizer)
+    if layout.zero_stage >= 1 and layout.dp > 1:  # the rows do not divide: the last dp rank holds less
+        first = [r for r in ranks if r.pp_rank == 0 and r.tp_rank == 0]
+        assert first[-1].params < first[0].params
+    if layout.schedule == "zbv":  # stages 0 and 2pp-1 both on pp rank 0: two copies of the tied weight
+        assert [(first, last) for _, first, last in rank_stages(table, layout, 0)] == [(True, False),
+                                                                                        (False, True)]
+
+
+def test_tied_weight_is_counted_once_without_pipeline_and_twice_across_ends(tables):
+    """The tied embedding/head is one parameter of the table, held by both ends."""
+    table = tables("gpt2_tied")
+    tied = [p for p in table.parameters if p.ends == {"first", "last"}]
+    assert [p.shape for p in tied] == [(1000, 64)]
+    one = state_bytes(table, L(1, 1, 1, 0))
+    assert one.params == table.total_parameters * 4
+    zbv = L(1, 1, 2, 0, schedule="zbv", virtual_stages=2)  # 4 stages of one layer: 0 and 3 on pp rank 0
+    ends = state_bytes(table, zbv, 0).params - state_bytes(table, zbv, 1).params
+    assert ends == (2 * 1000 * 64 + 64 * 64 + 2 * 64) * 4  # wte and its copy in lm_head, wpe, ln_f

@@ -1,0 +1,155 @@
+"""The planner's static memory equals a real run's to the byte (issue 13).
+
+On 4 gloo processes, `DefaultTrainer` builds a small GPT-2 (its head tied to its embedding;
+vocabulary, positions and hidden size chosen so that FSDP2 pads the rows at dp 2 and 4), or a
+small Llama (untied, grouped-query attention), at each layout below (ZeRO 0-3 over dp 4, dp2×tp2,
+dp2×pp2 with 1F1B, interleaved 1F1B and ZBV, tp2×pp2, pp4, and bf16 autocast under ZeRO 3) and
+runs one real training step. On every rank: the parameter bytes of its parts,
+the gradient bytes when the optimizer step starts (after backward, the dp reduction, the tied
+weights' sync and clipping; before the gradients are cleared), and the optimizer state bytes after
+the step equal the planner's `state_bytes(table, layout, pp_rank, dp_rank, OptimizerState.probe(...))`
+and the one-process dry run's count of the same rank. All layouts share one quartet of forked
+processes (start-up dominates on CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed_runner import run_distributed
+from libai_zoo import dist
+from libai_zoo.config import LazyConfig
+from libai_zoo.engine import DefaultTrainer
+from libai_zoo.plan.dry_run import dry_run_rank
+from libai_zoo.plan.layouts import Layout
+from libai_zoo.plan.memory import OptimizerState, state_bytes
+from libai_zoo.plan.model_table import ModelTable
+from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
+
+pytestmark = pytest.mark.slow
+
+GLOBAL_BATCH = 8
+VOCAB = 1030  # 515 rows per tp rank: FSDP2 pads them at dp 2 and 4; 18 positions pad at dp 4
+
+CONFIG = f'''
+from libai_zoo.config import LazyCall, get_config
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from recorded_data import RecordedTokens
+
+train = get_config("common/train.py").train
+dist = get_config("common/train.py").dist
+optim = get_config("common/optim.py").optim
+models = dict(
+    gpt2=LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
+        vocab_size={VOCAB}, n_positions=18, n_embd=36, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0,
+        embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)),
+    llama=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
+        vocab_size={VOCAB}, hidden_size=40, intermediate_size=72, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
+)
+model = models["gpt2"]
+dataloader = dict(train=LazyCall(RecordedTokens)(num_samples=64, seq_len=16, vocab_size={VOCAB},
+                                                 record_dir="${{train.output_dir}}/samples"))
+'''
+
+L = Layout
+BF16 = ["train.amp.enabled=true", "train.amp.dtype=bf16"]  # FSDP2 computes in bf16, keeps fp32 shards
+# name -> (model, layout, further overrides)
+LAYOUTS = {
+    "dp4_zero0": ("gpt2", L(4, 1, 1, 0, micro_batch_size=2), []),
+    "dp4_zero1": ("gpt2", L(4, 1, 1, 1, micro_batch_size=1), []),  # 2 micro-batches: whole grads until the last
+    "dp4_zero2": ("gpt2", L(4, 1, 1, 2, micro_batch_size=2), []),
+    "dp4_zero3": ("gpt2", L(4, 1, 1, 3, micro_batch_size=1), []),
+    "dp4_zero3_bf16": ("gpt2", L(4, 1, 1, 3, micro_batch_size=2), BF16),
+    "dp2_tp2_zero0": ("gpt2", L(2, 2, 1, 0, micro_batch_size=4), []),
+    "dp2_tp2_zero2": ("gpt2", L(2, 2, 1, 2, micro_batch_size=2), []),
+    "dp2_tp2_zero3": ("gpt2", L(2, 2, 1, 3, micro_batch_size=4), []),
+    "dp2_pp2_zero1_1f1b": ("gpt2", L(2, 1, 2, 1, micro_batch_size=2, schedule="1f1b"), []),
+    "dp2_pp2_zero2_interleaved": ("gpt2", L(2, 1, 2, 2, micro_batch_size=2, schedule="interleaved_1f1b",
+                                            virtual_stages=2), []),
+    "dp2_pp2_zero3_zbv": ("gpt2", L(2, 1, 2, 3, micro_batch_size=2, schedule="zbv", virtual_stages=2), []),
+    "tp2_pp2_zero0_1f1b": ("gpt2", L(1, 2, 2, 0, micro_batch_size=4, schedule="1f1b"), []),
+    "pp4_zero0_1f1b": ("gpt2", L(1, 1, 4, 0, micro_batch_size=2, schedule="1f1b"), []),
+    # untied, grouped-query attention, no biases
+    "llama_dp2_tp2_zero3": ("llama", L(2, 2, 1, 3, micro_batch_size=2), []),
+    "llama_dp2_pp2_zero1_interleaved": ("llama", L(2, 1, 2, 1, micro_batch_size=2, schedule="interleaved_1f1b",
+                                                    virtual_stages=2), []),
+}
+
+
+def _config(config_file: str, output_dir: str, name: str):
+    model, layout, extra = LAYOUTS[name]
+    cfg = LazyConfig.load(config_file)
+    cfg.model = cfg.models[model]
+    return LazyConfig.apply_overrides(cfg, [f"train.output_dir={output_dir}", f"train.global_batch_size={GLOBAL_BATCH}",
+                                            "train.max_iter=1", "train.checkpoint.period=0",
+                                            *layout.overrides().split(), *extra])
+
+
+def measure(config_file: str, output_dir: str, name: str) -> dict:
+    """One real training step of the trainer at layout `name`: this rank's bytes."""
+    trainer = DefaultTrainer(_config(config_file, output_dir, name))
+    try:
+        parts, seen = trainer.model_parts, {}
+
+        def before_step(optimizer, args, kwargs):  # backward, dp reduction, tied sync and clipping done
+            seen["grads"] = sum(gradient_bytes(part) for part in parts)
+            seen["grads_missing"] = sum(p.grad is None for part in parts for p in part.parameters() if p.requires_grad)
+
+        def after_step(optimizer, args, kwargs):  # before TrainStep clears the gradients
+            seen["optimizer"] = optimizer_state_bytes(optimizer)
+
+        trainer.optimizer.register_step_pre_hook(before_step)
+        trainer.optimizer.register_step_post_hook(after_step)
+        loader = iter(trainer.build_train_loader(trainer.cfg))
+        metrics = trainer.step([next(loader) for _ in range(trainer.accumulation)])
+        ctx = trainer.ctx
+        return {"pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank,
+                "params": sum(parameter_bytes(part) for part in parts), "skipped": metrics["skipped"], **seen}
+    finally:
+        dist.destroy()
+
+
+def _all_layouts(config_file: str, out: str) -> dict:
+    return {name: measure(config_file, f"{out}/{name}", name) for name in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("planner_memory")
+    config_file = root / "config.py"
+    config_file.write_text(CONFIG)
+    ranks = run_distributed(_all_layouts, 4, str(config_file), str(root))
+    cfg = LazyConfig.load(str(config_file))
+    tables = {model: ModelTable.from_config(cfg.models[model]) for model in cfg.models}
+    return str(config_file), tables, OptimizerState.probe(cfg.optim), ranks
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_state_bytes_equal_a_real_step_on_every_rank(runs, name):
+    config_file, tables, optimizer, ranks = runs
+    model, layout, extra = LAYOUTS[name]
+    cfg = _config(config_file, "unused", name)
+    amp_dtype = torch.bfloat16 if extra == BF16 else None
+    for rank, result in enumerate(r[name] for r in ranks):
+        assert result["skipped"] == 0.0 and "grads" in result and "optimizer" in result, result
+        assert result["grads_missing"] == 0, result  # every trainable parameter got its gradient
+        measured = (result["params"], result["grads"], result["optimizer"])
+        planned = state_bytes(tables[model], layout, result["pp_rank"], result["dp_rank"], optimizer)
+        assert (planned.params, planned.grads, planned.optimizer) == measured, (
+            f"rank {rank} (pp {result['pp_rank']}, dp {result['dp_rank']}, tp {result['tp_rank']}): "
+            f"planner {planned}, real step {measured}")
+        dry = dry_run_rank(cfg, layout, rank, amp_dtype=amp_dtype)
+        assert (dry.pp_rank, dry.dp_rank, dry.tp_rank) == (result["pp_rank"], result["dp_rank"], result["tp_rank"])
+        assert (dry.params, dry.grads, dry.optimizer) == measured, (rank, dry, measured)
+
+
+def test_the_layouts_pad_rows_and_tie_weights(runs):
+    """The checks above see FSDP2's padding (the last dp rank holds fewer rows) and the tied
+    weight's copy at each pipeline end (the first and last pp ranks hold more than the middle)."""
+    _, _, _, ranks = runs
+    dp4 = [r["dp4_zero3"]["params"] for r in ranks]
+    assert dp4[0] > dp4[3], dp4
+    pp4 = [r["pp4_zero0_1f1b"]["params"] for r in ranks]
+    assert pp4[0] > pp4[1] == pp4[2] < pp4[3], pp4
