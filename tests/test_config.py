@@ -227,7 +227,7 @@ def test_get_config_train_has_the_contract_keys():
         tensorboard=False, best_metric=None, best_mode="max",
         pipeline=dict(schedule="1f1b", virtual_stages=1, boundaries=None))
     assert LazyConfig.to_container(cfg.dist) == dict(dp=1, tp=1, pp=1, sequence_parallel=False, init_timeout=600,
-                                                     timeout=300)
+                                                     timeout=300, auto=False)
     cfg.train.max_iter = 1
     assert get_config("common/train.py").train.max_iter == 1000      # a fresh config every call
 

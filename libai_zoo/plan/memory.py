@@ -26,7 +26,10 @@ Transient terms, at the step's peak:
                  rank, a chunk being held until its weight gradients; ZBV: the chunks run before
                  the first weight gradient), plus one layer recomputed whole under activation
                  checkpointing
-    logits       the last stage's head and loss for one micro-batch (all of them under gpipe)
+    logits       the last stage's head and loss for one micro-batch (all of them under gpipe), and
+                 the logits' gradient backward makes
+    optimizer_step  the optimizer step's temporaries (`OptimizerState.step_per_byte`); the step
+                 comes after backward, so the peak is the larger of it and the three terms above
     overhead     a stated fixed amount (CUDA context, communication buffers, allocator slack)
 """
 
@@ -39,7 +42,9 @@ import torch
 from omegaconf import OmegaConf
 
 from libai_zoo.config import instantiate
+from libai_zoo.layers import LMHead
 from libai_zoo.parallel import split_layers, stage_ranks
+from libai_zoo.utils import TensorMemoryPeak
 
 from .activations import embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
 from .layouts import Layout
@@ -49,19 +54,28 @@ from .model_table import ModelTable, ParameterInfo
 @dataclass(frozen=True)
 class OptimizerState:
     """An optimizer's state per parameter tensor: `per_byte` bytes for every byte of the parameter
-    (AdamW: 2.0) plus `fixed` bytes (AdamW: a 4-byte step)."""
+    (AdamW: 2.0) plus `fixed` bytes (AdamW: a 4-byte step); and `step_per_byte`, the temporaries
+    its step allocates at once per byte of the parameters it updates (a multi-tensor step works on
+    all of them together)."""
 
     per_byte: float
     fixed: int
+    step_per_byte: float = 0.0
 
     @classmethod
     def probe(cls, optim_cfg) -> OptimizerState:
-        """Build the configured optimizer over one small tensor, step once, and measure its state."""
+        """Build the configured optimizer over a few small tensors, step twice (the first allocates
+        the state), and measure its state and the second step's temporaries, as this machine's
+        torch runs it."""
         node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
-        param = torch.nn.Parameter(torch.zeros(2, 3))
-        optimizer = instantiate({**node, "params": [param]})
-        param.grad = torch.zeros_like(param)
+        params = [torch.nn.Parameter(torch.zeros(64, 64)) for _ in range(3)]
+        optimizer = instantiate({**node, "params": params})
+        for param in params:
+            param.grad = torch.ones_like(param)
         optimizer.step()
+        with TensorMemoryPeak() as peak:
+            optimizer.step()
+        param = params[0]
         like = fixed = 0
         for value in optimizer.state[param].values():
             if isinstance(value, torch.Tensor):
@@ -70,7 +84,8 @@ class OptimizerState:
                     like += size
                 else:
                     fixed += size
-        return cls(like / (param.numel() * param.element_size()), fixed)
+        param_bytes = param.numel() * param.element_size()
+        return cls(like / param_bytes, fixed, peak.bytes / (len(params) * param_bytes))
 
 
 ADAMW = OptimizerState(2.0, 4)
@@ -95,13 +110,16 @@ class MemoryBreakdown:
     gathered: int
     activations: int
     logits: int
+    optimizer_step: int
     overhead: int
     pp_rank: int = 0
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.gathered + self.activations + self.logits
-                + self.overhead)
+        """The state, plus the larger of the two peaks: backward (gathered parameters, activations,
+        logits) and the optimizer step (its temporaries, while the gradients still exist)."""
+        return (self.params + self.grads + self.optimizer + self.overhead
+                + max(self.gathered + self.activations + self.logits, self.optimizer_step))
 
     def as_dict(self) -> dict[str, int]:
         terms = asdict(self)
@@ -273,12 +291,15 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
     held = layers * _activations(table, "layer", *shapes, layout.activation_checkpoint, amp_dtype, device, low)
     if any(first for _, first, _ in stages):
         held += _activations(table, "embedding", *shapes, False, amp_dtype, device, low)
-    total = int(in_flight * held)
-    if layout.activation_checkpoint:  # backward recomputes one layer whole at a time
-        total += _activations(table, "layer", *shapes, False, amp_dtype, device, low)
+    whole_layer = _activations(table, "layer", *shapes, False, amp_dtype, device, low)
+    # a layer's backward makes gradients of about the size of what it saved; under checkpointing it
+    # first recomputes the layer whole
+    total = int(in_flight * held) + whole_layer * (1 + layout.activation_checkpoint)
     logits = 0
     if any(last for _, _, last in stages):
         head = _activations(table, "head", *shapes, False, amp_dtype, device, low)
+        # backward makes the float32 logits' gradient (one chunk's when the loss runs in chunks)
+        head += min(layout.micro_batch_size * seq_len * table.vocab_size // layout.tp * 4, LMHead.chunk_bytes)
         logits = head * (num_micro_batches if layout.schedule == "gpipe" else 1)
     return total, logits
 
@@ -295,8 +316,8 @@ def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch
         state = state_bytes(table, layout, pp_rank, 0, optimizer)
         acts, logits = activation_bytes(table, layout, pp_rank, seq_len, m, amp_dtype, device)
         breakdown = MemoryBreakdown(state.params, state.grads, state.optimizer,
-                                    gathered_bytes(table, layout, pp_rank, m, compute_dtype), acts, logits, overhead,
-                                    pp_rank)
+                                    gathered_bytes(table, layout, pp_rank, m, compute_dtype), acts, logits,
+                                    int(optimizer.step_per_byte * state.params), overhead, pp_rank)
         if best is None or breakdown.total > best.total:
             best = breakdown
     return best

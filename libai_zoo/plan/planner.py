@@ -187,14 +187,15 @@ def format_table(result: Plan, top: int = 10) -> str:
              f"{result.memory_limit / GiB:.1f} GiB per rank, {len(result.candidates)} ranked; times "
              f"{result.timing} ({'; '.join(result.notes)})",
              f"{'#':>3}  {'layout':<34} {name:>6} {'params':>7} {'grads':>6} {'optim':>6} {'gather':>6} "
-             f"{'acts':>6} {'logits':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'dp':>7} {'bubble':>7}  "
+             f"{'acts':>6} {'logits':>6} {'opt.st':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'dp':>7} {'bubble':>7}  "
              f"{'tokens/s':>10} {'MFU':>6}"]
     for index, c in enumerate(result.candidates[:top], 1):
         m, t = c.memory, c.time
         mfu = f"{100 * c.mfu:5.1f}%" if c.mfu is not None else "     -"
         lines.append(
             f"{index:>3}  {c.layout.short():<34} {m.total / unit:6.2f} {m.params / unit:7.2f} {m.grads / unit:6.2f} "
-            f"{m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} {m.logits / unit:6.2f}  "
+            f"{m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} {m.logits / unit:6.2f} "
+            f"{m.optimizer_step / unit:6.2f}  "
             f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.dp_comm:7.3f} {t.bubble + t.pp_comm:7.3f}  "
             f"{c.tokens_per_second:10.0f} {mfu}")
     if result.candidates:

@@ -93,22 +93,29 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _one_layer_model(model_cfg, ctx: dist.ParallelContext, micro_batch: int, seq_len: int):
+    """(model, inputs, targets): the model split over the context's tp group with one layer left
+    of its stack (they are alike), allocated on the device with random weights, in train mode, and
+    a random batch of token ids."""
+    with torch.device("meta"):
+        model = instantiate(model_cfg)
+    model = dist.shard(model, ctx)
+    del get_layer_stack(model)[1:]
+    model.to_empty(device=ctx.device)
+    with torch.no_grad():
+        for param in model.parameters():
+            (param.to_local() if hasattr(param, "to_local") else param).normal_(0.0, 0.02)
+    model.init_buffers()
+    model.train()
+    ids = torch.randint(0, model.input_limits()["vocab_size"], (micro_batch, seq_len), device=ctx.device)
+    inputs, targets = model.split_batch({"input_ids": ids, "labels": ids})
+    return model, inputs, targets
+
+
 def _measure_compute(model_cfg, tp: int, sequence_parallel: bool, micro_batch: int, seq_len: int,
                      amp_dtype: torch.dtype | None, repeats: int) -> dict:
     with fake_world(tp, 0, tp=tp, sequence_parallel=sequence_parallel) as ctx:
-        with torch.device("meta"):
-            model = instantiate(model_cfg)
-        model = dist.shard(model, ctx)
-        del get_layer_stack(model)[1:]  # one layer stands for all: they are alike
-        model.to_empty(device=ctx.device)
-        with torch.no_grad():
-            for param in model.parameters():
-                (param.to_local() if hasattr(param, "to_local") else param).normal_(0.0, 0.02)
-        model.init_buffers()
-        model.train()
-        vocab = model.input_limits()["vocab_size"]
-        ids = torch.randint(0, vocab, (micro_batch, seq_len), device=ctx.device)
-        inputs, targets = model.split_batch({"input_ids": ids, "labels": ids})
+        model, inputs, targets = _one_layer_model(model_cfg, ctx, micro_batch, seq_len)
         layer = get_layer_stack(model)[0]
         layer_inputs = model.layer_inputs(inputs)
         autocast = torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
@@ -156,18 +163,7 @@ def measure_compute(model_cfg, *, tp: int, sequence_parallel: bool, micro_batch:
 
 def _measure_fsdp_op(model_cfg, tp: int, micro_batch: int, seq_len: int, repeats: int) -> float:
     with fake_world(2 * tp, 0, dp=2, tp=tp) as ctx:
-        with torch.device("meta"):
-            model = instantiate(model_cfg)
-        model = dist.shard(model, ctx)
-        del get_layer_stack(model)[1:]
-        model.to_empty(device=ctx.device)
-        with torch.no_grad():
-            for param in model.parameters():
-                (param.to_local() if hasattr(param, "to_local") else param).normal_(0.0, 0.02)
-        model.init_buffers()
-        vocab = model.input_limits()["vocab_size"]
-        inputs, _ = model.split_batch({"input_ids": torch.randint(0, vocab, (micro_batch, seq_len),
-                                                                  device=ctx.device)})
+        model, inputs, _ = _one_layer_model(model_cfg, ctx, micro_batch, seq_len)
         with torch.no_grad():
             hidden = model.embed(inputs)
         layer_inputs = model.layer_inputs(inputs)

@@ -1,0 +1,413 @@
+"""The layout planner (issue 13) as a user meets it: tools/plan.py's ranked candidates and dry run,
+the pipeline memory model against torch's own schedules, the collective and bubble arithmetic of
+the time model, and `tools/train.py --auto-layout` under torchrun.
+
+`--device h100` on this machine (no H100) takes the roofline of the stated peak: nothing is
+measured, so the ranking is deterministic and no cache is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from torch.distributed.pipelining import (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
+from torch.distributed.pipelining.schedules import _ComputationType
+
+from libai_zoo.config import LazyCall, LazyConfig, instantiate
+from libai_zoo.engine import DefaultTrainer, default_trainer
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel
+from libai_zoo.parallel import check_pipeline_layout
+from libai_zoo.plan import DEVICES, Layout, ModelTable, plan
+from libai_zoo.plan.cost import Fabric, Link, _bubble_slots, step_time
+from libai_zoo.plan.memory import micro_batches_in_flight
+from libai_zoo.plan.profile import ComputeTimes
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_7B = str(ROOT / "projects" / "layout_planning" / "llama_7b.py")
+LLAMA_70B = str(ROOT / "projects" / "layout_planning" / "llama_70b.py")
+GiB = 2**30
+STATE_TERMS = ("params", "grads", "optimizer", "overhead")
+BACKWARD_TERMS = ("gathered", "activations", "logits")
+LAYOUT_KEYS = ("dist.dp", "dist.tp", "dist.pp", "dist.sequence_parallel", "train.zero_stage",
+               "train.activation_checkpoint.enabled", "train.micro_batch_size")
+PIPELINE_KEYS = ("train.pipeline.schedule", "train.pipeline.virtual_stages")
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def plan_tool():
+    return load_tool("plan")
+
+
+@pytest.fixture(autouse=True)
+def no_user_cache(tmp_path, monkeypatch):
+    """Measurements (if any were taken) go to a cache of the test's own, never ~/.cache."""
+    monkeypatch.setenv("LIBAI_ZOO_CACHE", str(tmp_path / "planner.json"))
+
+
+def run_tool(tool, capsys, *argv: str) -> tuple[int, str, str]:
+    code = tool.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def overrides_of(text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in text.split())
+
+
+# ------------------------------------------------------------------------- tools/plan.py --json
+@pytest.fixture
+def one_meta_model(monkeypatch):
+    """`DefaultTrainer.check_layout` builds ``cfg.model`` on the meta device at each call (30 ms for
+    7B); the candidates of one plan share the model, so build it once."""
+    built: dict[str, object] = {}
+
+    def instantiate_once(node):
+        key = OmegaConf.to_yaml(node)
+        if key not in built:
+            built[key] = instantiate(node)
+        return built[key]
+
+    monkeypatch.setattr(default_trainer, "instantiate", instantiate_once)
+
+
+def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads: int,
+                     *overrides: str) -> set[int]:
+    """Run the CLI for an H100 roofline with every candidate printed, and check each one: sorted by
+    step time, its memory within the limit and the sum of its terms, its overrides a layout of
+    `world_size` ranks that applies to the config and that the trainer accepts. Returns the tp sizes."""
+    code, out, err = run_tool(tool, capsys, config, "--world-size", str(world_size), "--device", "h100", "--json",
+                              "--top", "1000000", *overrides)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["timing"] == "roofline of H100 80GB"
+    assert not (tmp_path / "planner.json").exists()  # a roofline measures nothing
+    limit = result["memory_limit_bytes"]
+    assert limit == DEVICES["h100"].memory_bytes == 80 * GiB
+    candidates = result["candidates"]
+    assert 0 < len(candidates) == result["considered"] - result["too_big"]
+
+    times = [c["step_time_s"] for c in candidates]
+    assert times == sorted(times)
+    assert all(t > 0 for t in times)
+
+    base = LazyConfig.apply_overrides(LazyConfig.load(config), list(overrides))
+    global_batch = base.train.global_batch_size
+    seq_len = base.dataloader.train.seq_len
+    items: set[str] = set()
+    shapes: dict[tuple, str] = {}  # what check_layout reads -> one candidate's overrides with it
+    tps = set()
+    for c in candidates:
+        memory = c["memory_bytes"]
+        assert set(memory) == {*STATE_TERMS, *BACKWARD_TERMS, "optimizer_step", "total"}
+        # the state, plus the larger of the two peaks: backward's and the optimizer step's
+        assert memory["total"] == (sum(memory[term] for term in STATE_TERMS)
+                                   + max(sum(memory[term] for term in BACKWARD_TERMS), memory["optimizer_step"]))
+        assert memory["total"] <= limit, c
+        assert memory["overhead"] == 2 * GiB
+        assert c["time_s"]["total"] == c["step_time_s"]
+        assert c["tokens_per_s"] == pytest.approx(global_batch * seq_len / c["step_time_s"], rel=1e-12)
+        assert 0 < c["mfu"] < 1
+
+        keys = overrides_of(c["overrides"])
+        assert set(keys) == set(LAYOUT_KEYS if keys["dist.pp"] == "1" else LAYOUT_KEYS + PIPELINE_KEYS)
+        dp, tp, pp = int(keys["dist.dp"]), int(keys["dist.tp"]), int(keys["dist.pp"])
+        micro_batch = int(keys["train.micro_batch_size"])
+        assert dp * tp * pp == world_size
+        assert tp <= 8 and heads % tp == 0
+        assert global_batch % (micro_batch * dp) == 0
+        tps.add(tp)
+        items.update(c["overrides"].split())
+        shapes.setdefault((tp, pp, keys.get("train.pipeline.schedule"), keys.get("train.pipeline.virtual_stages"),
+                           global_batch // (micro_batch * dp)), c["overrides"])
+
+    # apply_overrides sets its items one by one: each item of every candidate applies, with its value
+    for item in sorted(items):
+        key, value = item.split("=")
+        cfg = LazyConfig.apply_overrides(copy.deepcopy(base), [item])
+        assert str(OmegaConf.select(cfg, key)).lower() == value
+    # and each layout the trainer's check tells apart, applied whole, reads back as itself and passes it
+    cfg = copy.deepcopy(base)
+    for (tp, pp, _, _, micro_batches), text in shapes.items():
+        LazyConfig.apply_overrides(cfg, text.split())  # in place: pp = 1 leaves the pipeline keys, unread
+        assert Layout.from_config(cfg, world_size).overrides() == text
+        DefaultTrainer.check_layout(cfg, tp, pp, micro_batches)
+    return tps
+
+
+def test_plan_json_llama_7b_on_64_h100(plan_tool, capsys, tmp_path, one_meta_model):
+    # tp inside a node of 8 and dividing the 32 heads (and KV heads, MLP 11008, vocabulary 32000)
+    assert check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 64, 32) == {1, 2, 4, 8}
+
+
+def test_plan_json_refuses_tp_the_heads_do_not_divide(plan_tool, capsys, tmp_path, one_meta_model):
+    # 12 heads of 128 (4 KV heads): tp 8 splits neither; 4 splits both
+    assert check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 64, 12, "model.config.hidden_size=1536",
+                            "model.config.num_attention_heads=12", "model.config.num_key_value_heads=4") == {1, 2, 4}
+
+
+def test_plan_table_names_the_best_layout(plan_tool, capsys):
+    code, out, _ = run_tool(plan_tool, capsys, LLAMA_7B, "--world-size", "64", "--device", "h100", "--top", "3")
+    assert code == 0
+    lines = out.splitlines()
+    assert re.match(r"\d+ layouts considered, \d+ do not fit in 80\.0 GiB per rank, \d+ ranked; times roofline of "
+                    r"H100 80GB \(bfloat16 compute\)$", lines[0]), lines[0]
+    assert len(lines) == 1 + 1 + 3 + 1  # summary, header, 3 rows, best
+    best = lines[-1].removeprefix("best: ")
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(LLAMA_7B), best.split())
+    assert lines[2].startswith(f"  1  {Layout.from_config(cfg, 64).short()} ")  # the first row is the best
+
+
+# ------------------------------------------------------------------------------ --dry-run
+def test_dry_run_llama_70b_on_512_ranks_equals_the_planner(plan_tool, capsys):
+    code, out, err = run_tool(plan_tool, capsys, LLAMA_70B, "--world-size", "512", "--dry-run",
+                              "dist.dp=8", "dist.tp=8", "dist.pp=8", "train.zero_stage=3")
+    assert code == 0, out + err
+    lines = out.splitlines()
+    # Llama 3 70B: 70,553,706,496 parameters
+    assert re.fullmatch(r"dry run of dp8 tp8 pp8 z3 mb1 1f1b on 512 ranks \(\w+, 70,553\.7M parameters\): bytes "
+                        r"each rank holds between steps", lines[0]), lines[0]
+    rows = lines[2:]
+    # dp rank 0, tp rank 0 of each of the 8 stages, and the last dp rank of the first stage
+    assert [int(row.split()[0]) for row in rows] == [0, 64, 128, 192, 256, 320, 384, 448, 56]
+    assert [int(row.split()[1]) for row in rows] == [0, 1, 2, 3, 4, 5, 6, 7, 0]
+    assert [int(row.split()[2]) for row in rows] == [0] * 8 + [7]
+    assert all(row.endswith("equal to the byte") for row in rows), out
+
+
+def test_dry_run_of_a_batch_that_does_not_divide_is_an_error(plan_tool, capsys):
+    code, out, err = run_tool(plan_tool, capsys, LLAMA_70B, "--world-size", "512", "--dry-run", "dist.dp=8",
+                              "dist.tp=8", "dist.pp=8", "train.zero_stage=3", "train.global_batch_size=100")
+    assert code == 2
+    assert out == ""
+    assert err == ("error: train.global_batch_size = 100 is not a multiple of micro_batch_size × dp = 1 × 8: "
+                   "change one of them\n")
+
+
+# -------------------------------------------------------------------------- nothing fits
+def test_nothing_fits_names_the_memory(plan_tool, capsys):
+    cfg = LazyConfig.load(LLAMA_7B)
+    result = plan(cfg, 8, device="h100", memory_bytes=GiB)  # the 2 GiB fixed overhead alone exceeds it
+    assert result.candidates == [] and result.considered == result.too_big > 0
+    with pytest.raises(ValueError, match=rf"no layout of the {result.considered} considered fits in 1\.0 GiB per "
+                                         r"rank: use more processes, a device with more memory \(--memory\)"):
+        result.best
+    code, out, _ = run_tool(plan_tool, capsys, LLAMA_7B, "--world-size", "8", "--device", "h100", "--memory", "1")
+    assert code == 1
+    assert out.splitlines()[0].startswith(f"{result.considered} layouts considered, {result.considered} do not fit in "
+                                          f"1.0 GiB per rank, 0 ranked")
+
+
+# ------------------------------------------------- micro-batches in flight vs torch's schedules
+class StageStub:
+    """What torch's schedules read of a stage to lay out their actions: its index, the number of
+    stages and the pp group (no module, no process group)."""
+
+    submod = None  # zero bubble's torch.compile check skips a stage without a module
+
+    def __init__(self, index: int, num_stages: int, pp: int, rank: int):
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, num_stages, pp, rank
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+
+
+#: The schedules that run their `pipeline_order` (torch's multi-stage runtime executes it action by
+#: action). GPipe's and 1F1B's run a loop of their own; their `pipeline_order` is only a picture
+#: (in torch 2.13 1F1B's even names rank 1 of 2's micro-batches F1 B0 F2 B1): see the next test.
+TORCH_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble,
+                   "zbv": ScheduleZBVZeroBubble}
+FREES = {_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT}
+
+
+def torch_order(schedule: str, pp: int, virtual: int, m: int) -> dict[int, list]:
+    """torch's `pipeline_order` (the actions of every pp rank) for this schedule, built on rank 0's stubs."""
+    num_stages = pp * virtual
+    indices = [0, num_stages - 1] if schedule == "zbv" else [k * pp for k in range(virtual)]
+    return TORCH_SCHEDULES[schedule]([StageStub(i, num_stages, pp, 0) for i in indices], m).pipeline_order
+
+
+def peak_chunks_in_flight(actions: list) -> int:
+    """Most (stage, micro-batch) forwards a rank has run whose activations autograd still holds:
+    until the full backward, or under a split backward until the weight gradients (W; after the
+    input gradients, I, the graph is kept for them)."""
+    live, peak = set(), 0
+    for action in actions:
+        if action is None:
+            continue
+        key = (action.stage_index, action.microbatch_index)
+        if action.computation_type == _ComputationType.FORWARD:
+            live.add(key)
+            peak = max(peak, len(live))
+        elif action.computation_type in FREES:
+            live.remove(key)
+    assert not live
+    return peak
+
+
+def runs(schedule: str, pp: int, virtual: int, m: int) -> bool:
+    """The pipeline accepts this many micro-batches (the planner proposes nothing else)."""
+    try:
+        check_pipeline_layout(pp * virtual, pp, schedule=schedule, num_micro_batches=m, virtual_stages=virtual)
+    except ValueError:
+        return False
+    return True
+
+
+IN_FLIGHT_CASES = [(schedule, pp, virtual) for schedule, virtuals in (("interleaved_1f1b", [2, 3]),
+                                                                      ("zero_bubble", [1, 2]), ("zbv", [2]))
+                   for pp in (2, 4) for virtual in virtuals]
+
+
+@pytest.mark.parametrize("schedule,pp,virtual", IN_FLIGHT_CASES,
+                         ids=[f"{s}-pp{p}-v{v}" for s, p, v in IN_FLIGHT_CASES])
+def test_micro_batches_in_flight_match_torch_schedules(schedule, pp, virtual):
+    """`micro_batches_in_flight` × v is, on every pp rank, the most stage chunks torch's own order of
+    actions has forwarded and not yet finished backward (m = pp and 2·pp among them; m from 1 to
+    3·pp, where the pipeline accepts it)."""
+    layout = Layout(1, 1, pp, schedule=schedule, virtual_stages=virtual)
+    counts = [m for m in range(1, 3 * pp + 1) if runs(schedule, pp, virtual, m)]
+    assert {pp, 2 * pp} <= set(counts)
+    for m in counts:
+        order = torch_order(schedule, pp, virtual, m)
+        torch_peaks = [peak_chunks_in_flight(order[rank]) for rank in range(pp)]
+        assert [micro_batches_in_flight(layout, rank, m) * virtual for rank in range(pp)] == torch_peaks, m
+
+
+def test_micro_batches_in_flight_in_numbers():
+    """pp 4, 8 micro-batches, in stage chunks per rank (the values torch's orders give above)."""
+    def chunks(schedule, virtual):
+        layout = Layout(1, 1, 4, schedule=schedule, virtual_stages=virtual)
+        return [micro_batches_in_flight(layout, rank, 8) * virtual for rank in range(4)]
+
+    assert chunks("interleaved_1f1b", 2) == [11, 9, 7, 5]  # warm-up 4 + 2·(3 − rank), + 1
+    assert chunks("zero_bubble", 1) == [4, 4, 4, 4]  # 1F1B's first rank, on every rank
+    assert chunks("zero_bubble", 2) == [8, 8, 8, 8]
+    assert chunks("zbv", 2) == [8, 8, 8, 8]  # 2·pp once m ≥ 2·pp − 1 ...
+    layout = Layout(1, 1, 4, schedule="zbv", virtual_stages=2)
+    assert [micro_batches_in_flight(layout, rank, 4) * 2 for rank in range(4)] == [5, 6, 7, 8]  # ... fewer below
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_micro_batches_in_flight_1f1b_and_gpipe(pp):
+    """1F1B: torch's `Schedule1F1B` runs min(m, pp − stage) forwards before its first backward, then
+    one backward before each forward; GPipe all forwards first."""
+    for m in (pp, 2 * pp, 3 * pp + 1):
+        assert [micro_batches_in_flight(Layout(1, 1, pp, schedule="1f1b"), r, m) for r in range(pp)] == \
+            [min(m, pp - r) for r in range(pp)]
+        assert [micro_batches_in_flight(Layout(1, 1, pp, schedule="gpipe"), r, m) for r in range(pp)] == [m] * pp
+    assert micro_batches_in_flight(Layout(8, 1, 1), 0, 16) == 1  # no pipeline: one micro-batch at a time
+
+
+# ---------------------------------------------------------------- the time model's arithmetic
+def test_link_alpha_beta_arithmetic():
+    link = Link(alpha=1e-5, beta=1e-9)  # 10 µs a hop, 1 GB/s
+    # ring all-reduce of 1 MB over 4: 2·3 hops + 2·3/4 of the bytes
+    assert link.all_reduce(1e6, 4) == pytest.approx(6e-5 + 1.5e-3, rel=1e-12)
+    assert link.all_reduce(1e6, 1) == 0.0
+    # all-gather / reduce-scatter: half of it
+    assert link.all_gather(1e6, 4) == pytest.approx(3e-5 + 0.75e-3, rel=1e-12)
+    assert link.all_gather(8e6, 8) == pytest.approx(7e-5 + 7e-3, rel=1e-12)
+    assert link.all_gather(1e6, 1) == 0.0
+    assert link.send(1e6) == pytest.approx(1e-5 + 1e-3, rel=1e-12)
+    assert link.send(0) == 1e-5
+    intra, inter = Link(1.0, 0.0), Link(2.0, 0.0)
+    fabric = Fabric(intra, inter, gpus_per_node=8)
+    assert fabric.link(8) is intra and fabric.link(9) is inter and fabric.link(1) is intra
+
+
+def test_bubble_slots():
+    def slots(schedule, pp, virtual, m):
+        return _bubble_slots(Layout(1, 1, pp, schedule=schedule if pp > 1 else None, virtual_stages=virtual), m)
+
+    assert slots(None, 1, 1, 8) == 0.0
+    for pp in (2, 4, 8):
+        assert slots("1f1b", pp, 1, 2 * pp) == pp - 1
+        assert slots("gpipe", pp, 1, 2 * pp) == pp - 1
+        for v in (2, 4):
+            assert slots("interleaved_1f1b", pp, v, pp) == (pp - 1) / v  # m ≥ p: divided by the stages per rank
+            assert slots("interleaved_1f1b", pp, v, 4 * pp) == (pp - 1) / v
+            assert slots("interleaved_1f1b", pp, v, pp - 1) == pp - 1  # fewer micro-batches than stages: none hidden
+        assert slots("zero_bubble", pp, 1, pp) == (pp - 1) / 3
+        assert slots("zbv", pp, 2, 2 * pp) == (pp - 1) / 6
+        assert slots("zbv", pp, 2, pp - 1) == pp - 1
+    assert slots("interleaved_1f1b", 4, 2, 8) == 1.5
+
+
+def test_step_time_by_hand():
+    """pp 2 × 1F1B, 4 micro-batches of one 16-token sequence, a 4-layer model of hidden 64 (fp32):
+    rank 0 runs layers 0-1 and the embedding, rank 1 layers 2-3 and the head."""
+    table = ModelTable.from_config(LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
+        vocab_size=256, n_positions=16, n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0)))
+    times = ComputeTimes(layer_forward=1.0, layer_backward=2.0, first=0.5, last=0.25)
+    link = Link(alpha=1e-3, beta=1e-6)
+    fabric = Fabric(link, Link(1.0, 1.0), gpus_per_node=8)  # 2 ranks: within a node
+    layout = Layout(1, 1, 2, schedule="1f1b")
+    got = step_time(table, layout, times, fabric, device=DEVICES["h100"], seq_len=16, global_batch_size=4,
+                    amp_dtype=None, optimizer_per_element=0.0)
+    send = 1e-3 + 4 * 16 * 64 * 1e-6  # one micro-batch's boundary activations, fp32
+    per_mb = 2 * (1.0 + 2.0) + 0.5  # rank 0 (the slower): 2 layers forward and backward + embedding
+    pp_mb = 2 * send  # its one boundary: activations forward, their gradient backward
+    assert got.compute == pytest.approx(4 * per_mb, rel=1e-12)
+    assert got.pp_comm == pytest.approx(4 * pp_mb, rel=1e-12)
+    assert got.bubble == pytest.approx(1 * (per_mb + pp_mb), rel=1e-12)  # pp − 1 slots
+    assert got.tp_comm == got.dp_comm == got.optimizer == 0.0
+    assert got.total == pytest.approx(32.55096, rel=1e-12)
+
+
+# ------------------------------------------------------------------- --auto-layout under torchrun
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_auto_layout_under_torchrun(tmp_path):
+    out, cache = tmp_path / "run", tmp_path / "planner.json"
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", LIBAI_ZOO_CACHE=str(cache))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
+               str(ROOT / "tools" / "train.py"), str(ROOT / "projects" / "gpt2_pretrain" / "config.py"),
+               "--auto-layout", "--fast-dev-run", f"train.output_dir={out}", "train.global_batch_size=4",
+               f"dataloader.train.cache_dir={tmp_path / 'data'}", f"dataloader.test.cache_dir={tmp_path / 'data'}",
+               "hooks=[]"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    logs = [(out / name).read_text() for name in ("log.txt", "log.txt.rank1")]
+    chosen = []
+    for rank, log in enumerate(logs):
+        assert log.count("dist.auto: ") == 1
+        why = log.split("dist.auto: ", 1)[1]
+        short = re.match(r"(.+?) is the fastest of (\d+) layouts that fit \((\d+) considered", why)
+        assert short, why[:300]
+        best = overrides_of(re.search(r"^best: (.+)$", why, re.MULTILINE).group(1))
+        context = re.search(r"ParallelContext\(world_size=2, dp=(\d), tp=(\d), pp=(\d), rank=(\d)[^)]*\)", log)
+        assert context and int(context.group(4)) == rank
+        assert [context.group(i) for i in (1, 2, 3)] == [best["dist.dp"], best["dist.tp"], best["dist.pp"]]
+        assert short.group(1).startswith(f"dp{best['dist.dp']} tp{best['dist.tp']} pp{best['dist.pp']} ")
+        micro = re.search(r"; (\d+) micro-batch\(es\) of (\d+) per step, global batch 4", log)
+        assert micro and micro.group(2) == best["train.micro_batch_size"]
+        assert int(micro.group(1)) * int(micro.group(2)) * int(best["dist.dp"]) == 4
+        chosen.append((why.split("\n[")[0], re.sub(r"rank=\d", "", context.group(0)), micro.group(0)))
+    assert chosen[0] == chosen[1]  # every rank runs rank 0's pick, for rank 0's reasons
+
+    # rank 0 planned once, measuring on this CPU: the layer's compute and the gloo link, cached
+    entries = [json.loads(key) for key in json.loads(cache.read_text())]
+    assert {entry["what"] for entry in entries} >= {"compute", "optimizer", "gloo"}
+    assert [entry["world_size"] for entry in entries if entry["what"] == "gloo"] == [2]
