@@ -25,9 +25,8 @@ import sys
 
 from libai_zoo.config import LazyConfig
 from libai_zoo.plan import DEVICES, Layout, ModelTable, OptimizerState, dry_run, format_table, plan, state_bytes
+from libai_zoo.plan.memory import GiB
 from libai_zoo.plan.planner import amp_dtype_of
-
-GiB = 2**30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -47,7 +47,7 @@ from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
 from libai_zoo.models import get_layer_stack
 from libai_zoo.optim import build_optimizer
 from libai_zoo.plan import agree_on_layout
-from libai_zoo.parallel import DataParallel, Pipeline, check_pipeline_layout, materialize, parallelize
+from libai_zoo.parallel import DataParallel, fsdp_param_dtype, Pipeline, check_pipeline_layout, materialize, parallelize
 from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
 from . import hooks
@@ -142,7 +142,7 @@ class DefaultTrainer(TrainerBase):
         seed_all(train.seed)
         self.data_parallel = DataParallel(
             self.ctx, train.zero_stage, offload=train.get("zero_offload", False),
-            param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 and train.zero_stage >= 1 else None)
+            param_dtype=fsdp_param_dtype(self.amp_dtype, train.zero_stage))
         built = self.build_model(cfg)
         self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
         self.whole_model = built.whole

@@ -3,11 +3,12 @@ parallelism with ZeRO 0-3 (FSDP2), pipeline stages (torch.distributed.pipelining
 allocation of a meta-built model's shards (`materialize`)."""
 
 from .activation_checkpoint import apply_activation_checkpointing
-from .data_parallel import DataParallel
+from .data_parallel import DataParallel, fsdp_param_dtype
 from .materialize import init_parameters, materialize, parameter_seed
 from .parallelize import Parallelized, parallelize
-from .pipeline import SCHEDULES, Pipeline, check_pipeline_layout, split_layers, stage_ranks
+from .pipeline import (SCHEDULES, Pipeline, check_pipeline_layout, schedule_evaluates, split_layers, splits_backward,
+                       stage_ranks)
 
-__all__ = ["apply_activation_checkpointing", "DataParallel", "Pipeline", "SCHEDULES", "split_layers", "stage_ranks",
-           "check_pipeline_layout", "materialize", "parallelize", "Parallelized",
-           "init_parameters", "parameter_seed"]
+__all__ = ["apply_activation_checkpointing", "DataParallel", "fsdp_param_dtype", "Pipeline", "SCHEDULES",
+           "split_layers", "stage_ranks", "splits_backward", "schedule_evaluates", "check_pipeline_layout",
+           "materialize", "parallelize", "Parallelized", "init_parameters", "parameter_seed"]

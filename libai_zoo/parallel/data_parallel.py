@@ -42,6 +42,12 @@ from libai_zoo.utils import parameter_bytes
 BUCKET_BYTES = 25 * 2**20
 
 
+def fsdp_param_dtype(amp_dtype: torch.dtype | None, zero_stage: int) -> torch.dtype | None:
+    """The dtype FSDP2 gathers parameters in: bf16 under bf16 autocast at ZeRO 1-3 (the layers then
+    compute on bf16 weights and reduce in float32), else None (the parameters' own)."""
+    return torch.bfloat16 if amp_dtype == torch.bfloat16 and zero_stage >= 1 else None
+
+
 def buckets(layers: list[nn.Module], min_bytes: int) -> list[list[nn.Module]]:
     """Consecutive `layers` grouped until each group holds `min_bytes` of (this rank's) parameters;
     the last group takes what is left. Fewer, larger all-reduces for small layers."""

@@ -262,6 +262,17 @@ def _tied_names(model: nn.Module) -> list[tuple[str, str]]:
     return [(first[key], last[key]) for key in first if key in last]
 
 
+def splits_backward(schedule: str) -> bool:
+    """Whether `schedule` computes input and weight gradients apart (the zero-bubble ones): a
+    checkpointed layer is then recomputed for each, and FSDP keeps parameters gathered."""
+    return _KINDS[schedule].split_backward
+
+
+def schedule_evaluates(schedule: str) -> bool:
+    """Whether a run with `schedule` can evaluate (torch has no forward-only schedule for ZBV)."""
+    return _KINDS[schedule].evaluates
+
+
 def stage_ranks(pp: int, schedule: str, virtual_stages: int = 1) -> list[int]:
     """The pp rank that runs each of the ``pp × virtual_stages`` stages under `schedule`."""
     return _stage_ranks(pp, pp * virtual_stages, _KINDS[schedule].placement)

@@ -53,6 +53,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from libai_zoo.layers import LMHead, RMSNorm
+
 #: Bytes per element of the parameters and of the residual stream (float32 in this repository).
 PARAM_BYTES = 4
 #: Bytes of an index (int64 token ids, targets) and of a bool mask.
@@ -85,8 +87,6 @@ class LayerShape:
     @classmethod
     def of(cls, layer: nn.Module) -> LayerShape:
         """Read from an (unsharded, possibly meta) `libai_zoo.layers.TransformerLayer`."""
-        from libai_zoo.layers.norm import RMSNorm
-
         attn, mlp = layer.attn, layer.mlp
         return cls(hidden_size=layer.attn_norm.normalized_shape[-1], num_heads=attn.num_heads,
                    num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, ffn_hidden_size=mlp.ffn_hidden_size,
@@ -247,8 +247,6 @@ def head_activation_bytes(hidden_size: int, vocab_size: int, micro_batch: int, s
     normed hidden states and the targets); one chunk's logits and softmax are then recomputed in
     backward, transient memory not counted here."""
     if chunk_bytes is None:
-        from libai_zoo.layers import LMHead
-
         chunk_bytes = LMHead.chunk_bytes
     sp = sequence_parallel and tp > 1
     h, p, a = hidden_size, PARAM_BYTES, _compute_bytes(amp_dtype)

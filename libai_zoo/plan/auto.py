@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from libai_zoo import dist
 
+from .memory import GiB
 from .planner import format_table, plan
 
 
@@ -26,18 +27,19 @@ def choose_layout(cfg: DictConfig, world_size: int, gpus_per_node: int) -> tuple
     memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     result = plan(cfg, world_size, gpus_per_node=gpus_per_node, memory_bytes=memory)
     best = result.best
-    limit = result.memory_limit / 2**30
+    limit = result.memory_limit / GiB
     why = (f"{best.layout.short()} is the fastest of {len(result.candidates)} layouts that fit "
            f"({result.considered} considered, {result.too_big} need more than {limit:.1f} GiB per rank): "
            f"predicted {best.time.total:.3f} s per step, {best.tokens_per_second:,.0f} tokens/s, "
-           f"{best.memory.total / 2**30:.2f} GiB on its fullest rank\n" + format_table(result, top=5))
+           f"{best.memory.total / GiB:.2f} GiB on its fullest rank\n" + format_table(result, top=5))
     return best.layout.overrides(), why
 
 
 def agree_on_layout(cfg: DictConfig, *, timeout: float | None = None) -> tuple[str, str]:
     """Rank 0's `choose_layout` on every rank (in this process when the run has one)."""
     world_size = dist.launched_world_size()
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    # torchrun sets LOCAL_WORLD_SIZE; without it: this machine's GPUs, or (on CPUs) one machine
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or world_size))
     if world_size == 1:
         return choose_layout(cfg, world_size, gpus_per_node)
     dist.connect(timeout=timeout)

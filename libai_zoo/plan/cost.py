@@ -20,7 +20,9 @@
               pipelines, each micro-batch at ZeRO 2/3 without them (ZeRO-3 gathers forward and
               backward); on a GPU the part that fits under the backward (forward, for gathers)
               it overlaps is hidden, on a CPU (gloo shares the compute cores) none is
-    optimizer the optimizer's step over the rank's parameter shard, measured per element
+    optimizer the optimizer's step over the rank's parameter shard: measured per element on this
+              machine's device; for an absent one, AdamW's traffic at its bandwidth (it reads and
+              writes the parameter, gradient and two moments: 16 bytes read and written per element)
 
 Collectives follow the alpha-beta model of a ring: all-reduce 2(n−1)·α + 2(n−1)/n·bytes·β,
 all-gather and reduce-scatter (n−1)·α + (n−1)/n·bytes·β, a send α + bytes·β; α and β of a link
@@ -33,10 +35,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from libai_zoo.parallel import splits_backward
 from libai_zoo.parallel.data_parallel import BUCKET_BYTES
 
 from .layouts import Layout
-from .memory import rank_stages, state_bytes, unsharded_bytes
+from .memory import GiB, rank_stages, state_bytes, unsharded_bytes
 from .model_table import ModelTable
 from .profile import ComputeTimes
 
@@ -53,17 +56,16 @@ class Device:
     overlaps_communication: bool = True
 
 
-GiB = 2**30
-
-#: Datasheet figures (SXM parts). matmul_efficiency 0.7: a large bf16 matmul reached ~0.8 of the
-#: peak on the lent H100 (about 800 of 989 TFLOP/s); a layer's matmuls are smaller.
+#: Datasheet figures (SXM parts); memory as torch reports it (H100 79.6 GiB, H200 140.4 GiB, A100
+#: 79.2 GiB). matmul_efficiency 0.7: a large bf16 matmul reached ~0.8 of the peak on the lent H100
+#: (about 800 of 989 TFLOP/s, ../shared/notes); a layer's matmuls are smaller.
 DEVICES: dict[str, Device] = {
     "h100": Device("H100 80GB", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}, 3.35e12,
-                   80 * GiB),
+                   int(79.6 * GiB)),
     "h200": Device("H200 141GB", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}, 4.8e12,
-                   141 * 10**9),
+                   int(140.4 * GiB)),
     "a100": Device("A100 80GB", {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12}, 2.0e12,
-                   80 * GiB),
+                   int(79.2 * GiB)),
     "cpu": Device("CPU", {}, 0.0, 0, overlaps_communication=False),
 }
 
@@ -76,6 +78,7 @@ class Link:
     beta: float
 
     def all_reduce(self, nbytes: float, n: int) -> float:
+        """A ring all-reduce of `nbytes` among `n` ranks."""
         return 0.0 if n == 1 else 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * nbytes * self.beta
 
     def all_gather(self, nbytes: float, n: int) -> float:
@@ -83,6 +86,7 @@ class Link:
         return 0.0 if n == 1 else (n - 1) * self.alpha + (n - 1) / n * nbytes * self.beta
 
     def send(self, nbytes: float) -> float:
+        """One point-to-point message."""
         return self.alpha + nbytes * self.beta
 
 
@@ -105,8 +109,9 @@ class Fabric:
     gpus_per_node: int
 
     def link(self, span: int) -> Link:
-        """The link of a group whose ranks lie within `span` consecutive ranks."""
-        return self.intra if span <= self.gpus_per_node else self.inter
+        """The link of a group whose ranks lie within `span` consecutive ranks (groups start at
+        multiples of `span`, so they stay inside a node when `span` divides its GPUs)."""
+        return self.intra if self.gpus_per_node % span == 0 else self.inter
 
 
 @dataclass
@@ -131,7 +136,10 @@ class StepTime:
 def roofline_compute(table: ModelTable, device: Device, *, tp: int, micro_batch: int, seq_len: int,
                      amp_dtype: torch.dtype | None) -> ComputeTimes:
     """Compute times of an absent device: matmul FLOPs at its stated efficiency plus elementwise
-    traffic (about 16 reads or writes of the hidden activations per layer) at its bandwidth."""
+    traffic at its bandwidth. Stated estimates: a layer reads or writes its hidden activations
+    about 16 times (norms, residuals, activation, dropout, casts) forward and twice that backward;
+    the embedding is a lookup (an eighth of a layer's traffic); the head is its matmul three times
+    (forward, two backward) plus a layer's traffic for the softmax."""
     dtype = amp_dtype or torch.float32
     peak = device.peak_flops[dtype] * device.matmul_efficiency
     element = torch.tensor([], dtype=dtype).element_size()
@@ -175,7 +183,8 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
     contention = max(1.0, oversubscription * m / (m + slots))
     # activation checkpointing recomputes each layer's forward once; a split backward (zero bubble)
     # runs the recompute for the input and again for the weight gradients
-    recomputes = (2 if layout.schedule in ("zero_bubble", "zbv") else 1) if layout.activation_checkpoint else 0
+    split = layout.pp > 1 and splits_backward(layout.schedule)
+    recomputes = (2 if split else 1) if layout.activation_checkpoint else 0
     syncs = 1 if table.layer.parallel_block else 2
     layer_tp = (2 + recomputes) * syncs * tp_link.all_reduce(act_bytes, tp)
     worst = None
@@ -222,7 +231,7 @@ def _dp_exposed(table: ModelTable, layout: Layout, pp_rank: int, link: Link, dev
         gather = 0.0
     else:
         units = layers + len(stages)
-        if layout.zero_stage < 3 or layout.schedule in ("zero_bubble", "zbv"):
+        if layout.zero_stage < 3 or (layout.pp > 1 and splits_backward(layout.schedule)):
             gathers = 1
         else:
             gathers = m + 1 if layout.pp > 1 else 2 * m

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from libai_zoo.config import instantiate
 from libai_zoo.optim import build_optimizer, unique_parameters
-from libai_zoo.parallel import DataParallel, parallelize
+from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize
 from libai_zoo.utils import optimizer_state_bytes
 
 from .fake_world import fake_world
@@ -46,8 +46,7 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int, *, amp_dtype: torch
                     sequence_parallel=layout.sequence_parallel) as ctx:
         with torch.device("meta"):
             model = instantiate(cfg.model)
-        param_dtype = torch.bfloat16 if amp_dtype == torch.bfloat16 and layout.zero_stage >= 1 else None
-        data_parallel = DataParallel(ctx, layout.zero_stage, param_dtype=param_dtype)
+        data_parallel = DataParallel(ctx, layout.zero_stage, param_dtype=fsdp_param_dtype(amp_dtype, layout.zero_stage))
         built = parallelize(model, ctx, data_parallel, num_micro_batches=layout.num_micro_batches(global_batch),
                             pipeline={"schedule": layout.schedule, "virtual_stages": layout.virtual_stages},
                             activation_checkpoint=layout.activation_checkpoint)

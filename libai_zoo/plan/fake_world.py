@@ -6,6 +6,7 @@ without its peers."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,6 +25,8 @@ def fake_world(world_size: int, rank: int = 0, *, dp: int = -1, tp: int = 1, pp:
     if torch_dist.is_initialized():
         raise RuntimeError("fake_world needs a process without a process group: plan before dist.init, "
                            "or in a process of its own")
+    local_rank = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"  # rank 448 of a fake world still runs on this machine's first device
     torch_dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield dist.init(dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel)
@@ -31,3 +34,7 @@ def fake_world(world_size: int, rank: int = 0, *, dp: int = -1, tp: int = 1, pp:
         dist.destroy()
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
+        if local_rank is None:
+            del os.environ["LOCAL_RANK"]
+        else:
+            os.environ["LOCAL_RANK"] = local_rank

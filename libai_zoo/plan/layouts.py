@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig
 
 from libai_zoo import dist
-from libai_zoo.parallel import check_pipeline_layout
+from libai_zoo.parallel import check_pipeline_layout, schedule_evaluates
 
-if TYPE_CHECKING:
-    from .model_table import ModelTable
+from .model_table import ModelTable
 
 #: The pipeline schedules the planner tries, with the stages per rank it gives each.
 PIPELINE_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1, "zbv": 2}
@@ -32,7 +32,7 @@ class Layout:
     virtual_stages: int = 1
 
     @classmethod
-    def from_config(cls, cfg, world_size: int) -> Layout:
+    def from_config(cls, cfg: DictConfig, world_size: int) -> Layout:
         """The layout a config's ``dist`` and ``train`` keys ask for at `world_size` (dp=-1 inferred)."""
         dp, tp, pp = dist.resolve_sizes(world_size, cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
         pipe = cfg.train.get("pipeline") or {}
@@ -59,9 +59,9 @@ class Layout:
                  f"train.zero_stage={self.zero_stage}",
                  f"train.activation_checkpoint.enabled={str(self.activation_checkpoint).lower()}",
                  f"train.micro_batch_size={self.micro_batch_size}"]
-        if self.pp > 1:
+        if self.pp > 1:  # the planner splits the layers evenly: a config's own boundaries would not fit
             parts += [f"train.pipeline.schedule={self.schedule}",
-                      f"train.pipeline.virtual_stages={self.virtual_stages}"]
+                      f"train.pipeline.virtual_stages={self.virtual_stages}", "train.pipeline.boundaries=null"]
         return " ".join(parts)
 
     def short(self) -> str:
@@ -79,13 +79,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int, *,
-                      gpus_per_node: int = 8) -> Iterator[Layout]:
+def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int, *, seq_len: int,
+                      gpus_per_node: int = 8, evaluates: bool = False) -> Iterator[Layout]:
     """Every layout `table`'s model admits on `world_size` processes: tp inside a node and splitting
     every layer evenly (the layers' own `tp_problems`), pp ≤ layers, dp dividing the global batch,
     each micro-batch size that divides a dp rank's share, ZeRO 0-3 (0 alone at dp = 1),
-    activation checkpointing off/on, sequence parallelism off/on at tp > 1, and under pp each
-    schedule the pipeline accepts for that many micro-batches."""
+    activation checkpointing off/on, sequence parallelism off/on at tp > 1 (when tp divides
+    `seq_len`), and under pp each schedule the pipeline accepts for that many micro-batches (one
+    that can evaluate when the run `evaluates`: it has test data)."""
     for tp in _divisors(world_size):
         if tp > gpus_per_node or gpus_per_node % tp or table.tp_problems(tp):
             continue
@@ -93,14 +94,15 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
             dp = world_size // (tp * pp)
             if pp > table.num_layers or global_batch_size % dp:
                 continue
-            schedules = [(name, v) for name, v in PIPELINE_SCHEDULES.items()] if pp > 1 else [(None, 1)]
+            schedules = [(name, v) for name, v in PIPELINE_SCHEDULES.items()
+                         if not evaluates or schedule_evaluates(name)] if pp > 1 else [(None, 1)]
             for micro_batch in _divisors(global_batch_size // dp):
                 micro_batches = global_batch_size // (dp * micro_batch)
                 for schedule, virtual in schedules:
                     if schedule is not None and not _pipeline_runs(table, pp, schedule, virtual, micro_batches):
                         continue
                     for zero in (range(4) if dp > 1 else [0]):
-                        for sp in ([False, True] if tp > 1 else [False]):
+                        for sp in ([False, True] if tp > 1 and seq_len % tp == 0 else [False]):
                             for ac in (False, True):
                                 yield Layout(dp, tp, pp, zero, ac, sp, micro_batch, schedule, virtual)
 

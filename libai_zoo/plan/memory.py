@@ -35,15 +35,17 @@ Transient terms, at the step's peak:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
+from torch import nn
 
-from libai_zoo.config import instantiate
 from libai_zoo.layers import LMHead
-from libai_zoo.parallel import split_layers, stage_ranks
+from libai_zoo.optim import build_optimizer
+from libai_zoo.parallel import fsdp_param_dtype, split_layers, stage_ranks
 from libai_zoo.utils import TensorMemoryPeak
 
 from .activations import embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
@@ -63,13 +65,12 @@ class OptimizerState:
     step_per_byte: float = 0.0
 
     @classmethod
-    def probe(cls, optim_cfg) -> OptimizerState:
-        """Build the configured optimizer over a few small tensors, step twice (the first allocates
+    def probe(cls, optim_cfg: DictConfig) -> OptimizerState:
+        """Build the configured optimizer over a few small matrices, step twice (the first allocates
         the state), and measure its state and the second step's temporaries, as this machine's
         torch runs it."""
-        node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
-        params = [torch.nn.Parameter(torch.zeros(64, 64)) for _ in range(3)]
-        optimizer = instantiate({**node, "params": params})
+        params = nn.ParameterList([nn.Parameter(torch.zeros(64, 64)) for _ in range(3)])
+        optimizer = build_optimizer(optim_cfg, [params])
         for param in params:
             param.grad = torch.ones_like(param)
         optimizer.step()
@@ -89,6 +90,7 @@ class OptimizerState:
 
 
 ADAMW = OptimizerState(2.0, 4)
+GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -127,38 +129,31 @@ class MemoryBreakdown:
         return {**terms, "total": self.total}
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
 def _shard_elements(param: ParameterInfo, tp: int, dp: int, zero_stage: int, dp_rank: int) -> int:
     """Elements of `param` this rank keeps: its tp slice, and at ZeRO 1-3 its dp rows of it."""
     shape = param.tp_local_shape(tp)
     if zero_stage == 0 or dp == 1:
-        return _numel(shape)
+        return math.prod(shape)
     rows = shape[0]
     per_rank = -(-rows // dp)
     kept = max(0, min(per_rank, rows - dp_rank * per_rank))
-    return kept * _numel(shape[1:])
+    return kept * math.prod(shape[1:])
 
 
-def rank_stages(table: ModelTable, layout: Layout, pp_rank: int) -> list[tuple[int, bool, bool]]:
+def rank_stages(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
     """(number of layers, holds the first stage's modules, holds the last's) of each stage `pp_rank` runs."""
     return _rank_stages(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
 
 
 @lru_cache(maxsize=65536)
 def _rank_stages(num_layers: int, pp: int, schedule: str | None, virtual_stages: int,
-                 pp_rank: int) -> list[tuple[int, bool, bool]]:
+                 pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
     if pp == 1:
-        return [(num_layers, True, True)]
+        return ((num_layers, True, True),)
     num_stages = pp * virtual_stages
     ranges = split_layers(num_layers, num_stages)
     owners = stage_ranks(pp, schedule, virtual_stages)
-    return [(len(ranges[s]), s == 0, s == num_stages - 1) for s in range(num_stages) if owners[s] == pp_rank]
+    return tuple((len(ranges[s]), s == 0, s == num_stages - 1) for s in range(num_stages) if owners[s] == pp_rank)
 
 
 def _group(table: ModelTable, first: bool | None, last: bool = False) -> list[ParameterInfo]:
@@ -207,7 +202,7 @@ def _group_unsharded(table: ModelTable, first: bool | None, last: bool, tp: int,
             continue
         shape = param.tp_local_shape(tp)
         rows = -(-shape[0] // dp) * dp
-        total += rows * _numel(shape[1:]) * (element_size or param.element_size)
+        total += rows * math.prod(shape[1:]) * (element_size or param.element_size)
     return total
 
 
@@ -221,18 +216,22 @@ def unsharded_bytes(table: ModelTable, layout: Layout, pp_rank: int, element_siz
 
 def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_batches: int,
                    compute_dtype: torch.dtype | None) -> int:
-    """FSDP2's gathered parameters (and ZeRO-1's accumulated whole gradients) at the step's peak."""
+    """FSDP2's gathered parameters, and the whole gradients it accumulates over micro-batches, at
+    the step's peak. Without pp: ZeRO 1-2 keep every unit gathered from forward to backward, ZeRO-3
+    the root and about two layers (computing, prefetched); ZeRO-1 accumulates whole gradients.
+    Under pp the schedule syncs a stage once, after its last micro-batch: every ZeRO stage
+    accumulates whole gradients, and ZeRO-3 keeps the stage gathered from its first backward."""
     if layout.zero_stage == 0 or layout.dp == 1:
         return 0
     element = torch.tensor([], dtype=compute_dtype).element_size() if compute_dtype is not None else None
-    if layout.zero_stage < 3 or layout.schedule in ("zero_bubble", "zbv"):
+    if layout.zero_stage < 3 or layout.pp > 1:
         total = unsharded_bytes(table, layout, pp_rank, element)
     else:
         total = sum(min(2, layers) * _group_unsharded(table, None, False, layout.tp, layout.dp, element)
                     + _group_unsharded(table, first, last, layout.tp, layout.dp, element)
                     for layers, first, last in rank_stages(table, layout, pp_rank))
-    if layout.zero_stage == 1 and num_micro_batches > 1:
-        total += unsharded_bytes(table, layout, pp_rank, element, trainable_only=True)
+    if num_micro_batches > 1 and (layout.zero_stage == 1 or layout.pp > 1):
+        total += unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)  # float32: FSDP's reduce dtype
     return total
 
 
@@ -284,7 +283,7 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
     a "cuda" or "cpu" device (their attention kernels and dropout masks differ)."""
     shapes = (layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel)
     # FSDP2 hands the layers bf16 parameters under bf16 autocast at ZeRO 1-3: no matmul keeps a cast copy
-    low = amp_dtype == torch.bfloat16 and layout.zero_stage >= 1 and layout.dp > 1
+    low = layout.dp > 1 and fsdp_param_dtype(amp_dtype, layout.zero_stage) is not None
     in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
     stages = rank_stages(table, layout, pp_rank)
     layers = sum(count for count, _, _ in stages)
@@ -310,7 +309,7 @@ def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch
     """The predicted peak of the rank that holds the most (every pp rank at dp rank 0) on a "cuda"
     or "cpu" device."""
     m = layout.num_micro_batches(global_batch_size)
-    compute_dtype = amp_dtype if amp_dtype == torch.bfloat16 and layout.zero_stage >= 1 else None
+    compute_dtype = fsdp_param_dtype(amp_dtype, layout.zero_stage)
     best = None
     for pp_rank in range(layout.pp):
         state = state_bytes(table, layout, pp_rank, 0, optimizer)

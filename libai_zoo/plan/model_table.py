@@ -5,13 +5,16 @@ sizes the activation and time models need. No process group and no memory."""
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from libai_zoo import dist
+from libai_zoo.config import instantiate
 from libai_zoo.models import check_trainable, get_layer_stack
 
 from .activations import LayerShape
@@ -113,32 +116,23 @@ class ModelTable:
                              f"counts one layer for all of them")
 
     @classmethod
-    def from_config(cls, model_cfg) -> ModelTable:
+    def from_config(cls, model_cfg: DictConfig) -> ModelTable:
         """Instantiate a model recipe (a LazyCall, or a from_pretrained call, which reads nothing)
         on the meta device."""
-        from libai_zoo.config import instantiate
-
         with torch.device("meta"):
             return cls(instantiate(model_cfg))
 
     @cached_property
     def layer_parameters(self) -> int:
         """Elements of one layer of the stack (the layers are alike)."""
-        return sum(_numel(p.shape) for p in self.parameters if p.layer == 0)
+        return sum(math.prod(p.shape) for p in self.parameters if p.layer == 0)
 
     @property
     def total_parameters(self) -> int:
-        return sum(_numel(p.shape) for p in self.parameters)
+        return sum(math.prod(p.shape) for p in self.parameters)
 
     def tp_problems(self, tp: int) -> list[str]:
         """Why the model cannot be split over `tp` ranks ([] when it can): the layers' own rules."""
         if tp not in self._tp_problems:
             self._tp_problems[tp] = dist.tp_problems(self._unsharded, tp) if tp > 1 else []
         return self._tp_problems[tp]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

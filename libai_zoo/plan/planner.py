@@ -17,11 +17,10 @@ from omegaconf import DictConfig
 
 from .cost import DEVICES, LINKS, Device, Fabric, Link, StepTime, roofline_compute, step_time
 from .layouts import Layout, enumerate_layouts
-from .memory import MemoryBreakdown, OptimizerState, rank_memory
+from .memory import GiB, MemoryBreakdown, OptimizerState, rank_memory
 from .model_table import ModelTable
 from .profile import ComputeTimes, fit_gloo_link, measure_compute, measure_fsdp_op, measure_optimizer_step
 
-GiB = 2**30
 #: Fixed bytes per GPU outside the model's tensors: CUDA context, NCCL buffers, allocator slack.
 GPU_OVERHEAD = 2 * GiB
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,6 +38,7 @@ class Candidate:
     fits: bool = True  # False only for a layout given to `plan` that needs more memory than there is
 
     def as_json(self) -> dict:
+        """What `tools/plan.py --json` prints of a candidate."""
         return {"layout": self.layout.short(), "overrides": self.layout.overrides(),
                 "memory_bytes": self.memory.as_dict(), "memory_rank": f"pp rank {self.memory.pp_rank}, dp rank 0",
                 "step_time_s": self.time.total, "time_s": self.time.as_dict(),
@@ -66,12 +66,23 @@ class Plan:
         return self.candidates[0]
 
 
+def _device_here() -> str | None:
+    """The key in `DEVICES` of this machine's device ("cpu" without a GPU; None: a GPU it has no
+    figures for)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    return next((key for key in DEVICES if key != "cpu" and key.upper() in name), None)
+
+
 def present_device() -> str:
-    """The key in `DEVICES` of this machine's accelerator ("cpu" without one, or an unknown GPU)."""
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        return next((key for key in DEVICES if key.upper() in name), "cpu")
-    return "cpu"
+    """The key in `DEVICES` of this machine's device: "cpu" without a GPU."""
+    key = _device_here()
+    if key is None:
+        raise ValueError(f"the planner has no figures for this machine's GPU ({torch.cuda.get_device_name()}): "
+                         f"plan for one of {sorted(k for k in DEVICES if k != 'cpu')} with --device (its roofline "
+                         f"is used)")
+    return key
 
 
 def sequence_length(cfg: DictConfig) -> int:
@@ -79,11 +90,13 @@ def sequence_length(cfg: DictConfig) -> int:
     data = cfg.dataloader.train
     seq_len = data.get("seq_len") or data.get("max_length")
     if not seq_len:
-        raise ValueError("the planner needs the sequence length: dataloader.train has neither seq_len nor max_length")
+        raise ValueError("the planner needs the sequence length: set dataloader.train.seq_len (or max_length), "
+                         "or choose the layout yourself (dist.auto=false)")
     return int(seq_len)
 
 
 def amp_dtype_of(cfg: DictConfig) -> torch.dtype | None:
+    """The autocast dtype ``train.amp`` asks for; None without autocast."""
     amp = cfg.train.get("amp") or {}
     return AMP[amp.get("dtype", "bf16")] if amp.get("enabled") else None
 
@@ -111,8 +124,11 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     if device_key not in DEVICES:
         raise ValueError(f"unknown device {device_key!r}: choose one of {sorted(DEVICES)}")
     spec = DEVICES[device_key]
-    measured = device_key == present_device()
     on_cpu = device_key == "cpu"
+    if on_cpu and torch.cuda.is_available():
+        raise ValueError("--device cpu plans a CPU run from its measured compute, but this machine's device is a "
+                         "GPU: plan for a CPU run on a CPU machine, or pass the GPU's --device")
+    measured = device_key == _device_here()
     procs_per_node = min(world_size, gpus_per_node)
     if memory_bytes is None:
         memory_bytes = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // procs_per_node) if on_cpu \
@@ -127,8 +143,9 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     threads = 1 if on_cpu and world_size > 1 else None
     oversubscription = procs_per_node / (os.cpu_count() or 1) if on_cpu and world_size > 1 else 1.0
     fabric = _fabric(device_key, world_size, gpus_per_node)
+    # absent device: the step streams parameter, gradient and state in and out (AdamW: 16 bytes each way)
     per_element = measure_optimizer_step(cfg.optim, threads=threads) if measured \
-        else 16 * (2 + 2 * optimizer.per_byte) / spec.memory_bandwidth / 4
+        else 2 * 4 * (2 + optimizer.per_byte) / spec.memory_bandwidth
     compute: dict[tuple, ComputeTimes] = {}
     fsdp_ops: dict[tuple, float] = {}
 
@@ -156,7 +173,8 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     candidates, considered, too_big = [], 0, 0
     judge_all = layouts is not None
     if layouts is None:
-        layouts = enumerate_layouts(table, world_size, global_batch, gpus_per_node=gpus_per_node)
+        layouts = enumerate_layouts(table, world_size, global_batch, seq_len=seq_len, gpus_per_node=gpus_per_node,
+                                    evaluates=cfg.dataloader.get("test") is not None)
     for layout in layouts:
         considered += 1
         memory = rank_memory(table, layout, seq_len=seq_len, global_batch_size=global_batch, amp_dtype=amp_dtype,

@@ -14,14 +14,16 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import fully_shard
 
 from libai_zoo import dist
@@ -54,9 +56,28 @@ def _cached(key: dict, measure) -> dict:
     if text not in entries:
         entries[text] = measure()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text(json.dumps(entries, indent=1))
-        path.with_suffix(".tmp").replace(path)
+        staged = path.with_suffix(f".{os.getpid()}.tmp")  # processes planning at once do not share one
+        staged.write_text(json.dumps(entries, indent=1))
+        staged.replace(path)
     return entries[text]
+
+
+def _here() -> torch.device:
+    """This machine's device: the GPU when there is one."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _recipe(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg) if OmegaConf.is_config(cfg) else repr(cfg)
+
+
+def _measured(what: str, threads: int | None, measure: Callable[[], Any], **key) -> Any:
+    """`measure()` on this machine's device (on `threads` CPU threads), cached under `what`, the
+    device, the torch version and `key`."""
+    device = _here()
+    full = {"what": what, "device": device_name(device), "torch": torch.__version__, "threads": threads, **key}
+    with _measuring(threads if device.type == "cpu" else None):
+        return _cached(full, measure)
 
 
 def device_name(device: torch.device) -> str:
@@ -146,18 +167,15 @@ def _measure_compute(model_cfg, tp: int, sequence_parallel: bool, micro_batch: i
                                    _timed(head, ctx.device, repeats)))
 
 
-def measure_compute(model_cfg, *, tp: int, sequence_parallel: bool, micro_batch: int, seq_len: int,
+def measure_compute(model_cfg: DictConfig, *, tp: int, sequence_parallel: bool, micro_batch: int, seq_len: int,
                     amp_dtype: torch.dtype | None = None, threads: int | None = None,
                     repeats: int = 3) -> ComputeTimes:
     """The compute of one rank's layer, embedding and head at these shapes, on this machine's
     device (cached). Needs a process without a process group (it forms a fake one)."""
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    recipe = OmegaConf.to_yaml(model_cfg) if OmegaConf.is_config(model_cfg) else repr(model_cfg)
-    key = {"what": "compute", "device": device_name(device), "threads": threads, "model": recipe, "tp": tp,
-           "sp": sequence_parallel, "mb": micro_batch, "seq": seq_len, "amp": str(amp_dtype)}
-    with _measuring(threads if device.type == "cpu" else None):
-        times = _cached(key, lambda: _measure_compute(model_cfg, tp, sequence_parallel, micro_batch, seq_len,
-                                                      amp_dtype, repeats))
+    times = _measured("compute", threads, lambda: _measure_compute(model_cfg, tp, sequence_parallel, micro_batch,
+                                                                   seq_len, amp_dtype, repeats),
+                      model=_recipe(model_cfg), tp=tp, sp=sequence_parallel, mb=micro_batch, seq=seq_len,
+                      amp=str(amp_dtype))
     return ComputeTimes(**times)
 
 
@@ -178,34 +196,24 @@ def _measure_fsdp_op(model_cfg, tp: int, micro_batch: int, seq_len: int, repeats
         return max(wrapped - plain, 0.0) / 2  # an all-gather before forward, a reduce-scatter after backward
 
 
-def measure_fsdp_op(model_cfg, *, tp: int, micro_batch: int, seq_len: int, threads: int | None = None,
+def measure_fsdp_op(model_cfg: DictConfig, *, tp: int, micro_batch: int, seq_len: int, threads: int | None = None,
                     repeats: int = 5) -> float:
     """Seconds FSDP2 spends on this rank around one collective of one layer's unit (copying the
     shards into and out of the flat buffer, hooks), apart from the network: a layer's step wrapped by
     `fully_shard` in a fake dp group of 2, less the same step unwrapped, per collective (cached)."""
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    recipe = OmegaConf.to_yaml(model_cfg) if OmegaConf.is_config(model_cfg) else repr(model_cfg)
-    key = {"what": "fsdp", "device": device_name(device), "threads": threads, "model": recipe, "tp": tp,
-           "mb": micro_batch, "seq": seq_len}
-    with _measuring(threads if device.type == "cpu" else None):
-        return _cached(key, lambda: _measure_fsdp_op(model_cfg, tp, micro_batch, seq_len, repeats))
+    return _measured("fsdp", threads, lambda: _measure_fsdp_op(model_cfg, tp, micro_batch, seq_len, repeats),
+                     model=_recipe(model_cfg), tp=tp, mb=micro_batch, seq=seq_len)
 
 
-def measure_optimizer_step(optim_cfg, *, threads: int | None = None, elements: int = 1 << 22) -> float:
+def measure_optimizer_step(optim_cfg: DictConfig, *, threads: int | None = None, elements: int = 1 << 22) -> float:
     """Seconds the configured optimizer's step takes per parameter element on this device (cached)."""
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
-    node.pop("params", None)
-    key = {"what": "optimizer", "device": device_name(device), "threads": threads, "optim": repr(sorted(node.items()))}
-
     def measure() -> float:
-        param = torch.nn.Parameter(torch.randn(elements, device=device))
+        param = torch.nn.Parameter(torch.randn(elements, device=_here()))
         param.grad = torch.randn_like(param)
-        optimizer = build_optimizer(node, [torch.nn.ParameterList([param])])
-        return _timed(optimizer.step, device, 3) / elements
+        optimizer = build_optimizer(optim_cfg, [torch.nn.ParameterList([param])])
+        return _timed(optimizer.step, param.device, 3) / elements
 
-    with _measuring(threads if device.type == "cpu" else None):
-        return _cached(key, measure)
+    return _measured("optimizer", threads, measure, optim=_recipe(optim_cfg))
 
 
 # ---------------------------------------------------------------------------- gloo collectives
@@ -235,7 +243,7 @@ def _sweep_worker(rank: int, world_size: int, port: int, results) -> None:
 def fit_gloo_link(world_size: int) -> tuple[float, float]:
     """(alpha seconds, beta seconds per byte) of a ring all-reduce among `world_size` gloo processes
     on this machine, fitted by least squares to t = 2(n−1)·alpha + 2(n−1)/n·bytes·beta (cached)."""
-    key = {"what": "gloo", "host_cpus": os.cpu_count(), "world_size": world_size}
+    key = {"what": "gloo", "host_cpus": os.cpu_count(), "torch": torch.__version__, "world_size": world_size}
 
     def measure() -> list[float]:
         with mp.Manager() as manager:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from libai_zoo.config import LazyConfig
 from libai_zoo.plan import Layout, plan
+from libai_zoo.plan.memory import GiB
 
 HERE = Path(__file__).parent
-GiB = 2**30
 
 #: (name, config, overrides, world size, device, published layout, what the paper reports)
 PUBLISHED = [
