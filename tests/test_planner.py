@@ -450,3 +450,18 @@ def test_auto_layout_under_torchrun(tmp_path):
     entries = [json.loads(key) for key in json.loads(cache.read_text())]
     assert {entry["what"] for entry in entries} >= {"compute", "optimizer", "gloo"}
     assert [entry["world_size"] for entry in entries if entry["what"] == "gloo"] == [2]
+
+
+@pytest.mark.slow
+def test_a_planner_failure_on_rank_0_stops_every_rank_with_its_reason(tmp_path):
+    """Rank 0 plans alone; when its planner raises (here: no sequence length to plan for), every
+    rank raises the same error instead of waiting for a layout that never comes."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", LIBAI_ZOO_CACHE=str(tmp_path / "cache.json"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
+               str(ROOT / "tools" / "train.py"), str(ROOT / "projects" / "gpt2_pretrain" / "config.py"),
+               "--auto-layout", "--fast-dev-run", f"train.output_dir={tmp_path / 'run'}",
+               "dataloader.train.seq_len=null", "hooks=[]"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    reason = "the layout planner failed on rank 0: ValueError: the planner needs the sequence length"
+    assert result.stderr.count(reason) >= 2, result.stderr[-3000:]  # both ranks, not only rank 0
