@@ -115,6 +115,19 @@ def _mask_bytes(device_type: str, input_bytes: int) -> int:
     return BOOL_BYTES if device_type == "cuda" else input_bytes
 
 
+def _asked_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                   dropout: float) -> str | None:
+    """torch's own choice (`torch._fused_sdp_choice` on tiny tensors); None from a torch without it."""
+    q = torch.zeros(1, num_heads, 64, head_dim, dtype=dtype, device=device_type)
+    kv = torch.zeros(1, num_kv_heads, 64, head_dim, dtype=dtype, device=device_type)
+    try:
+        choice = torch._fused_sdp_choice(q, kv, kv, None, dropout, True, scale=None,
+                                         enable_gqa=num_heads != num_kv_heads)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    return "math" if choice == torch.nn.attention.SDPBackend.MATH.value else "fused"
+
+
 @functools.lru_cache(maxsize=None)
 def sdpa_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                  dropout: float) -> str:
@@ -125,15 +138,9 @@ def sdpa_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_he
     this machine; otherwise the rule of torch 2.13: CPU runs its flash kernel unless there is
     dropout, CUDA runs a fused kernel."""
     present = device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
-    if present:
-        try:
-            q = torch.zeros(1, num_heads, 64, head_dim, dtype=dtype, device=device_type)
-            kv = torch.zeros(1, num_kv_heads, 64, head_dim, dtype=dtype, device=device_type)
-            choice = torch._fused_sdp_choice(q, kv, kv, None, dropout, True, scale=None,
-                                             enable_gqa=num_heads != num_kv_heads)
-            return "math" if choice == torch.nn.attention.SDPBackend.MATH.value else "fused"
-        except Exception:  # a torch without this private helper: fall back to the rule
-            pass
+    asked = _asked_backend(device_type, dtype, num_heads, num_kv_heads, head_dim, dropout) if present else None
+    if asked is not None:
+        return asked
     if device_type == "cpu":
         return "math" if dropout > 0 else "fused"
     return "fused"

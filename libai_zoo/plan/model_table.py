@@ -58,7 +58,7 @@ class _SplitRecorder:
             self.dims[id(param)] = dim
 
     def replicate_parameter(self, module: nn.Module, name: str) -> None:
-        pass
+        """A replicated parameter is not split: nothing to record."""
 
 
 def _place(name: str, stack: str, first: tuple[str, ...], last: tuple[str, ...]) -> tuple[int | None, str | None]:
