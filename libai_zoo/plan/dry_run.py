@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from libai_zoo.config import instantiate
 from libai_zoo.optim import build_optimizer, unique_parameters
 from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize
-from libai_zoo.utils import optimizer_state_bytes
+from libai_zoo.utils import local_bytes, optimizer_state_bytes
 
 from .fake_world import fake_world
 from .layouts import Layout
@@ -31,11 +31,6 @@ class RankBytes:
     params: int
     grads: int
     optimizer: int
-
-
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
 
 
 def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int, *, amp_dtype: torch.dtype | None = None) -> RankBytes:
@@ -57,8 +52,8 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int, *, amp_dtype: torch
         optimizer = build_optimizer(cfg.optim, built.parts)
         optimizer.step()
         return RankBytes(rank, ctx.pp_rank, ctx.dp_rank, ctx.tp_rank,
-                         sum(_local_bytes(p) for p in params),
-                         sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+                         sum(local_bytes(p) for p in params),
+                         sum(local_bytes(p.grad) for p in params if p.grad is not None),
                          optimizer_state_bytes(optimizer))
 
 

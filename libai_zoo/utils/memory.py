@@ -12,24 +12,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of this rank's part of a tensor (a DTensor's local shard; meta tensors count too)."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
 
 
 def parameter_bytes(model: nn.Module) -> int:
     """This rank's share of the parameters (each tied parameter once)."""
-    return sum(_local_bytes(p) for p in model.parameters())
+    return sum(local_bytes(p) for p in model.parameters())
 
 
 def gradient_bytes(model: nn.Module) -> int:
     """This rank's share of the gradients currently held."""
-    return sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    return sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """This rank's share of the optimizer state (moments, step counters); ZeRO-1's local shard."""
-    return sum(_local_bytes(value) for state in optimizer.state.values() for value in state.values()
+    return sum(local_bytes(value) for state in optimizer.state.values() for value in state.values()
                if isinstance(value, torch.Tensor))
 
 
