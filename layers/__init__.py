@@ -10,6 +10,7 @@ from .embedding import Embedding, VocabEmbedding
 from .kv_cache import KVCache
 from .linear import Linear
 from .lm_head import LMHead
+from .lora import LoRA, apply_lora, is_adapter_parameter, lora_layers, merge_lora
 from .mlp import MLP
 from .norm import LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
@@ -19,4 +20,5 @@ from .transformer_layer import TransformerLayer
 
 __all__ = ["Attention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCache", "MLP", "LayerNorm", "RMSNorm",
            "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
-           "ParallelLayer", "apply_rotary", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv"]
+           "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_layers",
+           "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv"]

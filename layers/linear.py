@@ -9,6 +9,7 @@ from torch import nn
 from libai_zoo.dist import TensorParallel, local
 from libai_zoo.dist.collectives import column_input, gather_from_tp, row_output
 
+from .lora import LoRA
 from .parallel_layer import ParallelLayer, indivisible
 
 PARALLEL_MODES = ("col", "row", "data")
@@ -28,6 +29,9 @@ class Linear(ParallelLayer, nn.Linear):
     its output back onto sequence shards. ``sync_input=False`` (col) and ``reduce_output=False``
     (row) leave that communication to the caller, so a block can do it once for two layers;
     a row layer then returns its partial sum without bias, even at tp=1 (see `add_bias`).
+
+    ``add_lora`` gives the layer a low-rank adapter (`LoRA`, ``self.lora``) split as the layer is;
+    its update joins the local output before the layer's own communication.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, parallel: str = "data", *,
@@ -41,6 +45,7 @@ class Linear(ParallelLayer, nn.Linear):
         self.sync_input = sync_input
         self.reduce_output = reduce_output
         self.sequence_parallel = sequence_parallel
+        self.lora: LoRA | None = None
 
     def tp_problems(self, tp_size: int) -> list[str]:
         fix = "choose a size that is a multiple of tp, or lower tp"
@@ -57,21 +62,45 @@ class Linear(ParallelLayer, nn.Linear):
         elif self.parallel == "row":
             tp.shard_parameter(self, "weight", 1)
         super().shard_(tp)
+        if self.lora is not None:
+            self.lora.split_like_layer_(tp, self.sp)
+
+    def add_lora(self, rank: int, alpha: float, *, dropout: float = 0.0) -> LoRA:
+        """Attach a rank-`rank` adapter (`LoRA`) on this layer's device and dtype, split as it is."""
+        if self.tp is not None:
+            raise ValueError("add LoRA adapters before the model is split over tp (apply_lora, then dist.shard)")
+        self.lora = LoRA(self.in_features, self.out_features, rank, alpha, dropout=dropout, parallel=self.parallel,
+                         device=self.weight.device, dtype=self.weight.dtype)
+        return self.lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp
         if self.parallel == "row" and not self.reduce_output:
-            return F.linear(x, local(self.weight))  # partial sum: the caller reduces, then add_bias
+            return self._adapted(x, F.linear(x, local(self.weight)))  # partial sum: the caller reduces, adds bias
         if tp is None:
-            return F.linear(x, self.weight, self.bias)
+            return self._adapted(x, F.linear(x, self.weight, self.bias))
         if self.parallel == "col":
             if self.sync_input:
                 x = column_input(x, tp, self.sp)
-            y = F.linear(x, local(self.weight), local(self.bias))
+            y = self._adapted(x, F.linear(x, local(self.weight), local(self.bias)))
             return gather_from_tp(y, tp, dim=-1) if self.gather_output else y
         if self.parallel == "row":
-            return self.add_bias(row_output(F.linear(x, local(self.weight)), tp, self.sp))
-        return F.linear(x, local(self.weight, partial_grad=self.sp), local(self.bias, partial_grad=self.sp))
+            return self.add_bias(row_output(self._adapted(x, F.linear(x, local(self.weight))), tp, self.sp))
+        return self._adapted(x, F.linear(x, local(self.weight, partial_grad=self.sp),
+                                         local(self.bias, partial_grad=self.sp)))
+
+    @torch.no_grad()
+    def merge_lora_(self) -> None:
+        """Fold the adapter into the weight (W += scale · B A) and remove it (a layer in one process)."""
+        if self.tp is not None:
+            raise ValueError("merging a LoRA adapter needs the whole layer in one process; this one is split over tp")
+        self.weight += self.lora.delta_weight().to(self.weight.dtype)
+        del self.lora
+        self.lora = None
+
+    def _adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The local output `y` plus the adapter's update of it, if the layer has one."""
+        return y if self.lora is None else y + self.lora(x)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         """Add the (replicated) bias of a row-parallel layer to its reduced output."""

@@ -53,8 +53,9 @@ import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from libai_zoo.layers import is_adapter_parameter
 from libai_zoo.utils import rng_state, set_rng_state
 
 from . import commit
@@ -384,12 +385,17 @@ class Checkpointer:
         state = self._state(with_optimizer)
         if "optim" in state:
             _rename_state(state["optim"], self.aliases)
+        # LoRA adapters put on a model whose checkpoint had none keep their fresh values
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        new_adapters = [name for name in state["model"] if f"model.{name}" not in saved and is_adapter_parameter(name)]
+        for name in new_adapters:
+            del state["model"][name]
         with _one_process_ok():
             dcp.load(state, checkpoint_id=str(path))
         if "optim" in state:
             _rename_state(state["optim"], {saved: own for own, saved in self.aliases.items()})
         set_state_dict(self.model, optimizers, model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+                       optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=not new_adapters))
 
     def resume(self, path: str | Path) -> int:
         """Restore everything a run saved in checkpoint `path` (model, optimizer, stateful objects,

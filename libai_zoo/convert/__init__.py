@@ -9,8 +9,8 @@ Conversion sits above the models (it builds them) and the checkpoints (it writes
 """
 
 from .describe import describe
-from .hf_zoo import export_to_hf, hf_to_zoo, load_checkpoint_model, resolve_checkpoint, zoo_to_hf
+from .hf_zoo import export_adapter, export_to_hf, hf_to_zoo, load_checkpoint_model, resolve_checkpoint, zoo_to_hf
 from .megatron import megatron_to_hf
 
-__all__ = ["hf_to_zoo", "zoo_to_hf", "export_to_hf", "load_checkpoint_model", "resolve_checkpoint",
+__all__ = ["hf_to_zoo", "zoo_to_hf", "export_to_hf", "export_adapter", "load_checkpoint_model", "resolve_checkpoint",
            "megatron_to_hf", "describe"]

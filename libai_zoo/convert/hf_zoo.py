@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from libai_zoo import dist, models
 from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyCall, LazyConfig, instantiate
-from libai_zoo.hf import read_config
+from libai_zoo.hf import apply_lora_config, read_config, save_peft_adapter
+from libai_zoo.layers import merge_lora
 from libai_zoo.models import check_trainable, get_layer_stack
 
 logger = logging.getLogger("libai_zoo")
@@ -183,15 +184,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def zoo_to_hf(checkpoint: str | Path, output_dir: str | Path, *, max_shard_size: int | str = "5GB",
-              overwrite: bool = False) -> tuple[Path, nn.Module]:
+              overwrite: bool = False, adapter: bool = False) -> tuple[Path, nn.Module]:
     """Write a libai_zoo checkpoint (any layout; a run's output_dir means its newest checkpoint) as
-    a Hugging Face directory; return (the checkpoint read, the model)."""
+    a Hugging Face directory, LoRA adapters merged into the weights, or with `adapter` only its
+    adapters as a PEFT directory (`save_peft_adapter`); return (the checkpoint read, the model)."""
     checkpoint = resolve_checkpoint(checkpoint)
     if not (checkpoint.parent / "config.yaml").is_file():
         raise FileNotFoundError(f"no {checkpoint.parent / 'config.yaml'}: the model is rebuilt from the config.yaml "
                                 f"that the trainer (or hf-to-zoo) writes next to its checkpoints; copy the run's "
                                 f"config.yaml there")
     output_dir = check_output_dir(output_dir, overwrite)
+    if adapter:
+        return checkpoint, export_adapter(checkpoint, output_dir)
     return checkpoint, export_to_hf(checkpoint, output_dir, max_shard_size=max_shard_size)
 
 
@@ -205,7 +209,9 @@ def load_checkpoint_model(checkpoint: str | Path, model: nn.Module | None = None
         if not config.is_file():
             raise FileNotFoundError(f"no {config}: pass the model to load into, or keep the run's config.yaml "
                                     f"next to its checkpoints")
-        model = instantiate(LazyConfig.load(str(config)).model)
+        cfg = LazyConfig.load(str(config))
+        model = instantiate(cfg.model)
+        apply_lora_config(model, (cfg.get("train") or {}).get("lora") or {})  # the run's adapters, if any
     Checkpointer(checkpoint.parent, [model]).load(checkpoint)
     return model.eval()
 
@@ -213,7 +219,20 @@ def load_checkpoint_model(checkpoint: str | Path, model: nn.Module | None = None
 def export_to_hf(checkpoint: str | Path, output_dir: str | Path, *, model: nn.Module | None = None,
                  max_shard_size: int | str = "5GB") -> nn.Module:
     """Write the checkpoint's model as a Hugging Face directory (config.json + safetensors) that
-    `transformers` loads; returns the model."""
+    `transformers` loads, LoRA adapters merged into their weights; returns the model."""
     model = load_checkpoint_model(checkpoint, model)
+    merged = merge_lora(model)
+    if merged:
+        logger.info("merged %d LoRA adapters into their weights", merged)
     model.save_pretrained(output_dir, max_shard_size=max_shard_size)
+    return model
+
+
+def export_adapter(checkpoint: str | Path, output_dir: str | Path) -> nn.Module:
+    """Write the LoRA adapters of a checkpoint's model as a PEFT adapter directory, which
+    ``peft.PeftModel.from_pretrained(base, output_dir)`` loads over the run's base model (its
+    ``from_pretrained`` path is recorded as ``base_model_name_or_path``); returns the model."""
+    model = load_checkpoint_model(checkpoint)
+    base = LazyConfig.load(str(Path(checkpoint).parent / "config.yaml")).model.get("path")  # a from_pretrained run's
+    save_peft_adapter(model, output_dir, base_model_name_or_path=base)
     return model

@@ -43,7 +43,8 @@ from libai_zoo import dist
 from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import MicroBatchSampler, Prefetcher, check_dataset
-from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
+from libai_zoo.hf import HFWeightReader, apply_lora_config, check_hf_weights, load_hf_weights, load_peft_adapter
+from libai_zoo.layers import lora_layers
 from libai_zoo.models import get_layer_stack
 from libai_zoo.optim import build_optimizer
 from libai_zoo.plan import agree_on_layout
@@ -227,6 +228,7 @@ class DefaultTrainer(TrainerBase):
             model = instantiate(cfg.model)
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
+        adapters = self.add_lora(cfg.train.get("lora") or {}, model)
         built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
                             pipeline=cfg.train.get("pipeline"),
                             activation_checkpoint=cfg.train.activation_checkpoint.enabled,
@@ -242,7 +244,25 @@ class DefaultTrainer(TrainerBase):
         logger.info("model materialised in %.1f s: %s", time.perf_counter() - start,
                     f"{sum(i['bytes_read'] for i in loaded) / 2**20:.2f} MiB read from {model.pretrained_source.path}"
                     if loaded[0] else f"fresh weights from seed {cfg.train.seed}")
+        if adapters is not None:
+            for part in parts:
+                load_peft_adapter(part, cfg.train.lora.adapter, adapters)
+            logger.info("LoRA adapters loaded from %s", cfg.train.lora.adapter)
         return BuiltModel([part.train() for part in parts], pipeline, flops_per_token, model)
+
+    @staticmethod
+    def add_lora(lora: DictConfig | dict, model: nn.Module) -> dict | None:
+        """``train.lora``: LoRA adapters on the (meta-built) model, the rest frozen (`apply_lora_config`);
+        returns the factors of a PEFT adapter to start from, if ``train.lora.adapter`` names one."""
+        adapters = apply_lora_config(model, lora)
+        adapted = lora_layers(model)
+        if adapted:
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in model.parameters())
+            logger.info("LoRA on %d layers (%s): %.3fM of %.2fM parameters train (%.2f%%), the rest are frozen",
+                        len(adapted), ", ".join(sorted({name.rpartition(".")[2] for name in adapted})),
+                        trainable / 1e6, total / 1e6, 100 * trainable / total)
+        return adapters
 
     def build_optimizer(self, cfg: DictConfig, model_parts: list[nn.Module]) -> torch.optim.Optimizer:
         """instantiate(cfg.optim) with its ``params`` built for the model parts (param_groups by default)."""

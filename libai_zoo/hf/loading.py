@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from libai_zoo import dist
+from libai_zoo.layers import is_adapter_parameter
 
 from .reader import HFWeightReader
 
@@ -112,7 +113,8 @@ def check_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool =
     alike. Returns (params by rule name, the rules of the held parameters, model name ->
     checkpoint name, missing, unexpected)."""
     weight_map = model.hf_weight_map()
-    params = dict(model.named_parameters())
+    # LoRA adapters are not part of a Hugging Face model (a PEFT adapter directory holds them)
+    params = {name: param for name, param in model.named_parameters() if not is_adapter_parameter(name)}
     for own, aliased in (aliases or {}).items():
         if own in params:
             params[aliased] = params.pop(own)

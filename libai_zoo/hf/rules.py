@@ -48,6 +48,15 @@ class Rule:
         """The checkpoint shapes a parameter of `zoo_shape` corresponds to."""
         return {name: t.shape for name, t in self.save(torch.empty(zoo_shape, device="meta")).items()}
 
+    def save_adapter(self, adapter: Adapter) -> dict[str, Adapter]:
+        """The LoRA adapter of this (weight) parameter's layer as PEFT holds it: per Hugging Face
+        module (the checkpoint name without ".weight"), its factors."""
+        raise ValueError(f"{self.zoo} cannot carry a LoRA adapter in Hugging Face form")
+
+    def load_adapter(self, adapters: dict[str, Adapter]) -> Adapter:
+        """The inverse of `save_adapter`: this layer's adapter from its Hugging Face modules' ones."""
+        raise ValueError(f"{self.zoo} cannot carry a LoRA adapter in Hugging Face form")
+
 
 @dataclass
 class Same(Rule):
@@ -65,6 +74,12 @@ class Same(Rule):
 
     def save(self, tensor):
         return {self.name: tensor}
+
+    def save_adapter(self, adapter):
+        return {_module(self.name): adapter}
+
+    def load_adapter(self, adapters):
+        return adapters[_module(self.name)]
 
 
 @dataclass
@@ -120,6 +135,15 @@ class QKV(Rule):
     def save(self, tensor):
         return dict(zip(self.hf, split_qkv(tensor, self.num_heads, self.num_kv_heads)))
 
+    def save_adapter(self, adapter):
+        parts = split_qkv(adapter.B, self.num_heads, self.num_kv_heads)  # B's rows are the output features
+        return {_module(name): Adapter(adapter.A, b, adapter.scale) for name, b in zip(self.hf, parts)}
+
+    def load_adapter(self, adapters):
+        adapter = _joined([adapters[_module(name)] for name in self.hf])
+        parts = adapter.B.split([a.B.shape[0] for a in (adapters[_module(name)] for name in self.hf)])
+        return Adapter(adapter.A, fuse_qkv(*parts, self.num_kv_heads), adapter.scale)
+
 
 @dataclass
 class PackedQKV(Rule):
@@ -144,6 +168,46 @@ class PackedQKV(Rule):
     def save(self, tensor):
         packed = torch.cat(split_qkv(tensor, self.num_heads, self.num_heads))
         return {self.name: packed.t().contiguous() if packed.dim() == 2 else packed}
+
+    def save_adapter(self, adapter):
+        # PEFT keeps Conv1D's factors as nn.Linear does: only the row order of B changes
+        return {_module(self.name): Adapter(adapter.A, torch.cat(split_qkv(adapter.B, self.num_heads, self.num_heads)),
+                                            adapter.scale)}
+
+    def load_adapter(self, adapters):
+        adapter = adapters[_module(self.name)]
+        return Adapter(adapter.A, fuse_qkv(*adapter.B.chunk(3), self.num_heads), adapter.scale)
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter's factors, A [rank, in] and B [out, rank], and its scale (alpha / rank)."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+
+
+def _module(weight_name: str) -> str:
+    """The Hugging Face module a weight belongs to (what PEFT adapts)."""
+    return weight_name.removesuffix(".weight")
+
+
+def _joined(adapters: list[Adapter]) -> Adapter:
+    """One adapter for several modules fused into one layer: their shared A when they share it
+    (as `save_adapter` writes them), else their A's stacked, each B confined to its own A's
+    columns (rank the sum); the first module's scale, the others' folded into their B. The
+    rows of the result's B are the modules' rows, in order."""
+    first = adapters[0]
+    if all(a.scale == first.scale and torch.equal(a.A, first.A) for a in adapters):
+        return Adapter(first.A, torch.cat([a.B for a in adapters]), first.scale)
+    ranks = [a.A.shape[0] for a in adapters]
+    blocks = []
+    for i, a in enumerate(adapters):
+        block = a.B.new_zeros(a.B.shape[0], sum(ranks))
+        block[:, sum(ranks[:i]): sum(ranks[: i + 1])] = a.B * (a.scale / first.scale)
+        blocks.append(block)
+    return Adapter(torch.cat([a.A for a in adapters]), torch.cat(blocks), first.scale)
 
 
 def _block(shard: Shard, zoo_shape: torch.Size, rows: Rows) -> dict[int, tuple[int, int]]:

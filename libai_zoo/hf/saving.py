@@ -16,6 +16,8 @@ from huggingface_hub import save_torch_state_dict
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from libai_zoo.layers import is_adapter_parameter
+
 
 @torch.no_grad()
 def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB") -> None:
@@ -23,6 +25,10 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
     process group every rank must call it."""
     path = Path(path)
     params = dict(model.named_parameters())
+    if any(is_adapter_parameter(name) for name in params):
+        raise ValueError(f"{type(model).__name__} holds LoRA adapters, which a Hugging Face model has no place for: "
+                         f"merge them first (libai_zoo.layers.merge_lora) or write them as a PEFT adapter "
+                         f"(libai_zoo.hf.save_peft_adapter)")
     is_writer = not torch_dist.is_initialized() or torch_dist.get_rank() == 0
     state: dict[str, torch.Tensor] = {}
     for rule in model.hf_weight_map().rules:

@@ -22,6 +22,7 @@ from torch import nn
 
 from libai_zoo.dist import fill_shard_, parameter_uses, retie
 from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
+from libai_zoo.layers import LoRA, is_adapter_parameter
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -47,7 +48,11 @@ def init_parameters(part: nn.Module, seed: int, *, model: nn.Module | None = Non
         module_path = name.rpartition(".")[0]
         module = model.get_submodule(module_path)
         full = torch.empty(param.shape, dtype=param.dtype)
-        model.init_parameter(name, module, full, torch.Generator().manual_seed(parameter_seed(seed, name)))
+        generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+        if isinstance(module, LoRA):  # an adapter draws its own factors, whatever model it is put on
+            module.init_parameter(name.rpartition(".")[2], full, generator)
+        else:
+            model.init_parameter(name, module, full, generator)
         fill_shard_(param, full)
         drawn += 1
     return drawn
@@ -59,7 +64,8 @@ def materialize(part: nn.Module, device: torch.device, *, seed: int, model: nn.M
     split over tp, a pipeline stage's copy, wrapped by FSDP2) on `device` and fill it: from the
     Hugging Face directory its model was asked from (``from_pretrained`` under the meta device:
     ``model.pretrained_source``), else fresh from `seed` (`init_parameters`). A non-strict load
-    draws only what the directory lacks. Returns what the load reported ({} for fresh weights)."""
+    draws only what the directory lacks; LoRA adapters are always drawn. Returns what the load
+    reported ({} for fresh weights)."""
     model = model if model is not None else part
     ties = parameter_uses(part)
     part.to_empty(device=device)  # allocates each holder of a tied weight anew: tie them again
@@ -73,7 +79,8 @@ def materialize(part: nn.Module, device: torch.device, *, seed: int, model: nn.M
         check_hf_weights(model, reader, strict=source.strict)  # the whole model: every rank fails alike
         info = load_hf_weights(part, reader, strict=source.strict, aliases=aliases)
         info["bytes_read"] = reader.bytes_read
-    if info["not_loaded"]:
-        init_parameters(part, seed, model=model, aliases=aliases, names=set(info["not_loaded"]))
+    fresh = set(info["not_loaded"]) | {name for name, _ in part.named_parameters() if is_adapter_parameter(name)}
+    if fresh:
+        init_parameters(part, seed, model=model, aliases=aliases, names=fresh)
     return info
 

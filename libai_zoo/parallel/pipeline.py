@@ -408,6 +408,9 @@ class Pipeline:
         each of several accumulated steps would count the other end's part again. Every rank calls
         it; a no-op without tied weights or with one stage."""
         for _, _, first, last in self._tied_copies():
+            held = first if first is not None else last
+            if held is not None and not held.requires_grad:  # frozen (LoRA's base weights): no gradient
+                continue
             if first is not None and last is not None:  # both ends on this rank (V placement)
                 total = _grad_or_zeros(first) + _grad_or_zeros(last)
                 first.grad, last.grad = total, total.clone()

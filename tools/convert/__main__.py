@@ -1,7 +1,7 @@
 """Convert checkpoints between Hugging Face, libai_zoo's sharded checkpoints and Megatron-LM.
 
     python tools/convert hf-to-zoo HF_DIR OUT_DIR [--dp N --tp N --pp N]
-    python tools/convert zoo-to-hf CHECKPOINT_DIR OUT_DIR [--max-shard-size 5GB]
+    python tools/convert zoo-to-hf CHECKPOINT_DIR OUT_DIR [--max-shard-size 5GB] [--adapter]
     python tools/convert megatron-to-hf MEGATRON_DIR OUT_DIR [--vocab-size N]
     python tools/convert inspect PATH
 
@@ -82,9 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="libai_zoo checkpoint (any layout, ZeRO or not) -> Hugging Face directory",
         description="Write a libai_zoo checkpoint as a Hugging Face directory that transformers loads. The model is\n"
                     "rebuilt from the run's config.yaml next to the checkpoint and read whole in one process,\n"
-                    "whatever dp/tp/pp/ZeRO layout wrote it.")
+                    "whatever dp/tp/pp/ZeRO layout wrote it. A LoRA run's adapters are merged into the weights,\n"
+                    "or with --adapter written alone as a PEFT adapter directory (adapter_config.json +\n"
+                    "adapter_model.safetensors) that peft.PeftModel.from_pretrained(base_model, OUT_DIR) loads.")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                    help="a model_XXXXXXX directory, or a run's output_dir (its last_checkpoint is used)")
+    p.add_argument("--adapter", action="store_true", help="write only the LoRA adapters, as PEFT names them")
     _output(p, max_shard_size=True)
 
     p = commands.add_parser(
@@ -138,8 +141,9 @@ def run(args: argparse.Namespace) -> str:
         from libai_zoo.convert import zoo_to_hf
 
         checkpoint, model = zoo_to_hf(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size,
-                                      overwrite=args.overwrite)
-        return f"wrote Hugging Face {type(model).__name__} to {args.out_dir} from {checkpoint}"
+                                      overwrite=args.overwrite, adapter=args.adapter)
+        what = "PEFT LoRA adapter of" if args.adapter else "Hugging Face"
+        return f"wrote {what} {type(model).__name__} to {args.out_dir} from {checkpoint}"
     from libai_zoo.convert import megatron_to_hf
     from libai_zoo.convert.hf_zoo import check_output_dir
 

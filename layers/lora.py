@@ -1,0 +1,156 @@
+"""LoRA (Hu et al., 2021): a frozen linear layer plus a trained low-rank update, split like its layer.
+
+    y = x W^T + b + scale · dropout(x) A^T B^T        A [r, in], B [out, r], scale = alpha / r
+
+`apply_lora(model, rank=8, alpha=16)` puts an adapter on every targeted `Linear` (by default the
+attention and MLP projections) and freezes every other parameter; `merge_lora(model)` folds the
+adapters into the weights and removes them. The adapter lives on its `Linear` (``linear.lora``)
+and splits the way its layer splits over tensor parallelism, so LoRA runs at every layout:
+
+    column-parallel layer  W [S(out), in]:   B [S(out), r] split by rows, A [r, in] replicated
+    row-parallel layer     W [out, S(in)]:   A [r, S(in)] split by columns, B [out, r] replicated
+
+Each rank adds its partial update to what its layer computes locally, so the layer's own
+communication carries the adapter too: nothing is added to forward. The replicated factor's
+gradient is a partial sum over tp (A's of a column layer sums over the output rows each rank holds,
+B's of a row layer over the input columns), reduced once per step by `dist.finalize_grads`.
+A fused projection (``qkv``) gets one adapter, its A shared by q, k and v (NeMo's "performant"
+LoRA); its Hugging Face/PEFT form repeats A on each of q_proj, k_proj and v_proj, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libai_zoo.dist import TensorParallel, local
+
+#: Module names adapted when none are given: the attention and MLP projections of the zoo's layers.
+DEFAULT_TARGETS = ("qkv", "q", "kv", "out", "gate", "up", "down")
+
+
+class LoRA(nn.Module):
+    """The low-rank update of one `Linear`: ``A`` [rank, in], ``B`` [out, rank], scaled by alpha / rank.
+
+    ``parallel`` is its layer's split ("col", "row" or "data"); `forward` returns the update of the
+    layer's local output on this rank (a partial sum for a row layer, as the layer's own)."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, *, dropout: float = 0.0,
+                 parallel: str = "data", device=None, dtype=None):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"LoRA rank {rank} must be at least 1 (rank 0 means no adapter: full fine-tuning)")
+        self.rank, self.alpha, self.dropout, self.parallel = rank, alpha, dropout, parallel
+        self.scale = alpha / rank
+        self.A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
+        self.B = nn.Parameter(torch.empty(out_features, rank, device=device, dtype=dtype))
+        self.tp: TensorParallel | None = None
+        self.sp = False
+        if not self.A.is_meta:
+            self.reset_parameters()
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator | None) -> None:
+        """A as nn.Linear initialises a weight (Kaiming-uniform, as PEFT does), B zero: the
+        adapted layer starts equal to its base."""
+        if name == "A":
+            nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+        else:
+            tensor.zero_()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for name, param in self.named_parameters(recurse=False):
+            self.init_parameter(name, param, None)
+
+    def split_like_layer_(self, tp: TensorParallel, sequence_parallel: bool) -> None:
+        """Split as the layer is (its `Linear.shard_` calls this; not a `shard_` of its own, which
+        `dist.shard` would call without the layer's settings)."""
+        if self.parallel == "col":
+            tp.shard_parameter(self, "B", 0)
+        elif self.parallel == "row":
+            tp.shard_parameter(self, "A", 1)
+        for name in ("A", "B"):
+            tp.replicate_parameter(self, name)
+        self.tp, self.sp = tp, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The update of the layer's local output for its local input `x`."""
+        # A column layer's factor A meets every rank's whole input but only its rows of B: partial
+        # gradient; likewise B of a row layer. A data layer's factors see this rank's tokens under SP.
+        split = self.tp is not None
+        a = local(self.A, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "col")
+        b = local(self.B, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "row")
+        if self.dropout and self.training:
+            # A row layer's input (and a data layer's under SP) differs over tp: its own random stream.
+            split_input = split and (self.parallel == "row" or self.sp)
+            with self.tp.rng.fork() if split_input else nullcontext():
+                x = F.dropout(x, self.dropout)
+        return F.linear(F.linear(x, a), b) * self.scale
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """scale · B A, the update of the layer's weight (of a layer in one process)."""
+        return self.B @ self.A * self.scale
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, parallel={self.parallel}"
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every layer of `model` that holds an adapter (``.lora``), by module name."""
+    return {name: module for name, module in model.named_modules() if getattr(module, "lora", None) is not None}
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether a parameter name (dotted) is a LoRA factor: `.lora.A` or `.lora.B`."""
+    return name.endswith((".lora.A", ".lora.B"))
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float = 16.0, *, dropout: float = 0.0,
+               target_modules: Iterable[str] | None = None,
+               shapes: dict[str, tuple[int, float]] | None = None) -> list[str]:
+    """Put a rank-`rank` adapter on every `Linear` whose module name is, or ends with, one of
+    `target_modules` (default `DEFAULT_TARGETS`), and freeze every other parameter. ``shapes``
+    instead names each layer to adapt with its (rank, alpha), as an adapter read from a file has
+    them. Works on a model on the meta device (the trainer's build) or a real one (adapters
+    initialised at once). Returns the adapted module names; a target that matches nothing is an
+    error naming the Linear layers there are."""
+    if shapes is not None:
+        target_modules = list(shapes)
+    targets = tuple(target_modules) if target_modules is not None else DEFAULT_TARGETS
+    # the layers that can carry an adapter: `Linear` (its `add_lora`)
+    linears = {name: module for name, module in model.named_modules() if callable(getattr(module, "add_lora", None))}
+
+    def matches(name: str, target: str) -> bool:
+        return name == target or name.endswith("." + target)
+
+    unmatched = [t for t in targets if not any(matches(name, t) for name in linears)]
+    if target_modules is not None and unmatched:
+        kinds = sorted({name.rpartition(".")[2] for name in linears})
+        raise ValueError(f"train.lora.target_modules {unmatched} match no Linear layer of {type(model).__name__}; "
+                         f"its Linear layers are named {kinds}")
+    chosen = [name for name in linears if any(matches(name, t) for t in targets)]
+    if not chosen:
+        raise ValueError(f"{type(model).__name__} has no Linear layer named {list(targets)}: pass "
+                         f"train.lora.target_modules")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for name in chosen:
+        layer_rank, layer_alpha = shapes[name] if shapes is not None else (rank, alpha)
+        linears[name].add_lora(layer_rank, layer_alpha, dropout=dropout)
+    return chosen
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Fold every adapter into its layer's weight (W += scale · B A) and remove it; the model is then
+    a plain one (`save_pretrained` writes what `transformers` loads). Returns the number merged.
+    For a model in one process (a sharded one: gather it first)."""
+    layers = lora_layers(model).values()
+    for layer in layers:
+        layer.merge_lora_()
+    return len(layers)

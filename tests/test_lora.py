@@ -1,0 +1,223 @@
+"""LoRA in one process: the adapted layer's arithmetic, what is frozen, PEFT's adapter format both
+ways (checked with peft itself), the merged export that transformers loads, and a LoRA run of the
+trainer (frozen base, exact resume, continuing from an exported adapter). Layouts: test_lora_parallel.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+from libai_zoo.config import LazyConfig
+from libai_zoo.convert import load_checkpoint_model
+from libai_zoo.hf import apply_lora_config, load_peft_adapter, read_peft_adapter, save_peft_adapter
+from libai_zoo.layers import Linear, apply_lora, merge_lora
+from libai_zoo.models import GPT2LMHeadModel, LlamaForCausalLM
+from libai_zoo.utils import gradient_bytes, optimizer_state_bytes
+from test_convert import cli
+from trainer_runs import losses, run_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+convert = cli.main
+
+
+def test_adapted_linear_is_its_weight_plus_the_scaled_low_rank_update():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8)
+    for parallel in ("col", "row", "data"):
+        layer = Linear(8, 12, parallel=parallel)
+        lora = layer.add_lora(4, alpha=6.0)
+        nn.init.normal_(lora.B)
+        expected = F.linear(x, layer.weight + 6.0 / 4 * lora.B @ lora.A, layer.bias)
+        assert (layer(x) - expected).abs().max() < 1e-5, parallel
+    partial = Linear(8, 12, parallel="row", reduce_output=False)  # a fused block adds the bias after its reduction
+    nn.init.normal_(partial.add_lora(2, alpha=2.0).B)
+    assert (partial(x) + partial.bias - F.linear(x, partial.weight + partial.lora.delta_weight(), partial.bias)
+            ).abs().max() < 1e-5
+
+
+def tiny_llama_hf(path: Path) -> Path:
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def tiny_gpt2_hf(path: Path) -> Path:
+    config = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def test_apply_lora_freezes_the_base_and_refuses_unknown_targets(tmp_path):
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_hf(tmp_path / "hf"))
+    adapted = apply_lora(model, 4, 8.0)
+    assert len(adapted) == 2 * 5  # qkv, out, gate, up, down per layer
+    trainable = sorted({name.split(".", 3)[-1] for name, p in model.named_parameters() if p.requires_grad})
+    assert trainable == [f"{layer}.lora.{factor}" for layer in ("attn.out", "attn.qkv", "mlp.down", "mlp.gate",
+                                                                "mlp.up") for factor in "AB"]
+    assert all(name.endswith(("lora.A", "lora.B")) for name, p in model.named_parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match=r"\['q_proj'\] match no Linear layer.*'qkv'"):
+        apply_lora(LlamaForCausalLM.from_pretrained(tmp_path / "hf"), 4, target_modules=["qkv", "q_proj"])
+    with pytest.raises(ValueError, match="merge them first"):
+        model.save_pretrained(tmp_path / "out")
+
+
+def _randomised_adapters(model: nn.Module) -> None:
+    """B is zero at the start (the adapted model equals its base): give it values to compare."""
+    generator = torch.Generator().manual_seed(1)
+    for name, param in model.named_parameters():
+        if name.endswith("lora.B"):
+            param.data = torch.randn(param.shape, generator=generator) * 0.1
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_path):
+    hf_dir = (tiny_llama_hf if family == "llama" else tiny_gpt2_hf)(tmp_path / "hf")
+    cls = LlamaForCausalLM if family == "llama" else GPT2LMHeadModel
+    model = cls.from_pretrained(hf_dir)
+    apply_lora(model, 4, 8.0)
+    _randomised_adapters(model)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = model(ids).logits
+    assert (expected - cls.from_pretrained(hf_dir)(ids).logits).abs().max() > 1e-2  # the adapters matter
+
+    save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(hf_dir))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["fan_in_fan_out"]) == (4, 8.0, family == "gpt2")
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert (with_adapter(ids).logits - expected).abs().max() <= 1e-5
+
+    reloaded = cls.from_pretrained(hf_dir)
+    apply_lora_config(reloaded, {"adapter": str(tmp_path / "adapter")})
+    load_peft_adapter(reloaded, tmp_path / "adapter")
+    assert (reloaded(ids).logits - expected).abs().max() == 0
+
+    assert merge_lora(model) == 2 * (5 if family == "llama" else 4)
+    model.save_pretrained(tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert (merged(ids).logits - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, tmp_path):
+    """PEFT trains separate A's for q, k and v: our fused qkv takes them stacked (rank 3r)."""
+    hf_dir = (tiny_llama_hf if family == "llama" else tiny_gpt2_hf)(tmp_path / "hf")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"] if family == "llama" else ["c_attn", "c_fc"]
+    trained = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf_dir),
+                                  peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets))
+    _randomised_adapters(trained)
+    for name, param in trained.named_parameters():
+        if name.endswith("lora_A.default.weight"):
+            param.data = torch.randn(param.shape)
+    trained.save_pretrained(tmp_path / "adapter")
+    cls = LlamaForCausalLM if family == "llama" else GPT2LMHeadModel
+    model = cls.from_pretrained(hf_dir)
+    adapters = apply_lora_config(model, {"adapter": str(tmp_path / "adapter")})
+    qkv = next(name for name in adapters if name.endswith("attn.qkv"))
+    assert adapters[qkv].A.shape[0] == (6 if family == "llama" else 2)  # GPT-2's c_attn is one module in PEFT too
+    load_peft_adapter(model, tmp_path / "adapter", adapters)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    assert (model(ids).logits - trained.eval()(ids).logits).abs().max() <= 1e-5
+
+
+CONFIG = '''
+from libai_zoo.config import LazyCall, get_config
+from libai_zoo.data import build_gpt_dataset
+
+train = get_config("common/train.py").train
+dist = get_config("common/train.py").dist
+optim = get_config("common/optim.py").optim
+model = LazyCall("libai_zoo.models.LlamaForCausalLM.from_pretrained")(path="{hf}", dtype="float32")
+dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
+                                                    cache_dir="{cache}"))
+'''
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lora")
+    documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:100]
+    (root / "text.txt").write_text("\n\n".join(documents))
+    path = root / "config.py"
+    path.write_text(CONFIG.format(hf=tiny_llama_hf(root / "hf"), text=root / "text.txt",
+                                  tokenizer=ROOT / "data/tokenizer", cache=root / "cache"))
+    return path
+
+
+def lora_run(config_file: Path, output_dir: Path, *overrides: str, **kwargs):
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(str(config_file)), [
+        f"train.output_dir={output_dir}", "train.max_iter=6", "train.micro_batch_size=4", "train.global_batch_size=4",
+        "train.log_period=1", "train.checkpoint.period=3", "optim.lr=1e-2", "train.lora.rank=4",
+        "train.lora.alpha=8", *overrides])
+    return run_trainer(cfg, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def trained(config_file, tmp_path_factory):
+    return lora_run(config_file, tmp_path_factory.mktemp("run") / "out")
+
+
+def test_a_lora_run_trains_only_the_adapters(config_file, trained):
+    hf = LlamaForCausalLM.from_pretrained(config_file.parent / "hf")
+    model = trained.model
+    base = {name: p for name, p in model.named_parameters() if not p.requires_grad}
+    assert base and all(torch.equal(p, hf.get_parameter(name)) for name, p in base.items())  # frozen: unchanged
+    assert all(p.grad is None for p in base.values())
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.abs().sum() > 0 for p in adapters)  # B left zero
+    adapter_bytes = sum(p.numel() * 4 for p in adapters)
+    # AdamW: two fp32 moments and a step count per adapter factor, nothing for the base
+    assert optimizer_state_bytes(trained.optimizer) == 2 * adapter_bytes + 4 * len(adapters)
+    assert gradient_bytes(model) in (0, adapter_bytes)
+    logged = losses(trained.output_dir)
+    assert logged[6] < logged[1]
+
+
+def test_a_lora_run_resumes_exactly(config_file, trained, tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        lora_run(config_file, tmp_path, interrupt_after=3)
+    lora_run(config_file, tmp_path, resume=True)
+    assert losses(tmp_path) == losses(trained.output_dir)
+
+
+def test_zoo_to_hf_merges_and_writes_a_peft_adapter_that_a_new_run_starts_from(config_file, trained, tmp_path):
+    run_dir = trained.output_dir
+    model = load_checkpoint_model(run_dir / "model_0000006")
+    ids = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(3))
+    expected = model(ids).logits
+    assert convert(["zoo-to-hf", str(run_dir), str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert (merged(ids).logits - expected).abs().max() <= 1e-5
+    assert convert(["zoo-to-hf", str(run_dir), str(tmp_path / "adapter"), "--adapter"]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(config_file.parent / "hf")
+    base = transformers.AutoModelForCausalLM.from_pretrained(config_file.parent / "hf").eval()
+    assert (peft.PeftModel.from_pretrained(base, tmp_path / "adapter")(ids).logits - expected).abs().max() <= 1e-5
+
+    # continue training from the adapter: the new run's model starts as the exported one
+    continued = lora_run(config_file, tmp_path / "continued", "train.max_iter=0",
+                         f"train.lora.adapter={tmp_path / 'adapter'}")
+    assert (continued.model.eval()(ids).logits - expected).abs().max() <= 1e-5
+    assert len(read_peft_adapter(tmp_path / "adapter", continued.model)) == 10
+
+
+def test_lora_on_a_full_fine_tuning_checkpoint_starts_its_adapters_fresh(config_file, tmp_path):
+    """train.load_weight of a checkpoint without adapters: the base loads, the adapters stay as drawn."""
+    assert convert(["hf-to-zoo", str(config_file.parent / "hf"), str(tmp_path / "zoo")]) == 0
+    run = lora_run(config_file, tmp_path / "out", "train.max_iter=1",
+                   f"train.load_weight={tmp_path / 'zoo' / 'model_0000000'}")
+    hf = LlamaForCausalLM.from_pretrained(config_file.parent / "hf")
+    assert all(torch.equal(p, hf.get_parameter(name)) for name, p in run.model.named_parameters()
+               if not p.requires_grad)

@@ -1,0 +1,83 @@
+"""LoRA at every kind of layout equals one process: the same tiny GPT-2 and Llama with rank-4
+adapters trained 10 steps under dp (ZeRO 0-3), tp (with sequence parallelism), pp (1F1B,
+zero-bubble, whose split backward meets frozen weights) and their mixes log the one-process loss at
+every step; the frozen base holds no gradient and no optimizer state on any rank (its bytes per
+rank against full fine-tuning are recorded). The config and the run helper are
+test_parallel_training's; 2-process layouts share one pair of processes, 4-process ones a quartet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distributed_runner import run_distributed
+from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from test_parallel_training import CONFIG, MODELS, ROOT, STEPS, _assert_same, trained_one_step, train
+
+pytestmark = pytest.mark.slow
+
+LORA = ["train.lora.rank=4", "train.lora.alpha=8", "optim.lr=1e-2", "dataloader.test=null"]
+LAYOUTS_2 = {
+    "dp2": ["dist.dp=2", "train.micro_batch_size=4"],
+    "dp2_zero3": ["dist.dp=2", "train.zero_stage=3", "train.micro_batch_size=4"],
+    "tp2_sp": ["dist.tp=2", "dist.sequence_parallel=true", "train.micro_batch_size=8"],
+    "pp2_1f1b": ["dist.pp=2", "train.micro_batch_size=4"],
+    "pp2_zero_bubble": ["dist.pp=2", "train.micro_batch_size=4", "train.pipeline.schedule=zero_bubble"],
+}
+LAYOUTS_4 = {
+    "dp2_tp2_zero1": ["dist.dp=2", "dist.tp=2", "train.zero_stage=1", "train.micro_batch_size=4"],
+    "dp2_pp2_zero2": ["dist.dp=2", "dist.pp=2", "train.zero_stage=2", "train.micro_batch_size=2"],
+    "tp2_pp2_interleaved": ["dist.tp=2", "dist.pp=2", "train.micro_batch_size=2",
+                            "train.pipeline.schedule=interleaved_1f1b", "train.pipeline.virtual_stages=2"],
+}
+BYTES_LAYOUT = ["dist.dp=2", "train.zero_stage=1", "train.micro_batch_size=4"]
+
+
+def _layouts(config_file: str, out: str, layouts: dict) -> dict:
+    results = {(model, name): train(config_file, f"{out}/{model}_{name}", model, [*overrides, *LORA])
+               for model in MODELS for name, overrides in layouts.items()}
+    if len(layouts) == len(LAYOUTS_2):  # per-rank state of full fine-tuning and LoRA at dp2 ZeRO-1
+        for kind, extra in (("full", []), ("lora", LORA)):
+            with trained_one_step(config_file, f"{out}/bytes_{kind}", [*BYTES_LAYOUT, *extra]) as trainer:
+                batch = next(iter(trainer.build_train_loader(trainer.cfg)))
+                trainer.model(**batch).loss.backward()  # the step freed its gradients: make them again
+                adapters = sum(p.to_local().numel() * 4 for p in trainer.model.parameters() if p.requires_grad)
+                results["bytes", kind] = {"parameters": parameter_bytes(trainer.model),
+                                          "gradients": gradient_bytes(trainer.model),
+                                          "optimizer": optimizer_state_bytes(trainer.optimizer),
+                                          "trainable": adapters}  # this rank's adapter (or all) bytes
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_parallel")
+    documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:200]
+    (root / "text.txt").write_text("\n\n".join(documents))
+    config_file = root / "config.py"
+    config_file.write_text(CONFIG.format(text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
+                                         cache=root / "cache"))
+    reference = {model: train(str(config_file), str(root / f"one_{model}"), model,
+                              ["train.micro_batch_size=8", *LORA]) for model in MODELS}
+    two = run_distributed(_layouts, 2, str(config_file), str(root), LAYOUTS_2)[0]
+    four = run_distributed(_layouts, 4, str(config_file), str(root), LAYOUTS_4)[0]
+    return reference, {**two, **four}
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
+def test_lora_layout_equals_one_process(runs, layout, model):
+    reference, results = runs
+    assert reference[model][STEPS] < reference[model][1] - 1e-3  # the adapters learn: the losses move
+    _assert_same(results[model, layout], reference[model], range(1, STEPS + 1))
+
+
+def test_frozen_base_holds_no_gradient_or_optimizer_state(runs):
+    _, results = runs
+    full, lora = results["bytes", "full"], results["bytes", "lora"]
+    print(f"\nper-rank bytes at dp2 ZeRO-1 (GPT-2 test model): full fine-tuning {full}, LoRA rank 4 {lora}")
+    trainable = lora["trainable"]
+    assert lora["parameters"] == full["parameters"] + trainable  # the same base, plus the adapters
+    assert lora["gradients"] == full["gradients"] * trainable / full["trainable"] < full["gradients"] / 30
+    assert 2 * trainable <= lora["optimizer"] <= 2 * trainable + 256  # AdamW's moments (+ step counts) of adapters
