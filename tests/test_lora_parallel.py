@@ -7,7 +7,6 @@ test_parallel_training's; 2-process layouts share one pair of processes, 4-proce
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

@@ -82,9 +82,9 @@ def optim():
     return cfg, OptimizerState.probe(cfg)
 
 
-def _cfg(model: str, layout: Layout, optim_cfg):
+def _cfg(model: str, layout: Layout, optim_cfg, lora: dict | None = None):
     # one micro-batch per pipeline rank and dp rank: every schedule accepts pp micro-batches
-    return OmegaConf.create({"train": {"global_batch_size": layout.dp * layout.pp}, "optim": optim_cfg,
+    return OmegaConf.create({"train": {"global_batch_size": layout.dp * layout.pp, "lora": lora}, "optim": optim_cfg,
                              "model": MODELS[model]})
 
 
@@ -133,3 +133,22 @@ def test_tied_weight_is_counted_once_without_pipeline_and_twice_across_ends(tabl
     zbv = L(1, 1, 2, 0, schedule="zbv", virtual_stages=2)  # 4 stages of one layer: 0 and 3 on pp rank 0
     ends = state_bytes(table, zbv, 0).params - state_bytes(table, zbv, 1).params
     assert ends == (2 * 1000 * 64 + 64 * 64 + 2 * 64) * 4  # wte and its copy in lm_head, wpe, ln_f
+
+
+LORA = {"rank": 16, "alpha": 32}
+
+
+@pytest.mark.parametrize("case", [("llama7b", L(64, 1, 1, 3)), ("llama7b", L(8, 2, 4, 1, schedule="1f1b")),
+                                  ("gpt2_tied", L(3, 2, 2, 2, schedule="interleaved_1f1b", virtual_stages=2))],
+                         ids=_name)
+def test_lora_state_bytes_equal_the_dry_run(case, optim):
+    """Under LoRA only the adapters hold gradients and optimizer state; the planner counts them so."""
+    model, layout = case
+    optim_cfg, optimizer = optim
+    cfg = _cfg(model, layout, optim_cfg, LORA)
+    table = ModelTable.from_config(MODELS[model], LORA)
+    ranks = dry_run(cfg, layout)
+    _check(table, layout, ranks, optimizer)
+    full = state_bytes(ModelTable.from_config(MODELS[model]), layout, 0, 0, optimizer)
+    lora = state_bytes(table, layout, 0, 0, optimizer)
+    assert lora.params > full.params and lora.optimizer < full.optimizer / 3 and lora.grads < full.grads / 3

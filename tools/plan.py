@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_dry_run(cfg, world_size: int, as_json: bool) -> bool:
     """Print the dry run of the config's layout beside the prediction; True when they are equal."""
     layout = Layout.from_config(cfg, world_size)
-    table = ModelTable.from_config(cfg.model)
+    table = ModelTable.from_config(cfg.model, cfg.train.get("lora"))
     optimizer = OptimizerState.probe(cfg.optim)
     rows = []
     for measured in dry_run(cfg, layout, amp_dtype=amp_dtype_of(cfg)):

@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from libai_zoo.config import instantiate
+from libai_zoo.hf import apply_lora_config
 from libai_zoo.optim import build_optimizer, unique_parameters
 from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize
 from libai_zoo.utils import local_bytes, optimizer_state_bytes
@@ -41,6 +42,7 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int, *, amp_dtype: torch
                     sequence_parallel=layout.sequence_parallel) as ctx:
         with torch.device("meta"):
             model = instantiate(cfg.model)
+            apply_lora_config(model, cfg.train.get("lora") or {})
         data_parallel = DataParallel(ctx, layout.zero_stage, param_dtype=fsdp_param_dtype(amp_dtype, layout.zero_stage))
         built = parallelize(model, ctx, data_parallel, num_micro_batches=layout.num_micro_batches(global_batch),
                             pipeline={"schedule": layout.schedule, "virtual_stages": layout.virtual_stages},

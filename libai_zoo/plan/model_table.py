@@ -15,6 +15,7 @@ from torch import nn
 
 from libai_zoo import dist
 from libai_zoo.config import instantiate
+from libai_zoo.hf import apply_lora_config
 from libai_zoo.models import check_trainable, get_layer_stack
 
 from .activations import LayerShape
@@ -116,11 +117,13 @@ class ModelTable:
                              f"counts one layer for all of them")
 
     @classmethod
-    def from_config(cls, model_cfg: DictConfig) -> ModelTable:
+    def from_config(cls, model_cfg: DictConfig, lora: DictConfig | dict | None = None) -> ModelTable:
         """Instantiate a model recipe (a LazyCall, or a from_pretrained call, which reads nothing)
-        on the meta device."""
+        on the meta device, with the LoRA adapters ``train.lora`` puts on it (its base frozen)."""
         with torch.device("meta"):
-            return cls(instantiate(model_cfg))
+            model = instantiate(model_cfg)
+            apply_lora_config(model, lora or {})
+            return cls(model)
 
     @cached_property
     def layer_parameters(self) -> int:

@@ -135,7 +135,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
             else spec.memory_bytes
     if overhead_bytes is None:
         overhead_bytes = 0 if on_cpu else GPU_OVERHEAD
-    table = ModelTable.from_config(cfg.model)
+    table = ModelTable.from_config(cfg.model, cfg.train.get("lora"))
     seq_len = sequence_length(cfg)
     global_batch = int(cfg.train.global_batch_size)
     amp_dtype = amp_dtype_of(cfg)
