@@ -7,7 +7,6 @@ test_parallel_training's; 2-process layouts share one pair of processes, 4-proce
 
 from __future__ import annotations
 
-
 import pytest
 
 from distributed_runner import run_distributed
