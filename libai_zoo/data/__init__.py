@@ -6,6 +6,8 @@ Every dataset returns dicts of tensors, so `torch.utils.data.default_collate` ba
 Pre-training data at scale lives in Megatron-LM's indexed format (.bin/.idx, written by
 tools/preprocess_data.py): `IndexedDataset` reads it, `build_indexed_gpt_dataset` and
 `build_indexed_mlm_dataset` make GPT and BERT samples of it, and `Prefetcher` reads batches ahead.
+`build_text_dataset` packs pre-training samples from any `datasets` source, map-style (cached) or
+as an endless, exactly resumable stream.
 `check_dataset` tells, before training, whether a dataset's token ids and lengths fit a model.
 """
 
@@ -18,7 +20,9 @@ from .image_dataset import DigitsDataset
 from .indexed_dataset import IndexedDataset, IndexedDatasetWriter, best_fitting_dtype
 from .prefetch import Prefetcher
 from .samplers import MicroBatchSampler
+from .streaming import PackedTextStream, stream_micro_batches
 from .text_classification import build_text_classification_dataset
+from .text_dataset import build_text_dataset
 from .tokenizer import load_tokenizer
 from .validation import TokenDataset, TokenIdRange, check_dataset
 
@@ -26,4 +30,5 @@ __all__ = ["MicroBatchSampler", "PackedTokenDataset", "build_gpt_dataset", "read
            "build_text_classification_dataset", "DigitsDataset", "load_tokenizer",
            "IndexedDataset", "IndexedDatasetWriter", "best_fitting_dtype", "IndexedGPTDataset", "BlendedDataset",
            "build_indexed_gpt_dataset", "IndexedMLMDataset", "build_indexed_mlm_dataset", "Prefetcher",
-           "check_dataset", "TokenDataset", "TokenIdRange"]
+           "check_dataset", "TokenDataset", "TokenIdRange",
+           "build_text_dataset", "PackedTextStream", "stream_micro_batches"]

@@ -13,6 +13,8 @@ pass them here, so every source reads the same way.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -27,7 +29,7 @@ def load_source(path: str, *, name: str | None = None, split: str = "train", dat
     """One split of a `datasets` source: a data file (its builder chosen by suffix), a directory
     `save_to_disk` wrote (`load_from_disk`), or whatever `datasets.load_dataset(path, name,
     data_files=..., split=...)` takes. ``streaming=True`` gives a `datasets.IterableDataset`. An
-    empty split is refused, naming the source."""
+    empty split is refused, naming the source (a stream's first example is read to know)."""
     local = Path(path)
     if local.is_dir() and ((local / "dataset_info.json").is_file() or (local / "dataset_dict.json").is_file()):
         saved = datasets.load_from_disk(str(local))
@@ -40,14 +42,34 @@ def load_source(path: str, *, name: str | None = None, split: str = "train", dat
         if not local.is_file():
             raise FileNotFoundError(f"no data file {path}: pass a json/jsonl/parquet/csv/arrow/txt file, a directory "
                                     f"written by save_to_disk, or a dataset name")
-        dataset = datasets.load_dataset(FILE_BUILDERS[local.suffix], data_files=str(local), split=split,
-                                        streaming=streaming, **load_kwargs)
+        if local.stat().st_size == 0:  # datasets' builders fail on one with a bare StopIteration
+            raise ValueError(f"the data file {path} is empty: there is nothing to train on")
+        with _refusing_empty(path, split):
+            dataset = datasets.load_dataset(FILE_BUILDERS[local.suffix], data_files=str(local), split=split,
+                                            streaming=streaming, **load_kwargs)
     else:
-        dataset = datasets.load_dataset(path, name, data_files=data_files, split=split, streaming=streaming,
-                                        **load_kwargs)
-    if isinstance(dataset, datasets.Dataset) and len(dataset) == 0:
-        raise ValueError(f"the {split!r} split of {path} is empty: there is nothing to train on")
+        with _refusing_empty(path, split):
+            dataset = datasets.load_dataset(path, name, data_files=data_files, split=split, streaming=streaming,
+                                            **load_kwargs)
+    empty = len(dataset) == 0 if isinstance(dataset, datasets.Dataset) else next(iter(dataset.take(1)), None) is None
+    if empty:
+        raise ValueError(_empty(path, split))
     return dataset
+
+
+def _empty(path: str, split: str) -> str:
+    return f"the {split!r} split of {path} is empty: there is nothing to train on"
+
+
+@contextmanager
+def _refusing_empty(path: str, split: str) -> Iterator[None]:
+    """datasets' own error for a split without rows, said as ours."""
+    try:
+        yield
+    except ValueError as error:
+        if "corresponds to no data" not in str(error):
+            raise
+        raise ValueError(_empty(path, split)) from error
 
 
 def require_columns(dataset: datasets.Dataset | datasets.IterableDataset, columns: list[str], source: str) -> None:

@@ -7,7 +7,10 @@ the fix, not `IndexError: index out of range in self` at the embedding, possibly
 A dataset takes part by offering `TokenDataset`'s three members (the zoo's token datasets do);
 `datasets.Dataset`s with an input_ids column are read through Arrow; blends, ConcatDataset and
 Subset are checked part by part (a Subset as its whole dataset); others (images) hold no token ids
-and are skipped.
+and are skipped. A dataset that knows its tokenizer (`tokenizer_vocab_size`, `tokenizer_dir`: those
+of `build_text_dataset`) has the tokenizer's vocabulary checked first; a stream is checked that way
+only, never scanned. A `datasets.Dataset` with a `seq_len` attribute is named by that argument in a
+length error (else by max_length).
 """
 
 from __future__ import annotations
@@ -63,7 +66,10 @@ def check_dataset(dataset: Dataset | datasets.Dataset, *, vocab_size: int | None
     if vocab_size is None and max_positions is None:
         return
     problems = []
-    for inputs in filter(None, map(_inputs, _parts(dataset))):
+    for part in _parts(dataset):
+        inputs = _inputs(part)
+        if inputs is None:
+            continue
         if max_positions is not None and inputs.seq_len > max_positions:
             key = inputs.seq_len_key
             problems.append(f"{inputs.source} makes samples of {key} = {inputs.seq_len} tokens, but the model's "
@@ -72,6 +78,13 @@ def check_dataset(dataset: Dataset | datasets.Dataset, *, vocab_size: int | None
                             f"dataset's {key} to at most {max_positions} (e.g. dataloader.train.{key}="
                             f"{max_positions}), or use a model with max_position_embeddings >= {inputs.seq_len}")
         if vocab_size is None:
+            continue
+        tokenizer_size = getattr(part, "tokenizer_vocab_size", None)
+        if tokenizer_size is not None and tokenizer_size > vocab_size:  # then the ids past it are no news
+            problems.append(f"{inputs.source}: the tokenizer {part.tokenizer_dir} has a vocabulary of "
+                            f"{tokenizer_size} tokens, but the model's has {vocab_size}, so a token id >= "
+                            f"{vocab_size} would fail at its embedding: use the model's own tokenizer, or resize "
+                            f"the model's embedding (model.config.vocab_size >= {tokenizer_size})")
             continue
         for source, low, high in inputs.ranges():
             if high >= vocab_size:
@@ -114,5 +127,6 @@ def _inputs(dataset: Dataset) -> _Inputs | None:
             found = pc.min_max(pc.list_flatten(column)).as_py()
             return [] if found["min"] is None else [TokenIdRange(source, found["min"], found["max"])]
 
-        return _Inputs(source, pc.max(pc.list_value_length(column)).as_py() or 0, "max_length", ranges)
+        key = "seq_len" if hasattr(dataset, "seq_len") else "max_length"  # the builder's argument
+        return _Inputs(source, pc.max(pc.list_value_length(column)).as_py() or 0, key, ranges)
     return None

@@ -19,7 +19,9 @@ that implements it trains at every layout.
 Batch sizes: each process runs ``train.micro_batch_size`` samples per forward and accumulates
 ``global_batch_size / (micro_batch_size × dp)`` micro-batches per optimizer step.
 
-``dataloader`` keys: ``train`` (a dataset recipe), ``test`` (optional, for evaluation),
+``dataloader`` keys: ``train`` (a dataset recipe; a torch IterableDataset with state_dict() is read
+as a stream: in order, each dp rank keeping its micro-batches of the global stream, its state saved
+with every checkpoint), ``test`` (optional, for evaluation),
 ``num_workers`` (0), ``shuffle`` (True) and ``prefetch`` (2: batches a background thread reads
 ahead of the step; 0 turns it off).
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +39,12 @@ import torch
 import torch.distributed as torch_dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from libai_zoo import dist
 from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyConfig, instantiate
-from libai_zoo.data import MicroBatchSampler, Prefetcher, check_dataset
+from libai_zoo.data import MicroBatchSampler, Prefetcher, check_dataset, stream_micro_batches
 from libai_zoo.hf import HFWeightReader, apply_lora_config, check_hf_weights, load_hf_weights, load_peft_adapter
 from libai_zoo.layers import lora_layers
 from libai_zoo.models import get_layer_stack
@@ -99,17 +101,23 @@ class DivergenceError(RuntimeError):
 
 
 class DataPosition:
-    """Where the training data stands beyond the step count: the batches a rollback skipped
-    (saved with every checkpoint, so a resumed run reads on from the same sample)."""
+    """Where the training data stands beyond the step count (saved with every checkpoint, so a
+    resumed run reads on from the same sample): the batches a rollback skipped and, for a stream,
+    its state after the last micro-batch the run took, with the global samples read up to it (the
+    same on every rank)."""
 
-    def __init__(self):
+    def __init__(self, stream: dict | None = None):
         self.skipped_batches = 0
+        self.stream = stream  # None: map-style data, whose position follows from the step count
+        self.stream_samples = 0
 
     def state_dict(self) -> dict:
-        return {"skipped_batches": self.skipped_batches}
+        return {"skipped_batches": self.skipped_batches, "stream": self.stream, "stream_samples": self.stream_samples}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_batches = state["skipped_batches"]
+        if state.get("stream") is not None:
+            self.stream, self.stream_samples = state["stream"], state["stream_samples"]
 
 
 class DefaultTrainer(TrainerBase):
@@ -155,7 +163,7 @@ class DefaultTrainer(TrainerBase):
         self.step = TrainStep(self.model_parts, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
                               clip_grad_norm=train.get("clip_grad_norm"), data_parallel=self.data_parallel,
                               pipeline=self.pipeline)
-        self.data_position = DataPosition()
+        self.data_position = DataPosition(self._stream_start(cfg))
         self.checkpointer = Checkpointer(self.output_dir, self.model_parts, self.optimizer,
                                          stateful={"scheduler": self.scheduler, "scaler": self.step.scaler,
                                                    "data": self.data_position},
@@ -271,9 +279,21 @@ class DefaultTrainer(TrainerBase):
     def build_lr_scheduler(self, cfg: DictConfig, optimizer: torch.optim.Optimizer):
         return instantiate(_with(cfg.train.scheduler, optimizer=optimizer, max_iter=cfg.train.max_iter))
 
-    def build_train_loader(self, cfg: DictConfig, consumed_samples: int = 0) -> DataLoader:
-        """The training data (`train_dataset`), resuming after `consumed_samples` (a global count)."""
+    def build_train_loader(self, cfg: DictConfig, consumed_samples: int = 0) -> DataLoader | Iterable:
+        """The training data (`train_dataset`), resuming after `consumed_samples` (a global count).
+        A stream (a torch IterableDataset) continues from the data position's state, skips on to
+        `consumed_samples` (the batches a rollback skipped) and yields this rank's micro-batches,
+        each with the stream's state after it (`stream_micro_batches`)."""
         dataset = self.train_dataset
+        if isinstance(dataset, IterableDataset):
+            skip = consumed_samples - self.data_position.stream_samples
+            if skip < 0:
+                raise ValueError(f"the stream's saved state is {-skip} samples past the step count's position "
+                                 f"({consumed_samples} samples): a stream cannot go back; resume from the "
+                                 f"checkpoint the state was saved with")
+            dataset.load_state_dict(self.data_position.stream)
+            return stream_micro_batches(dataset, cfg.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
+                                        dp_size=self.ctx.dp, skip=skip)
         sampler = MicroBatchSampler(len(dataset), cfg.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
                                     dp_size=self.ctx.dp, shuffle=cfg.dataloader.get("shuffle", True),
                                     seed=cfg.train.seed, consumed_samples=consumed_samples,
@@ -329,6 +349,26 @@ class DefaultTrainer(TrainerBase):
             result += [hooks.PeriodicWriter(writers, log_period), hooks.ProgressBar()]
         result += [instantiate(hook) for hook in self.cfg.get("hooks") or []]
         return result + [Preemption(self._save_now, self.ctx.device)]  # last: every hook saw the step
+
+    def _stream_start(self, cfg: DictConfig) -> dict | None:
+        """The state a fresh run reads a stream (a torch IterableDataset as ``dataloader.train``)
+        from; None for map-style data. A stream must tell where it stands (state_dict and
+        load_state_dict) and is read in this process, in order (the prefetch thread reads ahead)."""
+        dataset = self.train_dataset
+        if not isinstance(dataset, IterableDataset):
+            return None
+        if not all(callable(getattr(dataset, name, None)) for name in ("state_dict", "load_state_dict")):
+            raise ValueError(f"the training stream ({type(dataset).__name__}) has no state_dict() and "
+                             f"load_state_dict(), so a resumed run could not continue where it stopped: use "
+                             f"build_text_dataset(..., streaming=True), or give the stream both")
+        workers = cfg.dataloader.get("num_workers", 0)
+        if workers:
+            raise ValueError(f"dataloader.num_workers = {workers}, but a stream is read in the training process "
+                             f"(its exact position cannot be read back from workers): set dataloader.num_workers=0 "
+                             f"(dataloader.prefetch reads ahead in a thread)")
+        logger.info("training data: a stream, read in order (not shuffled); every dp rank reads all of it and "
+                    "keeps its own micro-batches")
+        return dataset.state_dict()
 
     def _sequence_length(self) -> int | None:
         dataset_cfg = self.cfg.dataloader.train
@@ -396,7 +436,20 @@ class DefaultTrainer(TrainerBase):
         samples = (iteration + self.data_position.skipped_batches) * self.cfg.train.global_batch_size
         loader = self.build_train_loader(self.cfg, samples)
         depth = self.cfg.dataloader.get("prefetch", 2)
-        self._data = iter(self._data_stack.enter_context(Prefetcher(loader, depth)) if depth else loader)
+        batches = iter(self._data_stack.enter_context(Prefetcher(loader, depth)) if depth else loader)
+        if isinstance(self.train_dataset, IterableDataset):
+            batches = self._follow_stream(batches, samples)
+        self._data = batches
+
+    def _follow_stream(self, items: Iterator[tuple[dict, dict]], samples: int) -> Iterator[dict]:
+        """A stream's micro-batches; taking one moves the data position to the stream's state after
+        it (read ahead by the prefetch thread, carried with the batch), so the checkpoint after a
+        step holds the state after the step's last micro-batch."""
+        chunk = self.cfg.train.micro_batch_size * self.ctx.dp
+        for batch, state in items:
+            samples += chunk
+            self.data_position.stream, self.data_position.stream_samples = state, samples
+            yield batch
 
     def run_step(self) -> None:
         step = self.iter + 1
