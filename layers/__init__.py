@@ -4,7 +4,7 @@ Each layer behaves like its `torch.nn` twin until `libai_zoo.dist.shard` splits 
 parallelism; model files are built from these and never mention process groups.
 """
 
-from .attention import Attention, fuse_kv, fuse_qkv, split_kv, split_qkv
+from .attention import Attention, fuse_kv, fuse_qkv, packed_causal_mask, split_kv, split_qkv
 from .cross_entropy import ParallelCrossEntropy
 from .embedding import Embedding, VocabEmbedding
 from .kv_cache import KVCache
@@ -21,4 +21,5 @@ from .transformer_layer import TransformerLayer
 __all__ = ["Attention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCache", "MLP", "LayerNorm", "RMSNorm",
            "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
            "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_layers",
-           "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv"]
+           "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv",
+           "packed_causal_mask"]

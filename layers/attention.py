@@ -157,6 +157,28 @@ class Attention(ParallelLayer, nn.Module):
                 f"{', '.join(kinds)}{self.parallel_repr()}")
 
 
+def packed_causal_mask(attention_mask: torch.Tensor | None,
+                       position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask every layer of a causal LM takes, made once per forward.
+
+    transformers' convention (`masking_utils.find_packed_sequence_indices`): with no attention_mask,
+    position_ids [B, S] that do not step by one (that restart) mark several sequences packed in a
+    row; a token then sees only the earlier tokens of its own sequence. That gives a block-diagonal
+    causal mask [B, 1, S, S] (True = attend) that `Attention` takes as it is, also after a sequence
+    parallel gather (it spans the whole sequence). Without packing (one sequence per row) it returns
+    None, so attention keeps SDPA's ``is_causal`` fast path; an attention_mask is returned as given.
+    """
+    if attention_mask is not None or position_ids is None:
+        return attention_mask
+    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    sequence = starts.cumsum(-1)  # which packed sequence each token belongs to
+    if not sequence[:, -1].any():
+        return None
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]
+
+
 def _interleave_groups(parts: list[torch.Tensor], num_groups: int) -> torch.Tensor:
     """Cut each part into `num_groups` row blocks and put block i of every part side by side."""
     blocks = [p.reshape(num_groups, p.shape[0] // num_groups, *p.shape[1:]) for p in parts]

@@ -4,6 +4,10 @@ its loss, their Hugging Face-style output, and generation.
     labels [B, S]         position t is scored against labels[t + 1] (shifted here, once)
     shift_labels [B, S]   transformers' name for targets already aligned (position t against
                           shift_labels[t]), e.g. tokens[1:] of a window of S + 1 tokens
+
+Packed samples (several sequences in a row, `libai_zoo.data.build_chat_dataset`) follow
+transformers: position_ids that restart and no attention_mask; every layer then gets one
+block-diagonal causal mask (`packed_causal_mask`), so no token sees another sequence.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from libai_zoo.layers import KVCache
+from libai_zoo.layers import KVCache, packed_causal_mask
 
 from .contract import IGNORE_INDEX, TrainableModel
 from .generation import GenerationMixin
@@ -42,6 +46,13 @@ class CausalLM(GenerationMixin, TrainableModel):
     def split_batch(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         inputs = {key: value for key, value in batch.items() if key not in TARGET_KEYS}
         return inputs, self.targets(batch.get("labels"), batch.get("shift_labels"))
+
+    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The attention mask (a packed sample's block-diagonal causal mask, made here once for all the
+        stage's layers) and the positions (rotary; learned positions ignore them here)."""
+        position_ids = inputs.get("position_ids")
+        return {"attention_mask": packed_causal_mask(inputs.get("attention_mask"), position_ids),
+                "position_ids": position_ids}
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.base_model_prefix).final_norm(hidden)

@@ -17,7 +17,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from libai_zoo.layers import (Embedding, KVCache, LayerNorm, LMHead, SequenceGather, SequenceScatter,
-                              TransformerLayer, VocabEmbedding)
+                              TransformerLayer, VocabEmbedding, packed_causal_mask)
 
 from .causal_lm import CausalLM
 from .hf_maps.gpt2 import gpt2_weight_map
@@ -84,6 +84,8 @@ class GPT2Model(PreTrainedModel):
                 past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
         past = 0 if past_key_values is None else past_key_values[0].length
         x = self.embed(input_ids, token_type_ids, position_ids, past)
+        if past_key_values is None:  # training: packed sequences attend within themselves (transformers' rule)
+            attention_mask = packed_causal_mask(attention_mask, position_ids)
         for i, layer in enumerate(self.h):
             cache = None if past_key_values is None else past_key_values[i]
             x = layer(x, attention_mask, kv_cache=cache)
@@ -114,9 +116,6 @@ class GPT2LMHeadModel(PreTrainedModel, CausalLM):
 
     def embed(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.transformer.embed(inputs["input_ids"], inputs.get("token_type_ids"), inputs.get("position_ids"))
-
-    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"attention_mask": inputs.get("attention_mask")}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

@@ -16,7 +16,8 @@ import transformers
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from libai_zoo.layers import KVCache, LMHead, RMSNorm, SequenceGather, TransformerLayer, VocabEmbedding
+from libai_zoo.layers import (KVCache, LMHead, RMSNorm, SequenceGather, TransformerLayer, VocabEmbedding,
+                              packed_causal_mask)
 
 from .causal_lm import CausalLM
 from .hf_maps.llama import llama_weight_map
@@ -87,6 +88,8 @@ class LlamaModel(PreTrainedModel):
                 position_ids: torch.Tensor | None = None,
                 past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
         x = self.embed(input_ids)
+        if past_key_values is None:  # training: packed sequences attend within themselves (transformers' rule)
+            attention_mask = packed_causal_mask(attention_mask, position_ids)
         for i, layer in enumerate(self.layers):
             cache = None if past_key_values is None else past_key_values[i]
             x = layer(x, attention_mask, position_ids, kv_cache=cache)
@@ -118,9 +121,6 @@ class LlamaForCausalLM(PreTrainedModel, CausalLM):
 
     def embed(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model.embed(inputs["input_ids"])
-
-    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"attention_mask": inputs.get("attention_mask"), "position_ids": inputs.get("position_ids")}
 
     def input_limits(self) -> dict[str, int | None]:
         """Rotary positions are computed, not looked up: max_position_embeddings (the length it was

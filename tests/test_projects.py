@@ -40,6 +40,7 @@ RECIPES = {
     "llama_finetune": ["model.path={root}/llama", "dataloader.train.cache_dir={cache}",
                        "dataloader.test.cache_dir={cache}"],
     "bert_finetune": ["model.path={root}/bert"],
+    "llama_sft": ["model.path={root}/llama", "dataloader.train.cache_dir={cache}", "dataloader.test.cache_dir={cache}"],
     "vit_classification": [],
 }
 

@@ -6,6 +6,8 @@ Every dataset returns dicts of tensors, so `torch.utils.data.default_collate` ba
 Pre-training data at scale lives in Megatron-LM's indexed format (.bin/.idx, written by
 tools/preprocess_data.py): `IndexedDataset` reads it, `build_indexed_gpt_dataset` and
 `build_indexed_mlm_dataset` make GPT and BERT samples of it, and `Prefetcher` reads batches ahead.
+`build_chat_dataset` makes chat fine-tuning samples: conversations rendered by a chat template,
+targets on the assistant's tokens, whole conversations packed per sample.
 `build_text_dataset` packs pre-training samples from any `datasets` source, map-style (cached) or
 as an endless, exactly resumable stream.
 `check_dataset` tells, before training, whether a dataset's token ids and lengths fit a model.
@@ -13,6 +15,7 @@ as an endless, exactly resumable stream.
 
 from .bert_dataset import IndexedMLMDataset, build_indexed_mlm_dataset
 from .blending import BlendedDataset
+from .chat_dataset import build_chat_dataset
 from .documents import read_documents
 from .gpt_dataset import PackedTokenDataset, build_gpt_dataset
 from .gpt_indexed_dataset import IndexedGPTDataset, build_indexed_gpt_dataset
@@ -30,5 +33,5 @@ __all__ = ["MicroBatchSampler", "PackedTokenDataset", "build_gpt_dataset", "read
            "build_text_classification_dataset", "DigitsDataset", "load_tokenizer",
            "IndexedDataset", "IndexedDatasetWriter", "best_fitting_dtype", "IndexedGPTDataset", "BlendedDataset",
            "build_indexed_gpt_dataset", "IndexedMLMDataset", "build_indexed_mlm_dataset", "Prefetcher",
-           "check_dataset", "TokenDataset", "TokenIdRange",
+           "check_dataset", "TokenDataset", "TokenIdRange", "build_chat_dataset",
            "build_text_dataset", "PackedTextStream", "stream_micro_batches"]

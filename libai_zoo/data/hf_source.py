@@ -5,7 +5,7 @@ dataset name where a hub is reachable.
     load_source("saved_dir/")                            # what Dataset(Dict).save_to_disk wrote
     load_source("imdb", split="train")                   # anything datasets.load_dataset takes
     load_source("corpus.jsonl", streaming=True)          # a datasets.IterableDataset
-    require_columns(dataset, ["messages"], "corpus.jsonl")
+    require_columns(dataset, ["messages"], "corpus.jsonl", argument="messages_column")
 
 The recipes that tokenize (`build_text_dataset`, `build_chat_dataset`) take these arguments and
 pass them here, so every source reads the same way.
@@ -72,13 +72,14 @@ def _refusing_empty(path: str, split: str) -> Iterator[None]:
         raise ValueError(_empty(path, split)) from error
 
 
-def require_columns(dataset: datasets.Dataset | datasets.IterableDataset, columns: list[str], source: str) -> None:
-    """Refuse a dataset that lacks one of `columns`, naming the columns it has (pass the right
-    ``text_column``/``messages_column``)."""
+def require_columns(dataset: datasets.Dataset | datasets.IterableDataset, columns: list[str], source: str, *,
+                    argument: str = "text_column") -> None:
+    """Refuse a dataset that lacks one of `columns`, naming the columns it has and the recipe's
+    `argument` that names the column."""
     present = list(dataset.column_names or [])
     if not present and isinstance(dataset, datasets.IterableDataset):  # a stream may not know them before reading
         present = list(next(iter(dataset.take(1)), {}).keys())
     missing = [column for column in columns if column not in present]
     if missing:
         raise ValueError(f"{source} has no column {', '.join(repr(c) for c in missing)}; its columns are "
-                         f"{present}: name the right one in the recipe (e.g. text_column=...)")
+                         f"{present}: name the right one with {argument}=...")
