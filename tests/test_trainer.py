@@ -130,6 +130,14 @@ def test_periodic_evaluation_is_logged(config_file, tmp_path):
     assert evaluated[10]["eval/perplexity"] == pytest.approx(math.exp(evaluated[10]["eval/loss"]), rel=1e-6)
 
 
+def test_evaluation_off_the_log_period_is_written_too(config_file, tmp_path):
+    run(config_file, tmp_path, "train.max_iter=8", "train.log_period=4", "train.eval.period=3",
+        "train.eval.max_batches=1")
+    logged = {r["iteration"]: r for r in records(tmp_path)}
+    assert sorted(logged) == [1, 3, 4, 6, 8]
+    assert sorted(i for i, r in logged.items() if "eval/loss" in r) == [3, 6, 8]
+
+
 def load_train_tool():
     spec = importlib.util.spec_from_file_location("train_tool", ROOT / "tools" / "train.py")
     module = importlib.util.module_from_spec(spec)

@@ -174,14 +174,17 @@ class StepTimeSpread(HookBase):
 
 
 class PeriodicWriter(HookBase):
-    """Call every writer after the run's first step (the starting loss), every `period` steps and
-    after the last step."""
+    """Call every writer after the run's first step (the starting loss), every `period` steps,
+    after the last step, and after a step that evaluated (whatever the period: its results are
+    recorded at that step only)."""
 
     def __init__(self, writers: list, period: int):
         self.writers, self.period = writers, period
 
     def after_step(self) -> None:
-        if is_log_step(self.trainer, self.period):
+        storage = self.trainer.storage
+        evaluated = any(name.startswith("eval/") and at == storage.iter for name, (_, at) in storage.latest().items())
+        if evaluated or is_log_step(self.trainer, self.period):
             for writer in self.writers:
                 writer.write(self.trainer.storage)
 
