@@ -86,8 +86,9 @@ class LoRA(nn.Module):
         a = local(self.A, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "col")
         b = local(self.B, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "row")
         if self.dropout and self.training:
-            # A row layer's input (and a data layer's under SP) differs over tp: its own random stream.
-            split_input = split and (self.parallel == "row" or self.sp)
+            # A row layer's input (and a data layer's under SP) differs over tp: its own random stream;
+            # a column layer's is the same on every tp rank (gathered under SP): the shared one.
+            split_input = split and (self.parallel == "row" or (self.parallel == "data" and self.sp))
             with self.tp.rng.fork() if split_input else nullcontext():
                 x = F.dropout(x, self.dropout)
         return F.linear(F.linear(x, a), b) * self.scale
@@ -113,15 +114,15 @@ def is_adapter_parameter(name: str) -> bool:
 
 def apply_lora(model: nn.Module, rank: int, alpha: float = 16.0, *, dropout: float = 0.0,
                target_modules: Iterable[str] | None = None,
-               shapes: dict[str, tuple[int, float]] | None = None) -> list[str]:
+               layers: dict[str, tuple[int, float]] | None = None) -> list[str]:
     """Put a rank-`rank` adapter on every `Linear` whose module name is, or ends with, one of
-    `target_modules` (default `DEFAULT_TARGETS`), and freeze every other parameter. ``shapes``
+    `target_modules` (default `DEFAULT_TARGETS`), and freeze every other parameter. ``layers``
     instead names each layer to adapt with its (rank, alpha), as an adapter read from a file has
     them. Works on a model on the meta device (the trainer's build) or a real one (adapters
     initialised at once). Returns the adapted module names; a target that matches nothing is an
     error naming the Linear layers there are."""
-    if shapes is not None:
-        target_modules = list(shapes)
+    if layers is not None:
+        target_modules = list(layers)
     targets = tuple(target_modules) if target_modules is not None else DEFAULT_TARGETS
     # the layers that can carry an adapter: `Linear` (its `add_lora`)
     linears = {name: module for name, module in model.named_modules() if callable(getattr(module, "add_lora", None))}
@@ -141,7 +142,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float = 16.0, *, dropout: flo
     for param in model.parameters():
         param.requires_grad_(False)
     for name in chosen:
-        layer_rank, layer_alpha = shapes[name] if shapes is not None else (rank, alpha)
+        layer_rank, layer_alpha = layers[name] if layers is not None else (rank, alpha)
         linears[name].add_lora(layer_rank, layer_alpha, dropout=dropout)
     return chosen
 

@@ -74,10 +74,11 @@ def test_apply_lora_freezes_the_base_and_refuses_unknown_targets(tmp_path):
 
 
 def _randomised_adapters(model: nn.Module) -> None:
-    """B is zero at the start (the adapted model equals its base): give it values to compare."""
+    """B is zero at the start (the adapted model equals its base): give it values to compare
+    (ours: `….lora.B`; PEFT's: `….lora_B.default.weight`)."""
     generator = torch.Generator().manual_seed(1)
     for name, param in model.named_parameters():
-        if name.endswith("lora.B"):
+        if name.endswith(("lora.B", "lora_B.default.weight")):
             param.data = torch.randn(param.shape, generator=generator) * 0.1
 
 
@@ -115,19 +116,35 @@ def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, t
     """PEFT trains separate A's for q, k and v: our fused qkv takes them stacked (rank 3r)."""
     hf_dir = (tiny_llama_hf if family == "llama" else tiny_gpt2_hf)(tmp_path / "hf")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"] if family == "llama" else ["c_attn", "c_fc"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     trained = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf_dir),
-                                  peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets))
+                                  peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets,
+                                                  rank_pattern={"o_proj": 3}, alpha_pattern={"o_proj": 9}))
     _randomised_adapters(trained)
-    for name, param in trained.named_parameters():
-        if name.endswith("lora_A.default.weight"):
-            param.data = torch.randn(param.shape)
     trained.save_pretrained(tmp_path / "adapter")
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = trained.eval()(ids).logits
+    assert (expected - base(ids).logits).abs().max() > 1e-2  # the adapters matter
     cls = LlamaForCausalLM if family == "llama" else GPT2LMHeadModel
     model = cls.from_pretrained(hf_dir)
-    adapters = apply_lora_config(model, {"adapter": str(tmp_path / "adapter")})
-    qkv = next(name for name in adapters if name.endswith("attn.qkv"))
-    assert adapters[qkv].A.shape[0] == (6 if family == "llama" else 2)  # GPT-2's c_attn is one module in PEFT too
-    load_peft_adapter(model, tmp_path / "adapter", adapters)
+    layers = apply_lora_config(model, {"adapter": str(tmp_path / "adapter")})
+    qkv = next(name for name in layers if name.endswith("attn.qkv"))
+    assert layers[qkv][0] == (6 if family == "llama" else 2)  # GPT-2's c_attn is one module in PEFT too
+    load_peft_adapter(model, tmp_path / "adapter")
+    assert (model(ids).logits - expected).abs().max() <= 1e-5
+
+
+def test_peft_default_targets_adapt_q_and_v_of_the_fused_qkv(tmp_path):
+    """PEFT adapts q_proj and v_proj of a Llama by default: k's rows of the fused update stay zero."""
+    hf_dir = tiny_llama_hf(tmp_path / "hf")
+    trained = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf_dir),
+                                  peft.LoraConfig(r=2, lora_alpha=4))
+    _randomised_adapters(trained)
+    trained.save_pretrained(tmp_path / "adapter")
+    model = LlamaForCausalLM.from_pretrained(hf_dir)
+    layers = apply_lora_config(model, {"adapter": str(tmp_path / "adapter")})
+    assert sorted({name.rpartition(".")[2] for name in layers}) == ["qkv"]
+    load_peft_adapter(model, tmp_path / "adapter")
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
     assert (model(ids).logits - trained.eval()(ids).logits).abs().max() <= 1e-5
 
@@ -180,7 +197,9 @@ def test_a_lora_run_trains_only_the_adapters(config_file, trained):
     adapter_bytes = sum(p.numel() * 4 for p in adapters)
     # AdamW: two fp32 moments and a step count per adapter factor, nothing for the base
     assert optimizer_state_bytes(trained.optimizer) == 2 * adapter_bytes + 4 * len(adapters)
-    assert gradient_bytes(model) in (0, adapter_bytes)
+    assert gradient_bytes(model) == 0  # the step freed the adapters' gradients; the base never had any
+    model(**next(iter(trained.build_train_loader(trained.cfg)))).loss.backward()
+    assert gradient_bytes(model) == adapter_bytes
     logged = losses(trained.output_dir)
     assert logged[6] < logged[1]
 
@@ -212,12 +231,34 @@ def test_zoo_to_hf_merges_and_writes_a_peft_adapter_that_a_new_run_starts_from(c
     assert (continued.model.eval()(ids).logits - expected).abs().max() <= 1e-5
     assert len(read_peft_adapter(tmp_path / "adapter", continued.model)) == 10
 
+    # its config.yaml records the adapter's layers: the run resumes and exports without the directory
+    lora_run(config_file, tmp_path / "continued", "train.max_iter=1", "train.checkpoint.period=1",
+             f"train.lora.adapter={tmp_path / 'adapter'}")
+    (tmp_path / "adapter").rename(tmp_path / "moved")
+    assert convert(["zoo-to-hf", str(tmp_path / "continued"), str(tmp_path / "exported"), "--adapter"]) == 0
+    resumed = lora_run(config_file, tmp_path / "continued", "train.max_iter=2", "train.checkpoint.period=1",
+                       f"train.lora.adapter={tmp_path / 'adapter'}", resume=True)
+    assert resumed.start_iter == 1 and sorted(losses(tmp_path / "continued")) == [1, 2]
+
 
 def test_lora_on_a_full_fine_tuning_checkpoint_starts_its_adapters_fresh(config_file, tmp_path):
-    """train.load_weight of a checkpoint without adapters: the base loads, the adapters stay as drawn."""
-    assert convert(["hf-to-zoo", str(config_file.parent / "hf"), str(tmp_path / "zoo")]) == 0
-    run = lora_run(config_file, tmp_path / "out", "train.max_iter=1",
-                   f"train.load_weight={tmp_path / 'zoo' / 'model_0000000'}")
-    hf = LlamaForCausalLM.from_pretrained(config_file.parent / "hf")
-    assert all(torch.equal(p, hf.get_parameter(name)) for name, p in run.model.named_parameters()
-               if not p.requires_grad)
+    """train.load_weight of a checkpoint without adapters: its base loads, the adapters stay as drawn;
+    the other way, a checkpoint with adapters is refused by a model without them."""
+    tuned = LlamaForCausalLM.from_pretrained(config_file.parent / "hf")
+    with torch.no_grad():
+        for param in tuned.parameters():
+            param.mul_(1.5)  # a base unlike the config's own from_pretrained one
+    tuned.save_pretrained(tmp_path / "tuned")
+    assert convert(["hf-to-zoo", str(tmp_path / "tuned"), str(tmp_path / "zoo")]) == 0
+    weights = f"train.load_weight={tmp_path / 'zoo' / 'model_0000000'}"
+    run = lora_run(config_file, tmp_path / "out", "train.max_iter=0", weights)
+    fresh = lora_run(config_file, tmp_path / "fresh", "train.max_iter=0")
+    for name, param in run.model.named_parameters():
+        expected = fresh.model.get_parameter(name) if param.requires_grad else tuned.get_parameter(name)
+        assert torch.equal(param, expected), name
+
+    lora_checkpoint = f"train.load_weight={run.output_dir / 'model_0000000'}"
+    run.checkpointer.save("model_0000000", 0)
+    run.checkpointer.wait()
+    with pytest.raises(ValueError, match="holds LoRA adapters the model lacks"):
+        lora_run(config_file, tmp_path / "plain", "train.max_iter=0", "train.lora.rank=0", lora_checkpoint)

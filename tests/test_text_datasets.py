@@ -13,6 +13,7 @@ import datasets
 import numpy as np
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 import torch
 from torch.utils.data import DataLoader
 
@@ -303,6 +304,13 @@ def test_a_stream_rollback_skips_the_batches_read_since_the_checkpoint(config_fi
 def test_a_stream_read_by_worker_processes_is_refused(config_file, tmp_path):
     with pytest.raises(ValueError, match="a stream is read in the training process .* set dataloader.num_workers=0"):
         run_trainer(load(config_file, tmp_path, "dataloader.train.streaming=true", "dataloader.num_workers=2"))
+
+
+def test_a_stream_as_the_test_set_is_refused(config_file, tmp_path):
+    cfg = load(config_file, tmp_path)
+    cfg.dataloader.test = OmegaConf.merge(cfg.dataloader.train, {"streaming": True})
+    with pytest.raises(ValueError, match="dataloader.test is a stream: an evaluation needs the same samples"):
+        run_trainer(cfg)
 
 
 def _dp2_runs(config_file: str, root: str) -> dict:

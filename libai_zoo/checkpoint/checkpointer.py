@@ -397,6 +397,20 @@ class Checkpointer:
         set_state_dict(self.model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=not new_adapters))
 
+    @staticmethod
+    def check_adapters(path: str | Path, model: nn.Module) -> None:
+        """Refuse a checkpoint that holds LoRA adapters `model` (the whole model) lacks: loading it
+        would drop what the run trained without a word."""
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        names = {name for name, _ in model.named_parameters()}
+        lacking = sorted(key.removeprefix("model.") for key in saved
+                         if key.startswith("model.") and is_adapter_parameter(key)
+                         and key.removeprefix("model.") not in names)
+        if lacking:
+            raise ValueError(f"{path} holds LoRA adapters the model lacks ({len(lacking)}, e.g. {lacking[0]}): set "
+                             f"train.lora as the run that wrote it had it (its config.yaml), or export it with "
+                             f"the adapters merged (tools/convert zoo-to-hf) and start from that")
+
     def resume(self, path: str | Path) -> int:
         """Restore everything a run saved in checkpoint `path` (model, optimizer, stateful objects,
         RNG states); return the number of steps it had done. Waits for a pending save first."""

@@ -212,6 +212,7 @@ def load_checkpoint_model(checkpoint: str | Path, model: nn.Module | None = None
         cfg = LazyConfig.load(str(config))
         model = instantiate(cfg.model)
         apply_lora_config(model, (cfg.get("train") or {}).get("lora") or {})  # the run's adapters, if any
+    Checkpointer.check_adapters(checkpoint, model)
     Checkpointer(checkpoint.parent, [model]).load(checkpoint)
     return model.eval()
 

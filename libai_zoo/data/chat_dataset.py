@@ -84,7 +84,8 @@ def build_chat_dataset(path: str, tokenizer_dir: str, max_length: int, *, messag
         raise ValueError(f"no conversation of {path} has an assistant message within max_length = {max_length} "
                          f"tokens: check the roles in {messages_column!r} or raise max_length")
     if pack:
-        samples = kept.map(_pack, batched=True, batch_size=MAP_BATCH, num_proc=num_proc,
+        # one process: packing is cheap, and shards of num_proc would cut the packing differently
+        samples = kept.map(_pack, batched=True, batch_size=MAP_BATCH,
                            remove_columns=kept.column_names, desc="packing conversations",
                            fn_kwargs=dict(max_length=max_length, pad_id=pad_id))
         columns = ["input_ids", "position_ids", "shift_labels"]

@@ -236,7 +236,7 @@ class DefaultTrainer(TrainerBase):
             model = instantiate(cfg.model)
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
-        adapters = self.add_lora(cfg.train.get("lora") or {}, model)
+        self.add_lora(cfg, model)
         built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
                             pipeline=cfg.train.get("pipeline"),
                             activation_checkpoint=cfg.train.activation_checkpoint.enabled,
@@ -252,17 +252,23 @@ class DefaultTrainer(TrainerBase):
         logger.info("model materialised in %.1f s: %s", time.perf_counter() - start,
                     f"{sum(i['bytes_read'] for i in loaded) / 2**20:.2f} MiB read from {model.pretrained_source.path}"
                     if loaded[0] else f"fresh weights from seed {cfg.train.seed}")
-        if adapters is not None:
-            for part in parts:
-                load_peft_adapter(part, cfg.train.lora.adapter, adapters)
-            logger.info("LoRA adapters loaded from %s", cfg.train.lora.adapter)
         return BuiltModel([part.train() for part in parts], pipeline, flops_per_token, model)
 
-    @staticmethod
-    def add_lora(lora: DictConfig | dict, model: nn.Module) -> dict | None:
-        """``train.lora``: LoRA adapters on the (meta-built) model, the rest frozen (`apply_lora_config`);
-        returns the factors of a PEFT adapter to start from, if ``train.lora.adapter`` names one."""
-        adapters = apply_lora_config(model, lora)
+    def add_lora(self, cfg: DictConfig, model: nn.Module) -> None:
+        """``train.lora``: LoRA adapters on the (meta-built) model, the rest frozen (`apply_lora_config`).
+        Started from a PEFT adapter, each adapted layer's rank and alpha are recorded in
+        ``train.lora.layers``, so config.yaml rebuilds the model (a restart of the run, an export)
+        without the adapter directory."""
+        lora = cfg.train.get("lora") or {}
+        saved = self.output_dir / "config.yaml"
+        if lora.get("adapter") and not lora.get("layers") and saved.is_file():
+            cfg.train.lora.layers = (LazyConfig.load(str(saved)).train.get("lora") or {}).get("layers")
+        layers = apply_lora_config(model, lora)
+        if lora.get("adapter") and not lora.get("layers"):
+            if lora.get("rank"):
+                logger.warning("train.lora.adapter is set: the adapter's ranks, alphas and layers are used, not "
+                               "train.lora.rank/alpha/target_modules")
+            cfg.train.lora.layers = {name: list(shape) for name, shape in layers.items()}
         adapted = lora_layers(model)
         if adapted:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -270,7 +276,6 @@ class DefaultTrainer(TrainerBase):
             logger.info("LoRA on %d layers (%s): %.3fM of %.2fM parameters train (%.2f%%), the rest are frozen",
                         len(adapted), ", ".join(sorted({name.rpartition(".")[2] for name in adapted})),
                         trainable / 1e6, total / 1e6, 100 * trainable / total)
-        return adapters
 
     def build_optimizer(self, cfg: DictConfig, model_parts: list[nn.Module]) -> torch.optim.Optimizer:
         """instantiate(cfg.optim) with its ``params`` built for the model parts (param_groups by default)."""
@@ -316,6 +321,9 @@ class DefaultTrainer(TrainerBase):
                              f"another schedule (zero_bubble, interleaved_1f1b), or set dataloader.test=null")
         batch_size = cfg.train.micro_batch_size * (self.accumulation if pipelined else 1)
         dataset = instantiate(cfg.dataloader.test)
+        if isinstance(dataset, IterableDataset):
+            raise ValueError("dataloader.test is a stream: an evaluation needs the same samples every time; build "
+                             "the test set map-style (e.g. build_text_dataset(..., streaming=False))")
         check_dataset(dataset, **self.whole_model.input_limits())
         return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=pipelined)
 
@@ -396,6 +404,11 @@ class DefaultTrainer(TrainerBase):
         weights = self.cfg.train.get("load_weight")
         if weights:
             self.load_weight(weights)
+        adapter = (self.cfg.train.get("lora") or {}).get("adapter")
+        if adapter:
+            for part in self.model_parts:
+                load_peft_adapter(part, adapter)
+            logger.info("LoRA adapters loaded from %s", adapter)
 
     def load_weight(self, path: str | Path) -> None:
         """Model weights only, from a Hugging Face directory or a trainer checkpoint (any layout)."""
@@ -407,6 +420,7 @@ class DefaultTrainer(TrainerBase):
                 for part in self.model_parts:
                     load_hf_weights(part, reader, aliases=aliases)
         else:
+            self.checkpointer.check_adapters(path, self.whole_model)
             self.checkpointer.load(path)
         logger.info("loaded weights from %s", path)
 

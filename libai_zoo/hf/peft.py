@@ -95,6 +95,8 @@ def read_peft_adapter(path: str | Path, model: nn.Module) -> dict[str, Adapter]:
     unsupported = [f"{key}={config[key]!r}" for key, plain in (("peft_type", "LORA"), ("use_dora", False),
                                                                 ("bias", "none"), ("modules_to_save", None))
                    if config.get(key, plain) != plain]
+    if config.get("init_lora_weights", True) not in (True, False, "gaussian"):  # pissa, olora, loftq change the base
+        unsupported.append(f"init_lora_weights={config['init_lora_weights']!r}")
     if unsupported:
         raise ValueError(f"{path}: {', '.join(unsupported)} is not a plain LoRA adapter, the only kind libai_zoo loads")
     factors: dict[str, dict[str, torch.Tensor]] = {}
@@ -108,37 +110,40 @@ def read_peft_adapter(path: str | Path, model: nn.Module) -> dict[str, Adapter]:
                 for module, f in factors.items()}
     result, used = {}, set()
     for name, rule in _rules(model).items():
-        modules = [n.removesuffix(".weight") for n in rule.hf]
-        if name.endswith(".weight") and all(module in adapters for module in modules):
+        modules = [n.removesuffix(".weight") for n in rule.hf if n.removesuffix(".weight") in adapters]
+        if name.endswith(".weight") and modules:
             result[name.removesuffix(".weight")] = rule.load_adapter(adapters)
             used.update(modules)
     unused = sorted(set(adapters) - used)
     if unused:
-        raise ValueError(f"{path}: the adapters of {unused} match no layer of {type(model).__name__} (a fused q/k/v "
-                         f"projection needs all three adapted): it was trained for another model")
+        raise ValueError(f"{path}: the adapters of {unused} match no layer of {type(model).__name__}: it was "
+                         f"trained for another model")
     return result
 
 
-def apply_lora_config(model: nn.Module, lora: dict) -> dict[str, Adapter] | None:
+def apply_lora_config(model: nn.Module, lora: dict) -> dict[str, tuple[int, float]]:
     """Put the adapters ``train.lora`` asks for on `model` (`apply_lora`; it may live on the meta
-    device): ``rank``, ``alpha``, ``dropout`` on ``target_modules``, or the layers, ranks and
-    scales of the PEFT directory ``adapter``, whose factors are then returned (to fill the
-    adapters once allocated: `load_peft_adapter`). None when there is no LoRA (rank 0)."""
-    adapters = read_peft_adapter(lora["adapter"], model) if lora.get("adapter") else None
-    if adapters is None and not lora.get("rank"):
-        return None
-    shapes = None if adapters is None else {name: (a.A.shape[0], a.scale * a.A.shape[0])
-                                            for name, a in adapters.items()}
+    device): ``rank``, ``alpha``, ``dropout`` on ``target_modules``; or each of ``layers`` (layer
+    name -> [rank, alpha]) as given; or the layers, ranks and alphas of the PEFT directory
+    ``adapter`` (its factors are read later: `load_peft_adapter`). Returns the adapted layers'
+    (rank, alpha); nothing when there is no LoRA (rank 0, no adapter)."""
+    layers = lora.get("layers")
+    if not layers and lora.get("adapter"):
+        layers = {name: (a.A.shape[0], a.scale * a.A.shape[0])
+                  for name, a in read_peft_adapter(lora["adapter"], model).items()}
+    if not layers and not lora.get("rank"):
+        return {}
+    shapes = {name: (int(rank), float(alpha)) for name, (rank, alpha) in layers.items()} if layers else None
     apply_lora(model, lora.get("rank", 0), lora.get("alpha", 16.0), dropout=lora.get("dropout", 0.0),
-               target_modules=lora.get("target_modules"), shapes=shapes)
-    return adapters
+               target_modules=lora.get("target_modules"), layers=shapes)
+    return {name: (layer.lora.rank, layer.lora.alpha) for name, layer in lora_layers(model).items()}
 
 
 def _scale(config: dict, module: str, rank: int) -> float:
     """PEFT's scale of one module: lora_alpha / r, or / sqrt(r) with rsLoRA; patterns first."""
     def pattern(key: str, default):
         for expression, value in (config.get(key) or {}).items():
-            if re.fullmatch(rf"(.*\.)?{expression}", module):
+            if re.fullmatch(rf"(.*\.)?({expression})", module):
                 return value
         return default
     alpha = pattern("alpha_pattern", config.get("lora_alpha", 8))
@@ -147,9 +152,9 @@ def _scale(config: dict, module: str, rank: int) -> float:
 
 @torch.no_grad()
 def load_peft_adapter(model: nn.Module, path: str | Path, adapters: dict[str, Adapter] | None = None) -> list[str]:
-    """Fill the adapters `model` holds (whole, split over tp or ZeRO, or a pipeline stage's) from
-    a PEFT directory (or from its `read_peft_adapter` result, read once before the model was
-    split); each must have the file's rank and scale. Returns the layers filled."""
+    """Fill the adapters `model` holds (whole, split over tp or ZeRO, or a pipeline stage's: a
+    copy with the whole model's names) from a PEFT directory (or from its `read_peft_adapter`
+    result); each must have the file's rank and scale. Returns the layers filled."""
     adapters = read_peft_adapter(path, model) if adapters is None else adapters
     filled = []
     for name, layer in lora_layers(model).items():

@@ -108,6 +108,12 @@ class Reshaped(Same):
     def save(self, tensor):
         return {self.name: tensor.reshape(self.hf_shape)}
 
+    def save_adapter(self, adapter):
+        return Rule.save_adapter(self, adapter)  # a Linear here, another kind of layer there
+
+    def load_adapter(self, adapters):
+        return Rule.load_adapter(self, adapters)
+
 
 @dataclass
 class QKV(Rule):
@@ -140,9 +146,19 @@ class QKV(Rule):
         return {_module(name): Adapter(adapter.A, b, adapter.scale) for name, b in zip(self.hf, parts)}
 
     def load_adapter(self, adapters):
-        adapter = _joined([adapters[_module(name)] for name in self.hf])
-        parts = adapter.B.split([a.B.shape[0] for a in (adapters[_module(name)] for name in self.hf)])
-        return Adapter(adapter.A, fuse_qkv(*parts, self.num_kv_heads), adapter.scale)
+        # PEFT's default adapts q and v only: a part without one is a rank-0 adapter (no update)
+        given = [adapters.get(_module(name)) for name in self.hf]
+        known, heads = next((a, h) for a, h in zip(given, self._heads()) if a is not None)
+        head_dim = known.B.shape[0] // heads
+        parts = [a if a is not None else Adapter(known.A.new_zeros(0, known.A.shape[1]),
+                                                 known.B.new_zeros(h * head_dim, 0), known.scale)
+                 for a, h in zip(given, self._heads())]
+        adapter = _joined(parts)
+        rows = adapter.B.split([a.B.shape[0] for a in parts])
+        return Adapter(adapter.A, fuse_qkv(*rows, self.num_kv_heads), adapter.scale)
+
+    def _heads(self) -> tuple[int, int, int]:
+        return self.num_heads, self.num_kv_heads, self.num_kv_heads
 
 
 @dataclass

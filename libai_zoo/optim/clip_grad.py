@@ -25,12 +25,14 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, sum_
     ``sum_over``: process groups whose ranks hold different parameters (pipeline stages): their
     squares are added up. ``exclude``: parameters scaled but not counted (a tied weight's second copy).
     """
+    parameters = list(parameters)
     params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.zeros(())
     grads = [p.grad for p in params]
     skip = {id(p) for p in exclude}
-    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    # A rank may hold no gradient (a pipeline stage whose parameters are all frozen, as under LoRA):
+    # it still joins the reduction over the stages
+    held = grads or parameters
+    device = (held[0].to_local() if isinstance(held[0], DTensor) else held[0]).device if held else None
     replicated = torch.zeros((), device=device)
     sharded: dict[object, torch.Tensor] = {}
     for grad in (p.grad for p in params if id(p) not in skip):

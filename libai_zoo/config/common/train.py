@@ -33,8 +33,9 @@ train = dict(
     load_weight=None,               # a checkpoint or Hugging Face directory to start from; None: fresh init
     # LoRA (rank 0: full fine-tuning): a low-rank adapter on each target Linear (default: the attention and
     # MLP projections: qkv, out, gate, up, down), split as its layer is split over tp; every other parameter
-    # is frozen (no gradient, no optimizer state). adapter: a PEFT adapter directory to start the adapters from.
-    lora=dict(rank=0, alpha=16.0, dropout=0.0, target_modules=None, adapter=None),
+    # is frozen (no gradient, no optimizer state). adapter: a PEFT adapter directory to start the adapters from
+    # (its layers, ranks and alphas replace rank/alpha/target_modules; the run records them in layers).
+    lora=dict(rank=0, alpha=16.0, dropout=0.0, target_modules=None, adapter=None, layers=None),
     # The LR schedule; the trainer fills in the optimizer and the run length when it builds it.
     # Also in libai_zoo.optim: WarmupLinearLR, ConstantLR.
     scheduler=LazyCall("libai_zoo.optim.WarmupCosineLR")(warmup_iters=0, min_lr_ratio=0.0),
