@@ -27,14 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "data/tokenizer")
 SHIPPED = ROOT / "data/chat/python_docs_chat.jsonl"
 EOS = "<|endoftext|>"
-TEMPLATE = """{%- for message in messages %}
-{%- if message['role'] == 'assistant' %}
-{{- '### Assistant:\\n' }}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}
-{%- else %}
-{{- '### ' + (message['role'] | capitalize) + ':\\n' + message['content'] + eos_token }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '### Assistant:\\n' }}{%- endif %}"""
+TEMPLATE = LazyConfig.load(str(ROOT / "projects/llama_sft/config.py")).dataloader.train.chat_template  # marked
 UNMARKED = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 CONVERSATIONS = [
     [{"role": "user", "content": "What does len do?"},

@@ -12,7 +12,7 @@ import pytest
 from distributed_runner import run_distributed
 from libai_zoo.convert import export_adapter
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
-from test_parallel_training import CONFIG, MODELS, ROOT, STEPS, _assert_same, trained_one_step, train
+from test_parallel_training import MODELS, STEPS, _assert_same, train, trained_one_step, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -74,11 +74,7 @@ def _layouts(config_file: str, out: str, layouts: dict, extra: dict) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_parallel")
-    documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:200]
-    (root / "text.txt").write_text("\n\n".join(documents))
-    config_file = root / "config.py"
-    config_file.write_text(CONFIG.format(text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
-                                         cache=root / "cache"))
+    config_file, _ = write_config(root)
     reference = {}
     for model in MODELS:
         plain = root / f"one_{model}_plain"

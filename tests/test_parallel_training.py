@@ -251,14 +251,20 @@ def loss_in_chunks():
     LMHead.chunk_bytes = saved
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
+def write_config(root: Path) -> tuple[Path, list[str]]:
+    """CONFIG over the corpus's first 200 documents, written in `root`; (its path, the documents)."""
     documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:200]
     (root / "text.txt").write_text("\n\n".join(documents))
     config_file = root / "config.py"
     config_file.write_text(CONFIG.format(text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
                                          cache=root / "cache"))
+    return config_file, documents
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    config_file, documents = write_config(root)
     reference = {model: train(str(config_file), str(root / f"one_{model}"), model, ["train.micro_batch_size=8"])
                  for model in MODELS}
     reference.update({(model, "eval"): final_eval_loss(str(root / f"one_{model}")) for model in MODELS})
