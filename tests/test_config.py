@@ -223,6 +223,7 @@ def test_get_config_train_has_the_contract_keys():
         checkpoint=dict(period=500, max_to_keep=None, async_save=False),
         eval=dict(period=0, max_batches=None), clip_grad_norm=1.0, max_bad_steps=5, on_divergence="stop",
         load_weight=None,
+        lora=dict(rank=0, alpha=16.0, dropout=0.0, target_modules=None, adapter=None, layers=None),
         scheduler={"_target_": "libai_zoo.optim.WarmupCosineLR", "warmup_iters": 0, "min_lr_ratio": 0.0},
         tensorboard=False, best_metric=None, best_mode="max",
         pipeline=dict(schedule="1f1b", virtual_stages=1, boundaries=None))
