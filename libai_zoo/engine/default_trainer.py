@@ -45,7 +45,8 @@ from libai_zoo import dist
 from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import MicroBatchSampler, Prefetcher, check_dataset, stream_micro_batches
-from libai_zoo.hf import HFWeightReader, apply_lora_config, check_hf_weights, load_hf_weights, load_peft_adapter
+from libai_zoo.hf import (HFWeightReader, apply_lora_config, check_hf_weights, load_hf_weights, load_peft_adapter,
+                          read_peft_adapter)
 from libai_zoo.layers import lora_layers
 from libai_zoo.models import get_layer_stack
 from libai_zoo.optim import build_optimizer
@@ -406,8 +407,9 @@ class DefaultTrainer(TrainerBase):
             self.load_weight(weights)
         adapter = (self.cfg.train.get("lora") or {}).get("adapter")
         if adapter:
+            factors = read_peft_adapter(adapter, self.whole_model)  # read once for all of this rank's parts
             for part in self.model_parts:
-                load_peft_adapter(part, adapter)
+                load_peft_adapter(part, adapter, factors)
             logger.info("LoRA adapters loaded from %s", adapter)
 
     def load_weight(self, path: str | Path) -> None:
