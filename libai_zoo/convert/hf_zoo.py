@@ -135,12 +135,25 @@ def hf_to_zoo(hf_dir: str | Path, output_dir: str | Path, *, dp: int = 1, tp: in
     config = cls.load_config(hf_dir)
     with torch.device("meta"):
         skeleton = cls(config)
-    problems = check_layout(skeleton, dp, tp, pp)
-    if problems:
-        raise ValueError(f"{hf_dir} ({cls.__name__}) cannot run at dp={dp} tp={tp} pp={pp}:\n  "
-                         + "\n  ".join(problems))
+    _require_layout(skeleton, dp, tp, pp, f"{hf_dir} ({cls.__name__})")
     model = cls.from_pretrained(hf_dir, dtype=dtype)
+    final = write_zoo_checkpoint(model, output_dir, dp=dp, tp=tp, pp=pp, source=hf_dir)
+    shutil.copyfile(hf_dir / "config.json", output_dir / HF_CONFIG)
+    return final
 
+
+def _require_layout(model: nn.Module, dp: int, tp: int, pp: int, what: str) -> None:
+    problems = check_layout(model, dp, tp, pp)
+    if problems:
+        raise ValueError(f"{what} cannot run at dp={dp} tp={tp} pp={pp}:\n  " + "\n  ".join(problems))
+
+
+def write_zoo_checkpoint(model: nn.Module, output_dir: Path, *, dp: int = 1, tp: int = 1, pp: int = 1,
+                         source: str | Path = "") -> Path:
+    """Write a whole model as a libai_zoo checkpoint for a dp × tp × pp run (checked first):
+    model_0000000, last_checkpoint and config.yaml; return the checkpoint directory."""
+    cls = type(model)
+    _require_layout(model, dp, tp, pp, f"{source} ({cls.__name__})")
     final = output_dir / FIRST_CHECKPOINT
     staged = commit.start(final)
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: here that is the intent
@@ -150,13 +163,12 @@ def hf_to_zoo(hf_dir: str | Path, output_dir: str | Path, *, dp: int = 1, tp: in
     record = {
         "model": LazyCall(cls)(config=LazyCall(type(model.config))(**_config_kwargs(model.config))),
         "dist": {"dp": dp, "tp": tp, "pp": pp, "sequence_parallel": False},
-        "conversion": {"source": str(hf_dir.resolve()), "model_class": cls.__name__, "world_size": dp * tp * pp,
+        "conversion": {"source": str(Path(source).resolve()), "model_class": cls.__name__, "world_size": dp * tp * pp,
                        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
     }
     LazyConfig.save(record, output_dir / "config.yaml")
-    shutil.copyfile(hf_dir / "config.json", output_dir / HF_CONFIG)
     commit.finish(final)
-    logger.info("wrote %s from %s", final, hf_dir)
+    logger.info("wrote %s from %s", final, source)
     return final
 
 

@@ -108,28 +108,42 @@ def _numpy_globals() -> list:
             *(type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64))]
 
 
-def load_file(path: str | Path, *, allow_numpy: bool = False) -> dict:
-    """One Megatron .pt file through ``torch.load(weights_only=True)`` (memory-mapped), allowing
-    argparse.Namespace (Megatron's "args") and, with `allow_numpy`, numpy arrays."""
+class MegatronEnum(str):
+    """A Megatron enum member in `args` (e.g. attention_backend = AttnBackend.auto), kept as text."""
+
+
+def _enum_stand_in(qualified_name: str):
+    return lambda value: MegatronEnum(f"{qualified_name.rsplit('.', 1)[-1]}.{value}")
+
+
+def load_file(path: str | Path, *, allow_numpy: bool = False, mmap: bool = True) -> dict:
+    """One Megatron .pt file through ``torch.load(weights_only=True)``, allowing argparse.Namespace
+    (Megatron's "args"), Megatron's enums in it (read as `MegatronEnum` text: no Megatron code
+    runs) and, with `allow_numpy`, numpy arrays."""
     path = Path(path)
-    allowed = [argparse.Namespace, *(_numpy_globals() if allow_numpy else [])]
+    try:
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as error:
+        raise ValueError(f"{path} is not a readable torch checkpoint file: {error}") from error
+    enums = [name for name in needed if name.startswith("megatron.") and ".enums." in name]
+    allowed = [argparse.Namespace, *((_enum_stand_in(name), name) for name in enums),
+               *(_numpy_globals() if allow_numpy else [])]
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:
         import pickle
 
         if not isinstance(error, pickle.UnpicklingError):
             raise ValueError(f"{path} is not a readable torch checkpoint file: {error}") from error
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        unsafe = [name for name in unsafe if name != "argparse.Namespace"]
+        unsafe = [name for name in needed if name != "argparse.Namespace" and name not in enums]
         if unsafe and all(name.startswith("numpy.") for name in unsafe) and not allow_numpy:
             raise ValueError(f"{path} pickles numpy objects ({', '.join(unsafe)}; Megatron-LM saves its RNG state "
                              f"with them): pass --allow-numpy to load them as data (no code runs), or save the "
                              f"checkpoint with --no-save-rng") from None
         raise ValueError(f"{path} pickles objects that are not loaded for safety (weights_only): "
-                         f"{', '.join(unsafe) or error}; only tensors, containers and argparse.Namespace are "
-                         f"read") from None
+                         f"{', '.join(unsafe) or error}; only tensors, containers, argparse.Namespace and Megatron's "
+                         f"enums are read") from None
 
 
 @dataclass
@@ -158,7 +172,7 @@ def shard_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def _iteration_directory(path: Path) -> tuple[Path, str, str]:
+def iteration_directory(path: Path) -> tuple[Path, str, str]:
     """(iteration directory, iteration, how it was found) for a checkpoint root or an iteration directory."""
     if not path.is_dir():
         raise FileNotFoundError(f"{path} does not exist: pass a Megatron-LM checkpoint directory (holding {TRACKER} "
@@ -180,9 +194,9 @@ def _iteration_directory(path: Path) -> tuple[Path, str, str]:
         name = path.name
         iteration = (name[5:].lstrip("0") or "0") if name.startswith("iter_") else name
         return path, iteration, "the directory given"
-    if (path / ".metadata").is_file() or any(path.glob("iter_*/.metadata")):
-        raise ValueError(f"{path} is a Megatron-LM checkpoint in the torch_dist (distributed) format: convert it to "
-                         f"the legacy per-rank format first (Megatron-LM: --ckpt-convert-format torch)")
+    if (path / ".metadata").is_file():  # a torch_dist iteration directory (megatron_core.py reads it)
+        name = path.name
+        return path, (name[5:].lstrip("0") or "0") if name.startswith("iter_") else name, "the directory given"
     iterations = sorted(p.name for p in path.glob("iter_*") if p.is_dir())
     hint = f"; it holds {', '.join(iterations)}: pass one of them" if iterations else ""
     raise FileNotFoundError(f"{path} is not a Megatron-LM checkpoint: no {TRACKER} and no mp_rank_XX "
@@ -193,7 +207,7 @@ def find_checkpoint(path: str | Path, *, allow_numpy: bool = False) -> MegatronC
     """Locate the shard files of the checkpoint at `path` (a checkpoint root or an iteration
     directory), read the run arguments from the first, and check that every shard of the tp × pp
     grid is there; a missing one is an error naming the expected file."""
-    directory, iteration, source = _iteration_directory(Path(path))
+    directory, iteration, source = iteration_directory(Path(path))
     found: dict[tuple[int, int], Path] = {}
     odd = []
     for sub in sorted(directory.glob("mp_rank_*")):
@@ -341,17 +355,17 @@ def merge_tensor_parallel(checkpoint: MegatronCheckpoint, pp_rank: int, *, heads
     return merged
 
 
-def _activation(checkpoint: MegatronCheckpoint) -> str:
+def activation(args: argparse.Namespace | None) -> str:
     """Megatron-LM's GELU as Hugging Face names it: the tanh approximation when --openai-gelu or
     the fused bias-GELU kernel (on by default) computed it, exact erf GELU otherwise."""
-    if checkpoint.args is None:
+    if args is None:
         return "gelu_new"
     for flag in ("swiglu", "squared_relu"):
-        if checkpoint.arg(flag, False):
-            raise ValueError(f"{checkpoint.directory}: args.{flag} = True; GPT-2 has a GELU MLP")
-    if checkpoint.arg("openai_gelu", False):
+        if getattr(args, flag, False):
+            raise ValueError(f"args.{flag} = True; GPT-2 has a GELU MLP")
+    if getattr(args, "openai_gelu", False):
         return "gelu_new"
-    if checkpoint.arg("bias_gelu_fusion", False) and checkpoint.arg("add_bias_linear", True):
+    if getattr(args, "bias_gelu_fusion", False) and getattr(args, "add_bias_linear", True):
         return "gelu_new"
     return "gelu"
 
@@ -467,18 +481,18 @@ def megatron_to_zoo_state_dict(checkpoint: MegatronCheckpoint, *, vocab_size: in
     config = models.GPT2Config(
         vocab_size=vocab, n_positions=state["transformer.wpe.weight"].shape[0], n_embd=hidden, n_layer=num_layers,
         n_head=heads, n_inner=state["transformer.h.0.mlp.up.weight"].shape[0],
-        activation_function=_activation(checkpoint), layer_norm_epsilon=checkpoint.arg("layernorm_epsilon", 1e-5),
+        activation_function=activation(checkpoint.args), layer_norm_epsilon=checkpoint.arg("layernorm_epsilon", 1e-5),
         resid_pdrop=checkpoint.arg("hidden_dropout", 0.1), embd_pdrop=checkpoint.arg("hidden_dropout", 0.1),
         attn_pdrop=checkpoint.arg("attention_dropout", 0.1), tie_word_embeddings=not untied,
         bos_token_id=eos, eos_token_id=eos)
     return state, config
 
 
-def megatron_to_hf(path: str | Path, output_dir: str | Path, *, vocab_size: int | None = None,
+def legacy_to_hf(path: str | Path, output_dir: str | Path, *, vocab_size: int | None = None,
                    num_attention_heads: int | None = None, dtype: torch.dtype | str | None = None,
                    max_shard_size: int | str = "5GB", allow_numpy: bool = False):
-    """Convert the Megatron-LM GPT checkpoint at `path` (its root, or an iteration directory) into
-    a Hugging Face GPT-2 directory; return (the checkpoint found, the GPT2Config written)."""
+    """Convert the legacy Megatron-LM GPT checkpoint at `path` (its root, or an iteration directory)
+    into a Hugging Face GPT-2 directory; return (the checkpoint found, the GPT2Config written)."""
     checkpoint = find_checkpoint(path, allow_numpy=allow_numpy)
     state, config = megatron_to_zoo_state_dict(checkpoint, vocab_size=vocab_size,
                                                num_attention_heads=num_attention_heads)

@@ -116,6 +116,43 @@ class Reshaped(Same):
 
 
 @dataclass
+class Part(Same):
+    """Block `index` of `count` equal blocks along dim 0 of one checkpoint tensor, which several
+    parameters share (Megatron's `linear_fc1` = [gate; up]). `save` gives this block only: the
+    writer joins the blocks of one name in rule order."""
+
+    index: int = 0
+    count: int = 1
+
+    def load(self, read, shard, zoo_shape, rows=None):
+        block = _block(shard, zoo_shape, rows)
+        start, end = block.get(0, (0, zoo_shape[0]))
+        block[0] = (self.index * zoo_shape[0] + start, self.index * zoo_shape[0] + end)
+        return read(self.name, block)
+
+    def hf_shapes(self, zoo_shape):
+        return {self.name: torch.Size([self.count * zoo_shape[0], *zoo_shape[1:]])}
+
+
+@dataclass
+class PaddedRows(Same):
+    """A vocabulary table stored with extra rows (Megatron pads it to a multiple of
+    make_vocab_size_divisible_by × tp): loading keeps the first rows, saving repeats the last
+    real row up to `padded_rows`, as Megatron-LM's own converter pads."""
+
+    padded_rows: int = 0
+
+    def load(self, read, shard, zoo_shape, rows=None):
+        block = _block(shard, zoo_shape, rows)
+        block.setdefault(0, (0, zoo_shape[0]))
+        return read(self.name, block)
+
+    def save(self, tensor):
+        extra = self.padded_rows - tensor.shape[0]
+        return {self.name: torch.cat([tensor, tensor[-1:].expand(extra, *tensor.shape[1:])]) if extra > 0 else tensor}
+
+
+@dataclass
 class QKV(Rule):
     """Separate q, k, v projections (weights or biases) -> the grouped fused `qkv` of `Attention`."""
 

@@ -1,0 +1,145 @@
+"""Megatron-LM's `torch_dist` checkpoint directories, read and written without running a pickle.
+
+Megatron-LM (Megatron-Core models, `--ckpt-format torch_dist`, its default) writes one directory
+per iteration:
+
+    MEGATRON_DIR/
+      latest_checkpointed_iteration.txt     "1000", or "release"
+      iter_0001000/ (or release/)
+        .metadata, __R_I.distcp             a torch.distributed.checkpoint: every tensor under its
+                                            global name and shape, whatever tp/pp/ep saved it
+        common.pt                           torch.save of what is not sharded: "args" (the run's
+                                            argparse.Namespace), "iteration", "checkpoint_version", ...
+        metadata.json                       {"sharded_backend": "torch_dist", ...}
+
+The layers of a homogeneous decoder are stacked into one tensor per kind with a leading layer
+axis (`decoder.layers.self_attention.linear_qkv.weight`: [num_layers, rows, cols]);
+heterogeneous models keep `decoder.layers.{i}.*`. `read_tensors` and `write_checkpoint` take and
+give per-layer names (`decoder.layers.{i}.*`) either way.
+
+Safety: DCP's own reader unpickles `.metadata` with `pickle.load`; `SafeReader` allows in it only
+torch.distributed.checkpoint's metadata classes, torch.Size and dtypes. Tensors come through
+``torch.load(weights_only=True)``, and `common.pt` through ``weights_only`` with
+argparse.Namespace and Megatron's enums (read as text; no Megatron code runs).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, load, save
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from .megatron import load_file
+
+COMMON = "common.pt"
+METADATA_JSON = "metadata.json"
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+           "common_backend_version": 1}
+# What a Megatron-Core GPT model's tensors are named under (the rest: optimizer, rng, ... not read).
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
+STACKED = "decoder.layers."
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata`: its dataclasses and enums, torch.Size, dtypes and layouts only."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+               "torch.distributed.checkpoint.filesystem")
+
+    def find_class(self, module: str, name: str):
+        found = None
+        if module in self.MODULES:
+            found = getattr(__import__(module, fromlist=[name]), name, None)
+            found = found if isinstance(found, type) else None
+        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            found = getattr(torch, name)
+        elif (module, name) in (("torch.serialization", "_get_layout"), ("collections", "OrderedDict")):
+            found = getattr(__import__(module, fromlist=[name]), name)
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a torch.distributed.checkpoint metadata class; "
+                                         f"it is not unpickled for safety")
+        return found
+
+
+class SafeReader(FileSystemReader):
+    """torch.distributed.checkpoint's file reader with `.metadata` unpickled by an allow-list."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as file:
+                metadata = _MetadataUnpickler(file).load()
+        except pickle.UnpicklingError as error:
+            raise ValueError(f"{path}: {error}") from None
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_common(directory: Path) -> dict:
+    """`common.pt` through ``torch.load(weights_only=True)`` (`megatron.load_file`)."""
+    path = directory / COMMON
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no {COMMON}: a Megatron-LM torch_dist checkpoint keeps its run "
+                                f"arguments there; copy the whole iteration directory")
+    return load_file(path, mmap=False)
+
+
+def is_torch_dist(directory: Path) -> bool:
+    """Whether `directory` is a torch_dist iteration directory."""
+    if (directory / METADATA_JSON).is_file():
+        return json.loads((directory / METADATA_JSON).read_text()).get("sharded_backend") == "torch_dist"
+    return (directory / ".metadata").is_file() and (directory / COMMON).is_file()
+
+
+def tensor_shapes(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every tensor of the checkpoint (model, optimizer, ...): global shape and dtype, from `.metadata`."""
+    metadata = SafeReader(str(directory)).read_metadata()
+    return {key: (item.size, item.properties.dtype) for key, item in metadata.state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata)}
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a torch_dist checkpoint, whole, under per-layer names (stacked layers
+    unstacked along their leading axis; `_extra_state` left out)."""
+    keys = {key: spec for key, spec in tensor_shapes(directory).items()
+            if key.startswith(MODEL_PREFIXES) and "_extra_state" not in key}
+    state = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in keys.items()}
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group: here that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load(state, storage_reader=SafeReader(str(directory)))
+    tensors = {}
+    for key, tensor in state.items():
+        if key.startswith(STACKED) and not LAYER.match(key):
+            tensors.update({f"{STACKED}{i}.{key[len(STACKED):]}": layer for i, layer in enumerate(tensor)})
+        else:
+            tensors[key] = tensor
+    return tensors
+
+
+def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], common: dict) -> None:
+    """Write a torch_dist iteration directory Megatron-Core loads: per-layer names stacked into
+    `decoder.layers.*` [num_layers, ...] (every layer has the same tensors), `common` as common.pt."""
+    stacked: dict[str, list[torch.Tensor]] = {}
+    flat = {}
+    for name, tensor in tensors.items():
+        match = LAYER.match(name)
+        if match:
+            stacked.setdefault(STACKED + match[2], []).append((int(match[1]), tensor))
+        else:
+            flat[name] = tensor
+    for key, layers in stacked.items():
+        flat[key] = torch.stack([tensor for _, tensor in sorted(layers, key=lambda item: item[0])])
+    directory.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save(flat, storage_writer=FileSystemWriter(str(directory)))
+    torch.save(common, directory / COMMON)
+    (directory / METADATA_JSON).write_text(json.dumps(BACKEND))

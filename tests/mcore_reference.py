@@ -1,0 +1,197 @@
+"""Megatron-Core itself, for the conversion tests (run as a script, so its global parallel state
+and CUDA stand-ins never touch the pytest process).
+
+    python tests/mcore_reference.py build OUT --tp 2 --pp 2     # GPT and Llama checkpoints, torch_dist and torch files
+    python tests/mcore_reference.py forward CKPT... --ids IDS.pt --out LOGITS.pt   # load each, logits of IDS
+
+`build` runs tp × pp forked gloo ranks that build Megatron-Core GPTModels (CPU initialisation,
+every weight then moved off its initial value so biases and norms count), and save each as
+Megatron-LM does: `dist_checkpointing.save` (torch_dist) and per-rank `model_optim_rng.pt` files,
+with Megatron-LM-style args. `forward` rebuilds a GPTModel from a torch_dist checkpoint's args as
+Megatron-LM's model provider would, loads it with `dist_checkpointing.load` and writes its logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+FAMILIES = {
+    "gpt": dict(num_layers=4, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4, kv_channels=8,
+                group_query_attention=False, num_query_groups=4, max_position_embeddings=64, seq_length=64,
+                position_embedding_type="learned_absolute", normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False,
+                openai_gelu=False, bias_gelu_fusion=False, add_bias_linear=True, add_qkv_bias=True,
+                untie_embeddings_and_output_weights=False, vocab_size=100, make_vocab_size_divisible_by=64,
+                rotary_base=10000, rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0,
+                rotary_seq_len_interpolation_factor=None),
+    "llama": dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=8,
+                  group_query_attention=True, num_query_groups=2, max_position_embeddings=16384, seq_length=64,
+                  position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
+                  openai_gelu=False, bias_gelu_fusion=False, add_bias_linear=False, add_qkv_bias=False,
+                  untie_embeddings_and_output_weights=True, vocab_size=100, make_vocab_size_divisible_by=64,
+                  rotary_base=500000, rotary_percent=1.0, use_rope_scaling=True, rope_scaling_factor=8.0,
+                  rotary_seq_len_interpolation_factor=None),
+}
+
+
+def _stand_ins() -> None:
+    """What Megatron-Core's saver and attention ask of CUDA, answered on CPU."""
+    from megatron.core.tensor_parallel import random
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the tied head's first all-reduce between end stages
+    random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+
+
+def gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True):
+    """A GPTModel as Megatron-LM's model provider builds it from its args (local layer spec)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.utils import openai_gelu
+
+    activation = F.silu if args.swiglu else openai_gelu if args.openai_gelu else F.gelu
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
+        activation_func=activation, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        bias_activation_fusion=args.bias_gelu_fusion, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    return GPTModel(config, get_gpt_layer_local_spec(normalization=args.normalization),
+                    vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
+                    rope_scaling_factor=args.rope_scaling_factor,
+                    seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor)
+
+
+def megatron_args(family: str, tp: int, pp: int) -> argparse.Namespace:
+    from megatron.core.transformer.enums import AttnBackend
+
+    values = dict(FAMILIES[family])
+    multiple = values["make_vocab_size_divisible_by"] * tp
+    return argparse.Namespace(**values, padded_vocab_size=-(-values["vocab_size"] // multiple) * multiple,
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              params_dtype=torch.float32,
+                              hidden_dropout=0.0, attention_dropout=0.0, attention_backend=AttnBackend.auto,
+                              ckpt_format="torch_dist", use_mcore_models=True, transformer_impl="local")
+
+
+def _move_off_init(model, tied: bool, tp_rank: int, pp_rank: int) -> None:
+    """Every weight away from its initial value (biases are 0 and norms 1 at first); a tensor
+    every tp rank holds whole gets the same values on all of them."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if tied and name == "output_layer.weight":
+                continue  # the last stage's copy of the tied embedding: never saved
+            split = getattr(param, "tensor_model_parallel", False)
+            seed = zlib.crc32(f"{name}/{pp_rank}/{tp_rank if split else 0}".encode())
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+
+
+def _build_rank(rank: int, out: str, tp: int, pp: int, port: int) -> None:
+    from megatron.core import dist_checkpointing, parallel_state
+
+    _stand_ins()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp * pp)
+    parallel_state.initialize_model_parallel(tp, pp)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    for family in FAMILIES:
+        torch.manual_seed(1234 + pp_rank)
+        args = megatron_args(family, tp, pp)
+        model = gpt_model(args, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+        _move_off_init(model, not args.untie_embeddings_and_output_weights, tp_rank, pp_rank)
+        root = Path(out) / family
+        dist_dir = root / "torch_dist" / "iter_0000010"
+        if rank == 0:
+            dist_dir.mkdir(parents=True)
+            (root / "torch_dist" / "latest_checkpointed_iteration.txt").write_text("10")
+        dist.barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args, "iteration": 10,
+                                 "checkpoint_version": 3.0}, str(dist_dir))
+        shard = root / "torch" / "iter_0000010" / (f"mp_rank_{tp_rank:02d}" if pp == 1
+                                                   else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+        shard.mkdir(parents=True)
+        torch.save({"args": args, "iteration": 10, "checkpoint_version": 3.0, "model": model.state_dict()},
+                   shard / "model_optim_rng.pt")
+        if rank == 0:
+            (root / "torch" / "latest_checkpointed_iteration.txt").write_text("10")
+        dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def build(out: str, tp: int, pp: int) -> None:
+    import torch.multiprocessing as mp
+
+    port = 29000 + os.getpid() % 2000
+    mp.start_processes(_build_rank, args=(out, tp, pp, port), nprocs=tp * pp, start_method="fork")
+
+
+def forward(checkpoints: list[str], ids_file: str, out_file: str) -> None:
+    """Load each torch_dist checkpoint into a one-process GPTModel; save {checkpoint: logits}."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    _stand_ins()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{31000 + os.getpid() % 2000}", rank=0,
+                            world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    ids = torch.load(ids_file)
+    logits = {}
+    for checkpoint in checkpoints:
+        directory = Path(checkpoint)
+        tracker = directory / "latest_checkpointed_iteration.txt"
+        if tracker.is_file():
+            text = tracker.read_text().strip()
+            directory = directory / (text if text == "release" else f"iter_{int(text):07d}")
+        common = dist_checkpointing.load_common_state_dict(str(directory))
+        args = argparse.Namespace(**{**vars(common["args"]), "tensor_model_parallel_size": 1,
+                                     "pipeline_model_parallel_size": 1})
+        model = gpt_model(args).eval()
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
+        model.load_state_dict(state["model"])
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)[None, None]  # True: masked
+        with torch.no_grad():
+            logits[checkpoint] = model(ids, positions, attention_mask=causal)
+    torch.save(logits, out_file)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("build")
+    p.add_argument("out")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p = commands.add_parser("forward")
+    p.add_argument("checkpoints", nargs="+")
+    p.add_argument("--ids", required=True)
+    p.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.command == "build":
+        build(args.out, args.tp, args.pp)
+    else:
+        forward(args.checkpoints, args.ids, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
