@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 import yaml
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from libai_zoo.checkpoint.commit import POINTER
 from libai_zoo.hf import HFWeightReader, read_config
 
 from .hf_zoo import resolve_checkpoint
-from .megatron import find_checkpoint, flatten
+from .megatron import find_checkpoint, flatten, iteration_directory
+from .torch_dist import COMMON, SafeReader, is_torch_dist, read_common, tensor_shapes
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -100,7 +100,7 @@ def describe_dcp(path: str | Path) -> str:
     """A libai_zoo checkpoint: its files, the run's layout, trainer state and every tensor with
     its global shape and the chunks it was saved in."""
     path = Path(path)
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = SafeReader(str(path)).read_metadata()
     files = sorted(p.name for p in path.glob("*.distcp"))
     states = sorted(path.glob("trainer_state_rank*.pt"), key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
     lines = [f"libai_zoo checkpoint {path} (torch.distributed.checkpoint)",
@@ -126,20 +126,55 @@ def describe_dcp(path: str | Path) -> str:
     return "\n".join(lines)
 
 
+ARGS_SHOWN = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+              "seq_length", "padded_vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+              "params_dtype")
+# What decides a Megatron-Core model's family and form (megatron_core.megatron_config reads them).
+ARCHITECTURE_SHOWN = ("position_embedding_type", "normalization", "swiglu", "group_query_attention",
+                      "num_query_groups", "kv_channels", "add_bias_linear", "add_qkv_bias",
+                      "untie_embeddings_and_output_weights", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
+                      "vocab_size", "make_vocab_size_divisible_by")
+
+
+def _args_line(args, keys: tuple[str, ...]) -> str:
+    return " ".join(f"{k}={getattr(args, k)}" for k in keys if getattr(args, k, None) is not None)
+
+
+def describe_torch_dist(directory: Path, iteration: str, source: str) -> str:
+    """A Megatron-LM torch_dist checkpoint: iteration, its args, and every tensor's global shape."""
+    common = read_common(directory)
+    args = common.get("args")
+    shapes = tensor_shapes(directory)
+    model = {k: v for k, v in shapes.items() if k.startswith(("embedding.", "decoder.", "output_layer.", "mtp."))}
+    lines = [f"Megatron-LM checkpoint {directory} (iteration {iteration}, from {source})",
+             f"  format: torch_dist ({len(list(directory.glob('*.distcp')))} data files, {COMMON}), checkpoint_version "
+             f"{common.get('checkpoint_version')}; saved at tp={getattr(args, 'tensor_model_parallel_size', '?')} "
+             f"pp={getattr(args, 'pipeline_model_parallel_size', '?')} (the format is layout-free)",
+             f"  args: {_args_line(args, ARGS_SHOWN)}" if args is not None else "  args: none saved"]
+    if args is not None:
+        lines.append(f"  architecture: {_args_line(args, ARCHITECTURE_SHOWN)}")
+    if "hf_config" in common:
+        lines.append(f"  Hugging Face config kept in {COMMON}: model_type {common['hf_config'].get('model_type')}")
+    lines.append(f"  model: {len(model)} tensors (layers stacked along dim 0); {len(shapes) - len(model)} other "
+                 f"tensors (optimizer, ...)")
+    lines += _table([(name, _shape(size), _dtype(dtype)) for name, (size, dtype) in sorted(model.items())])
+    return "\n".join(lines)
+
+
 def describe_megatron(path: str | Path, *, allow_numpy: bool = False) -> str:
     """A Megatron-LM checkpoint: iteration, tp/pp, the run arguments that size the model, and the
-    tensors of every shard file."""
+    tensors of every shard file (torch format) or their global shapes (torch_dist)."""
+    directory, iteration, source = iteration_directory(Path(path))
+    if is_torch_dist(directory):
+        return describe_torch_dist(directory, iteration, source)
     checkpoint = find_checkpoint(path, allow_numpy=allow_numpy)
     names = [f.parent.name for _, f in sorted(checkpoint.files.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
     lines = [f"Megatron-LM checkpoint {checkpoint.directory} (iteration {checkpoint.iteration}, "
              f"from {checkpoint.source})",
              f"  layout: tp={checkpoint.tp} pp={checkpoint.pp} ({len(names)} shard files: {', '.join(names[:4])}"
              f"{', ...' if len(names) > 4 else ''}), checkpoint_version {checkpoint.checkpoint_version}"]
-    keys = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-            "seq_length", "padded_vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-            "params_dtype")
     if checkpoint.args is not None:
-        lines.append("  args: " + " ".join(f"{k}={checkpoint.arg(k)}" for k in keys if checkpoint.arg(k) is not None))
+        lines.append(f"  args: {_args_line(checkpoint.args, ARGS_SHOWN)}")
     else:
         lines.append("  args: none saved")
     for (t, p), file in sorted(checkpoint.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -157,6 +192,8 @@ def checkpoint_kind(path: str | Path) -> str:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} does not exist (or is not a directory): pass a checkpoint directory")
+    if is_torch_dist(path):
+        return "megatron"
     if (path / ".metadata").is_file():
         return "zoo"
     if (path / POINTER).is_file():

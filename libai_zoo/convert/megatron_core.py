@@ -269,7 +269,8 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
         fp16=dtype == torch.float16, apply_layernorm_1p=False, qk_layernorm=False, squared_relu=False, num_experts=None,
         bias_gelu_fusion=False, bias_swiglu_fusion=False, rotary_interleaved=False, iteration=0,
         consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
-        init_method_std=config.initializer_range, tokenizer_type="HuggingFaceTokenizer")
+        init_method_std=config.initializer_range, tokenizer_type="HuggingFaceTokenizer", rotary_base=10000,
+        rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None)
     if family == "gpt":
         if config.activation_function not in ("gelu_new", "gelu", "gelu_pytorch_tanh"):
             raise ValueError(f"activation_function {config.activation_function!r} has no Megatron-LM flag (GELU: "
@@ -294,7 +295,7 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
             raise ValueError(f"biases on q/k/v {qkv_b}, o {out_b}, MLP {mlp_b}: Megatron-LM has all of them "
                              f"(--add-bias-linear), none, or q/k/v only (--add-qkv-bias)")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope = dict(use_rope_scaling=False, rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None)
+        rope = {}
         if scaling is not None and scaling["rope_type"] == "llama3":
             others = {key: scaling.get(key) for key in LLAMA3_SCALING if scaling.get(key) != LLAMA3_SCALING[key]}
             if others:
@@ -311,9 +312,9 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
             seq_length=config.max_position_embeddings, position_embedding_type="rope", normalization="RMSNorm",
             norm_epsilon=config.rms_norm_eps, swiglu=True, openai_gelu=False, add_bias_linear=out_b,
             add_qkv_bias=qkv_b, untie_embeddings_and_output_weights=not config.tie_word_embeddings,
-            rotary_base=int(base) if float(base).is_integer() else base, rotary_percent=1.0, hidden_dropout=0.0,
-            attention_dropout=config.attention_dropout, **rope)
-    return argparse.Namespace(**common, **specific)
+            hidden_dropout=0.0, attention_dropout=config.attention_dropout,
+            rotary_base=int(base) if float(base).is_integer() else base, **rope)
+    return argparse.Namespace(**{**common, **specific})
 
 
 # ----------------------------------------------------------------------------- reading

@@ -45,10 +45,14 @@ BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 STACKED = "decoder.layers."
+# The layer modules that keep an `_extra_state` (Transformer Engine's FP8 metadata; None in
+# Megatron-Core's local layers): its loader requires one per layer, for either layer spec.
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.core_attention",
+                       "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP `.metadata`: its dataclasses and enums, torch.Size, dtypes and layouts only."""
+    """Unpickles a DCP `.metadata`: its dataclasses and enums, torch.Size, dtypes, layouts and paths only."""
 
     MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
                "torch.distributed.checkpoint.filesystem")
@@ -60,7 +64,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             found = found if isinstance(found, type) else None
         elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
             found = getattr(torch, name)
-        elif (module, name) in (("torch.serialization", "_get_layout"), ("collections", "OrderedDict")):
+        elif (module, name) in (("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")):
             found = getattr(__import__(module, fromlist=[name]), name)
         if found is None:
             raise pickle.UnpicklingError(f"{module}.{name} is not a torch.distributed.checkpoint metadata class; "
@@ -126,7 +131,8 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], common: dict) -> None:
     """Write a torch_dist iteration directory Megatron-Core loads: per-layer names stacked into
-    `decoder.layers.*` [num_layers, ...] (every layer has the same tensors), `common` as common.pt."""
+    `decoder.layers.*` [num_layers, ...] (every layer has the same tensors), an empty
+    `_extra_state` per layer module, `common` as common.pt."""
     stacked: dict[str, list[torch.Tensor]] = {}
     flat = {}
     for name, tensor in tensors.items():
@@ -137,6 +143,12 @@ def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], common: 
             flat[name] = tensor
     for key, layers in stacked.items():
         flat[key] = torch.stack([tensor for _, tensor in sorted(layers, key=lambda item: item[0])])
+    num_layers = len(next(iter(stacked.values()), []))
+    for module in EXTRA_STATE_MODULES:  # what Megatron-Core's loader asks for besides tensors
+        for i in range(num_layers):
+            # Megatron-Core stores a list of the objects; None means "nothing to restore" to its
+            # local layers and to Transformer Engine's
+            flat[f"{STACKED}{module}._extra_state/shard_{i}_{num_layers}"] = [None]
     directory.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -3,7 +3,13 @@
     python tools/convert hf-to-zoo HF_DIR OUT_DIR [--dp N --tp N --pp N]
     python tools/convert zoo-to-hf CHECKPOINT_DIR OUT_DIR [--max-shard-size 5GB] [--adapter]
     python tools/convert megatron-to-hf MEGATRON_DIR OUT_DIR [--vocab-size N]
+    python tools/convert megatron-to-zoo MEGATRON_DIR OUT_DIR [--dp N --tp N --pp N]
+    python tools/convert hf-to-megatron HF_DIR OUT_DIR [--make-vocab-size-divisible-by 128]
+    python tools/convert zoo-to-megatron CHECKPOINT_DIR OUT_DIR
     python tools/convert inspect PATH
+
+Megatron-LM: Megatron-Core GPT and Llama models in the torch_dist format (read and written) or
+per-rank torch files (read), and legacy GPT checkpoints (language_model names, read).
 
 libai_zoo checkpoints (torch.distributed.checkpoint) keep every tensor's global shape, so a
 checkpoint written at one layout loads at any other: conversions run in one process, and a run
@@ -52,6 +58,13 @@ def _output(parser: argparse.ArgumentParser, *, max_shard_size: bool) -> None:
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT_DIR")
 
 
+def _layout(parser: argparse.ArgumentParser) -> None:
+    """--dp, --tp, --pp: the layout a written libai_zoo checkpoint is checked against."""
+    for name, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline")):
+        parser.add_argument(f"--{name}", type=_positive, default=1, metavar="N",
+                            help=f"{what}-parallel size of the target run (default 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=raw)
@@ -70,9 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "    OUT_DIR/hf_config.json   the source's config.json")
     p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model directory (config.json + safetensors)")
     _output(p, max_shard_size=False)
-    for name, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline")):
-        p.add_argument(f"--{name}", type=_positive, default=1, metavar="N",
-                       help=f"{what}-parallel size of the target run (default 1)")
+    _layout(p)
     p.add_argument("--model-class", help="libai_zoo class to load (default: from config.json's model_type and "
                                          "architectures), e.g. BertForSequenceClassification")
     p.add_argument("--dtype", choices=DTYPES, help="store the weights in this dtype (default: as in HF_DIR)")
@@ -90,23 +101,74 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", action="store_true", help="write only the LoRA adapters, as PEFT names them")
     _output(p, max_shard_size=True)
 
+    megatron_reads = (
+        "Reads Megatron-LM checkpoints (the root with latest_checkpointed_iteration.txt, or one iteration\n"
+        "directory) at any tp/pp:\n"
+        "  - Megatron-Core GPTModel, torch_dist format (iter_XXXXXXX/.metadata, common.pt) or per-rank torch\n"
+        "    files (mp_rank_TT[_PPP]/model_optim_rng.pt with decoder.layers... names):\n"
+        "      GPT family   learned positions, LayerNorm, GELU, biases, tied or untied head -> GPT-2\n"
+        "      Llama family RoPE (base, llama3 or linear scaling), RMSNorm, SwiGLU, grouped-query\n"
+        "                   attention, untied or tied head, biases: none, all, or q/k/v (Qwen2) -> Llama\n"
+        "  - legacy GPT (language_model.encoder names, torch files) -> GPT-2 (megatron-to-hf only)\n"
+        "The architecture comes from the args saved with the checkpoint and is checked against the\n"
+        "tensors; every mismatch is named in one error. Tensors are read through\n"
+        "torch.distributed.checkpoint and torch.load(weights_only=True); no pickle runs code.")
+
+    def megatron_source(p: argparse.ArgumentParser) -> None:
+        p.add_argument("megatron_dir", metavar="MEGATRON_DIR",
+                       help="checkpoint root (with latest_checkpointed_iteration.txt) or one iteration directory")
+
+    def megatron_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--vocab-size", type=_positive, metavar="N",
+                       help="keep only this many vocabulary rows (the tokenizer's size; Megatron pads the vocabulary "
+                            "to a multiple of 128 x tp); default: args.vocab_size if saved, else all padded rows")
+        p.add_argument("--dtype", choices=DTYPES, help="write the weights in this dtype (default: as saved)")
+        p.add_argument("--allow-numpy", action="store_true",
+                       help="also unpickle numpy arrays (Megatron's saved RNG state) as data; nothing else is allowed")
+
     p = commands.add_parser(
-        "megatron-to-hf", formatter_class=raw, help="Megatron-LM GPT checkpoint (tp/pp shards) -> Hugging Face GPT-2",
-        description="Join a Megatron-LM GPT checkpoint's tensor- and pipeline-parallel shards\n"
-                    "(iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt, legacy torch format) into a Hugging Face\n"
-                    "GPT-2 directory. Every shard of the tp x pp grid must be present; every tensor of the model\n"
-                    "must be found, and nothing else (it is loaded into libai_zoo's GPT-2, which writes it).")
-    p.add_argument("megatron_dir", metavar="MEGATRON_DIR",
-                   help="checkpoint root (with latest_checkpointed_iteration.txt) or one iter_XXXXXXX directory")
+        "megatron-to-hf", formatter_class=raw, help="Megatron-LM checkpoint (any tp/pp) -> Hugging Face GPT-2 / Llama",
+        description="Write a Megatron-LM checkpoint as a Hugging Face directory (through libai_zoo's model, whose\n"
+                    "save_pretrained writes it; transformers loads it).\n\n" + megatron_reads)
+    megatron_source(p)
     _output(p, max_shard_size=True)
-    p.add_argument("--vocab-size", type=_positive, metavar="N",
-                   help="keep only this many vocabulary rows (the tokenizer's size; Megatron pads the vocabulary to "
-                        "a multiple of 128 x tp); default: args.padded_vocab_size")
+    megatron_options(p)
     p.add_argument("--num-attention-heads", type=_positive, metavar="N",
-                   help="only for checkpoints saved without args")
-    p.add_argument("--dtype", choices=DTYPES, help="write the weights in this dtype (default: as saved)")
-    p.add_argument("--allow-numpy", action="store_true",
-                   help="also unpickle numpy arrays (Megatron's saved RNG state) as data; nothing else is allowed")
+                   help="only for legacy checkpoints saved without args")
+
+    p = commands.add_parser(
+        "megatron-to-zoo", formatter_class=raw,
+        help="Megatron-Core checkpoint (any tp/pp) -> libai_zoo checkpoint for a dp/tp/pp layout",
+        description="Write a Megatron-Core checkpoint as a libai_zoo checkpoint (OUT_DIR/model_0000000, as hf-to-zoo\n"
+                    "writes one): a run starts from it with train.load_weight=OUT_DIR/model_0000000, each rank\n"
+                    "reading only its shards.\n\n" + megatron_reads)
+    megatron_source(p)
+    _output(p, max_shard_size=False)
+    _layout(p)
+    megatron_options(p)
+
+    for name, source, what in (("hf-to-megatron", "hf_dir", "Hugging Face GPT-2 or Llama (Qwen2) directory"),
+                               ("zoo-to-megatron", "checkpoint", "libai_zoo checkpoint (any layout)")):
+        p = commands.add_parser(
+            name, formatter_class=raw, help=f"{what} -> Megatron-Core torch_dist checkpoint",
+            description=f"Write a {what} as a Megatron-Core checkpoint, torch_dist format:\n\n"
+                        "  OUT_DIR/latest_checkpointed_iteration.txt  \"release\"\n"
+                        "  OUT_DIR/release/.metadata, __0_0.distcp     the weights (Megatron-Core names)\n"
+                        "  OUT_DIR/release/common.pt                   args (the architecture) and the source's\n"
+                        "                                              config.json (megatron-to-hf gives it back)\n"
+                        "  OUT_DIR/release/metadata.json               the format, as Megatron-Core writes it\n\n"
+                        "Megatron-LM loads it with --load OUT_DIR (weights only: a release checkpoint has no\n"
+                        "optimizer or RNG state) and the architecture flags of its args (inspect OUT_DIR), at any\n"
+                        "tp/pp. The vocabulary is padded to a multiple of --make-vocab-size-divisible-by\n"
+                        "(Megatron-LM pads to make_vocab_size_divisible_by x tp: pass that product) by repeating\n"
+                        "the last row, as Megatron-LM's own converter does. LoRA adapters are merged.")
+        p.add_argument(source, metavar="HF_DIR" if source == "hf_dir" else "CHECKPOINT_DIR",
+                       help="Hugging Face model directory" if source == "hf_dir"
+                       else "a model_XXXXXXX directory, or a run's output_dir (its last_checkpoint is used)")
+        _output(p, max_shard_size=False)
+        p.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128, metavar="N",
+                       help="pad the vocabulary to a multiple of N (default 128; use 128 x the Megatron run's tp)")
+        p.add_argument("--dtype", choices=DTYPES, help="write the weights in this dtype (default: as stored)")
 
     p = commands.add_parser(
         "inspect", formatter_class=raw, help="print a checkpoint's tensors, shapes, dtypes and layout",
@@ -144,16 +206,35 @@ def run(args: argparse.Namespace) -> str:
                                       overwrite=args.overwrite, adapter=args.adapter)
         what = "PEFT LoRA adapter of" if args.adapter else "Hugging Face"
         return f"wrote {what} {type(model).__name__} to {args.out_dir} from {checkpoint}"
+    if args.command in ("hf-to-megatron", "zoo-to-megatron"):
+        from libai_zoo.convert import hf_to_megatron, zoo_to_megatron
+
+        convert = hf_to_megatron if args.command == "hf-to-megatron" else zoo_to_megatron
+        directory, model = convert(args.hf_dir if args.command == "hf-to-megatron" else args.checkpoint,
+                                   args.out_dir, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                   dtype=args.dtype, overwrite=args.overwrite)
+        return (f"wrote Megatron-Core torch_dist checkpoint {directory} ({type(model).__name__}, "
+                f"{model.config.num_hidden_layers} layers)\nload it in Megatron-LM with --load {args.out_dir} and the "
+                f"architecture flags of its args (python tools/convert inspect {args.out_dir})")
+    if args.command == "megatron-to-zoo":
+        from libai_zoo.convert import megatron_to_zoo
+
+        source, checkpoint = megatron_to_zoo(args.megatron_dir, args.out_dir, dp=args.dp, tp=args.tp, pp=args.pp,
+                                             vocab_size=args.vocab_size, dtype=args.dtype,
+                                             allow_numpy=args.allow_numpy, overwrite=args.overwrite)
+        return (f"wrote libai_zoo checkpoint {checkpoint} from {source.directory} ({source.format} format, "
+                f"tp={source.tp}, pp={source.pp}) for dp={args.dp} tp={args.tp} pp={args.pp}\n"
+                f"start a run from it with train.load_weight={checkpoint}")
     from libai_zoo.convert import megatron_to_hf
     from libai_zoo.convert.hf_zoo import check_output_dir
 
     check_output_dir(args.out_dir, args.overwrite)
-    checkpoint, config = megatron_to_hf(args.megatron_dir, args.out_dir, vocab_size=args.vocab_size,
-                                        num_attention_heads=args.num_attention_heads, dtype=args.dtype,
-                                        max_shard_size=args.max_shard_size, allow_numpy=args.allow_numpy)
-    return (f"wrote Hugging Face GPT-2 ({config.n_layer} layers, hidden {config.n_embd}, vocabulary "
-            f"{config.vocab_size}) to {args.out_dir} from {checkpoint.directory} (tp={checkpoint.tp}, "
-            f"pp={checkpoint.pp})")
+    source, config = megatron_to_hf(args.megatron_dir, args.out_dir, vocab_size=args.vocab_size,
+                                    num_attention_heads=args.num_attention_heads, dtype=args.dtype,
+                                    max_shard_size=args.max_shard_size, allow_numpy=args.allow_numpy)
+    return (f"wrote Hugging Face {config.model_type} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+            f"vocabulary {config.vocab_size}) to {args.out_dir} from {source.directory} (tp={source.tp}, "
+            f"pp={source.pp})")
 
 
 def main(argv: list[str] | None = None) -> int:
