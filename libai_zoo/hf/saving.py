@@ -34,8 +34,9 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
     for rule in model.hf_weight_map().rules:
         param = params[rule.zoo]
         full = param.full_tensor() if isinstance(param, DTensor) else param
-        if is_writer:
-            state.update(rule.save(full.detach().cpu()))
+        if is_writer:  # a part that is a view of a parameter (q of one KV group's qkv) is copied: safetensors
+            state.update({name: t if t.untyped_storage().nbytes() == t.nbytes else t.clone()  # stores whole tensors
+                          for name, t in rule.save(full.detach().cpu()).items()})
     if is_writer:
         path.mkdir(parents=True, exist_ok=True)
         config = copy.deepcopy(model.config)

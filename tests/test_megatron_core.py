@@ -1,0 +1,221 @@
+"""Megatron-Core checkpoints <-> Hugging Face and libai_zoo, checked against megatron-core itself.
+
+megatron-core (a test dependency, CPU-only here) builds GPT and Llama GPTModels at tp 2 × pp 2
+and saves them as Megatron-LM does, in both formats (`mcore_reference.py build`); its own forward
+on the torch_dist checkpoint, loaded at tp 1, gives the reference logits. Our conversions must
+give those logits through transformers and through libai_zoo, and our exports must load into a
+megatron-core GPTModel (`dist_checkpointing.load`) with the same logits. Both megatron-core steps
+run as scripts so its global state never enters this process.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+from libai_zoo.convert import load_checkpoint_model
+from libai_zoo.convert.torch_dist import COMMON
+from test_convert import convert, has_row, ok
+
+REFERENCE = Path(__file__).with_name("mcore_reference.py")
+VOCAB = 100  # mcore_reference.py's vocabulary (padded to 128 in its checkpoints)
+IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
+HF_CLASSES = {"gpt": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}
+
+
+def megatron_core(*argv) -> None:
+    result = subprocess.run([sys.executable, "-W", "ignore", str(REFERENCE), *map(str, argv)], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def mcore_logits(root: Path, checkpoints: list[Path]) -> dict[str, torch.Tensor]:
+    """megatron-core's logits of IDS for each torch_dist checkpoint, loaded at tp 1 (first VOCAB columns)."""
+    torch.save(IDS, root / "ids.pt")
+    megatron_core("forward", *checkpoints, "--ids", root / "ids.pt", "--out", root / "logits.pt")
+    return {Path(name).name: logits[..., :VOCAB] for name, logits in torch.load(root / "logits.pt").items()}
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """(root of gpt/ and llama/, each with torch_dist/ and torch/ checkpoints; megatron-core's logits per family)."""
+    root = tmp_path_factory.mktemp("megatron_core")
+    megatron_core("build", root, "--tp", 2, "--pp", 2)
+    for family in HF_CLASSES:
+        (root / f"{family}_ref").symlink_to(root / family / "torch_dist")
+    logits = mcore_logits(root, [root / f"{family}_ref" for family in HF_CLASSES])
+    return root, {family: logits[f"{family}_ref"] for family in HF_CLASSES}
+
+
+def _max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def _hf_logits(directory: Path, family: str) -> torch.Tensor:
+    model = HF_CLASSES[family].from_pretrained(directory).eval()
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("form", ["torch_dist", "torch"])
+def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, family, form):
+    root, reference = megatron
+    out = ok("megatron-to-hf", root / family / form, tmp_path / "hf")
+    assert "tp=2, pp=2" in out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["vocab_size"] == VOCAB  # args.vocab_size: the padding is dropped
+    if family == "llama":
+        assert config["num_key_value_heads"] == 2 and not config["tie_word_embeddings"]
+        assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["rope_theta"] == 5e5
+    assert _max_difference(_hf_logits(tmp_path / "hf", family), reference[family]) <= 1e-4
+
+
+@pytest.mark.slow
+def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, tmp_path):
+    """megatron-to-zoo gives megatron-core's logits in libai_zoo; hf-to-megatron and
+    zoo-to-megatron write checkpoints megatron-core loads with the same logits, and GPT-2's tanh
+    GELU and Qwen2's q/k/v biases (built by transformers) reach megatron-core intact."""
+    root, reference = megatron
+    exports, expected = [], {}
+    for family in HF_CLASSES:
+        ok("megatron-to-zoo", root / family / "torch_dist", tmp_path / f"zoo_{family}", "--tp", 2)
+        zoo = load_checkpoint_model(tmp_path / f"zoo_{family}" / "model_0000000")
+        with torch.no_grad():
+            assert _max_difference(zoo(input_ids=IDS).logits, reference[family]) <= 1e-4
+        ok("zoo-to-megatron", tmp_path / f"zoo_{family}", tmp_path / f"zoo_to_mc_{family}")
+        ok("megatron-to-hf", root / family / "torch", tmp_path / f"hf_{family}")
+        ok("hf-to-megatron", tmp_path / f"hf_{family}", tmp_path / f"hf_to_mc_{family}")
+        exports += [tmp_path / f"zoo_to_mc_{family}", tmp_path / f"hf_to_mc_{family}"]
+        expected.update({f"zoo_to_mc_{family}": reference[family], f"hf_to_mc_{family}": reference[family]})
+    for name, model in (("gpt2_tanh", tiny_hf("gpt2")), ("qwen2", tiny_hf("qwen2"))):
+        model.save_pretrained(tmp_path / name)
+        ok("hf-to-megatron", tmp_path / name, tmp_path / f"{name}_mc")
+        exports.append(tmp_path / f"{name}_mc")
+        with torch.no_grad():
+            expected[f"{name}_mc"] = model(IDS).logits
+    logits = mcore_logits(tmp_path, exports)
+    assert set(logits) == set(expected)
+    for name, want in expected.items():
+        assert _max_difference(logits[name], want) <= 1e-4, name
+
+
+def tiny_hf(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A small random transformers model of each exported form, biases and norms off their init."""
+    torch.manual_seed(seed)
+    if kind == "gpt2":  # tanh GELU (gelu_new), tied head
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=1, eos_token_id=2))
+    elif kind == "gpt2_untied":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, activation_function="gelu",
+            tie_word_embeddings=False))
+    elif kind == "qwen2":  # biases on q/k/v only, grouped-query, tied head
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rope_theta=20000.0))
+    else:  # Llama with linear RoPE scaling, head_dim apart from hidden / heads, biases everywhere
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=16, max_position_embeddings=64, attention_bias=True, mlp_bias=True,
+            rope_scaling={"rope_type": "linear", "factor": 2.0}, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2_untied", "qwen2", "llama"])
+def test_hf_to_megatron_core_to_hf_is_bit_identical(tmp_path, kind):
+    tiny_hf(kind).save_pretrained(tmp_path / "hf")
+    out = ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc", "--make-vocab-size-divisible-by", 64)
+    assert "release" in out
+    assert (tmp_path / "mc" / "latest_checkpointed_iteration.txt").read_text() == "release"
+    ok("megatron-to-hf", tmp_path / "mc", tmp_path / "back")
+    before = safetensors.torch.load_file(tmp_path / "hf" / "model.safetensors")
+    after = safetensors.torch.load_file(tmp_path / "back" / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) and before[name].dtype == after[name].dtype for name in before)
+    configs = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("hf", "back")]
+    assert configs[0] == configs[1]
+
+
+def _rewrite_common(directory: Path, **changes) -> None:
+    path = directory / "release" / COMMON
+    common = torch.load(path, weights_only=False)
+    common.update(changes)
+    torch.save(common, path)
+
+
+def test_args_that_disagree_with_the_tensors_are_named_together(tmp_path):
+    tiny_hf("llama").save_pretrained(tmp_path / "hf")
+    ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc")
+    args = torch.load(tmp_path / "mc" / "release" / COMMON, weights_only=False)["args"]
+    args.hidden_size, args.num_experts, args.normalization = 48, 8, "LayerNorm"
+    _rewrite_common(tmp_path / "mc", args=args)
+    status, _, err = convert("megatron-to-hf", tmp_path / "mc", tmp_path / "back")
+    assert status == 1
+    assert "args.normalization = 'LayerNorm': the llama family (swiglu = True) has 'RMSNorm'" in err
+    assert "args.num_experts = 8 is not converted" in err
+    assert "decoder.layers.0.self_attention.linear_qkv.weight is (96, 32), the args make it (96, 48)" in err
+    assert "embedding.word_embeddings.weight is (128, 32), the args make it (128, 48)" in err
+
+
+def test_a_missing_tensor_is_named(tmp_path):
+    tiny_hf("gpt2_untied").save_pretrained(tmp_path / "hf")
+    ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc")
+    args = torch.load(tmp_path / "mc" / "release" / COMMON, weights_only=False)["args"]
+    args.untie_embeddings_and_output_weights = False
+    _rewrite_common(tmp_path / "mc", args=args)
+    status, _, err = convert("megatron-to-hf", tmp_path / "mc", tmp_path / "back")
+    assert status == 1 and "unexpected output_layer.weight (128, 32)" in err
+    args.untie_embeddings_and_output_weights, args.add_bias_linear = True, False
+    _rewrite_common(tmp_path / "mc", args=args)
+    status, _, err = convert("megatron-to-hf", tmp_path / "mc", tmp_path / "back")
+    assert status == 1 and "args.add_bias_linear = False: GPT-2's linear layers have biases" in err
+
+
+class Unsafe:
+    """Anything that is not data: unpickling it would call os.system."""
+
+    def __reduce__(self):
+        import os
+
+        return os.system, ("echo pwned",)
+
+
+def test_pickles_that_would_run_code_are_refused(tmp_path):
+    tiny_hf("gpt2").save_pretrained(tmp_path / "hf")
+    ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc")
+    _rewrite_common(tmp_path / "mc", extra=Unsafe())
+    status, _, err = convert("megatron-to-hf", tmp_path / "mc", tmp_path / "back")
+    assert status == 1 and "posix.system" in err and "not loaded for safety" in err
+    _rewrite_common(tmp_path / "mc", extra=None)
+    metadata = tmp_path / "mc" / "release" / ".metadata"
+    metadata.write_bytes(pickle.dumps(Unsafe()))
+    status, _, err = convert("megatron-to-hf", tmp_path / "mc", tmp_path / "back")
+    assert status == 1 and "posix.system is not a torch.distributed.checkpoint metadata class" in err
+
+
+def test_megatron_enums_in_args_are_read_as_text(tmp_path):
+    from megatron.core.transformer.enums import AttnBackend
+
+    tiny_hf("gpt2").save_pretrained(tmp_path / "hf")
+    ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc")
+    args = torch.load(tmp_path / "mc" / "release" / COMMON, weights_only=False)["args"]
+    args.attention_backend = AttnBackend.flash
+    _rewrite_common(tmp_path / "mc", args=args)
+    out = ok("inspect", tmp_path / "mc")
+    assert "format: torch_dist" in out and "swiglu=False" in out
+    assert has_row(out, "decoder.layers.self_attention.linear_qkv.weight", "[2, 96, 32]", "float32")
+    ok("megatron-to-hf", tmp_path / "mc", tmp_path / "back")
