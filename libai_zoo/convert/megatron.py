@@ -1,4 +1,8 @@
-"""Megatron-LM GPT checkpoints (the legacy per-rank `torch` format) -> Hugging Face GPT-2.
+"""Megatron-LM's per-rank `torch` checkpoint files, and legacy GPT models in them -> Hugging Face GPT-2.
+
+Finding a checkpoint's iteration and its shard files (`iteration_directory`, `find_checkpoint`)
+and reading them safely (`load_file`) serve Megatron-Core checkpoints too (`megatron_core.py`);
+the rest of this module converts the legacy GPT model (`language_model` names).
 
 The shards are joined into whole tensors under Megatron-LM's names, renamed to libai_zoo's GPT-2
 parameters (`LAYER_TENSORS`, `OTHER_TENSORS`), loaded into a `GPT2LMHeadModel` and written with its
