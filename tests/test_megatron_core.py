@@ -83,8 +83,9 @@ def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, fam
 @pytest.mark.slow
 def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, tmp_path):
     """megatron-to-zoo gives megatron-core's logits in libai_zoo; hf-to-megatron and
-    zoo-to-megatron write checkpoints megatron-core loads with the same logits, and GPT-2's tanh
-    GELU and Qwen2's q/k/v biases (built by transformers) reach megatron-core intact."""
+    zoo-to-megatron write checkpoints megatron-core loads with the same logits, and transformers'
+    models reach megatron-core intact: GPT-2 with tanh GELU and with an untied head, Qwen2's q/k/v
+    biases, Llama with linear RoPE scaling, one KV head, head_dim != hidden / heads and biases."""
     root, reference = megatron
     exports, expected = [], {}
     for family in HF_CLASSES:
@@ -97,7 +98,8 @@ def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, 
         ok("hf-to-megatron", tmp_path / f"hf_{family}", tmp_path / f"hf_to_mc_{family}")
         exports += [tmp_path / f"zoo_to_mc_{family}", tmp_path / f"hf_to_mc_{family}"]
         expected.update({f"zoo_to_mc_{family}": reference[family], f"hf_to_mc_{family}": reference[family]})
-    for name, model in (("gpt2_tanh", tiny_hf("gpt2")), ("qwen2", tiny_hf("qwen2"))):
+    for name in ("gpt2", "gpt2_untied", "qwen2", "llama"):
+        model = tiny_hf(name)
         model.save_pretrained(tmp_path / name)
         ok("hf-to-megatron", tmp_path / name, tmp_path / f"{name}_mc")
         exports.append(tmp_path / f"{name}_mc")
