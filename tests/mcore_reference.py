@@ -28,14 +28,14 @@ FAMILIES = {
     "gpt": dict(num_layers=4, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4, kv_channels=8,
                 group_query_attention=False, num_query_groups=4, max_position_embeddings=64, seq_length=64,
                 position_embedding_type="learned_absolute", normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False,
-                openai_gelu=False, bias_gelu_fusion=False, add_bias_linear=True, add_qkv_bias=True,
+                bias_gelu_fusion=False, bias_swiglu_fusion=False, add_bias_linear=True, add_qkv_bias=True,
                 untie_embeddings_and_output_weights=False, vocab_size=100, make_vocab_size_divisible_by=64,
                 rotary_base=10000, rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0,
                 rotary_seq_len_interpolation_factor=None),
     "llama": dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=8,
                   group_query_attention=True, num_query_groups=2, max_position_embeddings=16384, seq_length=64,
                   position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
-                  openai_gelu=False, bias_gelu_fusion=False, add_bias_linear=False, add_qkv_bias=False,
+                  bias_gelu_fusion=False, bias_swiglu_fusion=False, add_bias_linear=False, add_qkv_bias=False,
                   untie_embeddings_and_output_weights=True, vocab_size=100, make_vocab_size_divisible_by=64,
                   rotary_base=500000, rotary_percent=1.0, use_rope_scaling=True, rope_scaling_factor=8.0,
                   rotary_seq_len_interpolation_factor=None),
@@ -57,16 +57,16 @@ def gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.transformer.utils import openai_gelu
 
-    activation = F.silu if args.swiglu else openai_gelu if args.openai_gelu else F.gelu
+    activation = F.silu if args.swiglu else F.gelu  # Megatron-LM's core_transformer_config_from_args
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
         activation_func=activation, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        bias_activation_fusion=args.bias_gelu_fusion, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
+        hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size)

@@ -28,7 +28,7 @@ from test_convert import convert, has_row, ok
 REFERENCE = Path(__file__).with_name("mcore_reference.py")
 VOCAB = 100  # mcore_reference.py's vocabulary (padded to 128 in its checkpoints)
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
-HF_CLASSES = {"gpt": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}
+FAMILIES = ("gpt", "llama")
 
 
 def megatron_core(*argv) -> None:
@@ -49,18 +49,18 @@ def megatron(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """(root of gpt/ and llama/, each with torch_dist/ and torch/ checkpoints; megatron-core's logits per family)."""
     root = tmp_path_factory.mktemp("megatron_core")
     megatron_core("build", root, "--tp", 2, "--pp", 2)
-    for family in HF_CLASSES:
+    for family in FAMILIES:
         (root / f"{family}_ref").symlink_to(root / family / "torch_dist")
-    logits = mcore_logits(root, [root / f"{family}_ref" for family in HF_CLASSES])
-    return root, {family: logits[f"{family}_ref"] for family in HF_CLASSES}
+    logits = mcore_logits(root, [root / f"{family}_ref" for family in FAMILIES])
+    return root, {family: logits[f"{family}_ref"] for family in FAMILIES}
 
 
 def _max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def _hf_logits(directory: Path, family: str) -> torch.Tensor:
-    model = HF_CLASSES[family].from_pretrained(directory).eval()
+def _hf_logits(directory: Path) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     with torch.no_grad():
         return model(IDS).logits
 
@@ -77,7 +77,7 @@ def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, fam
     if family == "llama":
         assert config["num_key_value_heads"] == 2 and not config["tie_word_embeddings"]
         assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["rope_theta"] == 5e5
-    assert _max_difference(_hf_logits(tmp_path / "hf", family), reference[family]) <= 1e-4
+    assert _max_difference(_hf_logits(tmp_path / "hf"), reference[family]) <= 1e-4
 
 
 @pytest.mark.slow
@@ -88,7 +88,7 @@ def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, 
     biases, Llama with linear RoPE scaling, one KV head, head_dim != hidden / heads and biases."""
     root, reference = megatron
     exports, expected = [], {}
-    for family in HF_CLASSES:
+    for family in FAMILIES:
         ok("megatron-to-zoo", root / family / "torch_dist", tmp_path / f"zoo_{family}", "--tp", 2)
         zoo = load_checkpoint_model(tmp_path / f"zoo_{family}" / "model_0000000")
         with torch.no_grad():
@@ -150,6 +150,14 @@ def test_hf_to_megatron_core_to_hf_is_bit_identical(tmp_path, kind):
     assert all(torch.equal(before[name], after[name]) and before[name].dtype == after[name].dtype for name in before)
     configs = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("hf", "back")]
     assert configs[0] == configs[1]
+    # as Megatron-LM saves it after training: no config.json kept, the model rebuilt from the args alone
+    common = torch.load(tmp_path / "mc" / "release" / COMMON, weights_only=False)
+    del common["hf_config"]
+    torch.save(common, tmp_path / "mc" / "release" / COMMON)
+    ok("megatron-to-hf", tmp_path / "mc", tmp_path / "from_args")
+    source = tiny_hf(kind)
+    with torch.no_grad():
+        assert _max_difference(_hf_logits(tmp_path / "from_args"), source(IDS).logits) <= 1e-6
 
 
 def _rewrite_common(directory: Path, **changes) -> None:

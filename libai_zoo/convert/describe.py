@@ -24,7 +24,7 @@ from libai_zoo.hf import HFWeightReader, read_config
 
 from .hf_zoo import resolve_checkpoint
 from .megatron import find_checkpoint, flatten, iteration_directory
-from .torch_dist import COMMON, SafeReader, is_torch_dist, read_common, tensor_shapes
+from .torch_dist import COMMON, MODEL_PREFIXES, SafeReader, is_torch_dist, read_common, tensor_shapes
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -133,7 +133,9 @@ ARGS_SHOWN = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_si
 ARCHITECTURE_SHOWN = ("position_embedding_type", "normalization", "swiglu", "group_query_attention",
                       "num_query_groups", "kv_channels", "add_bias_linear", "add_qkv_bias",
                       "untie_embeddings_and_output_weights", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
-                      "vocab_size", "make_vocab_size_divisible_by")
+                      "rotary_percent", "rotary_seq_len_interpolation_factor", "norm_epsilon", "bias_gelu_fusion",
+                      "apply_layernorm_1p", "add_position_embedding", "vocab_size", "tokenizer_type",
+                      "make_vocab_size_divisible_by")
 
 
 def _args_line(args, keys: tuple[str, ...]) -> str:
@@ -145,7 +147,7 @@ def describe_torch_dist(directory: Path, iteration: str, source: str) -> str:
     common = read_common(directory)
     args = common.get("args")
     shapes = tensor_shapes(directory)
-    model = {k: v for k, v in shapes.items() if k.startswith(("embedding.", "decoder.", "output_layer.", "mtp."))}
+    model = {k: v for k, v in shapes.items() if k.startswith(MODEL_PREFIXES)}
     lines = [f"Megatron-LM checkpoint {directory} (iteration {iteration}, from {source})",
              f"  format: torch_dist ({len(list(directory.glob('*.distcp')))} data files, {COMMON}), checkpoint_version "
              f"{common.get('checkpoint_version')}; saved at tp={getattr(args, 'tensor_model_parallel_size', '?')} "

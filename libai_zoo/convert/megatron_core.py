@@ -48,7 +48,7 @@ from libai_zoo.layers import merge_lora
 
 from . import torch_dist
 from .hf_zoo import check_output_dir, load_checkpoint_model, resolve_checkpoint, write_zoo_checkpoint, zoo_class_for
-from .megatron import LAYER_NAME, TRACKER, activation, find_checkpoint, flatten, iteration_directory, legacy_to_hf
+from .megatron import LAYER_NAME, TRACKER, find_checkpoint, flatten, iteration_directory, legacy_to_hf
 
 logger = logging.getLogger("libai_zoo")
 
@@ -146,7 +146,10 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
             problems.append(f"args.{name} = {given!r}: the {family} family (swiglu = {gated}) has {value!r}")
     refused = {"num_experts": lambda v: v not in (None, 0, 1), "qk_layernorm": bool, "squared_relu": bool,
                "multi_latent_attention": bool, "apply_residual_connection_post_layernorm": bool,
-               "rotary_interleaved": bool, "mtp_num_layers": bool, "heterogeneous_layers_config_path": bool}
+               "rotary_interleaved": bool, "mtp_num_layers": bool, "heterogeneous_layers_config_path": bool,
+               "window_size": bool, "window_attn_skip_freq": bool, "qk_l2_norm": bool, "no_rope_freq": bool,
+               "softmax_type": lambda v: v not in (None, "vanilla"), "glu_linear_offset": bool,
+               "activation_func_clamp_value": lambda v: v is not None}
     problems += [f"args.{name} = {getattr(args, name)!r} is not converted" for name, bad in refused.items()
                  if hasattr(args, name) and bad(getattr(args, name))]
     required = ("num_layers", "hidden_size", "num_attention_heads")
@@ -162,7 +165,10 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
     padded = _arg(args, "padded_vocab_size", words.shape[0] if words is not None else None)
     if padded is None:
         raise ValueError(f"{where} has no embedding.word_embeddings.weight and no args.padded_vocab_size")
-    vocab = vocab_size or _arg(args, "vocab_size", padded)
+    saved = _arg(args, "vocab_size")
+    if saved is not None and _arg(args, "tokenizer_type") == "NullTokenizer":
+        saved += 1  # its vocabulary is --vocab-size ids plus the end-of-document id
+    vocab = vocab_size or saved or padded
     if not 0 < vocab <= padded:
         problems.append(f"vocabulary {vocab} (--vocab-size or args.vocab_size) is not between 1 and the padded "
                         f"vocabulary {padded}")
@@ -177,11 +183,7 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
             problems.append(f"{heads} heads × kv_channels {head_dim} != hidden_size {hidden}: GPT-2 needs it equal")
         if not bias:
             problems.append("args.add_bias_linear = False: GPT-2's linear layers have biases")
-        try:
-            act = activation(args)
-        except ValueError as error:
-            problems.append(str(error))
-            act = "gelu"
+        act = core_activation(args)
         cls = models.GPT2LMHeadModel
         config = models.GPT2Config(
             vocab_size=vocab, n_positions=_arg(args, "max_position_embeddings", 1024), n_embd=hidden,
@@ -193,6 +195,9 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
         if _arg(args, "rotary_percent", 1.0) != 1.0:
             problems.append(f"args.rotary_percent = {args.rotary_percent}: Llama rotates every channel (1.0)")
         scaling = None
+        if _arg(args, "use_rope_scaling", False) and _arg(args, "rotary_seq_len_interpolation_factor") is not None:
+            problems.append("args.use_rope_scaling with args.rotary_seq_len_interpolation_factor: two RoPE scalings "
+                            "at once are not converted")
         if _arg(args, "use_rope_scaling", False):
             scaling = {"rope_type": "llama3", "factor": float(_arg(args, "rope_scaling_factor", 8.0)), **LLAMA3_SCALING}
         elif _arg(args, "rotary_seq_len_interpolation_factor") is not None:
@@ -219,6 +224,13 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
         raise ValueError(f"{where} ({family} family, from its args) cannot be converted; {len(problems)} "
                          f"problem(s):\n  " + "\n  ".join(problems))
     return cls, config, padded
+
+
+def core_activation(args: argparse.Namespace) -> str:
+    """A Megatron-Core GPT's GELU as Hugging Face names it. Megatron-LM builds Megatron-Core models
+    with erf GELU (it ignores --openai-gelu); the fused bias-GELU kernel, on by default
+    (--bias-gelu-fusion) with biases, computes the tanh approximation instead."""
+    return "gelu_new" if _arg(args, "bias_gelu_fusion", False) and _arg(args, "add_bias_linear", True) else "gelu"
 
 
 def _skeleton(cls: type[nn.Module], config) -> nn.Module:
@@ -267,7 +279,7 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
         transformer_impl="transformer_engine", padded_vocab_size=padded_vocab, vocab_size=config.vocab_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, apply_layernorm_1p=False, qk_layernorm=False, squared_relu=False, num_experts=None,
-        bias_gelu_fusion=False, bias_swiglu_fusion=False, rotary_interleaved=False, iteration=0,
+        bias_gelu_fusion=False, bias_swiglu_fusion=False, openai_gelu=False, rotary_interleaved=False, iteration=0,
         consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
         init_method_std=config.initializer_range, tokenizer_type="HuggingFaceTokenizer", rotary_base=10000,
         rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None)
@@ -281,8 +293,8 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
             num_attention_heads=config.n_head, kv_channels=hidden // config.n_head, group_query_attention=False,
             num_query_groups=config.n_head, max_position_embeddings=config.n_positions, seq_length=config.n_positions,
             position_embedding_type="learned_absolute", normalization="LayerNorm",
-            norm_epsilon=config.layer_norm_epsilon, swiglu=False,
-            openai_gelu=config.activation_function != "gelu", add_bias_linear=True, add_qkv_bias=True,
+            norm_epsilon=config.layer_norm_epsilon, swiglu=False, add_position_embedding=True,
+            bias_gelu_fusion=config.activation_function != "gelu", add_bias_linear=True, add_qkv_bias=True,
             untie_embeddings_and_output_weights=not config.tie_word_embeddings, hidden_dropout=config.resid_pdrop,
             attention_dropout=config.attn_pdrop)
     else:
@@ -310,7 +322,7 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
             kv_channels=head_dim, group_query_attention=config.num_key_value_heads != config.num_attention_heads,
             num_query_groups=config.num_key_value_heads, max_position_embeddings=config.max_position_embeddings,
             seq_length=config.max_position_embeddings, position_embedding_type="rope", normalization="RMSNorm",
-            norm_epsilon=config.rms_norm_eps, swiglu=True, openai_gelu=False, add_bias_linear=out_b,
+            norm_epsilon=config.rms_norm_eps, swiglu=True, add_bias_linear=out_b, add_position_embedding=False,
             add_qkv_bias=qkv_b, untie_embeddings_and_output_weights=not config.tie_word_embeddings,
             hidden_dropout=0.0, attention_dropout=config.attention_dropout,
             rotary_base=int(base) if float(base).is_integer() else base, **rope)

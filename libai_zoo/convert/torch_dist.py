@@ -25,6 +25,7 @@ argparse.Namespace and Megatron's enums (read as text; no Megatron code runs).
 
 from __future__ import annotations
 
+import importlib
 import json
 import pickle
 import re
@@ -52,25 +53,28 @@ EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj"
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP `.metadata`: its dataclasses and enums, torch.Size, dtypes, layouts and paths only."""
+    """Unpickles a DCP `.metadata`: its metadata dataclasses and enums, torch.Size, dtypes, layouts
+    and paths, each by name."""
 
-    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-               "torch.distributed.checkpoint.filesystem")
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                                  "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
+                                                  "StorageMeta", "_MEM_FORMAT_ENCODING"},
+        "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "collections": {"OrderedDict"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath"},
+        "pathlib._local": {"PosixPath", "PurePosixPath", "WindowsPath"},
+    }
 
     def find_class(self, module: str, name: str):
-        found = None
-        if module in self.MODULES:
-            found = getattr(__import__(module, fromlist=[name]), name, None)
-            found = found if isinstance(found, type) else None
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            found = getattr(torch, name)
-        elif (module, name) in (("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")):
-            found = getattr(__import__(module, fromlist=[name]), name)
-        if found is None:
-            raise pickle.UnpicklingError(f"{module}.{name} is not a torch.distributed.checkpoint metadata class; "
-                                         f"it is not unpickled for safety")
-        return found
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if name in self.ALLOWED.get(module, ()):
+            return getattr(importlib.import_module(module), name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a torch.distributed.checkpoint metadata class; "
+                                     f"it is not unpickled for safety")
 
 
 class SafeReader(FileSystemReader):
