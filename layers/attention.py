@@ -32,15 +32,17 @@ class Attention(ParallelLayer, nn.Module):
     one checkpoint serves every layout; cross-attention has `q` on the hidden states and a
     grouped `kv` (`fuse_kv`) on the encoder states (whole sequence, replicated). `out` is
     row-parallel. ``sliding_window=w`` lets a query see keys less than w positions away (only
-    earlier ones when causal). ``rope_theta`` turns on rotary positions, ``rope_scaling`` rescales
-    them (`RotaryEmbedding`). ``sync_input``/``reduce_output`` as in `Linear`.
+    earlier ones when causal). ``rope_theta`` turns on rotary positions on the first
+    ``rotary_dim`` channels of each head (default all), ``rope_scaling`` rescales them
+    (`RotaryEmbedding`). ``sync_input``/``reduce_output`` as in `Linear`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, bias: bool = True, out_bias: bool | None = None,
                  causal: bool = False, cross_attention: bool = False, kv_input_size: int | None = None,
                  dropout: float = 0.0, rope_theta: float | None = None, rope_scaling: dict | None = None,
-                 sliding_window: int | None = None, softmax_scale: float | None = None, sync_input: bool = True,
+                 rotary_dim: int | None = None, sliding_window: int | None = None,
+                 softmax_scale: float | None = None, sync_input: bool = True,
                  reduce_output: bool = True, sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -69,7 +71,7 @@ class Attention(ParallelLayer, nn.Module):
         self.out = Linear(num_heads * head_dim, hidden_size, bias if out_bias is None else out_bias, "row",
                           reduce_output=reduce_output, sequence_parallel=sequence_parallel,
                           device=device, dtype=dtype)
-        self.rotary = RotaryEmbedding(head_dim, rope_theta, rope_scaling) if rope_theta else None
+        self.rotary = RotaryEmbedding(rotary_dim or head_dim, rope_theta, rope_scaling) if rope_theta else None
 
     def tp_problems(self, tp_size: int) -> list[str]:
         fix = "choose a tp that divides both head counts"

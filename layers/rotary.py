@@ -60,5 +60,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the last dimension of x by the angles whose cos/sin broadcast against x."""
+    """Rotate the last dimension of x by the angles whose cos/sin broadcast against x; when the
+    tables are narrower (partial rotary, GPT-NeoX's rotary_pct), only its first channels."""
+    rotated = cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)

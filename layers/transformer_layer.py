@@ -42,7 +42,7 @@ class TransformerLayer(ParallelLayer, nn.Module):
                  attention_out_bias: bool | None = None, mlp_bias: bool | None = None,
                  attention_dropout: float = 0.0,
                  hidden_dropout: float = 0.0, causal: bool = False, rope_theta: float | None = None,
-                 rope_scaling: dict | None = None,
+                 rope_scaling: dict | None = None, rotary_dim: int | None = None,
                  sliding_window: int | None = None, cross_attention: bool = False,
                  encoder_hidden_size: int | None = None, sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__()
@@ -66,7 +66,8 @@ class TransformerLayer(ParallelLayer, nn.Module):
         heads = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, bias=qkv_bias, out_bias=attention_out_bias,
                      dropout=attention_dropout)
         self.attn = Attention(hidden_size, num_heads, causal=causal, rope_theta=rope_theta,
-                              rope_scaling=rope_scaling, sliding_window=sliding_window, sync_input=fused_comm,
+                              rope_scaling=rope_scaling, rotary_dim=rotary_dim, sliding_window=sliding_window,
+                              sync_input=fused_comm,
                               reduce_output=fused_comm, **heads, **factory)
         if cross_attention:
             self.cross_attn_norm = make_norm()

@@ -49,6 +49,15 @@ def qwen2_config():
                                     max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
 
 
+def gpt_neox_config(**kw):
+    """Sequential residual (Megatron's RoPE GPT), half of each head's channels rotating."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    intermediate_size=FFN, max_position_embeddings=64, use_parallel_residual=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                    hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=1, eos_token_id=2)
+    return transformers.GPTNeoXConfig(**{**defaults, **kw})
+
+
 def bert_config(**kw):
     return transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
                                    num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=64,
@@ -77,6 +86,12 @@ CASES = {
                               lambda: llama_config(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
                                                                     "factor": 4.0}), "causal"),
     "qwen2": Case(transformers.Qwen2ForCausalLM, models.LlamaForCausalLM, qwen2_config, "causal"),
+    "gpt_neox": Case(transformers.GPTNeoXForCausalLM, models.GPTNeoXForCausalLM, gpt_neox_config, "causal"),
+    "gpt_neox_tied": Case(transformers.GPTNeoXForCausalLM, models.GPTNeoXForCausalLM,
+                          lambda: gpt_neox_config(tie_word_embeddings=True, hidden_act="gelu_new",
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0,
+                                                                   "partial_rotary_factor": 1.0}), "causal"),
+    "gpt_neox_body": Case(transformers.GPTNeoXModel, models.GPTNeoXModel, gpt_neox_config, "encoder"),
     "llama_body": Case(transformers.LlamaModel, models.LlamaModel, llama_config, "encoder"),
     "bert": Case(transformers.BertModel, models.BertModel, bert_config, "encoder"),
     "bert_mlm": Case(transformers.BertForMaskedLM, models.BertForMaskedLM, bert_config, "mlm"),

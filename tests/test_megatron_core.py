@@ -28,7 +28,7 @@ from test_convert import convert, has_row, ok
 REFERENCE = Path(__file__).with_name("mcore_reference.py")
 VOCAB = 100  # mcore_reference.py's vocabulary (padded to 128 in its checkpoints)
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
-FAMILIES = ("gpt", "llama")
+FAMILIES = ("gpt", "gpt_rope", "llama")
 
 
 def megatron_core(*argv) -> None:
@@ -66,7 +66,7 @@ def _hf_logits(directory: Path) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("form", ["torch_dist", "torch"])
 def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, family, form):
     root, reference = megatron
@@ -74,6 +74,9 @@ def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, fam
     assert "tp=2, pp=2" in out
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["vocab_size"] == VOCAB  # args.vocab_size: the padding is dropped
+    if family == "gpt_rope":  # RoPE on half of each head, fused tanh GELU, untied: GPT-NeoX, sequential
+        assert config["model_type"] == "gpt_neox" and not config["use_parallel_residual"]
+        assert config["rope_parameters"]["partial_rotary_factor"] == 0.5 and config["hidden_act"] == "gelu_new"
     if family == "llama":
         assert config["num_key_value_heads"] == 2 and not config["tie_word_embeddings"]
         assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["rope_theta"] == 5e5
@@ -98,7 +101,7 @@ def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, 
         ok("hf-to-megatron", tmp_path / f"hf_{family}", tmp_path / f"hf_to_mc_{family}")
         exports += [tmp_path / f"zoo_to_mc_{family}", tmp_path / f"hf_to_mc_{family}"]
         expected.update({f"zoo_to_mc_{family}": reference[family], f"hf_to_mc_{family}": reference[family]})
-    for name in ("gpt2", "gpt2_untied", "qwen2", "llama"):
+    for name in ("gpt2", "gpt2_untied", "gpt_neox", "qwen2", "llama"):
         model = tiny_hf(name)
         model.save_pretrained(tmp_path / name)
         ok("hf-to-megatron", tmp_path / name, tmp_path / f"{name}_mc")
@@ -122,6 +125,12 @@ def tiny_hf(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, activation_function="gelu",
             tie_word_embeddings=False))
+    elif kind == "gpt_neox":  # RoPE on a quarter of each head, linear scaling, erf GELU, tied head
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=64, use_parallel_residual=False, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25}, bos_token_id=1, eos_token_id=2))
     elif kind == "qwen2":  # biases on q/k/v only, grouped-query, tied head
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -137,7 +146,7 @@ def tiny_hf(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "gpt2_untied", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2_untied", "gpt_neox", "qwen2", "llama"])
 def test_hf_to_megatron_core_to_hf_is_bit_identical(tmp_path, kind):
     tiny_hf(kind).save_pretrained(tmp_path / "hf")
     out = ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc", "--make-vocab-size-divisible-by", 64)

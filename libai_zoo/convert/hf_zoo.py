@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "gpt2": ({"GPT2LMHeadModel": "GPT2LMHeadModel", "GPT2Model": "GPT2Model"}, "GPT2LMHeadModel"),
     "llama": ({"LlamaForCausalLM": "LlamaForCausalLM", "LlamaModel": "LlamaModel"}, "LlamaForCausalLM"),
     "qwen2": ({"Qwen2ForCausalLM": "LlamaForCausalLM", "Qwen2Model": "LlamaModel"}, "LlamaForCausalLM"),
+    "gpt_neox": ({"GPTNeoXForCausalLM": "GPTNeoXForCausalLM", "GPTNeoXModel": "GPTNeoXModel"}, "GPTNeoXForCausalLM"),
     "bert": ({"BertForMaskedLM": "BertForMaskedLM", "BertForPreTraining": "BertForMaskedLM",
               "BertForSequenceClassification": "BertForSequenceClassification", "BertModel": "BertModel"},
              "BertModel"),

@@ -1,4 +1,5 @@
-"""Megatron-Core GPT models <-> libai_zoo, for the GPT (GPT-2) and Llama families.
+"""Megatron-Core GPT models <-> libai_zoo, for the GPT family (learned positions: GPT-2; RoPE:
+GPT-NeoX, sequential) and the Llama family (Llama, Qwen2).
 
     model, source = read_megatron_core("megatron_ckpt")      # torch_dist, or per-rank torch files
     write_megatron_core(model, "megatron_out")               # torch_dist + common.pt, `--load`-able
@@ -45,6 +46,7 @@ from libai_zoo.hf.rules import PaddedRows, Part, Same, WeightMap
 
 from libai_zoo.hf import read_config
 from libai_zoo.layers import merge_lora
+from libai_zoo.models.gpt_neox import rotary_fraction
 
 from . import torch_dist
 from .hf_zoo import check_output_dir, load_checkpoint_model, resolve_checkpoint, write_zoo_checkpoint, zoo_class_for
@@ -76,12 +78,21 @@ def _arg(args: argparse.Namespace, name: str, default=None):
 
 
 def family_of(model: nn.Module) -> str:
+    """"gpt" (learned positions: GPT-2), "gpt_rope" (GPT-NeoX) or "llama" (Llama, Qwen2)."""
     if isinstance(model, models.GPT2LMHeadModel):
         return "gpt"
+    if isinstance(model, models.GPTNeoXForCausalLM):
+        return "gpt_rope"
     if isinstance(model, models.LlamaForCausalLM):
         return "llama"
-    raise ValueError(f"{type(model).__name__} has no Megatron-Core form here: GPT2LMHeadModel (GPT family) and "
-                     f"LlamaForCausalLM (Llama family, Qwen2 included) are converted")
+    raise ValueError(f"{type(model).__name__} has no Megatron-Core form here: GPT2LMHeadModel and GPTNeoXForCausalLM "
+                     f"(GPT family) and LlamaForCausalLM (Llama family, Qwen2 included) are converted")
+
+
+# family -> (the zoo's word embedding, layer stack, final norm; whether its norms and MLP have biases)
+FAMILY_NAMES = {"gpt": ("transformer.wte", "transformer.h", "transformer.ln_f", True),
+                "gpt_rope": ("gpt_neox.embed_in", "gpt_neox.layers", "gpt_neox.final_layer_norm", True),
+                "llama": ("model.embed_tokens", "model.layers", "model.norm", False)}
 
 
 def megatron_weight_map(model: nn.Module, padded_vocab: int) -> WeightMap:
@@ -99,14 +110,14 @@ def megatron_weight_map(model: nn.Module, padded_vocab: int) -> WeightMap:
         if bias:
             rules.append(Same(f"{zoo}.bias", f"{mcore}bias"))
 
+    words, layers, final, gpt = FAMILY_NAMES[family]
+    rules.append(PaddedRows(f"{words}.weight", "embedding.word_embeddings.weight", padded_vocab))
     if family == "gpt":
-        layers, final, gpt = "transformer.h", "transformer.ln_f", True
-        rules.append(PaddedRows("transformer.wte.weight", "embedding.word_embeddings.weight", padded_vocab))
         rules.append(Same("transformer.wpe.weight", "embedding.position_embeddings.weight"))
-        qkv_b, out_b, mlp_b = True, True, True
+    if gpt:
+        qkv_b = out_b = getattr(config, "attention_bias", True)
+        mlp_b = True
     else:
-        layers, final, gpt = "model.layers", "model.norm", False
-        rules.append(PaddedRows("model.embed_tokens.weight", "embedding.word_embeddings.weight", padded_vocab))
         qkv_b, out_b = models.llama.qkv_bias(config)
         mlp_b = getattr(config, "mlp_bias", False)
     for i in range(config.num_hidden_layers):
@@ -138,12 +149,14 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
     problems: list[str] = []
     gated = bool(_arg(args, "swiglu", False))
     family = "llama" if gated else "gpt"
-    expected = {"position_embedding_type": "rope" if gated else "learned_absolute",
-                "normalization": "RMSNorm" if gated else "LayerNorm"}
-    for name, value in expected.items():
+    positions = _arg(args, "position_embedding_type", "learned_absolute")
+    expected = {"position_embedding_type": ("rope",) if gated else ("learned_absolute", "rope"),
+                "normalization": ("RMSNorm",) if gated else ("LayerNorm",)}
+    for name, values in expected.items():
         given = _arg(args, name, "learned_absolute" if name == "position_embedding_type" else "LayerNorm")
-        if given != value:
-            problems.append(f"args.{name} = {given!r}: the {family} family (swiglu = {gated}) has {value!r}")
+        if given not in values:
+            problems.append(f"args.{name} = {given!r}: the {family} family (swiglu = {gated}) has "
+                            f"{' or '.join(map(repr, values))}")
     refused = {"num_experts": lambda v: v not in (None, 0, 1), "qk_layernorm": bool, "squared_relu": bool,
                "multi_latent_attention": bool, "apply_residual_connection_post_layernorm": bool,
                "rotary_interleaved": bool, "mtp_num_layers": bool, "heterogeneous_layers_config_path": bool,
@@ -176,40 +189,46 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
     untied = bool(_arg(args, "untie_embeddings_and_output_weights", False))
     bias = bool(_arg(args, "add_bias_linear", True))
     eps = float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5)))
+    rope = dict(rope_theta=float(_arg(args, "rotary_base", 10000)), rope_scaling=_rope_scaling(args, problems))
     if family == "gpt":
+        name = "GPT-2" if positions == "learned_absolute" else "GPT-NeoX"
         if groups != heads:
-            problems.append(f"args.num_query_groups = {groups} < {heads} heads: GPT-2 has no grouped-query attention")
+            problems.append(f"args.num_query_groups = {groups} < {heads} heads: {name} has no grouped-query "
+                            f"attention")
         if head_dim * heads != hidden:
-            problems.append(f"{heads} heads × kv_channels {head_dim} != hidden_size {hidden}: GPT-2 needs it equal")
+            problems.append(f"{heads} heads × kv_channels {head_dim} != hidden_size {hidden}: {name} needs it equal")
         if not bias:
-            problems.append("args.add_bias_linear = False: GPT-2's linear layers have biases")
+            problems.append(f"args.add_bias_linear = False: {name}'s linear layers have biases")
         act = core_activation(args)
-        cls = models.GPT2LMHeadModel
-        config = models.GPT2Config(
-            vocab_size=vocab, n_positions=_arg(args, "max_position_embeddings", 1024), n_embd=hidden,
-            n_layer=args.num_layers, n_head=heads, n_inner=ffn, activation_function=act, layer_norm_epsilon=eps,
-            resid_pdrop=_arg(args, "hidden_dropout", 0.1), embd_pdrop=_arg(args, "hidden_dropout", 0.1),
-            attn_pdrop=_arg(args, "attention_dropout", 0.1), tie_word_embeddings=not untied,
-            initializer_range=_arg(args, "init_method_std", 0.02), bos_token_id=None, eos_token_id=None)
+        common = dict(vocab_size=vocab, tie_word_embeddings=not untied, bos_token_id=None, eos_token_id=None,
+                      initializer_range=_arg(args, "init_method_std", 0.02))
+        if positions == "learned_absolute":
+            cls = models.GPT2LMHeadModel
+            config = models.GPT2Config(
+                n_positions=_arg(args, "max_position_embeddings", 1024), n_embd=hidden, n_layer=args.num_layers,
+                n_head=heads, n_inner=ffn, activation_function=act, layer_norm_epsilon=eps,
+                resid_pdrop=_arg(args, "hidden_dropout", 0.1), embd_pdrop=_arg(args, "hidden_dropout", 0.1),
+                attn_pdrop=_arg(args, "attention_dropout", 0.1), **common)
+        else:
+            cls = models.GPTNeoXForCausalLM
+            parameters = {"rope_type": "default", **(rope["rope_scaling"] or {}), "rope_theta": rope["rope_theta"],
+                          "partial_rotary_factor": float(_arg(args, "rotary_percent", 1.0))}
+            config = models.GPTNeoXConfig(
+                hidden_size=hidden, num_hidden_layers=args.num_layers, num_attention_heads=heads,
+                intermediate_size=ffn, hidden_act=act, layer_norm_eps=eps, use_parallel_residual=False,
+                max_position_embeddings=_arg(args, "max_position_embeddings", 2048), rope_parameters=parameters,
+                attention_bias=True, hidden_dropout=_arg(args, "hidden_dropout", 0.0),
+                attention_dropout=_arg(args, "attention_dropout", 0.0), **common)
     else:
         if _arg(args, "rotary_percent", 1.0) != 1.0:
             problems.append(f"args.rotary_percent = {args.rotary_percent}: Llama rotates every channel (1.0)")
-        scaling = None
-        if _arg(args, "use_rope_scaling", False) and _arg(args, "rotary_seq_len_interpolation_factor") is not None:
-            problems.append("args.use_rope_scaling with args.rotary_seq_len_interpolation_factor: two RoPE scalings "
-                            "at once are not converted")
-        if _arg(args, "use_rope_scaling", False):
-            scaling = {"rope_type": "llama3", "factor": float(_arg(args, "rope_scaling_factor", 8.0)), **LLAMA3_SCALING}
-        elif _arg(args, "rotary_seq_len_interpolation_factor") is not None:
-            scaling = {"rope_type": "linear", "factor": float(args.rotary_seq_len_interpolation_factor)}
         qkv_only = bool(_arg(args, "add_qkv_bias", False)) and not bias
         kwargs = dict(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=args.num_layers,
             num_attention_heads=heads, num_key_value_heads=groups, rms_norm_eps=eps,
-            max_position_embeddings=_arg(args, "max_position_embeddings", 4096),
-            rope_theta=float(_arg(args, "rotary_base", 10000)), rope_scaling=scaling, tie_word_embeddings=not untied,
+            max_position_embeddings=_arg(args, "max_position_embeddings", 4096), tie_word_embeddings=not untied,
             attention_dropout=_arg(args, "attention_dropout", 0.0),
-            initializer_range=_arg(args, "init_method_std", 0.02), bos_token_id=None, eos_token_id=None)
+            initializer_range=_arg(args, "init_method_std", 0.02), bos_token_id=None, eos_token_id=None, **rope)
         if head_dim * heads != hidden:
             kwargs["head_dim"] = head_dim
         if qkv_only:
@@ -224,6 +243,20 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
         raise ValueError(f"{where} ({family} family, from its args) cannot be converted; {len(problems)} "
                          f"problem(s):\n  " + "\n  ".join(problems))
     return cls, config, padded
+
+
+def _rope_scaling(args: argparse.Namespace, problems: list[str]) -> dict | None:
+    """Megatron-Core's RoPE scaling as Hugging Face's rope parameters: llama3 (--use-rope-scaling)
+    or linear (--rotary-seq-len-interpolation-factor)."""
+    llama3, linear = _arg(args, "use_rope_scaling", False), _arg(args, "rotary_seq_len_interpolation_factor")
+    if llama3 and linear is not None:
+        problems.append("args.use_rope_scaling with args.rotary_seq_len_interpolation_factor: two RoPE scalings "
+                        "at once are not converted")
+    if llama3:
+        return {"rope_type": "llama3", "factor": float(_arg(args, "rope_scaling_factor", 8.0)), **LLAMA3_SCALING}
+    if linear is not None:
+        return {"rope_type": "linear", "factor": float(linear)}
+    return None
 
 
 def core_activation(args: argparse.Namespace) -> str:
@@ -260,7 +293,8 @@ def _stored_config(derived, stored: dict | None, padded: int):
     if not isinstance(stored, dict) or stored.get("model_type") != derived.model_type:
         return derived
     candidate = type(derived).from_dict({k: v for k, v in stored.items() if k != "transformers_version"})
-    cls = models.GPT2LMHeadModel if derived.model_type == "gpt2" else models.LlamaForCausalLM
+    cls = {"gpt2": models.GPT2LMHeadModel, "gpt_neox": models.GPTNeoXForCausalLM}.get(derived.model_type,
+                                                                                     models.LlamaForCausalLM)
     ignored = {"params_dtype", "bf16", "fp16"}
     ours, theirs = ({key: value for key, value in vars(megatron_args(_skeleton(cls, c), padded, 1)).items()
                      if key not in ignored} for c in (derived, candidate))
@@ -283,22 +317,33 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
         consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
         init_method_std=config.initializer_range, tokenizer_type="HuggingFaceTokenizer", rotary_base=10000,
         rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None)
-    if family == "gpt":
-        if config.activation_function not in ("gelu_new", "gelu", "gelu_pytorch_tanh"):
-            raise ValueError(f"activation_function {config.activation_function!r} has no Megatron-LM flag (GELU: "
-                             f"--openai-gelu for the tanh form, or the default erf form)")
-        hidden = config.n_embd
+    if family in ("gpt", "gpt_rope"):
+        act = getattr(config, "activation_function", getattr(config, "hidden_act", None))
+        if act not in ("gelu_new", "gelu", "gelu_pytorch_tanh"):
+            raise ValueError(f"activation {act!r} has no Megatron-Core form (GELU: erf, or tanh through "
+                             f"--bias-gelu-fusion)")
+        if not getattr(config, "attention_bias", True):
+            raise ValueError("attention_bias=False with MLP biases: Megatron-LM's --add-bias-linear sets both")
+        hidden, heads = config.hidden_size, config.num_attention_heads
         specific = dict(
-            num_layers=config.n_layer, hidden_size=hidden, ffn_hidden_size=config.n_inner or 4 * hidden,
-            num_attention_heads=config.n_head, kv_channels=hidden // config.n_head, group_query_attention=False,
-            num_query_groups=config.n_head, max_position_embeddings=config.n_positions, seq_length=config.n_positions,
-            position_embedding_type="learned_absolute", normalization="LayerNorm",
-            norm_epsilon=config.layer_norm_epsilon, swiglu=False, add_position_embedding=True,
-            bias_gelu_fusion=config.activation_function != "gelu", add_bias_linear=True, add_qkv_bias=True,
-            untie_embeddings_and_output_weights=not config.tie_word_embeddings, hidden_dropout=config.resid_pdrop,
-            attention_dropout=config.attn_pdrop)
+            num_layers=config.num_hidden_layers, hidden_size=hidden, num_attention_heads=heads,
+            kv_channels=hidden // heads, group_query_attention=False, num_query_groups=heads,
+            normalization="LayerNorm", swiglu=False, bias_gelu_fusion=act != "gelu", add_bias_linear=True,
+            add_qkv_bias=True, untie_embeddings_and_output_weights=not config.tie_word_embeddings)
+        if family == "gpt":
+            specific.update(
+                ffn_hidden_size=config.n_inner or 4 * hidden, max_position_embeddings=config.n_positions,
+                seq_length=config.n_positions, position_embedding_type="learned_absolute",
+                add_position_embedding=True, norm_epsilon=config.layer_norm_epsilon,
+                hidden_dropout=config.resid_pdrop, attention_dropout=config.attn_pdrop)
+        else:
+            specific.update(
+                ffn_hidden_size=config.intermediate_size, max_position_embeddings=config.max_position_embeddings,
+                seq_length=config.max_position_embeddings, position_embedding_type="rope",
+                add_position_embedding=False, norm_epsilon=config.layer_norm_eps,
+                rotary_percent=rotary_fraction(config), hidden_dropout=config.hidden_dropout,
+                attention_dropout=config.attention_dropout, **_rope_args(config))
     else:
-        base, scaling = models.llama.rope_settings(config)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r}: Megatron-LM's --swiglu is SiLU-gated")
         qkv_b, out_b = models.llama.qkv_bias(config)
@@ -307,15 +352,6 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
             raise ValueError(f"biases on q/k/v {qkv_b}, o {out_b}, MLP {mlp_b}: Megatron-LM has all of them "
                              f"(--add-bias-linear), none, or q/k/v only (--add-qkv-bias)")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope = {}
-        if scaling is not None and scaling["rope_type"] == "llama3":
-            others = {key: scaling.get(key) for key in LLAMA3_SCALING if scaling.get(key) != LLAMA3_SCALING[key]}
-            if others:
-                raise ValueError(f"llama3 RoPE scaling with {others}: Megatron-Core fixes low_freq_factor 1, "
-                                 f"high_freq_factor 4 and original_max_position_embeddings 8192")
-            rope.update(use_rope_scaling=True, rope_scaling_factor=scaling["factor"])
-        elif scaling is not None:
-            rope.update(rotary_seq_len_interpolation_factor=scaling["factor"])
         specific = dict(
             num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
             ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
@@ -324,9 +360,23 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
             seq_length=config.max_position_embeddings, position_embedding_type="rope", normalization="RMSNorm",
             norm_epsilon=config.rms_norm_eps, swiglu=True, add_bias_linear=out_b, add_position_embedding=False,
             add_qkv_bias=qkv_b, untie_embeddings_and_output_weights=not config.tie_word_embeddings,
-            hidden_dropout=0.0, attention_dropout=config.attention_dropout,
-            rotary_base=int(base) if float(base).is_integer() else base, **rope)
+            hidden_dropout=0.0, attention_dropout=config.attention_dropout, **_rope_args(config))
     return argparse.Namespace(**{**common, **specific})
+
+
+def _rope_args(config) -> dict:
+    """A Hugging Face config's RoPE base and scaling as Megatron-LM's args."""
+    base, scaling = models.llama.rope_settings(config)
+    rope = {"rotary_base": int(base) if float(base).is_integer() else base}
+    if scaling is not None and scaling["rope_type"] == "llama3":
+        others = {key: scaling.get(key) for key in LLAMA3_SCALING if scaling.get(key) != LLAMA3_SCALING[key]}
+        if others:
+            raise ValueError(f"llama3 RoPE scaling with {others}: Megatron-Core fixes low_freq_factor 1, "
+                             f"high_freq_factor 4 and original_max_position_embeddings 8192")
+        rope.update(use_rope_scaling=True, rope_scaling_factor=scaling["factor"])
+    elif scaling is not None:
+        rope.update(rotary_seq_len_interpolation_factor=scaling["factor"])
+    return rope
 
 
 # ----------------------------------------------------------------------------- reading

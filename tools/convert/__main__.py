@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         "directory) at any tp/pp:\n"
         "  - Megatron-Core GPTModel, torch_dist format (iter_XXXXXXX/.metadata, common.pt) or per-rank torch\n"
         "    files (mp_rank_TT[_PPP]/model_optim_rng.pt with decoder.layers... names):\n"
-        "      GPT family   learned positions, LayerNorm, GELU, biases, tied or untied head -> GPT-2\n"
+        "      GPT family   LayerNorm, GELU, biases, tied or untied head: learned positions -> GPT-2,\n"
+        "                   RoPE (any rotary percent, linear scaling) -> GPT-NeoX (sequential residual)\n"
         "      Llama family RoPE (base, llama3 or linear scaling), RMSNorm, SwiGLU, grouped-query\n"
         "                   attention, untied or tied head, biases: none, all, or q/k/v (Qwen2) -> Llama\n"
         "  - legacy GPT (language_model.encoder names, torch files) -> GPT-2 (megatron-to-hf only)\n"
@@ -127,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also unpickle numpy arrays (Megatron's saved RNG state) as data; nothing else is allowed")
 
     p = commands.add_parser(
-        "megatron-to-hf", formatter_class=raw, help="Megatron-LM checkpoint (any tp/pp) -> Hugging Face GPT-2 / Llama",
+        "megatron-to-hf", formatter_class=raw,
+        help="Megatron-LM checkpoint (any tp/pp) -> Hugging Face GPT-2 / GPT-NeoX / Llama",
         description="Write a Megatron-LM checkpoint as a Hugging Face directory (through libai_zoo's model, whose\n"
                     "save_pretrained writes it; transformers loads it).\n\n" + megatron_reads)
     megatron_source(p)
@@ -147,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     _layout(p)
     megatron_options(p)
 
-    for name, source, what in (("hf-to-megatron", "hf_dir", "Hugging Face GPT-2 or Llama (Qwen2) directory"),
+    for name, source, what in (("hf-to-megatron", "hf_dir", "Hugging Face GPT-2, GPT-NeoX or Llama/Qwen2 directory"),
                                ("zoo-to-megatron", "checkpoint", "libai_zoo checkpoint (any layout)")):
         p = commands.add_parser(
             name, formatter_class=raw, help=f"{what} -> Megatron-Core torch_dist checkpoint",
