@@ -227,14 +227,38 @@ def test_pickles_that_would_run_code_are_refused(tmp_path):
 
 
 def test_megatron_enums_in_args_are_read_as_text(tmp_path):
-    from megatron.core.transformer.enums import AttnBackend
-
+    """Megatron-LM's args hold enums (attention_backend = AttnBackend.auto); the pickle is written
+    in a subprocess, since importing megatron.core widens torch's weights_only allow-list for the
+    whole process."""
     tiny_hf("gpt2").save_pretrained(tmp_path / "hf")
     ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc")
-    args = torch.load(tmp_path / "mc" / "release" / COMMON, weights_only=False)["args"]
-    args.attention_backend = AttnBackend.flash
-    _rewrite_common(tmp_path / "mc", args=args)
+    common = tmp_path / "mc" / "release" / COMMON
+    script = ("import sys, torch; from megatron.core.transformer.enums import AttnBackend; "
+              "c = torch.load(sys.argv[1], weights_only=False); c['args'].attention_backend = AttnBackend.flash; "
+              "torch.save(c, sys.argv[1])")
+    subprocess.run([sys.executable, "-W", "ignore", "-c", script, str(common)], check=True, timeout=120)
+    assert "megatron.core.transformer.enums.AttnBackend" in torch.serialization.get_unsafe_globals_in_checkpoint(
+        str(common))
     out = ok("inspect", tmp_path / "mc")
     assert "format: torch_dist" in out and "swiglu=False" in out
     assert has_row(out, "decoder.layers.self_attention.linear_qkv.weight", "[2, 96, 32]", "float32")
     ok("megatron-to-hf", tmp_path / "mc", tmp_path / "back")
+
+
+def test_layernorm_1p_checkpoints_get_their_one_back(tmp_path):
+    """--apply-layernorm-1p stores each norm's gamma - 1: the reader adds the 1 back."""
+    from libai_zoo.convert.torch_dist import read_common, read_tensors, write_checkpoint
+
+    source = tiny_hf("gpt_neox")
+    source.save_pretrained(tmp_path / "hf")
+    ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc")
+    release = tmp_path / "mc" / "release"
+    common = read_common(release)
+    common["args"].apply_layernorm_1p = True
+    norms = ("layer_norm_weight", "final_layernorm.weight")
+    tensors = {name: t - 1.0 if name.endswith(norms) else t for name, t in read_tensors(release).items()}
+    write_checkpoint(tmp_path / "mc_1p" / "release", tensors, common)
+    (tmp_path / "mc_1p" / "latest_checkpointed_iteration.txt").write_text("release")
+    ok("megatron-to-hf", tmp_path / "mc_1p", tmp_path / "back")
+    with torch.no_grad():
+        assert _max_difference(_hf_logits(tmp_path / "back"), source(IDS).logits) <= 1e-6

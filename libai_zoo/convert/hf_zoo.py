@@ -149,8 +149,8 @@ def _require_layout(model: nn.Module, dp: int, tp: int, pp: int, what: str) -> N
         raise ValueError(f"{what} cannot run at dp={dp} tp={tp} pp={pp}:\n  " + "\n  ".join(problems))
 
 
-def write_zoo_checkpoint(model: nn.Module, output_dir: Path, *, dp: int = 1, tp: int = 1, pp: int = 1,
-                         source: str | Path = "") -> Path:
+def write_zoo_checkpoint(model: nn.Module, output_dir: Path, *, source: str | Path, dp: int = 1, tp: int = 1,
+                         pp: int = 1) -> Path:
     """Write a whole model as a libai_zoo checkpoint for a dp × tp × pp run (checked first):
     model_0000000, last_checkpoint and config.yaml; return the checkpoint directory."""
     cls = type(model)

@@ -296,10 +296,14 @@ def _stored_config(derived, stored: dict | None, padded: int):
     cls = {"gpt2": models.GPT2LMHeadModel, "gpt_neox": models.GPTNeoXForCausalLM}.get(derived.model_type,
                                                                                      models.LlamaForCausalLM)
     ignored = {"params_dtype", "bf16", "fp16"}
-    ours, theirs = ({key: value for key, value in vars(megatron_args(_skeleton(cls, c), padded, 1)).items()
-                     if key not in ignored} for c in (derived, candidate))
+    try:
+        ours, theirs = ({key: value for key, value in vars(megatron_args(_skeleton(cls, c), padded, 1)).items()
+                         if key not in ignored} for c in (derived, candidate))
+    except ValueError:  # the kept config has no Megatron form: it is not this checkpoint's
+        return derived
     if ours != theirs:
-        logger.warning("common.pt carries a Hugging Face config that no longer matches the args; the args' is used")
+        logger.info("common.pt keeps a Hugging Face config that differs from the args (another vocabulary size, or "
+                    "the model changed in Megatron-LM); the config is built from the args")
         return derived
     return candidate
 
@@ -425,7 +429,7 @@ def _read_torch_files(path: Path, allow_numpy: bool) -> tuple[MegatronSource, di
     gated = bool(_arg(checkpoint.args, "swiglu", False))
     untied = bool(_arg(checkpoint.args, "untie_embeddings_and_output_weights", False))
     tensors: dict[str, torch.Tensor] = {}
-    offset = 0
+    offset, differing = 0, []
     for p in range(checkpoint.pp):
         shards = []
         for t in range(checkpoint.tp):
@@ -444,7 +448,12 @@ def _read_torch_files(path: Path, allow_numpy: bool) -> tuple[MegatronSource, di
             elif name == "output_layer.weight" and not untied:
                 continue  # the last stage's copy of the tied embedding
             tensors[name] = _join(name, parts, gated)
+            if _split_kind(name, gated) == "replicated" and any(not torch.equal(parts[0], p) for p in parts[1:]):
+                differing.append(name)
         offset += len(local)
+    if differing:
+        logger.warning("%d tensor(s) that every tensor-parallel rank holds whole differ between ranks (rank 0's "
+                       "kept): %s", len(differing), ", ".join(differing[:5]))
     source = MegatronSource(checkpoint.directory, "torch", checkpoint.args, checkpoint.tp, checkpoint.pp)
     return source, tensors
 

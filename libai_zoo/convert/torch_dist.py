@@ -104,7 +104,12 @@ def read_common(directory: Path) -> dict:
 def is_torch_dist(directory: Path) -> bool:
     """Whether `directory` is a torch_dist iteration directory."""
     if (directory / METADATA_JSON).is_file():
-        return json.loads((directory / METADATA_JSON).read_text()).get("sharded_backend") == "torch_dist"
+        backend = json.loads((directory / METADATA_JSON).read_text()).get("sharded_backend")
+        if backend != "torch_dist":
+            raise ValueError(f"{directory} is a Megatron-Core checkpoint in the {backend!r} format; torch_dist (and "
+                             f"per-rank torch files) are read: convert it with Megatron-LM's --ckpt-convert-format "
+                             f"torch_dist")
+        return True
     return (directory / ".metadata").is_file() and (directory / COMMON).is_file()
 
 
