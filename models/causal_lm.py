@@ -1,5 +1,6 @@
-"""What the decoder-only language models (GPT-2, Llama) share: next-token targets, the LM head and
-its loss, their Hugging Face-style output, and generation.
+"""What the decoder-only language models (GPT-2, GPT-NeoX, Llama) share: running the decoder
+layers, next-token targets, the LM head and its loss, their Hugging Face-style output, and
+generation.
 
     labels [B, S]         position t is scored against labels[t + 1] (shifted here, once)
     shift_labels [B, S]   transformers' name for targets already aligned (position t against
@@ -22,6 +23,17 @@ from .contract import IGNORE_INDEX, TrainableModel
 from .generation import GenerationMixin
 
 TARGET_KEYS = ("labels", "shift_labels")
+
+
+def run_decoder_layers(layers: torch.nn.ModuleList, x: torch.Tensor, attention_mask: torch.Tensor | None,
+                       position_ids: torch.Tensor | None, past_key_values: list[KVCache] | None) -> torch.Tensor:
+    """The hidden states through a body's decoder layers, each with its KV cache when generating;
+    in training, packed samples attend within themselves (transformers' rule)."""
+    if past_key_values is None:
+        attention_mask = packed_causal_mask(attention_mask, position_ids)
+    for i, layer in enumerate(layers):
+        x = layer(x, attention_mask, position_ids, kv_cache=None if past_key_values is None else past_key_values[i])
+    return x
 
 
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from libai_zoo.layers import (Embedding, KVCache, LayerNorm, LMHead, SequenceGather, SequenceScatter,
-                              TransformerLayer, VocabEmbedding, packed_causal_mask)
+                              TransformerLayer, VocabEmbedding)
 
-from .causal_lm import CausalLM
+from .causal_lm import CausalLM, run_decoder_layers
 from .hf_maps.gpt2 import gpt2_weight_map
 from .pretrained import PreTrainedModel
 
@@ -84,11 +84,7 @@ class GPT2Model(PreTrainedModel):
                 past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
         past = 0 if past_key_values is None else past_key_values[0].length
         x = self.embed(input_ids, token_type_ids, position_ids, past)
-        if past_key_values is None:  # training: packed sequences attend within themselves (transformers' rule)
-            attention_mask = packed_causal_mask(attention_mask, position_ids)
-        for i, layer in enumerate(self.h):
-            cache = None if past_key_values is None else past_key_values[i]
-            x = layer(x, attention_mask, kv_cache=cache)
+        x = run_decoder_layers(self.h, x, attention_mask, position_ids, past_key_values)
         return BaseModelOutputWithPast(last_hidden_state=self.final_norm(x), past_key_values=past_key_values)
 
     def hf_weight_map(self):

@@ -16,10 +16,9 @@ import transformers
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from libai_zoo.layers import (KVCache, LMHead, RMSNorm, SequenceGather, TransformerLayer, VocabEmbedding,
-                              packed_causal_mask)
+from libai_zoo.layers import KVCache, LMHead, RMSNorm, SequenceGather, TransformerLayer, VocabEmbedding
 
-from .causal_lm import CausalLM
+from .causal_lm import CausalLM, run_decoder_layers
 from .hf_maps.llama import llama_weight_map
 from .pretrained import PreTrainedModel
 
@@ -87,12 +86,7 @@ class LlamaModel(PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
                 past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
-        x = self.embed(input_ids)
-        if past_key_values is None:  # training: packed sequences attend within themselves (transformers' rule)
-            attention_mask = packed_causal_mask(attention_mask, position_ids)
-        for i, layer in enumerate(self.layers):
-            cache = None if past_key_values is None else past_key_values[i]
-            x = layer(x, attention_mask, position_ids, kv_cache=cache)
+        x = run_decoder_layers(self.layers, self.embed(input_ids), attention_mask, position_ids, past_key_values)
         return BaseModelOutputWithPast(last_hidden_state=self.final_norm(x), past_key_values=past_key_values)
 
     def hf_weight_map(self):
