@@ -13,7 +13,7 @@ layers hold them; Megatron-Core's local layers map theirs to these names when sa
     decoder.layers.{i}.self_attention.linear_qkv.weight (, .bias)  per query group [its q heads, k, v]
     decoder.layers.{i}.self_attention.linear_proj.weight (, .bias) columns split over tp
     decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight (, _bias)  the pre-MLP norm
-    decoder.layers.{i}.mlp.linear_fc1.weight (, .bias)   [gate; up] with SwiGLU (per tp rank in torch files)
+    decoder.layers.{i}.mlp.linear_fc1.weight (, .bias)   [gate; up] with SwiGLU (per rank in torch files)
     decoder.layers.{i}.mlp.linear_fc2.weight (, .bias)   columns split over tp
     decoder.final_layernorm.weight (, .bias)
     output_layer.weight                                  untied head only
@@ -42,9 +42,8 @@ import transformers
 from torch import nn
 
 from libai_zoo import models
-from libai_zoo.hf.rules import PaddedRows, Part, Same, WeightMap
-
 from libai_zoo.hf import read_config
+from libai_zoo.hf.rules import PaddedRows, Part, Same, WeightMap
 from libai_zoo.layers import merge_lora
 from libai_zoo.models.gpt_neox import rotary_fraction
 
@@ -438,6 +437,11 @@ def _read_torch_files(path: Path, allow_numpy: bool) -> tuple[MegatronSource, di
                 raise ValueError(f"{checkpoint.files[t, p]} has no 'model' state dict: it is not a Megatron-LM "
                                  f"model checkpoint file")
             shards.append({_canonical(name): tensor for name, tensor in flatten(model).items()})
+        for t, shard in enumerate(shards[1:], start=1):
+            if set(shard) != set(shards[0]):
+                raise ValueError(f"{checkpoint.files[t, p]} and {checkpoint.files[0, p]} hold different tensors "
+                                 f"({sorted(set(shard) ^ set(shards[0]))[:6]}): the shards come from different "
+                                 f"checkpoints")
         local = set()
         for name in shards[0]:
             parts = [shard[name] for shard in shards]
@@ -448,7 +452,8 @@ def _read_torch_files(path: Path, allow_numpy: bool) -> tuple[MegatronSource, di
             elif name == "output_layer.weight" and not untied:
                 continue  # the last stage's copy of the tied embedding
             tensors[name] = _join(name, parts, gated)
-            if _split_kind(name, gated) == "replicated" and any(not torch.equal(parts[0], p) for p in parts[1:]):
+            whole = _split_kind(name, gated) == "replicated"
+            if whole and any(not torch.equal(parts[0], other) for other in parts[1:]):
                 differing.append(name)
         offset += len(local)
     if differing:
