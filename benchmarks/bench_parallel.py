@@ -49,14 +49,14 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing as mp
 from bench_common import run_meta, write_json
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.parallel.pipeline import split_layers
@@ -167,7 +167,7 @@ class CollectiveRecorder:
             if original is None:
                 continue
             wrapper = self._wrap(name, original)
-            for module in (c10d, torch_dist):
+            for module in (c10d, dist):
                 if getattr(module, name, None) is original:
                     setattr(module, name, wrapper)
 
@@ -189,11 +189,11 @@ class CollectiveRecorder:
         return wrapper
 
     def _group(self, group) -> str:
-        if not torch_dist.is_initialized():
+        if not dist.is_initialized():
             return "none"
         key = id(group)
         if key not in self._ranks:
-            self._ranks[key] = tuple(torch_dist.get_process_group_ranks(group or c10d._get_default_group()))
+            self._ranks[key] = tuple(dist.get_process_group_ranks(group or c10d._get_default_group()))
         ranks = self._ranks[key]
         return self.group_names.get(ranks, "ranks" + ",".join(map(str, ranks)))
 
@@ -280,8 +280,8 @@ def _batches(trainer: DefaultTrainer):
 
 
 def _barrier() -> None:
-    if torch_dist.is_initialized():
-        torch_dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def measure_layout(config_file: str, output_dir: str, overrides: list[str], timed_steps: int) -> dict:
@@ -290,7 +290,7 @@ def measure_layout(config_file: str, output_dir: str, overrides: list[str], time
     trainer = build_trainer(config_file, output_dir, overrides)
     ctx, parts, optimizer = trainer.ctx, trainer.model_parts, trainer.optimizer
     if ctx.mesh is not None:
-        RECORDER.group_names = {tuple(torch_dist.get_process_group_ranks(ctx.group(d))): d
+        RECORDER.group_names = {tuple(dist.get_process_group_ranks(ctx.group(d))): d
                                 for d in ("pp", "dp", "tp") if getattr(ctx, d) > 1}
     state: dict = {}
     zero_grad = optimizer.zero_grad
@@ -321,7 +321,7 @@ def measure_layout(config_file: str, output_dir: str, overrides: list[str], time
                   optim=state["optim"], collectives=RECORDER.records, dispatch_c10d=dict(counter.c10d),
                   functional=dict(counter.functional), step_ms=statistics.median(times),
                   accumulation=trainer.accumulation, micro_batch=trainer.cfg.train.micro_batch_size)
-    dist.destroy()
+    distributed.destroy()
     return result
 
 
@@ -331,7 +331,7 @@ def measure_overlap(config_file: str, output_dir: str, overrides: list[str], rou
     with the gradient sync removed ("no comm"), and with it removed from backward and done as one
     coalesced all-reduce of every gradient afterwards, which is what ZeRO-0 did before ("before");
     plus that all-reduce alone ("comm"). Median ms of each on this rank."""
-    from libai_zoo.dist.collectives import all_reduce_coalesced_
+    from libai_zoo.distributed.collectives import all_reduce_coalesced_
 
     trainer = build_trainer(config_file, output_dir, overrides)
     model, data_parallel = trainer.model, trainer.data_parallel
@@ -360,7 +360,7 @@ def measure_overlap(config_file: str, output_dir: str, overrides: list[str], rou
             start = time.perf_counter()
             way()
             times[name].append((time.perf_counter() - start) * 1e3)
-    dist.destroy()
+    distributed.destroy()
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -409,7 +409,7 @@ def measure_bubble(config_file: str, output_dir: str, overrides: list[str], step
         trainer.step(batches)
         rows.append(dict(busy))
     result = dict(pp_rank=trainer.ctx.pp_rank, micro_batches=pipeline.num_micro_batches, steps=rows)
-    dist.destroy()
+    distributed.destroy()
     return result
 
 
@@ -421,11 +421,11 @@ def _worker(rank: int, world_size: int, out_dir: str, fn, args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    torch_dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
                                   world_size=world_size)
     result = fn(*args)
-    torch_dist.barrier()
-    torch_dist.destroy_process_group()
+    dist.barrier()
+    dist.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -26,7 +26,7 @@ import torch
 from bench_common import run_meta, write_json
 from bench_parallel import run_distributed
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.plan import plan
@@ -56,7 +56,7 @@ def measure(overrides: list[str], output_dir: str, steps: int) -> dict:
         trainer.step(batches)
         if index:
             times.append(time.perf_counter() - start)
-    dist.destroy()
+    distributed.destroy()
     return {"step_s": statistics.median(times)}
 
 

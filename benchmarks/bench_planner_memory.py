@@ -21,7 +21,7 @@ import tempfile
 import torch
 from bench_common import run_meta, write_json
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.plan import Layout, ModelTable, OptimizerState, rank_memory
@@ -66,7 +66,7 @@ def measure(cfg) -> int:
         with TensorMemoryPeak() as peak:
             trainer.step(batch)
         measured = before + peak.bytes
-    dist.destroy()
+    distributed.destroy()
     return measured
 
 

@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, config_file: str, overrides: list[str], out_dir
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
                                          world_size=world)
-    from libai_zoo import dist
+    from libai_zoo import distributed
     from libai_zoo.config import LazyConfig
     from libai_zoo.engine import DefaultTrainer
     from libai_zoo.utils import parameter_bytes
@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, config_file: str, overrides: list[str], out_dir
     result = {"rank": rank, "peak_mib": peak / 1024, "seconds": seconds,
               "shard_mib": sum(map(parameter_bytes, trainer.model_parts)) / 2**20,
               "largest_mib": max(p.numel() * p.element_size() for p in params) / 2**20}
-    dist.destroy()
+    distributed.destroy()
     torch.distributed.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 

@@ -1,8 +1,12 @@
 """libai_zoo.layers: drop-in parallel layers.
 
-Each layer behaves like its `torch.nn` twin until `libai_zoo.dist.shard` splits it over tensor
+Each layer behaves like its `torch.nn` twin until `libai_zoo.distributed.shard` splits it over tensor
 parallelism; model files are built from these and never mention process groups.
 """
+
+if __name__ != "libai_zoo.layers":  # `import layers` from the repository root would load a second copy of every class
+    raise ImportError(f"`layers/` is installed as `libai_zoo.layers`: write `from libai_zoo import layers` or "
+                      f"`import libai_zoo.layers`, not `import layers` (imported here as `{__name__}`)")
 
 from .attention import Attention, fuse_kv, fuse_qkv, packed_causal_mask, split_kv, split_qkv
 from .cross_entropy import ParallelCrossEntropy

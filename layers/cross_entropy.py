@@ -8,12 +8,12 @@ Each rank holds logits for its slice of the vocabulary [N, V/tp]. The loss needs
 from __future__ import annotations
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from libai_zoo.dist.collectives import all_reduce_
+from libai_zoo.distributed.collectives import all_reduce_
 
 from .parallel_layer import ParallelLayer
 
@@ -26,7 +26,7 @@ class _VocabParallelCrossEntropy(Function):
         vocab_start, vocab_end = tp.local_range(logits.shape[-1] * tp.size)
         ctx.dtype = logits.dtype
         logits = logits.float()
-        max_logit = all_reduce_(logits.max(dim=-1).values, tp, op=torch_dist.ReduceOp.MAX)
+        max_logit = all_reduce_(logits.max(dim=-1).values, tp, op=dist.ReduceOp.MAX)
         shifted = logits - max_logit.unsqueeze(-1)
         in_range = (target >= vocab_start) & (target < vocab_end)
         local_target = (target - vocab_start).masked_fill_(~in_range, 0)

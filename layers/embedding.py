@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.dist import TensorParallel, local
-from libai_zoo.dist.collectives import row_output
+from libai_zoo.distributed import TensorParallel, local
+from libai_zoo.distributed.collectives import row_output
 
 from .parallel_layer import ParallelLayer, indivisible
 

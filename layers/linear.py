@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.dist import TensorParallel, local
-from libai_zoo.dist.collectives import column_input, gather_from_tp, row_output
+from libai_zoo.distributed import TensorParallel, local
+from libai_zoo.distributed.collectives import column_input, gather_from_tp, row_output
 
 from .lora import LoRA
 from .parallel_layer import ParallelLayer, indivisible
@@ -23,7 +23,7 @@ class Linear(ParallelLayer, nn.Linear):
     parallel="row": weight split by input features. Input split, output summed over tp:
         [B, S(h)] x [S(h), out] -> [B, P(out)] -> all-reduce -> [B, out] + bias (added once)
     parallel="data": replicated weight; plain nn.Linear on every rank (under sequence parallelism
-        it sees this rank's tokens, so its gradients are partial until `dist.finalize_grads`).
+        it sees this rank's tokens, so its gradients are partial until `distributed.finalize_grads`).
 
     Under sequence parallelism "col" all-gathers a sequence-split input and "row" reduce-scatters
     its output back onto sequence shards. ``sync_input=False`` (col) and ``reduce_output=False``
@@ -68,7 +68,7 @@ class Linear(ParallelLayer, nn.Linear):
     def add_lora(self, rank: int, alpha: float, *, dropout: float = 0.0) -> LoRA:
         """Attach a rank-`rank` adapter (`LoRA`) on this layer's device and dtype, split as it is."""
         if self.tp is not None:
-            raise ValueError("add LoRA adapters before the model is split over tp (apply_lora, then dist.shard)")
+            raise ValueError("add LoRA adapters before the model is split over tp (apply_lora, then distributed.shard)")
         self.lora = LoRA(self.in_features, self.out_features, rank, alpha, dropout=dropout, parallel=self.parallel,
                          device=self.weight.device, dtype=self.weight.dtype)
         return self.lora

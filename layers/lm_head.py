@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from libai_zoo.dist.collectives import broadcast_, gather_from_tp
+from libai_zoo.distributed.collectives import broadcast_, gather_from_tp
 
 from .cross_entropy import ParallelCrossEntropy
 from .embedding import vocabulary_problems

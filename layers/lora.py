@@ -13,7 +13,7 @@ and splits the way its layer splits over tensor parallelism, so LoRA runs at eve
 Each rank adds its partial update to what its layer computes locally, so the layer's own
 communication carries the adapter too: nothing is added to forward. The replicated factor's
 gradient is a partial sum over tp (A's of a column layer sums over the output rows each rank holds,
-B's of a row layer over the input columns), reduced once per step by `dist.finalize_grads`.
+B's of a row layer over the input columns), reduced once per step by `distributed.finalize_grads`.
 A fused projection (``qkv``) gets one adapter, its A shared by q, k and v (NeMo's "performant"
 LoRA); its Hugging Face/PEFT form repeats A on each of q_proj, k_proj and v_proj, exactly.
 """
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.dist import TensorParallel, local
+from libai_zoo.distributed import TensorParallel, local
 
 #: Module names adapted when none are given: the attention and MLP projections of the zoo's layers.
 DEFAULT_TARGETS = ("qkv", "q", "kv", "out", "gate", "up", "down")
@@ -69,7 +69,7 @@ class LoRA(nn.Module):
 
     def split_like_layer_(self, tp: TensorParallel, sequence_parallel: bool) -> None:
         """Split as the layer is (its `Linear.shard_` calls this; not a `shard_` of its own, which
-        `dist.shard` would call without the layer's settings)."""
+        `distributed.shard` would call without the layer's settings)."""
         if self.parallel == "col":
             tp.shard_parameter(self, "B", 0)
         elif self.parallel == "row":

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.dist.collectives import column_input
+from libai_zoo.distributed.collectives import column_input
 
 from .linear import Linear
 from .parallel_layer import ParallelLayer, indivisible

@@ -1,6 +1,6 @@
 """LayerNorm and RMSNorm: replicated over tensor parallelism, split over the sequence under
 sequence parallelism (each rank normalizes its own tokens; weight gradients are then partial
-and summed over tp by `libai_zoo.dist.finalize_grads`)."""
+and summed over tp by `libai_zoo.distributed.finalize_grads`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.dist import local
+from libai_zoo.distributed import local
 
 from .parallel_layer import ParallelLayer
 

@@ -1,15 +1,15 @@
 """The contract every parallel layer follows, shared by all of `libai_zoo.layers`.
 
 A parallel layer is built at full size and behaves exactly like its `torch.nn` twin until
-`libai_zoo.dist.shard` calls its ``shard_(tp)``: it then keeps its own slice of each parameter as
+`libai_zoo.distributed.shard` calls its ``shard_(tp)``: it then keeps its own slice of each parameter as
 a DTensor on the tp mesh and communicates in forward/backward. Which sizes must divide by tp is
-the layer's own knowledge (`tp_problems`): `dist.shard` asks every layer before splitting any,
+the layer's own knowledge (`tp_problems`): `distributed.shard` asks every layer before splitting any,
 and a layout can be checked on a model built on the meta device, without a process group.
 """
 
 from __future__ import annotations
 
-from libai_zoo.dist import TensorParallel
+from libai_zoo.distributed import TensorParallel
 
 
 class ParallelLayer:

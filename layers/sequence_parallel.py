@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from libai_zoo.dist.collectives import gather_from_tp, scatter_to_tp
+from libai_zoo.distributed.collectives import gather_from_tp, scatter_to_tp
 
 from .parallel_layer import ParallelLayer
 

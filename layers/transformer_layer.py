@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from libai_zoo.dist.collectives import column_input, row_output
+from libai_zoo.distributed.collectives import column_input, row_output
 
 from .attention import Attention
 from .kv_cache import KVCache

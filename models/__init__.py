@@ -6,6 +6,10 @@ the forward signature and outputs of its `transformers` twin. Every model with a
 `TrainableModel`, the contract through which the engine trains it at any layout (contract.py).
 """
 
+if __name__ != "libai_zoo.models":  # `import models` from the repository root would load a second copy of every class
+    raise ImportError(f"`models/` is installed as `libai_zoo.models`: write `from libai_zoo import models` or "
+                      f"`import libai_zoo.models`, not `import models` (imported here as `{__name__}`)")
+
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from .contract import TrainableModel, check_trainable, get_layer_stack
 from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model

@@ -85,7 +85,7 @@ class PreTrainedModel(nn.Module, ABC):
         ``dtype``: None or "auto" keeps the checkpoint's dtype (config.json's ``dtype``), as
         transformers 5 does. ``shard=True`` splits the model over the current `dist` context's
         tensor parallelism while loading, each rank reading only its own slices; it equals
-        ``dist.shard(from_pretrained(path))``. ``strict``: missing, unexpected or misshaped
+        ``distributed.shard(from_pretrained(path))``. ``strict``: missing, unexpected or misshaped
         tensors raise one error listing them; strict=False loads what matches and initialises the
         rest (a new task head), still refusing misshaped tensors. The model is returned in eval
         mode; ``output_loading_info=True`` also returns what was missing/unexpected and the bytes read.

@@ -2,7 +2,7 @@ import os
 import tempfile
 
 # The suite is CPU + gloo by design (CI has no GPU): on a GPU host, hide the GPU before torch
-# looks for it, so dist.init picks gloo and the forked workers never touch CUDA.
+# looks for it, so distributed.init picks gloo and the forked workers never touch CUDA.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402

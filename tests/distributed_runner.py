@@ -22,10 +22,10 @@ def _worker(rank: int, fn: Callable, world_size: int, out_dir: str, args: tuple)
     # by another socket before rank 0 listens on it, which made runs fail now and then.
     torch.distributed.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
                                          world_size=world_size)
-    from libai_zoo import dist
+    from libai_zoo import distributed
 
-    result = fn(*args)  # dist.init inside reuses the process group made here
-    dist.destroy()
+    result = fn(*args)  # distributed.init inside reuses the process group made here
+    distributed.destroy()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

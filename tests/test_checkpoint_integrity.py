@@ -272,20 +272,20 @@ def test_killed_while_async_write_is_pending_commits_nothing(tmp_path):
 
 # ----------------------------------------------------------------------- 2 ranks, tp-sharded
 def _tp_model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from libai_zoo import dist, layers
+    from libai_zoo import distributed, layers
 
     torch.manual_seed(seed)
-    model = dist.shard(nn.Sequential(layers.Linear(16, 32, parallel="col"), layers.Linear(32, 16, parallel="row")))
+    model = distributed.shard(nn.Sequential(layers.Linear(16, 32, parallel="col"), layers.Linear(32, 16, parallel="row")))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def _two_ranks(output_dir: str) -> dict:
-    import torch.distributed as torch_dist
+    import torch.distributed as dist
 
-    from libai_zoo import dist
+    from libai_zoo import distributed
 
-    dist.init(tp=2)
-    rank, out = torch_dist.get_rank(), Path(output_dir)
+    distributed.init(tp=2)
+    rank, out = dist.get_rank(), Path(output_dir)
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -314,13 +314,13 @@ def _two_ranks(output_dir: str) -> dict:
         result[f"equal_{iteration}"] = _equal(_snapshot(fresh, fresh_optimizer), snapshots[iteration])
     if rank == 1:
         _flip_byte(out / "model_0000003" / "__1_0.distcp")
-    torch_dist.barrier()
+    dist.barrier()
     records.clear()
     result["after_flip"] = asynchronous.find_resumable()
     result["warnings"] = list(records)
     if rank == 0:
         _truncate(out / "model_0000002" / "__0_0.distcp")
-    torch_dist.barrier()
+    dist.barrier()
     result["after_truncate"] = background.find_resumable()
     result["at_most_1"] = sync.find_resumable(at_most=1)
     result["manifest_files"] = sorted(json.loads((out / "model_0000002" / commit.MANIFEST).read_text())["files"])

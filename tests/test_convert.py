@@ -33,7 +33,7 @@ import transformers
 from safetensors.torch import load_file
 
 from distributed_runner import run_distributed
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import PackedTokenDataset
 from libai_zoo.engine import DefaultTrainer
@@ -134,7 +134,7 @@ def _train(config_file: str, root: str, hf_dir: str, name: str) -> dict:
             with torch.no_grad():
                 logits = trainer.model.eval()(input_ids=LOGIT_IDS).logits
     finally:
-        dist.destroy()
+        distributed.destroy()
     metrics = Path(root) / f"run_{name}" / "metrics.json"
     losses = {r["iteration"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())} \
         if metrics.is_file() else {}
@@ -153,7 +153,7 @@ def _bad_checkpoint_error(config_file: str, root: str) -> str | None:
     except ValueError as error:
         return str(error)
     finally:
-        dist.destroy()
+        distributed.destroy()
     return None
 
 

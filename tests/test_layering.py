@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # docs/design.md, "The layers of the house": a package may import only the ones before it.
-ORDER = ["utils", "config", "data", "optim", "dist", "layers", "hf", "models", "parallel", "plan", "checkpoint",
+ORDER = ["utils", "config", "data", "optim", "distributed", "layers", "hf", "models", "parallel", "plan", "checkpoint",
          "convert", "engine"]
 FOLDERS = {"layers": ROOT / "layers", "models": ROOT / "models",
            **{name: ROOT / "libai_zoo" / name for name in ORDER if name not in ("layers", "models")}}
@@ -32,7 +32,7 @@ def test_each_package_imports_only_the_ones_before_it():
 def test_model_files_reach_no_process_group_code():
     leaks = [f"{path.relative_to(ROOT)}:{number}" for path in sorted((ROOT / "models").rglob("*.py"))
              for number, line in enumerate(path.read_text().splitlines(), 1)
-             if re.search(r"libai_zoo\.dist|torch\.distributed", line)]
+             if re.search(r"libai_zoo\.distributed|import distributed|torch\.distributed", line)]
     assert leaks == []
 
 
@@ -42,3 +42,10 @@ def test_importing_the_models_loads_no_conversion_and_no_distributed_checkpoint(
              "'libai_zoo.engine', 'libai_zoo.parallel', 'torch.distributed.checkpoint'))))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+def test_top_level_layers_and_models_refuse_to_load_a_second_copy():
+    for package in ("layers", "models"):
+        run = subprocess.run([sys.executable, "-c", f"import {package}"], cwd=ROOT, capture_output=True, text=True)
+        assert run.returncode != 0, package
+        assert f"from libai_zoo import {package}" in run.stderr, run.stderr

@@ -14,7 +14,7 @@ from torch import nn
 from transformers.modeling_outputs import TokenClassifierOutput
 
 from distributed_runner import run_distributed
-from libai_zoo import dist, layers
+from libai_zoo import distributed, layers
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.models import TrainableModel
@@ -179,12 +179,12 @@ def test_buffers_are_computed_by_init_buffers_or_refused(tmp_path):
     try:
         assert torch.equal(trainer.model.scale, torch.full((TAGS,), 0.5))
     finally:
-        dist.destroy()
+        distributed.destroy()
     cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file(tmp_path, "BufferedTagger")), [
         f"train.output_dir={tmp_path / 'buffered'}"])
     with pytest.raises(TypeError, match=r"BufferedTagger holds buffers \['scale'\].*implement init_buffers"):
         DefaultTrainer(cfg)
-    dist.destroy()
+    distributed.destroy()
 
 
 def test_a_subclass_that_leaves_out_a_method_cannot_be_built():

@@ -1,6 +1,6 @@
 """Every libai_zoo model at tp=2 (two gloo processes) against its `transformers` twin: loaded
 with ``shard=True`` (each rank reading only its slices) and with ``from_pretrained`` +
-``dist.shard``; outputs, loss, gradients, greedy generation, sequence parallelism, saving back
+``distributed.shard``; outputs, loss, gradients, greedy generation, sequence parallelism, saving back
 to a Hugging Face directory, and the error for a tp that does not divide the heads.
 
 All checks share one pair of processes (start-up dominates on CPU); the parent computes the
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.optim import clip_grad_norm_
 from model_cases import CASES, hf_checkpoint_grads, hf_named_grads, main_output, make_hf_model, make_inputs
 
@@ -44,14 +44,14 @@ def _run_case(model, case, ref) -> dict:
         out.loss.backward()
         grads = hf_named_grads(model)  # gathered: every rank takes part
         result["grad_names"] = set(grads) == set(ref["grads"])
-        dist.finalize_grads(model)
+        distributed.finalize_grads(model)
         result["grad_norm"] = abs(clip_grad_norm_(model.parameters(), 0.0).item() - ref["grad_norm"])
         result["grads"] = max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads)
     return result
 
 
 def _ranks(paths: dict, refs: dict, out_dir: str) -> dict:
-    ctx = dist.init(dp=1, tp=TP)
+    ctx = distributed.init(dp=1, tp=TP)
     results = {}
     for name, case in CASES.items():
         ref = refs[name]
@@ -71,10 +71,10 @@ def _ranks(paths: dict, refs: dict, out_dir: str) -> dict:
             head, embedding = (model.get_submodule(m) for m in TIED[name])
             results[name, "tied"] = head.weight is embedding.weight
         model.save_pretrained(os.path.join(out_dir, name), max_shard_size="20KB")
-        full = dist.shard(case.zoo_class.from_pretrained(paths[name] / "single"))
+        full = distributed.shard(case.zoo_class.from_pretrained(paths[name] / "single"))
         results[name, "dist.shard"] = _run_case(full, case, ref)
         if name in SEQUENCE_PARALLEL_CASES:
-            sp = dist.shard(case.zoo_class.from_pretrained(paths[name] / "single"), sequence_parallel=True)
+            sp = distributed.shard(case.zoo_class.from_pretrained(paths[name] / "single"), sequence_parallel=True)
             results[name, "sequence_parallel"] = _run_case(sp, case, ref)
     try:
         CASES["llama"].zoo_class.from_pretrained(paths["llama_one_kv_head"], shard=True)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distributed_runner import run_distributed
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
 from libai_zoo.engine import DefaultTrainer
@@ -205,7 +205,7 @@ def trained_one_step(config_file: str, output_dir: str, overrides: list[str]) ->
         trainer.train()
         yield trainer
     finally:
-        dist.destroy()
+        distributed.destroy()
 
 
 def state_bytes(config_file: str, output_dir: str, overrides: list[str]) -> int:

@@ -120,10 +120,10 @@ def _named_parameters(pipe) -> dict[str, torch.nn.Parameter]:
 
 def _grads(pipe, ctx) -> dict[str, torch.Tensor]:
     """Every local gradient under its full-model name, averaged over dp, whole (full_tensor: all tp ranks call)."""
-    from libai_zoo import dist
+    from libai_zoo import distributed
 
     for part in pipe.model_parts:
-        dist.finalize_grads(part)  # partial (sequence-parallel) gradients of norms
+        distributed.finalize_grads(part)  # partial (sequence-parallel) gradients of norms
     pipe.sync_tied_grads()
     grads = {}
     for name, param in _named_parameters(pipe).items():
@@ -136,13 +136,13 @@ def _grads(pipe, ctx) -> dict[str, torch.Tensor]:
 
 
 def _run_layout(layout, models: dict, batches: dict) -> dict:
-    from libai_zoo import dist
+    from libai_zoo import distributed
 
     name, dp, tp, pp, schedule, virtual, micro, sp, model_names = layout
-    ctx = dist.init(dp=dp, tp=tp, pp=pp, sequence_parallel=sp)
+    ctx = distributed.init(dp=dp, tp=tp, pp=pp, sequence_parallel=sp)
     results = {}
     for model_name in model_names:
-        model = dist.shard(copy.deepcopy(models[model_name]))
+        model = distributed.shard(copy.deepcopy(models[model_name]))
         pipe = Pipeline(model, ctx, schedule=schedule, num_micro_batches=micro, virtual_stages=virtual)
         batch = batches[model_name]
         loss, first = _step(pipe, ctx, batch)
@@ -158,14 +158,14 @@ def _run_layout(layout, models: dict, batches: dict) -> dict:
             "duplicates": [n for n, p in _named_parameters(pipe).items()
                            if any(p is d for d in pipe.tied_duplicates())],
         }
-    dist.destroy()
+    distributed.destroy()
     return results
 
 
 def _errors(models: dict) -> dict:
-    from libai_zoo import dist
+    from libai_zoo import distributed
 
-    ctx = dist.init(dp=1, tp=1, pp=4)
+    ctx = distributed.init(dp=1, tp=1, pp=4)
     errors = {}
     for key, kwargs in {"too_many_stages": dict(schedule="interleaved_1f1b", num_micro_batches=4, virtual_stages=2),
                         "too_few_micro_batches": dict(schedule="1f1b", num_micro_batches=1),
@@ -178,7 +178,7 @@ def _errors(models: dict) -> dict:
         Pipeline(models["gpt2"].transformer, ctx, num_micro_batches=4)
     except TypeError as error:
         errors["no_contract"] = str(error)
-    dist.destroy()
+    distributed.destroy()
     return errors
 
 

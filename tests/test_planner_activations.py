@@ -13,11 +13,11 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
 
-from libai_zoo import dist, layers, models
+from libai_zoo import distributed, layers, models
 from libai_zoo.parallel import apply_activation_checkpointing
 from libai_zoo.plan.activations import (LayerShape, embedding_activation_bytes, head_activation_bytes,
                                         layer_activation_bytes)
@@ -88,7 +88,7 @@ def parallel(model: torch.nn.Module, tp: int, sp: bool):
         yield
         return
     with fake_world(tp, 0, tp=tp, sequence_parallel=sp) as ctx:
-        dist.shard(model, ctx)
+        distributed.shard(model, ctx)
         yield
 
 
@@ -104,9 +104,9 @@ def check(measured: int, predicted: int, what: str) -> None:
 
 @pytest.fixture(autouse=True)
 def no_process_group_left():
-    assert not torch_dist.is_initialized()
+    assert not dist.is_initialized()
     yield
-    assert not torch_dist.is_initialized(), "a fake world was left initialized"
+    assert not dist.is_initialized(), "a fake world was left initialized"
 
 
 LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]

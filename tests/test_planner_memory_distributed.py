@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distributed_runner import run_distributed
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.plan.dry_run import dry_run_rank
@@ -108,7 +108,7 @@ def measure(config_file: str, output_dir: str, name: str) -> dict:
         return {"pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank,
                 "params": sum(parameter_bytes(part) for part in parts), "skipped": metrics["skipped"], **seen}
     finally:
-        dist.destroy()
+        distributed.destroy()
 
 
 def _all_layouts(config_file: str, out: str) -> dict:

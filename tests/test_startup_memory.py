@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from distributed_runner import run_distributed
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.utils import TensorMemoryPeak, parameter_bytes
@@ -72,7 +72,7 @@ def build(config_file: str, output_dir: str, overrides: list[str], pretrained: b
                 "largest": max(value.numel() * value.element_size() for value in full.values()),
                 "full": full, "log": log.read_text() if (log := Path(output_dir) / "log.txt").is_file() else ""}
     finally:
-        dist.destroy()
+        distributed.destroy()
 
 
 def _all_layouts(config_file: str, out: str) -> dict:

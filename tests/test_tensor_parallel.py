@@ -14,12 +14,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
-from libai_zoo import dist, layers
+from libai_zoo import distributed, layers
 
 pytestmark = pytest.mark.slow
 
@@ -118,13 +118,13 @@ def _check_case(name: str, sp: bool) -> dict[str, float]:
     weights = torch.randn(ref_out.shape)
     (ref_out * weights).sum().backward()
 
-    dist.shard(layer, sequence_parallel=sp)
+    distributed.shard(layer, sequence_parallel=sp)
     tp = layer.tp
     local_inputs = [_part(x, d, tp).clone().requires_grad_() if t else x
                     for x, d, t in zip(inputs, in_dims, trainable)]
     out = layer(*local_inputs)
     (out * _part(weights, out_dim, tp)).sum().backward()
-    dist.finalize_grads(layer)
+    distributed.finalize_grads(layer)
 
     grads_in = [_max_diff(x.grad, _part(r.grad, d, tp))
                 for x, r, d, t in zip(local_inputs, ref_inputs, in_dims, trainable) if t]
@@ -140,7 +140,7 @@ def _count_collectives():
     counts: dict[str, int] = {}
     names = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
              "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
-    originals = {n: getattr(torch_dist, n) for n in names if hasattr(torch_dist, n)}
+    originals = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
 
     def counting(name, fn):
         def wrapper(*args, **kwargs):
@@ -149,25 +149,25 @@ def _count_collectives():
         return wrapper
 
     for n, fn in originals.items():
-        setattr(torch_dist, n, counting(n, fn))
+        setattr(dist, n, counting(n, fn))
     try:
         yield counts
     finally:
         for n, fn in originals.items():
-            setattr(torch_dist, n, fn)
+            setattr(dist, n, fn)
 
 
 def _count_layer_step(sp: bool, parallel_block: bool) -> dict[str, dict[str, int]]:
     torch.manual_seed(0)
     layer = layers.TransformerLayer(H, HEADS, FFN, causal=True, parallel_block=parallel_block)
-    dist.shard(layer, sequence_parallel=sp)
+    distributed.shard(layer, sequence_parallel=sp)
     x = _x(B, S // layer.tp.size if sp else S, H).requires_grad_()
     with _count_collectives() as forward:
         out = layer(x)
     with _count_collectives() as backward:
         out.square().sum().backward()
     with _count_collectives() as finalize:
-        dist.finalize_grads(layer)
+        distributed.finalize_grads(layer)
     return {"forward": forward, "backward": backward, "finalize": finalize}
 
 
@@ -180,7 +180,7 @@ def _error(build) -> str:
 
 
 def _bad_inputs(tp_size: int) -> dict[str, str]:
-    shard = dist.shard
+    shard = distributed.shard
     heads = 3 * tp_size // 2
     return {
         "num_heads": _error(lambda: shard(layers.Attention(8 * heads, heads))),
@@ -203,7 +203,7 @@ def _checkpoint_input() -> torch.Tensor:
 
 def _save_sharded(ckpt_dir: str) -> dict[str, float]:
     """Save a tp-sharded layer with DCP; check its state_dict holds global-shape DTensors."""
-    layer = dist.shard(_reference_layer(0))
+    layer = distributed.shard(_reference_layer(0))
     full_shapes = {k: v.shape for k, v in _reference_layer(0).state_dict().items()}
     state = layer.state_dict()
     dcp.save(state, checkpoint_id=ckpt_dir)
@@ -215,7 +215,7 @@ def _save_sharded(ckpt_dir: str) -> dict[str, float]:
 
 def _load_resharded(ckpt_dir: str) -> float:
     """Load the checkpoint saved at another tp into a differently initialized layer."""
-    layer = dist.shard(_reference_layer(1))
+    layer = distributed.shard(_reference_layer(1))
     state = layer.state_dict()
     dcp.load(state, checkpoint_id=ckpt_dir)
     layer.load_state_dict(state)
@@ -224,7 +224,7 @@ def _load_resharded(ckpt_dir: str) -> float:
 
 
 def _worker(tp_size: int, ckpt_dir: str, load: bool) -> dict:
-    dist.init(tp=tp_size)
+    distributed.init(tp=tp_size)
     results = {"cases": {(name, sp): _check_case(name, sp) for name in CASES for sp in (False, True)},
                "counts": {(sp, pb): _count_layer_step(sp, pb) for sp in (False, True) for pb in (False, True)},
                "errors": _bad_inputs(tp_size)}

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from distributed_runner import run_distributed
-from libai_zoo import dist, layers
+from libai_zoo import distributed, layers
 from libai_zoo.parallel import apply_activation_checkpointing
 
 pytestmark = pytest.mark.slow
 
 
 def _checks() -> dict:
-    ctx = dist.init(tp=2)
-    tp = dist.shard(layers.Linear(4, 4, parallel="col"), ctx).tp
+    ctx = distributed.init(tp=2)
+    tp = distributed.shard(layers.Linear(4, 4, parallel="col"), ctx).tp
     torch.manual_seed(0)
     with tp.rng.fork():
         own = torch.rand(4)
@@ -31,8 +31,8 @@ def _checks() -> dict:
         torch.manual_seed(1)
         layer = layers.TransformerLayer(16, 4, 32, attention_dropout=0.3, hidden_dropout=0.2, causal=True)
         checkpointed = copy.deepcopy(layer)
-        dist.shard(layer, ctx, sequence_parallel=sp)
-        dist.shard(checkpointed, ctx, sequence_parallel=sp)
+        distributed.shard(layer, ctx, sequence_parallel=sp)
+        distributed.shard(checkpointed, ctx, sequence_parallel=sp)
         apply_activation_checkpointing([checkpointed])
         x = torch.randn(2, 8 if not sp else 4, 16)
         grads = []
@@ -52,7 +52,7 @@ def _checks() -> dict:
         split = torch.autograd.grad(loss, list(checkpointed.parameters()))
         split_grads = torch.cat([g.to_local().flatten() for g in split])
         results["split_grad_diff", sp] = (grads[0] - split_grads).abs().max().item()
-    dist.destroy()
+    distributed.destroy()
     return results
 
 

@@ -1,4 +1,4 @@
-"""The launch users run: torchrun starts 2 processes, dist.init makes the process group from its
+"""The launch users run: torchrun starts 2 processes, distributed.init makes the process group from its
 environment, and a sharded TransformerLayer gives the unsharded numbers."""
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import copy, os, torch
-    from libai_zoo import dist, layers
+    from libai_zoo import distributed, layers
 
-    ctx = dist.init(tp=2, sequence_parallel=True)
+    ctx = distributed.init(tp=2, sequence_parallel=True)
     torch.manual_seed(0)
     layer = layers.TransformerLayer(32, 8, 64, num_kv_heads=4, norm="rmsnorm", gated_mlp=True,
                                     activation="silu", causal=True, rope_theta=10000.0)
     full = copy.deepcopy(layer)
     x = torch.randn(2, 8, 32)
-    dist.shard(layer)
+    distributed.shard(layer)
     local = layer(x.chunk(2, dim=1)[ctx.tp_rank])
     diff = (local - full(x).chunk(2, dim=1)[ctx.tp_rank]).abs().max().item()
     with open(os.path.join(os.environ["RESULTS_DIR"], f"rank{ctx.rank}.txt"), "w") as f:
         f.write(f"owns_pg={ctx.owns_process_group} tp_rank={ctx.tp_rank} diff={diff:.3e}")
-    dist.destroy()
+    distributed.destroy()
 """)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.engine import DefaultTrainer, HookBase
 
 
@@ -31,7 +31,7 @@ def run_trainer(cfg, *, resume: bool = False, interrupt_after: int | None = None
         trainer.resume_or_load(resume=resume)
         trainer.train()
     finally:
-        dist.destroy()
+        distributed.destroy()
     return trainer
 
 

@@ -22,7 +22,7 @@ import os
 import sys
 import traceback
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer, Preempted
 
@@ -63,14 +63,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         if args.eval_only:
             results = trainer.test()
             logging.getLogger("libai_zoo").info("evaluation: %s", results)
-            dist.destroy()
+            distributed.destroy()
             return results
         trainer.train()
     except BaseException as error:
-        if dist.launched_world_size() == 1 or isinstance(error, Preempted):
-            dist.destroy()  # with several processes a dead or hung peer could block the teardown
+        if distributed.launched_world_size() == 1 or isinstance(error, Preempted):
+            distributed.destroy()  # with several processes a dead or hung peer could block the teardown
         raise
-    dist.destroy()
+    distributed.destroy()
     return None
 
 
@@ -80,7 +80,7 @@ if __name__ == "__main__":
     except Preempted as stop:
         sys.exit(stop.exit_code)
     except BaseException:
-        if dist.launched_world_size() == 1:
+        if distributed.launched_world_size() == 1:
             raise
         traceback.print_exc()
         for handler in logging.getLogger("libai_zoo").handlers:

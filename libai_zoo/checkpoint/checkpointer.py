@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -67,20 +67,20 @@ OLD_ZERO1_OPTIMIZER = "optimizer_zero1.pt"
 
 
 def _distributed() -> bool:
-    return torch_dist.is_available() and torch_dist.is_initialized()
+    return dist.is_available() and dist.is_initialized()
 
 
 def _rank() -> int:
-    return torch_dist.get_rank() if _distributed() else 0
+    return dist.get_rank() if _distributed() else 0
 
 
 def _world_size() -> int:
-    return torch_dist.get_world_size() if _distributed() else 1
+    return dist.get_world_size() if _distributed() else 1
 
 
 def _barrier() -> None:
     if _distributed():
-        torch_dist.barrier()
+        dist.barrier()
 
 
 @contextmanager
@@ -145,8 +145,8 @@ class Checkpointer:
         self._write_group = self._group = None
         if async_save and _distributed():
             limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
-            self._write_group = torch_dist.new_group(backend="gloo", timeout=limit)
-            self._group = torch_dist.new_group(backend="gloo", timeout=limit)
+            self._write_group = dist.new_group(backend="gloo", timeout=limit)
+            self._group = dist.new_group(backend="gloo", timeout=limit)
         if async_save and not _distributed():
             # DCP's background thread warns that it runs without a process group: here that is the intent.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled",
@@ -175,7 +175,7 @@ class Checkpointer:
         if not _distributed():
             return [obj]
         gathered = [None] * _world_size() if _rank() == 0 else None
-        torch_dist.gather_object(obj, gathered, dst=0, group=self._group)
+        dist.gather_object(obj, gathered, dst=0, group=self._group)
         return gathered
 
     def _all_gather(self, obj: object) -> list:
@@ -183,7 +183,7 @@ class Checkpointer:
         if not _distributed():
             return [obj]
         gathered = [None] * _world_size()
-        torch_dist.all_gather_object(gathered, obj, group=self._group)
+        dist.all_gather_object(gathered, obj, group=self._group)
         return gathered
 
     def _broadcast(self, obj: object) -> object:
@@ -191,7 +191,7 @@ class Checkpointer:
         if not _distributed():
             return obj
         box = [obj]
-        torch_dist.broadcast_object_list(box, src=0, group=self._group)
+        dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
     # ------------------------------------------------------------------------------------ saving
@@ -209,7 +209,7 @@ class Checkpointer:
             commit.start(final)
         if self.async_save:
             if self._group is not None:
-                torch_dist.barrier(group=self._group)
+                dist.barrier(group=self._group)
             self._pending = self._save_async(final, iteration, pointer)
             return final
         _barrier()
@@ -280,7 +280,7 @@ class Checkpointer:
             return None
         unfinished = torch.tensor([0 if pending.written.done() else 1])
         if self._group is not None:
-            torch_dist.all_reduce(unfinished, group=self._group)
+            dist.all_reduce(unfinished, group=self._group)
         if unfinished.item():
             return None
         self._pending = None

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint import save
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from libai_zoo import dist, models
+from libai_zoo import distributed, models
 from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyCall, LazyConfig, instantiate
 from libai_zoo.hf import apply_lora_config, read_config, save_peft_adapter
@@ -91,7 +91,7 @@ def check_layout(model: nn.Module, dp: int = 1, tp: int = 1, pp: int = 1) -> lis
     if problems:
         return problems
     if tp > 1:
-        problems += dist.tp_problems(model, tp)
+        problems += distributed.tp_problems(model, tp)
     if pp > 1:
         try:
             check_trainable(model)

@@ -1,7 +1,7 @@
 """`DefaultTrainer(cfg)`: the standard recipe around the loop, every part overridable.
 
-    checks that need no process group (layout, batch sizes) -> dist.init(cfg.dist) -> build_model
-    (on the meta device: instantiate, dist.shard, pipeline stages, activation checkpointing, compile,
+    checks that need no process group (layout, batch sizes) -> distributed.init(cfg.dist) -> build_model
+    (on the meta device: instantiate, distributed.shard, pipeline stages, activation checkpointing, compile,
     the data-parallel wrap; then materialize: each rank allocates and fills only its own shards)
     -> the data checked against the model -> build_optimizer -> build_lr_scheduler -> the step and
     the checkpointer -> build_test_loader, build_evaluator -> hooks (timer, LR, eval, best
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import MicroBatchSampler, Prefetcher, check_dataset, stream_micro_batches
@@ -73,7 +73,7 @@ MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 2
 def _is_collective_failure(error: BaseException) -> bool:
     """A collective that timed out or lost a peer (gloo raises these; NCCL's watchdog aborts instead)."""
     text = str(error)
-    return isinstance(error, torch_dist.DistError) or any(
+    return isinstance(error, dist.DistError) or any(
         word in text for word in ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL"))
 
 
@@ -134,12 +134,12 @@ class DefaultTrainer(TrainerBase):
             overrides, auto_layout = agree_on_layout(cfg, timeout=cfg.dist.get("init_timeout"))
             LazyConfig.apply_overrides(cfg, overrides.split())
         # What can be refused without a process group is refused before one exists.
-        dp, tp, pp = dist.resolve_sizes(dist.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
+        dp, tp, pp = distributed.resolve_sizes(distributed.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
         self.accumulation = self._accumulation(train, dp)
         self.amp_dtype = self._amp_dtype(train)
         self.on_divergence, self.max_bad_steps = self._on_divergence(train)
         self.check_layout(cfg, tp, pp, self.accumulation)
-        self.ctx = dist.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp,
+        self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp,
                              sequence_parallel=cfg.dist.get("sequence_parallel", False),
                              timeout=cfg.dist.get("init_timeout"))
         self.output_dir = Path(train.output_dir)
@@ -148,7 +148,7 @@ class DefaultTrainer(TrainerBase):
             logger.info("dist.auto: %s", auto_layout)
         logger.info("%s; %d micro-batch(es) of %d per step, global batch %d", self.ctx, self.accumulation,
                     train.micro_batch_size, train.global_batch_size)
-        self.heartbeat = Heartbeat(dist.progress_store(), self.ctx.rank, self.ctx.world_size)
+        self.heartbeat = Heartbeat(distributed.progress_store(), self.ctx.rank, self.ctx.world_size)
         seed_all(train.seed)
         self.data_parallel = DataParallel(
             self.ctx, train.zero_stage, offload=train.get("zero_offload", False),
@@ -208,7 +208,7 @@ class DefaultTrainer(TrainerBase):
         stages (it is built on the meta device: no memory, nothing read but a config)."""
         with torch.device("meta"):
             model = instantiate(cfg.model)
-        problems = dist.tp_problems(model, tp) if tp > 1 else []
+        problems = distributed.tp_problems(model, tp) if tp > 1 else []
         if problems:
             raise ValueError(f"the model cannot be split over dist.tp = {tp}:\n  " + "\n  ".join(problems))
         if pp > 1:

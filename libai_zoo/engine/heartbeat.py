@@ -11,7 +11,7 @@ import datetime
 import logging
 import time
 
-import torch.distributed as torch_dist
+import torch.distributed as dist
 
 logger = logging.getLogger("libai_zoo")
 
@@ -21,7 +21,7 @@ READ_TIMEOUT = datetime.timedelta(seconds=10)  # reading the beats after a failu
 class Heartbeat:
     """This rank's heartbeat in `store` (None: a one-process run, nothing to record)."""
 
-    def __init__(self, store: torch_dist.Store | None, rank: int, world_size: int):
+    def __init__(self, store: dist.Store | None, rank: int, world_size: int):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.count = 0
 

@@ -10,7 +10,7 @@ import sys
 import time
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from libai_zoo.checkpoint import Checkpointer
@@ -166,8 +166,8 @@ class StepTimeSpread(HookBase):
         latest = storage.latest()
         busy = latest["time"][0] - latest.get("sync_wait_s", (0.0,))[0] if "time" in latest else 0.0
         mine = torch.tensor([busy], dtype=torch.float64, device=self.device)
-        times = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
-        torch_dist.all_gather(times, mine)
+        times = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(times, mine)
         times = [t.item() for t in times]
         slowest = max(range(len(times)), key=times.__getitem__)
         storage.put_scalars(time_max=times[slowest], time_min=min(times), slowest_rank=slowest)

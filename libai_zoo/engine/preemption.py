@@ -17,7 +17,7 @@ import signal
 import threading
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 
 from .trainer_base import HookBase
 
@@ -65,8 +65,8 @@ class Preemption(HookBase):
 
     def after_step(self) -> None:
         flag = torch.tensor([0 if self.received is None else self.received], device=self.device)
-        if torch_dist.is_initialized():
-            torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return
         if self._watchdog is not None:  # every rank got here: the save may take its time

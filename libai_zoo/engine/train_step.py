@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from torch import nn
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.optim import clip_grad_norm_, unique_parameters
 from libai_zoo.parallel import DataParallel, Pipeline
 
@@ -65,9 +65,9 @@ class TrainStep:
         of all ranks: the time this rank waited in it for the others is recorded (`sync_wait_s`)."""
         total = torch.tensor(sum(counts), dtype=torch.float64, device=self.device)
         start = time.perf_counter()
-        if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
-            torch_dist.all_reduce(total)
-            total /= torch_dist.get_world_size() // self.dp
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+            total /= dist.get_world_size() // self.dp
         self.sync_wait_s = time.perf_counter() - start
         if total.item() == 0:
             raise ValueError("no labelled targets in this step's batches (every label is -100)")
@@ -102,7 +102,7 @@ class TrainStep:
         if self.data_parallel is not None:
             self.data_parallel.all_reduce_sum(loss)
         for part in self.model_parts:
-            dist.finalize_grads(part)
+            distributed.finalize_grads(part)
         self.scaler.unscale_(self.optimizer)
         pp_group = [self.pipeline.pp_group] if self.pipeline is not None else []
         excluded = self.pipeline.tied_duplicates() if self.pipeline is not None else []
@@ -139,7 +139,7 @@ class TrainStep:
         """The first `limit` parameters (by name) whose gradient shard on this rank is not finite."""
         found = []
         for param in self.params:
-            grad = dist.local(param.grad) if param.grad is not None else None
+            grad = distributed.local(param.grad) if param.grad is not None else None
             if grad is not None and not torch.isfinite(grad).all():
                 found.append(self.names.get(id(param), "?"))
                 if len(found) == limit:

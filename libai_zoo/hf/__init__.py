@@ -8,7 +8,7 @@
 
 This package moves tensors; what each model calls its tensors is its `WeightMap` of `rules`
 (per model in models/hf_maps/). Slices are read as each parameter's sharding says: it sits above
-`libai_zoo.dist` and `libai_zoo.layers` and below the models, which call it.
+`libai_zoo.distributed` and `libai_zoo.layers` and below the models, which call it.
 """
 
 from .loading import check_hf_weights, load_hf_weights, load_pretrained

@@ -3,7 +3,7 @@
     model = load_pretrained(GPT2LMHeadModel, "hf_dir", shard=True)   # PreTrainedModel.from_pretrained
 
 The model is built on the meta device; with ``shard=True`` it is split over the current parallel
-context's tensor parallelism (`dist.shard`) while still on meta, materialised (each rank allocates
+context's tensor parallelism (`distributed.shard`) while still on meta, materialised (each rank allocates
 its own slices only), and each parameter is filled from the slice of the checkpoint tensors that
 its DTensor placement says this rank keeps. The model's `hf_weight_map` says which checkpoint
 tensors make which parameter.
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.layers import is_adapter_parameter
 
 from .reader import HFWeightReader
@@ -60,8 +60,8 @@ def load_pretrained(cls: type[nn.Module], path: str | Path, *, dtype: torch.dtyp
         return (model, {}) if output_loading_info else model
     device = torch.device("cpu")
     if shard:
-        ctx = dist.get_context()
-        dist.shard(model, ctx)
+        ctx = distributed.get_context()
+        distributed.shard(model, ctx)
         device = ctx.device
     model.to_empty(device=device)
     if not strict:
@@ -98,7 +98,7 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
         if all(name in available for name in rule.hf):
             param = params[rule.zoo]
             # exactly this rank's part: its tp slice and, under ZeRO, the rows of it it keeps
-            tensor = rule.load(read, dist.tp_slice_of(param), param.shape, dist.dp_rows_of(param))
+            tensor = rule.load(read, distributed.tp_slice_of(param), param.shape, distributed.dp_rows_of(param))
             (param.to_local() if isinstance(param, DTensor) else param).copy_(tensor)
         else:
             not_loaded.append(rule.zoo)

@@ -20,13 +20,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from libai_zoo.dist import fill_shard_
+from libai_zoo.distributed import fill_shard_
 from libai_zoo.layers import apply_lora, lora_layers
 
 from .rules import Adapter, PackedQKV, Transposed
@@ -63,7 +63,7 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_
             tensors[f"{PREFIX}{module}.lora_B.weight"] = part.B.contiguous()
             ranks[module], alphas[module] = part.A.shape[0], part.scale * part.A.shape[0]
     path = Path(path)
-    if not torch_dist.is_initialized() or torch_dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         rank, alpha = Counter(ranks.values()).most_common(1)[0][0], Counter(alphas.values()).most_common(1)[0][0]
         dropouts = {layer.lora.dropout for layer in layers.values()}
         config = {
@@ -78,8 +78,8 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_
         path.mkdir(parents=True, exist_ok=True)
         (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    if torch_dist.is_initialized():
-        torch_dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return path
 
 

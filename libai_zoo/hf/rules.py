@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from libai_zoo.dist import local_range
+from libai_zoo.distributed import local_range
 from libai_zoo.layers import fuse_qkv, split_qkv
 
 Read = Callable[..., torch.Tensor]

@@ -11,7 +11,7 @@ import copy
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from huggingface_hub import save_torch_state_dict
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -29,7 +29,7 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
         raise ValueError(f"{type(model).__name__} holds LoRA adapters, which a Hugging Face model has no place for: "
                          f"merge them first (libai_zoo.layers.merge_lora) or write them as a PEFT adapter "
                          f"(libai_zoo.hf.save_peft_adapter)")
-    is_writer = not torch_dist.is_initialized() or torch_dist.get_rank() == 0
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
     state: dict[str, torch.Tensor] = {}
     for rule in model.hf_weight_map().rules:
         param = params[rule.zoo]
@@ -44,5 +44,5 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
             config.architectures = [type(model).__name__]
         config.save_pretrained(path)
         save_torch_state_dict(state, path, max_shard_size=max_shard_size)
-    if torch_dist.is_initialized():
-        torch_dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()

@@ -4,7 +4,7 @@ A gradient split over a mesh (a DTensor with a Shard placement, e.g. a column-pa
 contributes the sum of its shards' squares, reduced over that mesh once; a replicated gradient
 (a Replicate DTensor or a plain tensor) is counted once, on every rank alike. Every rank then
 holds the same norm and scales by the same factor. Partial gradients must have been reduced
-first (`dist.finalize_grads`).
+first (`distributed.finalize_grads`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
@@ -40,7 +40,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, sum_
         square = local.detach().float().pow(2).sum()
         if isinstance(grad, DTensor):
             if any(isinstance(p, Partial) for p in grad.placements):
-                raise ValueError("a gradient is still Partial: call libai_zoo.dist.finalize_grads before clipping")
+                raise ValueError("a gradient is still Partial: call libai_zoo.distributed.finalize_grads before clipping")
             # Shard and FSDP's strided shards alike: every placement but Replicate splits the tensor.
             dims = tuple(i for i, p in enumerate(grad.placements) if not isinstance(p, Replicate))
             if dims:
@@ -51,11 +51,11 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, sum_
     total = replicated
     for (mesh, dims), square in sharded.items():
         for group in (mesh.get_group(d) for d in dims):
-            torch_dist.all_reduce(square, group=group)
+            dist.all_reduce(square, group=group)
         total = total + square
     for group in sum_over:
         if group is not None:
-            torch_dist.all_reduce(total, group=group)
+            dist.all_reduce(total, group=group)
     norm = total.sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

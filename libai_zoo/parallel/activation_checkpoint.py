@@ -3,7 +3,7 @@ recompute the layer in backward. Trades one extra forward of the layers for thei
 
 The recomputation must draw the same dropout masks as the forward did. `torch.utils.checkpoint`
 replays the default generator; a tensor-parallel layer also draws from its tp rank's own stream
-(`libai_zoo.dist.rng`), so its state is recorded at forward and replayed around the recompute.
+(`libai_zoo.distributed.rng`), so its state is recorded at forward and replayed around the recompute.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
     (`torch.utils.checkpoint`, non-reentrant, so keyword arguments and autograd collectives work).
 
     Only each instance's forward is wrapped: parameter names, state dicts and hooks are unchanged.
-    Apply it after `dist.shard`. Returns how many layers were wrapped (layers already wrapped are
+    Apply it after `distributed.shard`. Returns how many layers were wrapped (layers already wrapped are
     left as they are)."""
     count = 0
     for layer in layers:

@@ -29,12 +29,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from libai_zoo.dist import ParallelContext
+from libai_zoo.distributed import ParallelContext
 from libai_zoo.utils import parameter_bytes
 
 
@@ -122,5 +122,5 @@ class DataParallel:
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over dp (in place), e.g. target counts and the logged loss."""
         if self.group is not None:
-            torch_dist.all_reduce(value, group=self.group)
+            dist.all_reduce(value, group=self.group)
         return value

@@ -6,7 +6,7 @@ allocates: `materialize` gives each parameter this rank's part (``to_empty``) an
 
 Fresh weights are layout-invariant: each parameter is drawn whole on the CPU by the model's
 `init_parameter` from a generator seeded by the run's seed and the parameter's name, and this
-rank keeps its part (`dist.fill_shard_`). The same seed gives the same full weights whether the
+rank keeps its part (`distributed.fill_shard_`). The same seed gives the same full weights whether the
 parameter ends up whole, split over tp, cut into pipeline stages or sharded by ZeRO, and the
 start-up peak is this rank's shard plus the largest single parameter. Pretrained weights are read
 the same way, one parameter at a time, each rank reading its tensor-parallel slice of the file.
@@ -20,7 +20,7 @@ from collections.abc import Container
 import torch
 from torch import nn
 
-from libai_zoo.dist import fill_shard_, parameter_uses, retie
+from libai_zoo.distributed import fill_shard_, parameter_uses, retie
 from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
 from libai_zoo.layers import LoRA, is_adapter_parameter
 

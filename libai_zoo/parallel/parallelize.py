@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.models import check_trainable, get_layer_stack
 
 from .activation_checkpoint import apply_activation_checkpointing
@@ -32,14 +32,14 @@ class Parallelized:
     pipeline: Pipeline | None
 
 
-def parallelize(model: nn.Module, ctx: dist.ParallelContext, data_parallel: DataParallel, *,
+def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_parallel: DataParallel, *,
                 num_micro_batches: int = 1, pipeline: dict | None = None, activation_checkpoint: bool = False,
                 compile_with: bool | str = False) -> Parallelized:
-    """`dist.shard` over tp; at pp > 1 this rank's stages (``pipeline``: schedule, virtual_stages,
+    """`distributed.shard` over tp; at pp > 1 this rank's stages (``pipeline``: schedule, virtual_stages,
     boundaries); activation checkpointing and torch.compile (True: inductor, or a backend name)
     per layer of the layer stack; then `data_parallel.wrap` of the model or of each stage."""
     check_trainable(model)
-    model = dist.shard(model, ctx)
+    model = distributed.shard(model, ctx)
     stages = None
     parts = roots = [model]
     if ctx.pp > 1:

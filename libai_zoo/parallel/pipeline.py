@@ -37,13 +37,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from libai_zoo.dist import ParallelContext, TensorParallel
+from libai_zoo.distributed import ParallelContext, TensorParallel
 from libai_zoo.models import check_trainable, get_layer_stack
 
 try:  # newer schedules; absent from older torch releases
@@ -170,7 +170,7 @@ def _shared_handles(model: nn.Module) -> dict[int, object]:
     memo: dict[int, object] = {}
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, (TensorParallel, DeviceMesh, torch_dist.ProcessGroup)):
+            if isinstance(value, (TensorParallel, DeviceMesh, dist.ProcessGroup)):
                 memo[id(value)] = value
         for param in module.parameters(recurse=False):
             if isinstance(param, DTensor):
@@ -323,7 +323,7 @@ class Pipeline:
 
     ``model`` is the full model (it implements the model contract), usually still on the meta
     device (the trainer fills the stages afterwards: `materialize`) and already split over tp by
-    `dist.shard` at tp > 1; this rank's stages are pruned copies of it (stage s on pp rank s % pp
+    `distributed.shard` at tp > 1; this rank's stages are pruned copies of it (stage s on pp rank s % pp
     for the looped schedules; V-shaped for "zbv"), which hold no memory of ``model``'s. ``virtual_stages`` is the
     number of stages per rank (1 for "gpipe"/"1f1b", >= 2 for "interleaved_1f1b", >= 1 for
     "zero_bubble", exactly 2 for "zbv"). ``boundaries``: see `split_layers`.
@@ -336,7 +336,7 @@ class Pipeline:
 
     A step: ``loss = pipeline.step(inputs, targets, loss_scale)`` on every rank (the model's
     `split_batch` of the local batch; repeat for gradient accumulation), then once before the
-    optimizer: `dist.finalize_grads` on each of `model_parts` under sequence parallelism,
+    optimizer: `distributed.finalize_grads` on each of `model_parts` under sequence parallelism,
     `sync_tied_grads()`, clipping (counting `tied_duplicates()` once) and the optimizer step over
     the parts' parameters. Data parallelism wraps each of `stages` (FSDP2: `DataParallel.wrap`);
     the schedule then reduces a stage's gradients over dp once, after its last micro-batch.
@@ -348,7 +348,7 @@ class Pipeline:
         check_pipeline_layout(len(layers), ctx.pp, schedule=schedule, num_micro_batches=num_micro_batches,
                               virtual_stages=virtual_stages, boundaries=boundaries)
         if ctx.mesh is None:
-            raise ValueError("a pipeline needs a process group: launch with torchrun and dist.init(pp=...)")
+            raise ValueError("a pipeline needs a process group: launch with torchrun and distributed.init(pp=...)")
         kind = _KINDS[schedule]
         self.ctx, self.schedule_name, self.kind = ctx, schedule, kind
         self.pp, self.pp_rank, self.pp_group = ctx.pp, ctx.pp_rank, ctx.group("pp")
@@ -377,7 +377,7 @@ class Pipeline:
             for d in range(ranks.shape[1]):
                 for t in range(ranks.shape[2]):
                     pair = sorted({int(ranks[self.stage_ranks[0], d, t]), int(ranks[self.last_stage_rank, d, t])})
-                    group = torch_dist.new_group(pair)  # every rank creates every group, in the same order
+                    group = dist.new_group(pair)  # every rank creates every group, in the same order
                     if ctx.rank in pair:
                         self._tied_group = group
         self._schedules: dict[tuple, object] = {}
@@ -404,7 +404,7 @@ class Pipeline:
     def sync_tied_grads(self) -> None:
         """Sum the gradients of the tied copies of the first and last stage, so both copies hold the
         full gradient and get the same optimizer update. Call it once per optimizer step, after the
-        last backward (and after `dist.finalize_grads` under sequence parallelism): calling it after
+        last backward (and after `distributed.finalize_grads` under sequence parallelism): calling it after
         each of several accumulated steps would count the other end's part again. Every rank calls
         it; a no-op without tied weights or with one stage."""
         for _, _, first, last in self._tied_copies():
@@ -421,7 +421,7 @@ class Pipeline:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             grad = param.grad
-            torch_dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tied_group)
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tied_group)
 
     # ---- one training step
     @staticmethod
@@ -500,7 +500,7 @@ class Pipeline:
         value = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
         if loss is not None:
             value.fill_(float(loss))
-        torch_dist.broadcast(value, group=self.pp_group, group_src=self.last_stage_rank)
+        dist.broadcast(value, group=self.pp_group, group_src=self.last_stage_rank)
         return value.item()
 
     def __repr__(self) -> str:

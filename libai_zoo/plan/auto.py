@@ -3,7 +3,7 @@ launched world size, and every rank runs rank 0's pick.
 
 Rank 0 plans in a fresh process (the planner forms a fake process group of its own to time a
 layer, which it cannot do beside the run's real one), then broadcasts the overrides and the
-reason over the run's default process group (`dist.connect`), so the ranks cannot disagree on
+reason over the run's default process group (`distributed.connect`), so the ranks cannot disagree on
 timings they measured apart."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from omegaconf import DictConfig
 
-from libai_zoo import dist
+from libai_zoo import distributed
 
 from .memory import GiB
 from .planner import format_table, plan
@@ -37,20 +37,20 @@ def choose_layout(cfg: DictConfig, world_size: int, gpus_per_node: int) -> tuple
 
 def agree_on_layout(cfg: DictConfig, *, timeout: float | None = None) -> tuple[str, str]:
     """Rank 0's `choose_layout` on every rank (in this process when the run has one)."""
-    world_size = dist.launched_world_size()
+    world_size = distributed.launched_world_size()
     # torchrun sets LOCAL_WORLD_SIZE; without it: this machine's GPUs, or (on CPUs) one machine
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or world_size))
     if world_size == 1:
         return choose_layout(cfg, world_size, gpus_per_node)
-    dist.connect(timeout=timeout)
+    distributed.connect(timeout=timeout)
     answer: list = [None]
-    if torch_dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         try:
             with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
                 answer = [pool.submit(choose_layout, cfg, world_size, gpus_per_node).result()]
         except Exception as error:  # every rank raises it, not only rank 0
             answer = [f"{type(error).__name__}: {error}"]
-    torch_dist.broadcast_object_list(answer, src=0)
+    dist.broadcast_object_list(answer, src=0)
     if isinstance(answer[0], str):
         raise RuntimeError(f"the layout planner failed on rank 0: {answer[0]}")
     return answer[0]

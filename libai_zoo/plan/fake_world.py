@@ -10,30 +10,30 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from libai_zoo import dist
+from libai_zoo import distributed
 
 
 @contextmanager
 def fake_world(world_size: int, rank: int = 0, *, dp: int = -1, tp: int = 1, pp: int = 1,
-               sequence_parallel: bool = False) -> Iterator[dist.ParallelContext]:
+               sequence_parallel: bool = False) -> Iterator[distributed.ParallelContext]:
     """``with fake_world(512, dp=8, tp=8, pp=8) as ctx:`` the parallel context of `rank` in a fake
     world; on exit the fake process group is destroyed and the context forgotten. Refused when a
     real process group exists (it would be replaced)."""
-    if torch_dist.is_initialized():
-        raise RuntimeError("fake_world needs a process without a process group: plan before dist.init, "
+    if dist.is_initialized():
+        raise RuntimeError("fake_world needs a process without a process group: plan before distributed.init, "
                            "or in a process of its own")
     local_rank = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = "0"  # rank 448 of a fake world still runs on this machine's first device
-    torch_dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield dist.init(dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel)
+        yield distributed.init(dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel)
     finally:
-        dist.destroy()
-        if torch_dist.is_initialized():
-            torch_dist.destroy_process_group()
+        distributed.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         if local_rank is None:
             del os.environ["LOCAL_RANK"]
         else:

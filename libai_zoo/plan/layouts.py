@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.parallel import check_pipeline_layout, schedule_evaluates
 
 from .model_table import ModelTable
@@ -34,7 +34,7 @@ class Layout:
     @classmethod
     def from_config(cls, cfg: DictConfig, world_size: int) -> Layout:
         """The layout a config's ``dist`` and ``train`` keys ask for at `world_size` (dp=-1 inferred)."""
-        dp, tp, pp = dist.resolve_sizes(world_size, cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
+        dp, tp, pp = distributed.resolve_sizes(world_size, cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
         pipe = cfg.train.get("pipeline") or {}
         return cls(dp, tp, pp, cfg.train.zero_stage, bool(cfg.train.activation_checkpoint.enabled),
                    bool(cfg.dist.get("sequence_parallel", False)), cfg.train.micro_batch_size,

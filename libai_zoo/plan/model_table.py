@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.config import instantiate
 from libai_zoo.hf import apply_lora_config
 from libai_zoo.models import check_trainable, get_layer_stack
@@ -42,7 +42,7 @@ class ParameterInfo:
 
 
 class _SplitRecorder:
-    """Stands in for `dist.TensorParallel` in a layer's ``shard_``: records which dimension each
+    """Stands in for `distributed.TensorParallel` in a layer's ``shard_``: records which dimension each
     parameter is split along, and splits nothing."""
 
     size, rank, sequence_parallel = 1, 0, False
@@ -51,7 +51,7 @@ class _SplitRecorder:
         self.dims: dict[int, int] = {}
 
     def local_range(self, total: int) -> tuple[int, int]:
-        return dist.local_range(total, self.rank, self.size)
+        return distributed.local_range(total, self.rank, self.size)
 
     def shard_parameter(self, module: nn.Module, name: str, dim: int) -> None:
         param = getattr(module, name)
@@ -137,5 +137,5 @@ class ModelTable:
     def tp_problems(self, tp: int) -> list[str]:
         """Why the model cannot be split over `tp` ranks ([] when it can): the layers' own rules."""
         if tp not in self._tp_problems:
-            self._tp_problems[tp] = dist.tp_problems(self._unsharded, tp) if tp > 1 else []
+            self._tp_problems[tp] = distributed.tp_problems(self._unsharded, tp) if tp > 1 else []
         return self._tp_problems[tp]

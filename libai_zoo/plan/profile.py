@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import fully_shard
 
-from libai_zoo import dist
+from libai_zoo import distributed
 from libai_zoo.config import instantiate
 from libai_zoo.models import get_layer_stack
 from libai_zoo.optim import build_optimizer
@@ -114,13 +114,13 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _one_layer_model(model_cfg, ctx: dist.ParallelContext, micro_batch: int, seq_len: int):
+def _one_layer_model(model_cfg, ctx: distributed.ParallelContext, micro_batch: int, seq_len: int):
     """(model, inputs, targets): the model split over the context's tp group with one layer left
     of its stack (they are alike), allocated on the device with random weights, in train mode, and
     a random batch of token ids."""
     with torch.device("meta"):
         model = instantiate(model_cfg)
-    model = dist.shard(model, ctx)
+    model = distributed.shard(model, ctx)
     del get_layer_stack(model)[1:]
     model.to_empty(device=ctx.device)
     with torch.no_grad():
@@ -228,16 +228,16 @@ def _free_port() -> int:
 
 def _sweep_worker(rank: int, world_size: int, port: int, results) -> None:
     torch.set_num_threads(1)
-    store = torch_dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=60))
-    torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         for size in SWEEP_BYTES:
             tensor = torch.ones(size // 4)
-            seconds = _timed(lambda: torch_dist.all_reduce(tensor), torch.device("cpu"), 5)
+            seconds = _timed(lambda: dist.all_reduce(tensor), torch.device("cpu"), 5)
             if rank == 0:
                 results[size] = seconds
     finally:
-        torch_dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def fit_gloo_link(world_size: int) -> tuple[float, float]:

@@ -49,7 +49,7 @@ train = dict(
     pipeline=dict(schedule="1f1b", virtual_stages=1, boundaries=None),
 )
 
-# Parallel layout, read by dist.init: data × tensor × pipeline = number of processes
+# Parallel layout, read by distributed.init: data × tensor × pipeline = number of processes
 # (dp=-1 infers dp from the world size). sequence_parallel splits norms and dropout over the
 # sequence inside the tp group. Timeouts in seconds: init_timeout bounds forming the process group
 # and every collective until the first step is done; timeout every collective after it (a rank

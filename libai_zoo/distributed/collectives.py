@@ -18,7 +18,7 @@ give them tensors nothing else reads, such as the fresh output (gradient) of a m
 from __future__ import annotations
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from torch.autograd import Function
 
 from .tensor_parallel import TensorParallel
@@ -26,12 +26,12 @@ from .tensor_parallel import TensorParallel
 
 def _all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
     # torch 2.13 renames all_gather_into_tensor to all_gather_single; 2.6-2.12 have only the old name.
-    gather = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, tensor, group=group)
 
 
 def _reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
-    scatter = getattr(torch_dist, "reduce_scatter_single", None) or torch_dist.reduce_scatter_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(output, tensor, group=group)
 
 
@@ -71,9 +71,9 @@ def split(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
     return x.chunk(tp.size, dim)[tp.rank].contiguous()
 
 
-def all_reduce_(x: torch.Tensor, tp: TensorParallel, op=torch_dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce_(x: torch.Tensor, tp: TensorParallel, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce `x` in place over the tp group (no autograd)."""
-    torch_dist.all_reduce(x, op=op, group=tp.group)
+    dist.all_reduce(x, op=op, group=tp.group)
     return x
 
 
@@ -83,14 +83,14 @@ def all_reduce_coalesced_(tensors: list[torch.Tensor], group) -> None:
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    torch_dist.all_reduce(flat, group=group)
+    dist.all_reduce(flat, group=group)
     for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
         tensor.copy_(piece.view_as(tensor))
 
 
 def broadcast_(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Overwrite `x` in place with tp rank 0's (no autograd): one choice for every rank, e.g. a sampled token."""
-    torch_dist.broadcast(x, src=torch_dist.get_global_rank(tp.group, 0), group=tp.group)
+    dist.broadcast(x, src=dist.get_global_rank(tp.group, 0), group=tp.group)
     return x
 
 

@@ -1,7 +1,7 @@
-"""libai_zoo.dist: the parallel context, tensor-parallel sharding and its collectives.
+"""libai_zoo.distributed: the parallel context, tensor-parallel sharding and its collectives.
 
-    ctx = dist.init(dp=2, tp=2, pp=1)   # reads torchrun's env; dist.init() alone = one process
-    model = dist.shard(model)           # every parallel layer keeps its own slice
+    ctx = distributed.init(dp=2, tp=2, pp=1)   # reads torchrun's env; distributed.init() alone = one process
+    model = distributed.shard(model)           # every parallel layer keeps its own slice
 """
 
 from .context import ParallelContext, connect, destroy, get_context, init, launched_world_size, resolve_sizes

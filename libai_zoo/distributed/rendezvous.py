@@ -21,7 +21,7 @@ import os
 import secrets
 import time
 
-import torch.distributed as torch_dist
+import torch.distributed as dist
 
 PORT_KEY = "libai_zoo/process_group_store"  # "port token" of this attempt's store
 TOKEN_KEY = "libai_zoo/attempt_token"
@@ -34,27 +34,27 @@ def shares_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-_progress: torch_dist.Store | None = None  # where this attempt's workers leave their heartbeats
+_progress: dist.Store | None = None  # where this attempt's workers leave their heartbeats
 
 
-def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> torch_dist.Store:
+def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
     """A store only this attempt's workers use (every worker calls it; rank 0 hosts it)."""
     global _progress
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent = torch_dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    agent = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     if rank == 0:
-        store = torch_dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         token = secrets.token_hex(8)
         store.set(TOKEN_KEY, token)
         agent.set(PORT_KEY, f"{store.port} {token}")
-        _progress = torch_dist.PrefixStore(f"{PROGRESS_PREFIX}/{token}", agent)
+        _progress = dist.PrefixStore(f"{PROGRESS_PREFIX}/{token}", agent)
         return store
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         port, token = agent.get(PORT_KEY).decode().split()  # waits until an attempt's rank 0 has published one
         published = int(port)
         try:
-            store = torch_dist.TCPStore(host, published, world_size, is_master=False, timeout=CONNECT_TIMEOUT)
+            store = dist.TCPStore(host, published, world_size, is_master=False, timeout=CONNECT_TIMEOUT)
             if store.get(TOKEN_KEY).decode() != token:
                 raise RuntimeError(f"port {published} is another store")
         except (RuntimeError, TimeoutError) as error:  # an earlier attempt's port: its process is gone
@@ -65,18 +65,18 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> to
             time.sleep(0.2)
             continue
         store.set_timeout(timeout)
-        _progress = torch_dist.PrefixStore(f"{PROGRESS_PREFIX}/{token}", agent)
+        _progress = dist.PrefixStore(f"{PROGRESS_PREFIX}/{token}", agent)
         return store
 
 
-def progress_store() -> torch_dist.Store | None:
+def progress_store() -> dist.Store | None:
     """Where ranks leave their heartbeats: torchrun's agent store when there is one (it outlives a
     stopped or dead worker, rank 0 included), under this attempt's prefix; else the process
     group's store; None without a process group."""
     if _progress is not None:
         return _progress
-    if torch_dist.is_initialized():
-        return torch_dist.PrefixStore(PROGRESS_PREFIX, torch_dist.distributed_c10d._get_default_store())
+    if dist.is_initialized():
+        return dist.PrefixStore(PROGRESS_PREFIX, dist.distributed_c10d._get_default_store())
     return None
 
 

@@ -2,7 +2,7 @@
 
 A sharded parameter is a DTensor on the tp mesh (global shape + placement), so checkpoints can
 reshard and FSDP2 can compose with it. Layers compute on its local tensor (`local`) with the
-explicit collectives of `libai_zoo.dist.collectives`, which is cheaper than DTensor dispatch.
+explicit collectives of `libai_zoo.distributed.collectives`, which is cheaper than DTensor dispatch.
 """
 
 from __future__ import annotations

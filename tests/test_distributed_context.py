@@ -1,30 +1,30 @@
-"""libai_zoo.dist.init: degrees checked against the world size, one process without a process
+"""libai_zoo.distributed.init: degrees checked against the world size, one process without a process
 group, and a 3-D mesh with tensor parallelism on neighbouring ranks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 
 from distributed_runner import run_distributed
-from libai_zoo import dist, layers
+from libai_zoo import distributed, layers
 
 
 @pytest.fixture(autouse=True)
 def clean_context():
     yield
-    dist.destroy()
+    distributed.destroy()
 
 
 def test_dp_is_inferred_from_the_world_size():
-    assert dist.resolve_sizes(8, -1, 2, 2) == (2, 2, 2)
-    assert dist.resolve_sizes(1, -1, 1, 1) == (1, 1, 1)
+    assert distributed.resolve_sizes(8, -1, 2, 2) == (2, 2, 2)
+    assert distributed.resolve_sizes(1, -1, 1, 1) == (1, 1, 1)
 
 
 def test_world_size_mismatch_names_sizes_and_fix():
     with pytest.raises(ValueError) as err:
-        dist.resolve_sizes(4, 2, 4, 1)
+        distributed.resolve_sizes(4, 2, 4, 1)
     message = str(err.value)
     assert "world size 4 does not match dp×tp×pp = 2×4×1 = 8" in message
     assert "torchrun --nproc_per_node=8" in message and "dp=-1" in message
@@ -32,54 +32,54 @@ def test_world_size_mismatch_names_sizes_and_fix():
 
 def test_world_size_not_divisible_by_tp_pp():
     with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp×pp = 4×1 = 4"):
-        dist.resolve_sizes(6, -1, 4, 1)
+        distributed.resolve_sizes(6, -1, 4, 1)
     with pytest.raises(ValueError, match="tp=0 is invalid"):
-        dist.resolve_sizes(2, -1, 0, 1)
+        distributed.resolve_sizes(2, -1, 0, 1)
 
 
 def test_torchrun_env_is_checked_before_any_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="world size 4 does not match"):
-        dist.init(dp=2, tp=4)
-    assert not torch_dist.is_initialized()
+        distributed.init(dp=2, tp=4)
+    assert not dist.is_initialized()
 
 
 def test_single_process_needs_no_process_group():
-    ctx = dist.init()
+    ctx = distributed.init()
     assert (ctx.world_size, ctx.dp, ctx.tp, ctx.pp, ctx.rank) == (1, 1, 1, 1, 0)
     assert ctx.mesh is None and ctx.group("tp") is None and ctx.tensor_parallel is None
-    assert not torch_dist.is_initialized()
-    assert dist.get_context() is ctx
+    assert not dist.is_initialized()
+    assert distributed.get_context() is ctx
     model = layers.TransformerLayer(16, 4, 32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert dist.shard(model) is model
+    assert distributed.shard(model) is model
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_tp_without_processes_says_how_to_launch():
     with pytest.raises(ValueError, match=r"launch a multiple of 2 processes \(torchrun --nproc_per_node=2 "):
-        dist.init(tp=2)
+        distributed.init(tp=2)
 
 
 def test_sequence_parallel_needs_tp():
     with pytest.raises(ValueError, match="sequence_parallel=True needs tp > 1"):
-        dist.init(sequence_parallel=True)
+        distributed.init(sequence_parallel=True)
 
 
 def test_context_must_exist_before_shard():
-    with pytest.raises(RuntimeError, match=r"call libai_zoo.dist.init"):
-        dist.shard(layers.Linear(4, 4))
+    with pytest.raises(RuntimeError, match=r"call libai_zoo.distributed.init"):
+        distributed.shard(layers.Linear(4, 4))
 
 
 def _layouts() -> dict:
     out = {}
     for sizes in ((2, 2, 1), (1, 2, 2), (4, 1, 1)):
-        ctx = dist.init(*sizes)
+        ctx = distributed.init(*sizes)
         out[sizes] = {"coords": (ctx.dp_rank, ctx.tp_rank, ctx.pp_rank),
-                      "tp_group": torch_dist.get_process_group_ranks(ctx.group("tp")),
-                      "dp_group": torch_dist.get_process_group_ranks(ctx.group("dp")),
+                      "tp_group": dist.get_process_group_ranks(ctx.group("tp")),
+                      "dp_group": dist.get_process_group_ranks(ctx.group("dp")),
                       "tp_size": ctx.tensor_parallel.size if ctx.tensor_parallel else 1}
     return out
 

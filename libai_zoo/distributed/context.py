@@ -12,7 +12,7 @@ import datetime
 import os
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .rendezvous import attempt_store, forget, shares_agent_store
@@ -48,7 +48,7 @@ class ParallelContext:
         """The 1-D mesh of one dimension ("dp", "tp" or "pp"); None in a one-process run."""
         return None if self.mesh is None else self.mesh[dim]
 
-    def group(self, dim: str) -> torch_dist.ProcessGroup | None:
+    def group(self, dim: str) -> dist.ProcessGroup | None:
         """The process group of one dimension; None in a one-process run."""
         sub = self.submesh(dim)
         return None if sub is None else sub.get_group()
@@ -79,7 +79,7 @@ class ParallelContext:
         if self.mesh is None:
             return
         # no collective is in flight while the timeout changes
-        torch_dist.barrier(device_ids=[self.local_rank] if self.device.type == "cuda" else None)
+        dist.barrier(device_ids=[self.local_rank] if self.device.type == "cuda" else None)
         _bound(self.mesh, seconds)
 
     def __repr__(self) -> str:
@@ -91,8 +91,8 @@ class ParallelContext:
 def launched_world_size() -> int:
     """The number of processes this run was launched with: the process group's, else torchrun's
     ``WORLD_SIZE`` (1 without it); read before any process group is built."""
-    if torch_dist.is_available() and torch_dist.is_initialized():
-        return torch_dist.get_world_size()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -139,8 +139,8 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = Fa
     """
     global _current
     world_size = launched_world_size()
-    initialized = torch_dist.is_available() and torch_dist.is_initialized()
-    rank = torch_dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
+    initialized = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     dp, tp, pp = resolve_sizes(world_size, dp, tp, pp)
     if sequence_parallel and tp == 1:
@@ -150,7 +150,7 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = Fa
     mesh = None
     owns_process_group = _connected
     if world_size > 1:
-        if not torch_dist.is_initialized():
+        if not dist.is_initialized():
             connect(backend=backend, timeout=timeout)
             owns_process_group = True
         mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
@@ -168,7 +168,7 @@ def connect(*, backend: str | None = None, timeout: float | None = None) -> None
     Under a torchrun restart the group starts from a store of its own attempt (`attempt_store`)."""
     global _connected
     world_size = launched_world_size()
-    if world_size == 1 or torch_dist.is_initialized():
+    if world_size == 1 or dist.is_initialized():
         return
     rank = int(os.environ.get("RANK", "0"))
     device = _default_device(int(os.environ.get("LOCAL_RANK", str(rank))))
@@ -176,22 +176,22 @@ def connect(*, backend: str | None = None, timeout: float | None = None) -> None
     limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
     if shares_agent_store():
         store = attempt_store(rank, world_size, limit or datetime.timedelta(minutes=10))
-        torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=limit)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=limit)
     else:
-        torch_dist.init_process_group(backend, timeout=limit)
+        dist.init_process_group(backend, timeout=limit)
     _connected = True
 
 
 def _bound(mesh: DeviceMesh, seconds: float) -> None:
     """Set the timeout of the default process group and of every group of `mesh`."""
     for group in [None, *mesh.get_all_groups()]:
-        torch_dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 def get_context() -> ParallelContext:
     """The context made by the last `init`."""
     if _current is None:
-        raise RuntimeError("no parallel context: call libai_zoo.dist.init(dp=..., tp=..., pp=...) first")
+        raise RuntimeError("no parallel context: call libai_zoo.distributed.init(dp=..., tp=..., pp=...) first")
     return _current
 
 
@@ -199,7 +199,7 @@ def destroy() -> None:
     """Forget the current context and tear down the process group if `init` or `connect` created it."""
     global _current, _connected
     owned = _connected or (_current is not None and _current.owns_process_group)
-    if owned and torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
     forget()
     _current, _connected = None, False
