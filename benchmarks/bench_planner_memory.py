@@ -22,10 +22,9 @@ import torch
 from bench_common import run_meta, write_json
 
 from libai_zoo import distributed
-from libai_zoo.config import LazyConfig
+from libai_zoo.config import LazyConfig, run_settings
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.plan import Layout, ModelTable, OptimizerState, rank_memory
-from libai_zoo.plan.planner import amp_dtype_of
 from libai_zoo.utils import TensorMemoryPeak, optimizer_state_bytes, parameter_bytes
 
 CONFIG = "projects/llama_finetune/config.py"
@@ -82,10 +81,10 @@ def main() -> None:
     for micro_batch in [int(m) for m in args.micro_batches.split(",")]:
         with tempfile.TemporaryDirectory() as output_dir:
             cfg = config(args.preset, micro_batch, args.amp, output_dir)
-            table = ModelTable.from_config(cfg.model)
+            table, run = ModelTable.from_config(cfg.model), run_settings(cfg)
             predicted = rank_memory(table, Layout(1, 1, 1, micro_batch_size=micro_batch),
-                                    seq_len=cfg.dataloader.train.seq_len, global_batch_size=micro_batch,
-                                    amp_dtype=amp_dtype_of(cfg), optimizer=OptimizerState.probe(cfg.optim),
+                                    seq_len=run.seq_len, global_batch_size=micro_batch,
+                                    amp_dtype=run.amp_dtype, optimizer=OptimizerState.probe(cfg.optim),
                                     device=device)
             measured = measure(cfg)
         error = predicted.total / measured - 1

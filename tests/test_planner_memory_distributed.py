@@ -131,7 +131,6 @@ def test_state_bytes_equal_a_real_step_on_every_rank(runs, name):
     config_file, tables, optimizer, ranks = runs
     model, layout, extra = LAYOUTS[name]
     cfg = _config(config_file, "unused", name)
-    amp_dtype = torch.bfloat16 if extra == BF16 else None
     for rank, result in enumerate(r[name] for r in ranks):
         assert result["skipped"] == 0.0 and "grads" in result and "optimizer" in result, result
         assert result["grads_missing"] == 0, result  # every trainable parameter got its gradient
@@ -140,7 +139,7 @@ def test_state_bytes_equal_a_real_step_on_every_rank(runs, name):
         assert (planned.params, planned.grads, planned.optimizer) == measured, (
             f"rank {rank} (pp {result['pp_rank']}, dp {result['dp_rank']}, tp {result['tp_rank']}): "
             f"planner {planned}, real step {measured}")
-        dry = dry_run_rank(cfg, layout, rank, amp_dtype=amp_dtype)
+        dry = dry_run_rank(cfg, layout, rank)  # the config's AMP dtype (bf16 for the BF16 cases)
         assert (dry.pp_rank, dry.dp_rank, dry.tp_rank) == (result["pp_rank"], result["dp_rank"], result["tp_rank"])
         assert (dry.params, dry.grads, dry.optimizer) == measured, (rank, dry, measured)
 

@@ -26,7 +26,6 @@ import sys
 from libai_zoo.config import LazyConfig
 from libai_zoo.plan import DEVICES, Layout, ModelTable, OptimizerState, dry_run, format_table, plan, state_bytes
 from libai_zoo.plan.memory import GiB
-from libai_zoo.plan.planner import amp_dtype_of
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,10 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_dry_run(cfg, world_size: int, as_json: bool) -> bool:
     """Print the dry run of the config's layout beside the prediction; True when they are equal."""
     layout = Layout.from_config(cfg, world_size)
-    table = ModelTable.from_config(cfg.model, cfg.train.get("lora"))
+    table = ModelTable.from_config(cfg.model, cfg.train.lora)
     optimizer = OptimizerState.probe(cfg.optim)
     rows = []
-    for measured in dry_run(cfg, layout, amp_dtype=amp_dtype_of(cfg)):
+    for measured in dry_run(cfg, layout):
         predicted = state_bytes(table, layout, measured.pp_rank, measured.dp_rank, optimizer)
         rows.append({"rank": measured.rank, "pp_rank": measured.pp_rank, "dp_rank": measured.dp_rank,
                      "dry_run": {"params": measured.params, "grads": measured.grads, "optimizer": measured.optimizer},

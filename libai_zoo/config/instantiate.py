@@ -27,7 +27,7 @@ OBJECT_FLAGS = {"allow_objects": True}
 TUPLE_TYPES: tuple[type, ...] = (tuple, omegaconf.TupleConfig) if hasattr(omegaconf, "TupleConfig") else (tuple,)
 
 
-class ConfigError(Exception):
+class ConfigError(ValueError):
     """A config that cannot be loaded, overridden, built or saved; the message names the key."""
 
 

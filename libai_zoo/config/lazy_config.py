@@ -3,10 +3,10 @@
     cfg = LazyConfig.load("projects/gpt2/configs/pretrain.py")
     LazyConfig.apply_overrides(cfg, ["train.max_iter=100", "dist.tp=2", "+train.note=smoke"])
     LazyConfig.save(cfg, "output/config.yaml")      # loads back equal: LazyConfig.load("...yaml")
-    cfg = get_config("common/train.py")             # a default file shipped inside libai_zoo
+    train = get_config("common/train.py").train    # a default shipped inside libai_zoo (schema.TrainConfig)
 
 The config of a ``.py`` file is its module-level names that hold config values: DictConfigs,
-ListConfigs, dicts, lists, tuples, strings, numbers, booleans and None. Modules, functions and
+ListConfigs, schema sections, dicts, lists, tuples, strings, numbers, booleans and None. Modules, functions and
 classes it imports or defines are code, not keys, and so is any name that starts with ``_``.
 """
 
@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import difflib
 import re
+import types
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
 from omegaconf import Container, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from .instantiate import TUPLE_TYPES, OBJECT_FLAGS, TARGET, ConfigError, dotted_name
 from .python_file import ConfigFileLoader
+from .schema import Section, error_text, typed
 
-_CONFIG_VALUE_TYPES = (Container, dict, list, tuple, str, int, float, bool, type(None))
+_CONFIG_VALUE_TYPES = (Container, Section, dict, list, tuple, str, int, float, bool, type(None))
 _PACKAGED_ROOT = Path(__file__).resolve().parent
 
 
@@ -37,15 +40,15 @@ class LazyConfig:
 
         A ``.py`` file runs as Python and may import other config files relatively
         (``from ..common.optim import optim``), resolved on disk beside it; see `python_file`.
+        ``train`` and ``dist`` come out typed (`schema.typed`): every key there, missing ones at their
+        defaults (so a config.yaml of an earlier run loads), values checked against their types.
         ``keys`` keeps only those top-level keys (one name or several).
         """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
         if path.suffix == ".py":
-            namespace = vars(ConfigFileLoader().run(path))
-            content = {name: value for name, value in namespace.items()
-                       if not name.startswith("_") and isinstance(value, _CONFIG_VALUE_TYPES)}
+            content = _config_values(ConfigFileLoader().run(path))
         elif path.suffix in (".yaml", ".yml"):
             content = OmegaConf.load(path)
             if not isinstance(content, DictConfig):
@@ -53,7 +56,10 @@ class LazyConfig:
                                   "of top-level keys")
         else:
             raise ConfigError(f"{path}: a config file ends in .py, .yaml or .yml")
-        cfg = OmegaConf.create(content, flags=OBJECT_FLAGS)
+        try:
+            cfg = typed(OmegaConf.create(content, flags=OBJECT_FLAGS), str(path))
+        except OmegaConfBaseException as error:  # a recipe gave a typed key a value of another type
+            raise ConfigError(f"{path}: {error_text(error)}") from error
         if keys is None:
             return cfg
         keys = [keys] if isinstance(keys, str) else list(keys)
@@ -106,26 +112,36 @@ class LazyConfig:
                 raise ConfigError(f"+{key} adds a key, but {key} already exists: drop the + to change it")
             if not add and not exists:
                 raise ConfigError(_unknown_key_message(cfg, key, text))
-            OmegaConf.update(cfg, key, value, merge=False, force_add=add)
+            try:
+                OmegaConf.update(cfg, key, value, merge=False, force_add=add)
+            except OmegaConfBaseException as error:  # a value the key's type does not take
+                raise ConfigError(f"override {item!r}: {error_text(error)}") from error
         return cfg
 
 
-def get_config(name: str, keys: Iterable[str] | str | None = None) -> DictConfig:
-    """A default config file shipped inside libai_zoo, e.g. ``get_config("common/train.py")``.
+def get_config(name: str) -> types.SimpleNamespace:
+    """A default config file shipped inside libai_zoo, as a recipe edits it:
+    ``get_config("common/train.py").train`` is a `schema.TrainConfig`.
 
-    A fresh config on every call, so editing it never changes the next one.
+    A fresh copy on every call, so editing it never changes the next one.
     """
     available = packaged_config_files()
     if name not in available:
         raise FileNotFoundError(f"no packaged config {name!r}; available: {', '.join(available)}")
-    return LazyConfig.load(_PACKAGED_ROOT / name, keys=keys)
+    return types.SimpleNamespace(**_config_values(ConfigFileLoader().run(_PACKAGED_ROOT / name)))
+
+
+def _config_values(module: types.ModuleType) -> dict[str, Any]:
+    """A config file's keys: its module-level names that hold config values (not modules, functions,
+    classes or _names)."""
+    return {name: value for name, value in vars(module).items()
+            if not name.startswith("_") and isinstance(value, _CONFIG_VALUE_TYPES)}
 
 
 def packaged_config_files() -> list[str]:
-    """Names `get_config` accepts: config files in the subdirectories of libai_zoo/config/."""
-    return sorted(p.relative_to(_PACKAGED_ROOT).as_posix() for p in _PACKAGED_ROOT.glob("*/**/*")
-                  if p.suffix in (".py", ".yaml", ".yml") and p.name != "__init__.py"
-                  and "__pycache__" not in p.parts)
+    """Names `get_config` accepts: the .py config files in the subdirectories of libai_zoo/config/."""
+    return sorted(p.relative_to(_PACKAGED_ROOT).as_posix() for p in _PACKAGED_ROOT.glob("*/**/*.py")
+                  if p.name != "__init__.py" and "__pycache__" not in p.parts)
 
 
 # ---------------------------------------------------------------------------------------- saving

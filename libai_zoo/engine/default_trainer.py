@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from libai_zoo import distributed
 from libai_zoo.checkpoint import Checkpointer, commit
-from libai_zoo.config import LazyConfig, instantiate
+from libai_zoo.config import LazyConfig, instantiate, run_settings
 from libai_zoo.data import MicroBatchSampler, Prefetcher, check_dataset, stream_micro_batches
 from libai_zoo.hf import (HFWeightReader, apply_lora_config, check_hf_weights, load_hf_weights, load_peft_adapter,
                           read_peft_adapter)
@@ -61,7 +61,7 @@ from .faults import fault_injector
 from .goodput import Goodput
 from .heartbeat import Heartbeat
 from .preemption import Preempted, Preemption
-from .train_step import AMP_DTYPES, TrainStep
+from .train_step import TrainStep
 from .trainer_base import RolledBack, TrainerBase
 
 logger = logging.getLogger("libai_zoo")
@@ -136,7 +136,7 @@ class DefaultTrainer(TrainerBase):
         # What can be refused without a process group is refused before one exists.
         dp, tp, pp = distributed.resolve_sizes(distributed.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
         self.accumulation = self._accumulation(train, dp)
-        self.amp_dtype = self._amp_dtype(train)
+        self.amp_dtype = run_settings(cfg).amp_dtype
         self.on_divergence, self.max_bad_steps = self._on_divergence(train)
         self.check_layout(cfg, tp, pp, self.accumulation)
         self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp,
@@ -212,18 +212,10 @@ class DefaultTrainer(TrainerBase):
         if problems:
             raise ValueError(f"the model cannot be split over dist.tp = {tp}:\n  " + "\n  ".join(problems))
         if pp > 1:
-            pipe = cfg.train.get("pipeline") or {}
-            check_pipeline_layout(len(get_layer_stack(model)), pp, schedule=pipe.get("schedule", "1f1b"),
-                                  num_micro_batches=num_micro_batches, virtual_stages=pipe.get("virtual_stages", 1),
-                                  boundaries=pipe.get("boundaries"))
-
-    @staticmethod
-    def _amp_dtype(train: DictConfig) -> torch.dtype | None:
-        if not train.amp.enabled:
-            return None
-        if train.amp.dtype not in AMP_DTYPES:
-            raise ValueError(f"train.amp.dtype = {train.amp.dtype!r} must be one of {sorted(AMP_DTYPES)}")
-        return AMP_DTYPES[train.amp.dtype]
+            pipe = run_settings(cfg).pipeline
+            check_pipeline_layout(len(get_layer_stack(model)), pp, schedule=pipe.schedule,
+                                  num_micro_batches=num_micro_batches, virtual_stages=pipe.virtual_stages,
+                                  boundaries=pipe.boundaries)
 
     # -------------------------------------------------------------------------------- builders
     def build_model(self, cfg: DictConfig) -> BuiltModel:
@@ -238,12 +230,13 @@ class DefaultTrainer(TrainerBase):
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
         self.add_lora(cfg, model)
+        settings = run_settings(cfg)
         built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
-                            pipeline=cfg.train.get("pipeline"),
+                            pipeline=settings.pipeline,
                             activation_checkpoint=cfg.train.activation_checkpoint.enabled,
                             compile_with=cfg.train.get("compile", False))
         model, parts, pipeline = built.model, built.parts, built.pipeline
-        seq_len = self._sequence_length()  # MFU needs it; of the whole model, not of a pipeline stage
+        seq_len = settings.seq_len  # MFU needs it; of the whole model, not of a pipeline stage
         flops_per_token = model.flops_per_token(seq_len) if seq_len else None
         aliases = pipeline.tied_aliases() if pipeline is not None else None
         start = time.perf_counter()
@@ -378,10 +371,6 @@ class DefaultTrainer(TrainerBase):
         logger.info("training data: a stream, read in order (not shuffled); every dp rank reads all of it and "
                     "keeps its own micro-batches")
         return dataset.state_dict()
-
-    def _sequence_length(self) -> int | None:
-        dataset_cfg = self.cfg.dataloader.train
-        return dataset_cfg.get("seq_len") or dataset_cfg.get("max_length")
 
     # ------------------------------------------------------------------------------------ resume
     def resume_or_load(self, resume: bool = True) -> None:

@@ -28,8 +28,6 @@ from libai_zoo.parallel import DataParallel, Pipeline
 
 logger = logging.getLogger("libai_zoo")
 
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class TrainStep:
     """Callable on a list of micro-batches (dicts of tensors with targets); returns the step's metrics.

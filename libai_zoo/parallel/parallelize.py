@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from libai_zoo import distributed
+from libai_zoo.config import PipelineSettings
 from libai_zoo.models import check_trainable, get_layer_stack
 
 from .activation_checkpoint import apply_activation_checkpointing
@@ -33,19 +34,20 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_parallel: DataParallel, *,
-                num_micro_batches: int = 1, pipeline: dict | None = None, activation_checkpoint: bool = False,
-                compile_with: bool | str = False) -> Parallelized:
-    """`distributed.shard` over tp; at pp > 1 this rank's stages (``pipeline``: schedule, virtual_stages,
-    boundaries); activation checkpointing and torch.compile (True: inductor, or a backend name)
-    per layer of the layer stack; then `data_parallel.wrap` of the model or of each stage."""
+                num_micro_batches: int = 1, pipeline: PipelineSettings | None = None,
+                activation_checkpoint: bool = False, compile_with: bool | str = False) -> Parallelized:
+    """`distributed.shard` over tp; at pp > 1 this rank's stages (``pipeline``: `run_settings(cfg).pipeline`);
+    activation checkpointing and torch.compile (True: inductor, or a backend name) per layer of the
+    layer stack; then `data_parallel.wrap` of the model or of each stage."""
     check_trainable(model)
     model = distributed.shard(model, ctx)
     stages = None
     parts = roots = [model]
     if ctx.pp > 1:
-        pipe = pipeline or {}
-        stages = Pipeline(model, ctx, schedule=pipe.get("schedule", "1f1b"), num_micro_batches=num_micro_batches,
-                          virtual_stages=pipe.get("virtual_stages", 1), boundaries=pipe.get("boundaries"))
+        if pipeline is None:
+            raise ValueError(f"pp = {ctx.pp} needs the pipeline settings: pass pipeline=run_settings(cfg).pipeline")
+        stages = Pipeline(model, ctx, schedule=pipeline.schedule, num_micro_batches=num_micro_batches,
+                          virtual_stages=pipeline.virtual_stages, boundaries=pipeline.boundaries)
         logger.info("%s", stages)
         parts, roots = stages.model_parts, stages.stages
     stacks = [list(get_layer_stack(part)) for part in parts]

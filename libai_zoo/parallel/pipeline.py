@@ -33,7 +33,7 @@ data anyway).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
+from libai_zoo.config import PipelineConfig
 from libai_zoo.distributed import ParallelContext, TensorParallel
 from libai_zoo.models import check_trainable, get_layer_stack
 
@@ -301,7 +302,8 @@ def _check_micro_batches(name: str, n: int, pp: int) -> None:
 
 
 def check_pipeline_layout(num_layers: int, pp: int, *, schedule: str, num_micro_batches: int,
-                          virtual_stages: int = 1, boundaries: list[int] | None = None) -> None:
+                          virtual_stages: int = PipelineConfig.virtual_stages,
+                          boundaries: Sequence[int] | None = None) -> None:
     """Refuse a pipeline layout that cannot run (a ValueError that names the fix); needs no process
     group, so a run can be refused before it starts one."""
     if schedule not in _KINDS:
@@ -342,8 +344,9 @@ class Pipeline:
     the schedule then reduces a stage's gradients over dp once, after its last micro-batch.
     """
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str = "1f1b", num_micro_batches: int,
-                 virtual_stages: int = 1, boundaries: list[int] | None = None):
+    def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str = PipelineConfig.schedule,
+                 num_micro_batches: int, virtual_stages: int = PipelineConfig.virtual_stages,
+                 boundaries: Sequence[int] | None = None):
         layers = _full_layer_stack(model)
         check_pipeline_layout(len(layers), ctx.pp, schedule=schedule, num_micro_batches=num_micro_batches,
                               virtual_stages=virtual_stages, boundaries=boundaries)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from libai_zoo.config import instantiate
+from libai_zoo.config import PipelineSettings, instantiate, run_settings
 from libai_zoo.hf import apply_lora_config
 from libai_zoo.optim import build_optimizer, unique_parameters
 from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize
@@ -34,19 +34,21 @@ class RankBytes:
     optimizer: int
 
 
-def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int, *, amp_dtype: torch.dtype | None = None) -> RankBytes:
+def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
     """Build `rank` of `layout` under a fake process group and count its parameters, gradients
-    and optimizer state."""
-    global_batch = cfg.train.global_batch_size
+    and optimizer state (the config's AMP dtype, global batch and LoRA: `run_settings`)."""
+    run = run_settings(cfg)
     with fake_world(layout.world_size, rank, dp=layout.dp, tp=layout.tp, pp=layout.pp,
                     sequence_parallel=layout.sequence_parallel) as ctx:
         with torch.device("meta"):
             model = instantiate(cfg.model)
-            apply_lora_config(model, cfg.train.get("lora") or {})
-        data_parallel = DataParallel(ctx, layout.zero_stage, param_dtype=fsdp_param_dtype(amp_dtype, layout.zero_stage))
-        built = parallelize(model, ctx, data_parallel, num_micro_batches=layout.num_micro_batches(global_batch),
-                            pipeline={"schedule": layout.schedule, "virtual_stages": layout.virtual_stages},
-                            activation_checkpoint=layout.activation_checkpoint)
+            apply_lora_config(model, run.lora)
+        data_parallel = DataParallel(ctx, layout.zero_stage,
+                                     param_dtype=fsdp_param_dtype(run.amp_dtype, layout.zero_stage))
+        # the layout's schedule, its layers split evenly (as the planner's overrides run it)
+        pipeline = PipelineSettings(layout.schedule, layout.virtual_stages) if layout.pp > 1 else None
+        built = parallelize(model, ctx, data_parallel, num_micro_batches=layout.num_micro_batches(run.global_batch_size),
+                            pipeline=pipeline, activation_checkpoint=layout.activation_checkpoint)
         params = unique_parameters(built.parts)
         for param in params:
             if param.requires_grad:
@@ -59,11 +61,11 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int, *, amp_dtype: torch
                          optimizer_state_bytes(optimizer))
 
 
-def dry_run(cfg: DictConfig, layout: Layout, *, amp_dtype: torch.dtype | None = None) -> list[RankBytes]:
+def dry_run(cfg: DictConfig, layout: Layout) -> list[RankBytes]:
     """One rank per pipeline stage: dp rank 0 and tp rank 0 of each pp rank (FSDP2 gives dp rank 0
     the most rows; the tp ranks hold equal slices), plus the last dp rank of the first stage (the
     fewest rows)."""
     ranks = [pp_rank * layout.dp * layout.tp for pp_rank in range(layout.pp)]
     if layout.dp > 1:
         ranks.append((layout.dp - 1) * layout.tp)
-    return [dry_run_rank(cfg, layout, rank, amp_dtype=amp_dtype) for rank in ranks]
+    return [dry_run_rank(cfg, layout, rank) for rank in ranks]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from libai_zoo import distributed
+from libai_zoo.config import run_settings
 from libai_zoo.parallel import check_pipeline_layout, schedule_evaluates
 
 from .model_table import ModelTable
@@ -35,10 +36,9 @@ class Layout:
     def from_config(cls, cfg: DictConfig, world_size: int) -> Layout:
         """The layout a config's ``dist`` and ``train`` keys ask for at `world_size` (dp=-1 inferred)."""
         dp, tp, pp = distributed.resolve_sizes(world_size, cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
-        pipe = cfg.train.get("pipeline") or {}
-        return cls(dp, tp, pp, cfg.train.zero_stage, bool(cfg.train.activation_checkpoint.enabled),
-                   bool(cfg.dist.get("sequence_parallel", False)), cfg.train.micro_batch_size,
-                   pipe.get("schedule", "1f1b") if pp > 1 else None, pipe.get("virtual_stages", 1) if pp > 1 else 1)
+        run = run_settings(cfg)
+        return cls(dp, tp, pp, run.zero_stage, run.activation_checkpoint, run.sequence_parallel, run.micro_batch_size,
+                   run.pipeline.schedule if pp > 1 else None, run.pipeline.virtual_stages if pp > 1 else 1)
 
     @property
     def world_size(self) -> int:

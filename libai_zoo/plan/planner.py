@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import DictConfig
 
+from libai_zoo.config import run_settings
+
 from .cost import DEVICES, LINKS, Device, Fabric, Link, StepTime, roofline_compute, step_time
 from .layouts import Layout, enumerate_layouts
 from .memory import GiB, MemoryBreakdown, OptimizerState, rank_memory
@@ -23,7 +25,6 @@ from .profile import ComputeTimes, fit_gloo_link, measure_compute, measure_fsdp_
 
 #: Fixed bytes per GPU outside the model's tensors: CUDA context, NCCL buffers, allocator slack.
 GPU_OVERHEAD = 2 * GiB
-AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -85,22 +86,6 @@ def present_device() -> str:
     return key
 
 
-def sequence_length(cfg: DictConfig) -> int:
-    """The training data's sequence length (``seq_len`` or ``max_length`` of ``dataloader.train``)."""
-    data = cfg.dataloader.train
-    seq_len = data.get("seq_len") or data.get("max_length")
-    if not seq_len:
-        raise ValueError("the planner needs the sequence length: set dataloader.train.seq_len (or max_length), "
-                         "or choose the layout yourself (dist.auto=false)")
-    return int(seq_len)
-
-
-def amp_dtype_of(cfg: DictConfig) -> torch.dtype | None:
-    """The autocast dtype ``train.amp`` asks for; None without autocast."""
-    amp = cfg.train.get("amp") or {}
-    return AMP[amp.get("dtype", "bf16")] if amp.get("enabled") else None
-
-
 def _fabric(device_key: str, world_size: int, gpus_per_node: int) -> Fabric:
     if device_key == "cpu":
         link = Link(*fit_gloo_link(min(world_size, gpus_per_node, 4))) if world_size > 1 else Link(0.0, 0.0)
@@ -135,10 +120,12 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
             else spec.memory_bytes
     if overhead_bytes is None:
         overhead_bytes = 0 if on_cpu else GPU_OVERHEAD
-    table = ModelTable.from_config(cfg.model, cfg.train.get("lora"))
-    seq_len = sequence_length(cfg)
-    global_batch = int(cfg.train.global_batch_size)
-    amp_dtype = amp_dtype_of(cfg)
+    run = run_settings(cfg)
+    if run.seq_len is None:
+        raise ValueError("the planner needs the sequence length: give dataloader.train a seq_len (or max_length), "
+                         "or choose the layout yourself (dist.auto=false)")
+    table = ModelTable.from_config(cfg.model, run.lora)
+    seq_len, global_batch, amp_dtype = run.seq_len, run.global_batch_size, run.amp_dtype
     optimizer = OptimizerState.probe(cfg.optim)
     threads = 1 if on_cpu and world_size > 1 else None
     oversubscription = procs_per_node / (os.cpu_count() or 1) if on_cpu and world_size > 1 else 1.0

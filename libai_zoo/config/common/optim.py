@@ -1,19 +1,12 @@
 """The optimizer: AdamW over parameter groups that exempt biases and norms from weight decay.
 
     cfg = get_config("common/optim.py")         # key: optim
-    cfg.optim.params.model = model              # the trainer does this, then instantiate(cfg.optim)
+    build_optimizer(cfg.optim, model_parts)     # the trainer: param_groups of the parts, then AdamW
+
+Its keys and defaults: `AdamWConfig` in libai_zoo/config/schema.py. A recipe may swap the
+optimizer: ``optim = LazyCall(torch.optim.SGD)(params=LazyCall(param_groups)(weight_decay=0.0), lr=0.1)``.
 """
 
-import torch
+from libai_zoo.config.schema import AdamWConfig
 
-from libai_zoo.config import LazyCall
-
-optim = LazyCall(torch.optim.AdamW)(
-    # libai_zoo.optim.param_groups(model, weight_decay): groups with and without weight decay;
-    # `model` is filled in at build time.
-    params=LazyCall("libai_zoo.optim.param_groups")(weight_decay=0.01),
-    lr=1e-4,
-    betas=(0.9, 0.999),
-    eps=1e-8,
-    weight_decay=0.01,              # for any group that sets none itself
-)
+optim = AdamWConfig()

@@ -1,0 +1,97 @@
+"""What a run's config means, parsed once: `run_settings(cfg)` is what the trainer, the layout
+planner and its dry run read (the sequence length, the autocast dtype, the pipeline, the batch and
+memory settings), so they cannot read one config two ways.
+
+    settings = run_settings(cfg)
+    settings.seq_len, settings.amp_dtype, settings.pipeline.schedule
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .instantiate import OBJECT_FLAGS, ConfigError
+from .schema import typed
+
+#: ``train.amp.dtype`` -> the autocast dtype.
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: The arguments of a dataset recipe (``dataloader.train``) that give its samples' length in tokens:
+#: the zoo's builders take ``seq_len`` (packed sequences) or ``max_length`` (padded or truncated samples).
+SEQUENCE_LENGTH_ARGUMENTS = ("seq_len", "max_length")
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """``train.pipeline``: the schedule, the stages per rank and the first layer of each stage after
+    the first (None: the layers split evenly)."""
+
+    schedule: str
+    virtual_stages: int
+    boundaries: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The parsed values of a run's config (see `run_settings`)."""
+
+    #: Tokens per sample of the training data; None when the dataset recipe states none (images).
+    seq_len: int | None
+    #: The autocast dtype of ``train.amp``; None without autocast.
+    amp_dtype: torch.dtype | None
+    pipeline: PipelineSettings
+    micro_batch_size: int
+    global_batch_size: int
+    zero_stage: int
+    activation_checkpoint: bool
+    sequence_parallel: bool
+    #: ``train.lora`` as a plain dict, every key present.
+    lora: dict[str, Any]
+
+
+def run_settings(cfg: DictConfig) -> RunSettings:
+    """Parse ``cfg``'s ``train``, ``dist`` and ``dataloader.train``; a config without some keys of
+    ``train`` or ``dist`` (one built by hand) reads their defaults. A value no run can use is a
+    `ConfigError` that names the key."""
+    run = typed(OmegaConf.create({"train": cfg.get("train") or {}, "dist": cfg.get("dist") or {}},
+                                 flags=OBJECT_FLAGS))
+    train = run.train
+    pipe = train.pipeline
+    return RunSettings(
+        seq_len=sequence_length(cfg.get("dataloader")),
+        amp_dtype=_amp_dtype(train),
+        pipeline=PipelineSettings(pipe.schedule, pipe.virtual_stages,
+                                  None if pipe.boundaries is None else tuple(pipe.boundaries)),
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=train.global_batch_size,
+        zero_stage=train.zero_stage,
+        activation_checkpoint=train.activation_checkpoint.enabled,
+        sequence_parallel=run.dist.sequence_parallel,
+        lora=OmegaConf.to_container(train.lora, resolve=True),
+    )
+
+
+def sequence_length(dataloader: Mapping | None) -> int | None:
+    """The training data's tokens per sample: the ``seq_len`` or ``max_length`` argument of
+    ``dataloader.train``'s recipe (`SEQUENCE_LENGTH_ARGUMENTS`); None when it has neither."""
+    data = (dataloader or {}).get("train") or {}
+    for name in SEQUENCE_LENGTH_ARGUMENTS:
+        value = data.get(name) if isinstance(data, Mapping) else None
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"dataloader.train.{name} = {value!r} must be a positive number of tokens")
+            return value
+    return None
+
+
+def _amp_dtype(train: DictConfig) -> torch.dtype | None:
+    if not train.amp.enabled:
+        return None
+    if train.amp.dtype not in AMP_DTYPES:
+        raise ConfigError(f"train.amp.dtype = {train.amp.dtype!r} must be one of {sorted(AMP_DTYPES)}")
+    return AMP_DTYPES[train.amp.dtype]
+
