@@ -15,7 +15,6 @@ processes (start-up dominates on CPU).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from distributed_runner import run_distributed
 from libai_zoo import distributed
