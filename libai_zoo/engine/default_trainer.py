@@ -122,7 +122,7 @@ class DataPosition:
 
 
 class DefaultTrainer(TrainerBase):
-    """Builds everything a run needs from `cfg` (see libai_zoo/config/common for the keys)."""
+    """Builds everything a run needs from `cfg` (its keys: libai_zoo/config/schema.py)."""
 
     def __init__(self, cfg: DictConfig, *, fast_dev_run: bool = False):
         started_at = time.time()

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from libai_zoo.config import instantiate
+from libai_zoo.config import Section, instantiate
 
 
 def unique_parameters(model: nn.Module | Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -31,7 +31,10 @@ def param_groups(model: nn.Module | Sequence[nn.Module], weight_decay: float = 0
 
 def build_optimizer(optim_cfg, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
     """instantiate(optim_cfg) (a LazyCall of an optimizer class) over `model_parts`: its ``params``
-    recipe (`param_groups` by default) is given the parts, or without one every parameter once."""
+    recipe (`param_groups` by default) is given the parts, or without one every parameter once.
+    ``optim_cfg`` may be a recipe's section (``get_config("common/optim.py").optim``) too."""
+    if isinstance(optim_cfg, Section):
+        optim_cfg = OmegaConf.structured(optim_cfg, flags={"allow_objects": True})
     node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
     params = node.get("params")
     node["params"] = instantiate({**params, "model": model_parts}) if isinstance(params, dict) \
