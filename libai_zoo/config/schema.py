@@ -33,9 +33,9 @@ class Section:
     closest field, and `update` merges mappings into the sections and mappings it holds."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        names = [f.name for f in dataclasses.fields(self)]
+        names = _field_names(self)
         if name not in names:
-            raise ConfigError(_not_a_key(type(self), name, names))
+            raise ConfigError(f"{name} is not a key of {type(self).__name__}; {_closest(name, names)}")
         default = _section_type(type(self), name)
         if default is not None and isinstance(value, Mapping):  # a dict for a section: the section, filled
             section = default()
@@ -52,10 +52,8 @@ class Section:
                 if isinstance(current, Section):
                     current.update(**value)
                     continue
-                if isinstance(current, Mapping) and TARGET in current.keys():
-                    current = OmegaConf.create(dict(current), flags=OBJECT_FLAGS)
-                    current.merge_with(value)
-                    value = current
+                if isinstance(current, Mapping) and TARGET in current.keys():  # new arguments of a LazyCall
+                    value = OmegaConf.merge(OmegaConf.create(dict(current), flags=OBJECT_FLAGS), value)
             setattr(self, name, value)
 
 
@@ -255,6 +253,3 @@ def _closest(name: str, names: list[str]) -> str:
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     return f"did you mean {close[0]}?" if close else f"its keys are {', '.join(names)}"
 
-
-def _not_a_key(cls: type, name: str, names: list[str]) -> str:
-    return f"{name} is not a key of {cls.__name__}; {_closest(name, names)}"
