@@ -62,7 +62,7 @@ def run_settings(cfg: DictConfig) -> RunSettings:
     train = run.train
     pipe = train.pipeline
     return RunSettings(
-        seq_len=sequence_length(cfg.get("dataloader")),
+        seq_len=_sequence_length(cfg.get("dataloader")),
         amp_dtype=_amp_dtype(train),
         pipeline=PipelineSettings(pipe.schedule, pipe.virtual_stages,
                                   None if pipe.boundaries is None else tuple(pipe.boundaries)),
@@ -75,7 +75,7 @@ def run_settings(cfg: DictConfig) -> RunSettings:
     )
 
 
-def sequence_length(dataloader: Mapping | None) -> int | None:
+def _sequence_length(dataloader: Mapping | None) -> int | None:
     """The training data's tokens per sample: the ``seq_len`` or ``max_length`` argument of
     ``dataloader.train``'s recipe (`SEQUENCE_LENGTH_ARGUMENTS`); None when it has neither."""
     data = (dataloader or {}).get("train") or {}
