@@ -14,6 +14,7 @@ adapters with different A's (as PEFT trains them) are stacked into one of their 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -26,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from libai_zoo.config.schema import LoraConfig
 from libai_zoo.distributed import fill_shard_
 from libai_zoo.layers import apply_lora, lora_layers
 
@@ -125,17 +127,19 @@ def apply_lora_config(model: nn.Module, lora: dict) -> dict[str, tuple[int, floa
     """Put the adapters ``train.lora`` asks for on `model` (`apply_lora`; it may live on the meta
     device): ``rank``, ``alpha``, ``dropout`` on ``target_modules``; or each of ``layers`` (layer
     name -> [rank, alpha]) as given; or the layers, ranks and alphas of the PEFT directory
-    ``adapter`` (its factors are read later: `load_peft_adapter`). Returns the adapted layers'
-    (rank, alpha); nothing when there is no LoRA (rank 0, no adapter)."""
-    layers = lora.get("layers")
-    if not layers and lora.get("adapter"):
+    ``adapter`` (its factors are read later: `load_peft_adapter`). Keys left out take their defaults
+    (`LoraConfig`). Returns the adapted layers' (rank, alpha); nothing when there is no LoRA (rank 0,
+    no adapter)."""
+    lora = {**dataclasses.asdict(LoraConfig()), **lora}
+    layers = lora["layers"]
+    if not layers and lora["adapter"]:
         layers = {name: (a.A.shape[0], a.scale * a.A.shape[0])
                   for name, a in read_peft_adapter(lora["adapter"], model).items()}
-    if not layers and not lora.get("rank"):
+    if not layers and not lora["rank"]:
         return {}
     shapes = {name: (int(rank), float(alpha)) for name, (rank, alpha) in layers.items()} if layers else None
-    apply_lora(model, lora.get("rank", 0), lora.get("alpha", 16.0), dropout=lora.get("dropout", 0.0),
-               target_modules=lora.get("target_modules"), layers=shapes)
+    apply_lora(model, lora["rank"], lora["alpha"], dropout=lora["dropout"], target_modules=lora["target_modules"],
+               layers=shapes)
     return {name: (layer.lora.rank, layer.lora.alpha) for name, layer in lora_layers(model).items()}
 
 
