@@ -23,7 +23,7 @@ from libai_zoo.checkpoint.commit import POINTER
 from libai_zoo.hf import HFWeightReader, read_config
 
 from .hf_zoo import resolve_checkpoint
-from .megatron import find_checkpoint, flatten, iteration_directory
+from .megatron_files import find_checkpoint, flatten, iteration_directory
 from .torch_dist import COMMON, MODEL_PREFIXES, SafeReader, is_torch_dist, read_common, tensor_shapes
 
 

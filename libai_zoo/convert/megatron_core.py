@@ -49,7 +49,8 @@ from libai_zoo.models.gpt_neox import rotary_fraction
 
 from . import torch_dist
 from .hf_zoo import check_output_dir, load_checkpoint_model, resolve_checkpoint, write_zoo_checkpoint, zoo_class_for
-from .megatron import LAYER_NAME, TRACKER, find_checkpoint, flatten, iteration_directory, legacy_to_hf
+from .megatron_files import LAYER_NAME, TRACKER, find_checkpoint, flatten, iteration_directory
+from .megatron_legacy_gpt import legacy_to_hf
 
 logger = logging.getLogger("libai_zoo")
 

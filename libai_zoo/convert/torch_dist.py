@@ -36,7 +36,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, load, save
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .megatron import load_file
+from .megatron_files import load_file
 
 COMMON = "common.pt"
 METADATA_JSON = "metadata.json"
@@ -93,7 +93,7 @@ class SafeReader(FileSystemReader):
 
 
 def read_common(directory: Path) -> dict:
-    """`common.pt` through ``torch.load(weights_only=True)`` (`megatron.load_file`)."""
+    """`common.pt` through ``torch.load(weights_only=True)`` (`megatron_files.load_file`)."""
     path = directory / COMMON
     if not path.is_file():
         raise FileNotFoundError(f"{directory} has no {COMMON}: a Megatron-LM torch_dist checkpoint keeps its run "
