@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from distributed_runner import run_distributed
 from libai_zoo.models import (BertConfig, BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, ViTConfig,
                               ViTForImageClassification, get_layer_stack)
-from libai_zoo.parallel.pipeline import SCHEDULES, Pipeline, StageLayers, prune_for_stage, split_layers
+from libai_zoo.parallel.pipeline import Pipeline, StageLayers, prune_for_stage, split_layers
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +38,10 @@ LAYOUTS = [
     ("pp2_dp2_1f1b", 2, 1, 2, "1f1b", 1, 2, False, ("gpt2", "llama", "bert_mlm", "vit_cls")),
     ("pp2x2v_dp2_interleaved", 2, 1, 2, "interleaved_1f1b", 2, 2, False, ("gpt2", "llama")),
     ("pp2x2v_tp2_interleaved", 1, 2, 2, "interleaved_1f1b", 2, 4, False, ("gpt2",)),
+    ("pp2x2v_tp2_zero_bubble", 1, 2, 2, "zero_bubble", 2, 2, False, ("gpt2", "llama")),
+    # V placement: stages 0 and 3 on pp rank 0, the tied copies on one rank
+    ("pp2x2v_dp2_zbv", 2, 1, 2, "zbv", 2, 2, False, ("gpt2",)),
 ]
-if "zero_bubble" in SCHEDULES:
-    LAYOUTS.append(("pp2x2v_tp2_zero_bubble", 1, 2, 2, "zero_bubble", 2, 2, False, ("gpt2", "llama")))
-if "zbv" in SCHEDULES:  # V placement: stages 0 and 3 on pp rank 0, the tied copies on one rank
-    LAYOUTS.append(("pp2x2v_dp2_zbv", 2, 1, 2, "zbv", 2, 2, False, ("gpt2",)))
 SHORT = 8  # the third step's sequence length: a new shape, so the stages infer shapes again
 
 
@@ -250,8 +249,7 @@ def test_stage_placement(pipeline_results):
     assert interleaved["stage_indices"] == [0, 2] and interleaved["layers"] == [[0], [2]]
     assert results[3]["pp2x2v_dp2_interleaved"]["gpt2"]["stage_indices"] == [1, 3]
     assert results[2]["pp4_1f1b"]["gpt2"]["layers"] == [[2]]
-    if "zbv" in SCHEDULES:
-        assert results[0]["pp2x2v_dp2_zbv"]["gpt2"]["stage_indices"] == [0, 3]
+    assert results[0]["pp2x2v_dp2_zbv"]["gpt2"]["stage_indices"] == [0, 3]
 
 
 def test_clear_errors(pipeline_results):

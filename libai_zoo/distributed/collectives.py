@@ -24,17 +24,6 @@ from torch.autograd import Function
 from .tensor_parallel import TensorParallel
 
 
-def _all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
-    # torch 2.13 renames all_gather_into_tensor to all_gather_single; 2.6-2.12 have only the old name.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
-
-
-def _reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, tensor, group=group)
-
-
 def _check_splittable(x: torch.Tensor, tp: TensorParallel, dim: int) -> None:
     if x.shape[dim] % tp.size:
         raise ValueError(
@@ -47,7 +36,7 @@ def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
     """Concatenate every tp rank's `x` along `dim` (no autograd)."""
     x = x.contiguous()
     out = x.new_empty((tp.size * x.shape[0], *x.shape[1:]))
-    _all_gather_into(out, x, tp.group)
+    dist.all_gather_single(out, x, group=tp.group)
     if dim % x.dim() == 0:
         return out
     return torch.cat(out.chunk(tp.size), dim=dim)
@@ -61,7 +50,7 @@ def reduce_scatter(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tenso
     else:  # lay the slices one after another along dim 0, the layout the collective splits
         x = torch.cat(x.chunk(tp.size, dim), dim=0)
     out = x.new_empty((x.shape[0] // tp.size, *x.shape[1:]))
-    _reduce_scatter_into(out, x, tp.group)
+    dist.reduce_scatter_single(out, x, group=tp.group)
     return out
 
 

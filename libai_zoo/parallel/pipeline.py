@@ -40,22 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                         ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor
 
 from libai_zoo.config import PipelineConfig
 from libai_zoo.distributed import ParallelContext, TensorParallel
 from libai_zoo.models import check_trainable, get_layer_stack
-
-try:  # newer schedules; absent from older torch releases
-    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
-except ImportError:  # pragma: no cover
-    ScheduleInterleavedZeroBubble = None
-try:
-    from torch.distributed.pipelining import ScheduleZBVZeroBubble
-except ImportError:  # pragma: no cover
-    ScheduleZBVZeroBubble = None
-
 
 @dataclass(frozen=True)
 class _ScheduleKind:
@@ -78,15 +69,12 @@ _KINDS: dict[str, _ScheduleKind] = {
     "gpipe": _ScheduleKind(ScheduleGPipe, False, "loop", 1, 1),
     "1f1b": _ScheduleKind(Schedule1F1B, False, "loop", 1, 1),
     "interleaved_1f1b": _ScheduleKind(ScheduleInterleaved1F1B, True, "loop", 2, None),
+    "zero_bubble": _ScheduleKind(ScheduleInterleavedZeroBubble, True, "loop", 1, None,
+                                 eval_cls=ScheduleInterleaved1F1B, split_backward=True),
+    "zbv": _ScheduleKind(ScheduleZBVZeroBubble, True, "v", 2, 2, evaluates=False, split_backward=True),
 }
-if ScheduleInterleavedZeroBubble is not None:
-    _KINDS["zero_bubble"] = _ScheduleKind(ScheduleInterleavedZeroBubble, True, "loop", 1, None,
-                                          eval_cls=ScheduleInterleaved1F1B, split_backward=True)
-if ScheduleZBVZeroBubble is not None:
-    _KINDS["zbv"] = _ScheduleKind(ScheduleZBVZeroBubble, True, "v", 2, 2, evaluates=False,
-                                  split_backward=True)
 
-#: Schedule name -> torch schedule class (only those the installed torch has).
+#: Schedule name -> torch schedule class.
 SCHEDULES: dict[str, type] = {name: kind.cls for name, kind in _KINDS.items()}
 
 
@@ -307,8 +295,7 @@ def check_pipeline_layout(num_layers: int, pp: int, *, schedule: str, num_micro_
     """Refuse a pipeline layout that cannot run (a ValueError that names the fix); needs no process
     group, so a run can be refused before it starts one."""
     if schedule not in _KINDS:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {sorted(_KINDS)} "
-                         f"(torch {torch.__version__})")
+        raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {sorted(_KINDS)}")
     kind = _KINDS[schedule]
     if virtual_stages < kind.min_virtual or (kind.max_virtual is not None and virtual_stages > kind.max_virtual):
         wanted = (f"exactly {kind.min_virtual}" if kind.min_virtual == kind.max_virtual
