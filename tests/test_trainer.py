@@ -157,10 +157,26 @@ def test_train_tool_fast_dev_run_and_eval_only(config_file, straight, tmp_path):
     assert set(results) == {"loss", "perplexity"} and results["loss"] < 9.0  # below ln(8192): it learned
 
 
+def test_train_tool_resume_insists_on_a_checkpoint(config_file, straight, tmp_path):
+    """--resume (LiBai's and detectron2's flag) resumes, and fails before building anything when there is nothing
+    to resume; resuming stays the default and --no-resume starts over."""
+    tool = load_train_tool()
+    with pytest.raises(SystemExit, match=f"--resume: {tmp_path} holds no checkpoint.*without --resume"):
+        tool.main([str(config_file), f"train.output_dir={tmp_path}", "--resume"])
+    assert list(tmp_path.iterdir()) == []  # refused before the trainer wrote anything
+    results = tool.main([str(config_file), f"train.output_dir={straight}", "train.micro_batch_size=4",
+                         "train.global_batch_size=4", "train.eval.max_batches=2", "--eval-only", "--resume"])
+    assert results["loss"] < 9.0  # the trained checkpoint, not fresh weights (ln 8192 = 9.01)
+    with pytest.raises(SystemExit):  # one or the other
+        tool.parse_args([str(config_file), "--resume", "--no-resume"])
+    default = tool.parse_args([str(config_file)])
+    assert not default.resume and not default.no_resume  # the default: resume when there is a checkpoint
+
+
 def test_train_tool_help():
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--help"], capture_output=True,
                          text=True, check=True).stdout
-    assert all(flag in out for flag in ("--no-resume", "--eval-only", "--fast-dev-run", "key=value"))
+    assert all(flag in out for flag in ("--resume", "--no-resume", "--eval-only", "--fast-dev-run", "key=value"))
 
 
 # ------------------------------------------------------------------------------ the step itself

@@ -7,7 +7,8 @@
     torchrun --nproc_per_node=8 --max-restarts=3 tools/train.py CONFIG.py dist.tp=8    # survives lost ranks
 
 A run resumes by itself from the newest intact checkpoint in train.output_dir (a first start has
-none and starts fresh), so a restarted or requeued job simply runs the same command again.
+none and starts fresh), so a restarted or requeued job simply runs the same command again;
+`--resume` insists on a checkpoint (an error if there is none), `--no-resume` starts over.
 Exit codes: 0 done; 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT after saving a checkpoint: run it
 again to resume (under torchrun each worker exits 75 and torchrun itself non-zero); 1 anything
 else (with several processes the process exits at once, without the teardown a dead peer could
@@ -21,8 +22,10 @@ import logging
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from libai_zoo import distributed
+from libai_zoo.checkpoint import commit
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer, Preempted
 
@@ -35,7 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. train.max_iter=100 optim.lr=1e-3; a key that does not exist "
                              "is an error (prefix it with + to add it)")
-    parser.add_argument("--no-resume", action="store_true",
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from the newest intact checkpoint in train.output_dir, and fail if there is "
+                             "none (LiBai's and detectron2's flag; without it a run also resumes, but starts fresh "
+                             "when the directory holds no checkpoint)")
+    resume.add_argument("--no-resume", action="store_true",
                         help="start from scratch (or train.load_weight) even if train.output_dir holds checkpoints "
                              "(the new run writes its own over them; every torchrun restart would start over too); "
                              "by default a run continues from the newest intact checkpoint there (model, optimizer, "
@@ -52,11 +60,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
+def require_checkpoint(output_dir: Path) -> None:
+    """`--resume`: refuse to start when `output_dir` holds no committed checkpoint (before any process
+    group or model is built)."""
+    if not commit.resumable_candidates(output_dir):
+        raise SystemExit(f"--resume: {output_dir} holds no checkpoint to resume from (no {commit.POINTER} "
+                         f"naming one): check train.output_dir, or start fresh by running without --resume "
+                         f"(or with --no-resume to start over a directory that holds checkpoints)")
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config), args.overrides)
     if args.auto_layout:
         cfg.dist["auto"] = True
+    if args.resume:
+        require_checkpoint(Path(cfg.train.output_dir))
     trainer = DefaultTrainer(cfg, fast_dev_run=args.fast_dev_run)
     try:
         trainer.resume_or_load(resume=not args.no_resume)
