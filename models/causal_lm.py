@@ -6,6 +6,10 @@ generation.
     shift_labels [B, S]   transformers' name for targets already aligned (position t against
                           shift_labels[t]), e.g. tokens[1:] of a window of S + 1 tokens
 
+The KV caches (one `KVCache` per layer) go in and out under the installed transformers' name:
+`cache` since transformers 5.24 (which warns on the old one), `past_key_values` before; a forward
+takes either.
+
 Packed samples (several sequences in a row, `libai_zoo.data.build_chat_dataset`) follow
 transformers: position_ids that restart and no attention_mask; every layer then gets one
 block-diagonal causal mask (`packed_causal_mask`), so no token sees another sequence.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from libai_zoo.layers import KVCache, packed_causal_mask
 
@@ -23,16 +27,30 @@ from .contract import IGNORE_INDEX, TrainableModel
 from .generation import GenerationMixin
 
 TARGET_KEYS = ("labels", "shift_labels")
+#: What the installed transformers calls the KV cache in forward arguments and outputs.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def pick_cache(cache: list[KVCache] | None, past_key_values: list[KVCache] | None) -> list[KVCache] | None:
+    """The KV caches passed under either name (transformers' `cache`, or its older `past_key_values`)."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the KV caches as cache or as past_key_values (its older name), not both")
+    return past_key_values if cache is None else cache
+
+
+def body_output(hidden: torch.Tensor, cache: list[KVCache] | None) -> BaseModelOutputWithPast:
+    """A decoder body's output, its caches under the installed transformers' name."""
+    return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_NAME: cache})
 
 
 def run_decoder_layers(layers: torch.nn.ModuleList, x: torch.Tensor, attention_mask: torch.Tensor | None,
-                       position_ids: torch.Tensor | None, past_key_values: list[KVCache] | None) -> torch.Tensor:
+                       position_ids: torch.Tensor | None, cache: list[KVCache] | None) -> torch.Tensor:
     """The hidden states through a body's decoder layers, each with its KV cache when generating;
     in training, packed samples attend within themselves (transformers' rule)."""
-    if past_key_values is None:
+    if cache is None:
         attention_mask = packed_causal_mask(attention_mask, position_ids)
     for i, layer in enumerate(layers):
-        x = layer(x, attention_mask, position_ids, kv_cache=None if past_key_values is None else past_key_values[i])
+        x = layer(x, attention_mask, position_ids, kv_cache=None if cache is None else cache[i])
     return x
 
 
@@ -80,7 +98,7 @@ class CausalLM(GenerationMixin, TrainableModel):
         return self.lm_head.loss_from_hidden(hidden, targets, reduction)
 
     def lm_output(self, hidden: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
-                  past_key_values: list[KVCache] | None, logits_to_keep: int,
+                  cache: list[KVCache] | None, logits_to_keep: int,
                   return_logits: bool) -> CausalLMOutputWithPast:
         """The head on the body's output: loss over the targets (if any), logits gathered over the
         vocabulary unless ``return_logits=False`` (then the loss is computed chunk by chunk for a
@@ -92,8 +110,8 @@ class CausalLM(GenerationMixin, TrainableModel):
                 raise ValueError("logits_to_keep computes the last positions only: it cannot take labels")
             hidden = hidden[:, -logits_to_keep:]
         if targets is not None and not return_logits:  # training: never all the logits at once
-            return CausalLMOutputWithPast(loss=self.head_loss(hidden, targets), past_key_values=past_key_values)
+            return CausalLMOutputWithPast(loss=self.head_loss(hidden, targets), **{CACHE_NAME: cache})
         logits = self.head(hidden)
         loss = None if targets is None else self.loss(logits, targets)
         return CausalLMOutputWithPast(loss=loss, logits=self.lm_head.gather(logits) if return_logits else None,
-                                      past_key_values=past_key_values)
+                                      **{CACHE_NAME: cache})

@@ -14,8 +14,8 @@ from libai_zoo.layers import KVCache, ParallelLayer
 
 
 class GenerationMixin:
-    """Adds `generate` to a model whose forward takes ``past_key_values`` (one `KVCache` per
-    layer), ``position_ids`` and ``logits_to_keep`` and returns ``.logits``, and whose head is
+    """Adds `generate` to a model whose forward takes ``cache`` (one `KVCache` per layer),
+    ``position_ids`` and ``logits_to_keep`` and returns ``.logits``, and whose head is
     ``lm_head`` (a `layers.LMHead`)."""
 
     @torch.no_grad()
@@ -47,7 +47,7 @@ class GenerationMixin:
         tokens, step_ids = input_ids, input_ids
         unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
         for _ in range(max_new_tokens):
-            logits = self(step_ids, attention_mask=mask, position_ids=positions, past_key_values=caches,
+            logits = self(step_ids, attention_mask=mask, position_ids=positions, cache=caches,
                           logits_to_keep=1).logits[:, -1].float()
             if do_sample:
                 next_ids = torch.multinomial(_filter(logits, temperature, top_k, top_p).softmax(-1), 1).squeeze(-1)

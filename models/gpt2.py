@@ -19,7 +19,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from libai_zoo.layers import (Embedding, KVCache, LayerNorm, LMHead, SequenceGather, SequenceScatter,
                               TransformerLayer, VocabEmbedding)
 
-from .causal_lm import CausalLM, run_decoder_layers
+from .causal_lm import CausalLM, body_output, pick_cache, run_decoder_layers
 from .hf_maps.gpt2 import gpt2_weight_map
 from .pretrained import PreTrainedModel
 
@@ -81,11 +81,13 @@ class GPT2Model(PreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cache: list[KVCache] | None = None, *,
                 past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
-        past = 0 if past_key_values is None else past_key_values[0].length
+        cache = pick_cache(cache, past_key_values)
+        past = 0 if cache is None else cache[0].length
         x = self.embed(input_ids, token_type_ids, position_ids, past)
-        x = run_decoder_layers(self.h, x, attention_mask, position_ids, past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=self.final_norm(x), past_key_values=past_key_values)
+        x = run_decoder_layers(self.h, x, attention_mask, position_ids, cache)
+        return body_output(self.final_norm(x), cache)
 
     def hf_weight_map(self):
         return gpt2_weight_map(self.config, prefix="")
@@ -115,14 +117,16 @@ class GPT2LMHeadModel(PreTrainedModel, CausalLM):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, past_key_values: list[KVCache] | None = None,
+                labels: torch.Tensor | None = None, cache: list[KVCache] | None = None,
                 logits_to_keep: int = 0, return_logits: bool = True,
-                shift_labels: torch.Tensor | None = None) -> CausalLMOutputWithPast:
+                shift_labels: torch.Tensor | None = None,
+                past_key_values: list[KVCache] | None = None) -> CausalLMOutputWithPast:
         """labels [B, S] (shifted inside) or shift_labels (already aligned): see `causal_lm`; -100
         is ignored. ``return_logits=False`` skips gathering the vocabulary-split logits (training)."""
+        cache = pick_cache(cache, past_key_values)
         hidden = self.transformer(input_ids, attention_mask, token_type_ids, position_ids,
-                                  past_key_values).last_hidden_state
-        return self.lm_output(hidden, labels, shift_labels, past_key_values, logits_to_keep, return_logits)
+                                  cache).last_hidden_state
+        return self.lm_output(hidden, labels, shift_labels, cache, logits_to_keep, return_logits)
 
     def hf_weight_map(self):
         return gpt2_weight_map(self.config, prefix="transformer.", lm_head=not self.config.tie_word_embeddings)

@@ -20,7 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from libai_zoo.layers import (KVCache, LayerNorm, LMHead, SequenceGather, SequenceScatter, TransformerLayer,
                               VocabEmbedding)
 
-from .causal_lm import CausalLM, run_decoder_layers
+from .causal_lm import CausalLM, body_output, pick_cache, run_decoder_layers
 from .hf_maps.gpt_neox import gpt_neox_weight_map
 from .llama import rope_settings
 from .pretrained import PreTrainedModel
@@ -74,9 +74,11 @@ class GPTNeoXModel(PreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
+                cache: list[KVCache] | None = None, *,
                 past_key_values: list[KVCache] | None = None) -> BaseModelOutputWithPast:
-        x = run_decoder_layers(self.layers, self.embed(input_ids), attention_mask, position_ids, past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=self.final_norm(x), past_key_values=past_key_values)
+        cache = pick_cache(cache, past_key_values)
+        x = run_decoder_layers(self.layers, self.embed(input_ids), attention_mask, position_ids, cache)
+        return body_output(self.final_norm(x), cache)
 
     def hf_weight_map(self):
         return gpt_neox_weight_map(self.config, prefix="")
@@ -111,12 +113,14 @@ class GPTNeoXForCausalLM(PreTrainedModel, CausalLM):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                past_key_values: list[KVCache] | None = None, logits_to_keep: int = 0,
-                return_logits: bool = True, shift_labels: torch.Tensor | None = None) -> CausalLMOutputWithPast:
+                cache: list[KVCache] | None = None, logits_to_keep: int = 0,
+                return_logits: bool = True, shift_labels: torch.Tensor | None = None,
+                past_key_values: list[KVCache] | None = None) -> CausalLMOutputWithPast:
         """labels [B, S] (shifted inside) or shift_labels (already aligned): see `causal_lm`; -100
         is ignored. ``return_logits=False`` skips gathering the vocabulary-split logits (training)."""
-        hidden = self.gpt_neox(input_ids, attention_mask, position_ids, past_key_values).last_hidden_state
-        return self.lm_output(hidden, labels, shift_labels, past_key_values, logits_to_keep, return_logits)
+        cache = pick_cache(cache, past_key_values)
+        hidden = self.gpt_neox(input_ids, attention_mask, position_ids, cache).last_hidden_state
+        return self.lm_output(hidden, labels, shift_labels, cache, logits_to_keep, return_logits)
 
     def hf_weight_map(self):
         return gpt_neox_weight_map(self.config, prefix="gpt_neox.", lm_head=not self.config.tie_word_embeddings)

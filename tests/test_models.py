@@ -109,6 +109,31 @@ def test_generate_stops_at_eos_and_pads():
     assert out[0, 3] == first[0] and (out[0, 4:] == 0).all()
 
 
+def test_generate_follows_transformers_cache_name_without_a_deprecation_warning(monkeypatch):
+    """transformers 5.24 renamed past_key_values to cache (and warns on the old name): a forward takes
+    both, returns the installed name, and generate warns of nothing."""
+    from transformers.utils import generic
+
+    from libai_zoo.layers import KVCache
+    from libai_zoo.models.causal_lm import CACHE_NAME
+
+    warned = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda *args, **kwargs: warned.append(args))
+    zoo = models.LlamaForCausalLM(CASES["llama"].make_config()).eval()
+    zoo.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, eos_token_id=None)
+    assert warned == []
+    layers = zoo.config.num_hidden_layers
+    ids = torch.tensor([[5, 6, 7]])
+    new = zoo(ids, cache=[KVCache(4) for _ in range(layers)])
+    old = zoo(ids, past_key_values=[KVCache(4) for _ in range(layers)])
+    assert torch.equal(new.logits, old.logits) and warned == []
+    assert CACHE_NAME in new and len(new[CACHE_NAME]) == layers and new[CACHE_NAME][0].length == 3
+    assert CACHE_NAME == ("cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__
+                          else "past_key_values")
+    with pytest.raises(ValueError, match="not both"):
+        zoo(ids, cache=[], past_key_values=[])
+
+
 def test_sampling_filters_keep_top_k_and_nucleus():
     from libai_zoo.models.generation import _filter
 
