@@ -49,6 +49,7 @@ def test_single_process_needs_no_process_group():
     ctx = distributed.init()
     assert (ctx.world_size, ctx.dp, ctx.tp, ctx.pp, ctx.rank) == (1, 1, 1, 1, 0)
     assert ctx.mesh is None and ctx.group("tp") is None and ctx.tensor_parallel is None
+    assert ctx.world_group is None and distributed.run_group() is None
     assert not dist.is_initialized()
     assert distributed.get_context() is ctx
     model = layers.TransformerLayer(16, 4, 32)
@@ -80,7 +81,8 @@ def _layouts() -> dict:
         out[sizes] = {"coords": (ctx.dp_rank, ctx.tp_rank, ctx.pp_rank),
                       "tp_group": dist.get_process_group_ranks(ctx.group("tp")),
                       "dp_group": dist.get_process_group_ranks(ctx.group("dp")),
-                      "tp_size": ctx.tensor_parallel.size if ctx.tensor_parallel else 1}
+                      "tp_size": ctx.tensor_parallel.size if ctx.tensor_parallel else 1,
+                      "world_group": dist.get_process_group_ranks(distributed.run_group())}
     return out
 
 
@@ -94,4 +96,23 @@ def test_mesh_puts_tp_on_neighbouring_ranks():
         assert dp2_tp2["dp_group"] == [rank % 2, rank % 2 + 2]
         assert layout[(1, 2, 2)]["coords"] == (0, rank % 2, rank // 2)
         assert layout[(4, 1, 1)] == {"coords": (rank, 0, 0), "tp_group": [rank], "dp_group": [0, 1, 2, 3],
-                                     "tp_size": 1}
+                                     "tp_size": 1, "world_group": [0, 1, 2, 3]}
+        assert all(sizes["world_group"] == [0, 1, 2, 3] for sizes in layout.values())
+
+
+def test_hugging_face_saving_uses_the_context_group(monkeypatch, tmp_path):
+    """save_pretrained asks the parallel context which ranks the run has (who writes, who waits), not
+    torch's default group: a rank that is not the first of the context's group writes nothing."""
+    from libai_zoo.hf import save_pretrained
+    from libai_zoo.models import GPT2Config, GPT2LMHeadModel
+
+    ctx = distributed.init()
+    group = object()  # stands for the process group of the run's ranks
+    monkeypatch.setattr(ctx, "world_group", group)
+    calls = []
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: calls.append(("get_rank", group)) or 1)
+    monkeypatch.setattr(dist, "barrier", lambda group=None, **kwargs: calls.append(("barrier", group)))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    save_pretrained(model, tmp_path / "out")
+    assert calls == [("get_rank", group), ("barrier", group)]
+    assert not (tmp_path / "out").exists()

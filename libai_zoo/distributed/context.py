@@ -39,6 +39,9 @@ class ParallelContext:
         self.owns_process_group = owns_process_group
         self.tensor_parallel = (TensorParallel(mesh["tp"], sequence_parallel=sequence_parallel)
                                 if tp > 1 else None)
+        #: Every rank of the run, for collectives outside the mesh's dimensions (rank 0 writes, the
+        #: others wait): the process group `init` built the mesh on; None in a one-process run.
+        self.world_group: dist.ProcessGroup | None = None if mesh is None else dist.group.WORLD
 
     @property
     def sequence_parallel(self) -> bool:
@@ -162,14 +165,17 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = Fa
     return _current
 
 
-def connect(*, backend: str | None = None, timeout: float | None = None) -> None:
+def connect(*, backend: str | None = None, timeout: float | None = None) -> dist.ProcessGroup | None:
     """Form the default process group of torchrun's processes, before the layout is known (`init`
-    then builds its mesh on it and tears it down in `destroy`): e.g. to agree on a planned layout.
-    Under a torchrun restart the group starts from a store of its own attempt (`attempt_store`)."""
+    then builds its mesh on it and tears it down in `destroy`), and return it (None in one process):
+    e.g. to agree on a planned layout. Under a torchrun restart the group starts from a store of its
+    own attempt (`attempt_store`)."""
     global _connected
     world_size = launched_world_size()
-    if world_size == 1 or dist.is_initialized():
-        return
+    if world_size == 1:
+        return None
+    if dist.is_initialized():
+        return dist.group.WORLD
     rank = int(os.environ.get("RANK", "0"))
     device = _default_device(int(os.environ.get("LOCAL_RANK", str(rank))))
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -180,6 +186,7 @@ def connect(*, backend: str | None = None, timeout: float | None = None) -> None
     else:
         dist.init_process_group(backend, timeout=limit)
     _connected = True
+    return dist.group.WORLD
 
 
 def _bound(mesh: DeviceMesh, seconds: float) -> None:
@@ -193,6 +200,14 @@ def get_context() -> ParallelContext:
     if _current is None:
         raise RuntimeError("no parallel context: call libai_zoo.distributed.init(dp=..., tp=..., pp=...) first")
     return _current
+
+
+def run_group() -> dist.ProcessGroup | None:
+    """The group of every rank of this run: the current context's `world_group`; with no context, a
+    process group formed outside the zoo (the default one), if any; None in one process."""
+    if _current is not None:
+        return _current.world_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def destroy() -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from libai_zoo.config.schema import LoraConfig
-from libai_zoo.distributed import fill_shard_
+from libai_zoo.distributed import fill_shard_, run_group
 from libai_zoo.layers import apply_lora, lora_layers
 
 from .rules import Adapter, PackedQKV, Transposed
@@ -65,7 +65,8 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_
             tensors[f"{PREFIX}{module}.lora_B.weight"] = part.B.contiguous()
             ranks[module], alphas[module] = part.A.shape[0], part.scale * part.A.shape[0]
     path = Path(path)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    group = run_group()
+    if group is None or dist.get_rank(group) == 0:
         rank, alpha = Counter(ranks.values()).most_common(1)[0][0], Counter(alphas.values()).most_common(1)[0][0]
         dropouts = {layer.lora.dropout for layer in layers.values()}
         config = {
@@ -80,8 +81,8 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_
         path.mkdir(parents=True, exist_ok=True)
         (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    if dist.is_initialized():
-        dist.barrier()
+    if group is not None:
+        dist.barrier(group=group)
     return path
 
 

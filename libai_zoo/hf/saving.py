@@ -16,6 +16,7 @@ from huggingface_hub import save_torch_state_dict
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from libai_zoo import distributed
 from libai_zoo.layers import is_adapter_parameter
 
 
@@ -29,7 +30,8 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
         raise ValueError(f"{type(model).__name__} holds LoRA adapters, which a Hugging Face model has no place for: "
                          f"merge them first (libai_zoo.layers.merge_lora) or write them as a PEFT adapter "
                          f"(libai_zoo.hf.save_peft_adapter)")
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    group = distributed.run_group()
+    is_writer = group is None or dist.get_rank(group) == 0
     state: dict[str, torch.Tensor] = {}
     for rule in model.hf_weight_map().rules:
         param = params[rule.zoo]
@@ -44,5 +46,5 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
             config.architectures = [type(model).__name__]
         config.save_pretrained(path)
         save_torch_state_dict(state, path, max_shard_size=max_shard_size)
-    if dist.is_initialized():
-        dist.barrier()
+    if group is not None:
+        dist.barrier(group=group)

@@ -3,7 +3,8 @@ launched world size, and every rank runs rank 0's pick.
 
 Rank 0 plans in a fresh process (the planner forms a fake process group of its own to time a
 layer, which it cannot do beside the run's real one), then broadcasts the overrides and the
-reason over the run's default process group (`distributed.connect`), so the ranks cannot disagree on
+reason over the group of the run's ranks (`distributed.connect`: no parallel context exists until
+the layout is known), so the ranks cannot disagree on
 timings they measured apart."""
 
 from __future__ import annotations
@@ -42,15 +43,15 @@ def agree_on_layout(cfg: DictConfig, *, timeout: float | None = None) -> tuple[s
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or world_size))
     if world_size == 1:
         return choose_layout(cfg, world_size, gpus_per_node)
-    distributed.connect(timeout=timeout)
+    group = distributed.connect(timeout=timeout)  # no context yet: the layout it will have is being chosen
     answer: list = [None]
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         try:
             with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
                 answer = [pool.submit(choose_layout, cfg, world_size, gpus_per_node).result()]
         except Exception as error:  # every rank raises it, not only rank 0
             answer = [f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(answer, src=0)
+    dist.broadcast_object_list(answer, group_src=0, group=group)
     if isinstance(answer[0], str):
         raise RuntimeError(f"the layout planner failed on rank 0: {answer[0]}")
     return answer[0]
