@@ -51,7 +51,8 @@ from libai_zoo.layers import lora_layers
 from libai_zoo.models import get_layer_stack
 from libai_zoo.optim import build_optimizer
 from libai_zoo.plan import agree_on_layout
-from libai_zoo.parallel import DataParallel, fsdp_param_dtype, Pipeline, check_pipeline_layout, materialize, parallelize
+from libai_zoo.parallel import (DataParallel, fsdp_param_dtype, Pipeline, check_pipeline_layout, layer_by_layer, materialize,
+                                parallelize)
 from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
 from . import hooks
@@ -547,8 +548,9 @@ class DefaultTrainer(TrainerBase):
 
     @contextmanager
     def generation_model(self) -> Iterator[tuple[nn.Module, torch.device] | None]:
-        """(the model ready for `generate`, in eval mode inside the block; the device its inputs go
-        to), or None when this rank holds pipeline stages."""
+        """(the model ready for `generate`, in eval mode inside the block, gathering at most one layer at a
+        time under ZeRO (`parallel.layer_by_layer`); the device its inputs go to), or None when this
+        rank holds pipeline stages."""
         if self.pipeline is not None:
             yield None
             return
@@ -556,6 +558,7 @@ class DefaultTrainer(TrainerBase):
         was_training = model.training
         model.eval()
         try:
-            yield model, self.ctx.device
+            with layer_by_layer(model, self.data_parallel) as generating:
+                yield generating, self.ctx.device
         finally:
             model.train(was_training)

@@ -62,6 +62,13 @@ def buckets(layers: list[nn.Module], min_bytes: int) -> list[list[nn.Module]]:
     return [group for group in groups if group]
 
 
+def set_forward_prefetch(layers: list[FSDPModule], on: bool) -> None:
+    """Whether each layer's forward gathers the next layer's parameters while it runs (training), or
+    only its own (`layer_by_layer` generation: one layer gathered at a time)."""
+    for previous, layer in zip(layers, layers[1:]):
+        previous.set_modules_to_forward_prefetch([layer] if on else [])
+
+
 class DataParallel:
     """The data-parallel side of a run: wraps the model (or each pipeline stage) so that its
     gradients are averaged over dp, and its state sharded for ZeRO 1-3. With dp = 1 every method
@@ -103,8 +110,8 @@ class DataParallel:
             for target in [*layers, module]:
                 fully_shard(target, mesh=mesh, reshard_after_forward=self.zero_stage == 3 and not keep_gathered,
                             mp_policy=mp_policy, offload_policy=offload)
-            for previous, layer in zip(layers, layers[1:]):  # gather one layer ahead, both ways
-                previous.set_modules_to_forward_prefetch([layer])
+            set_forward_prefetch(layers, True)
+            for previous, layer in zip(layers, layers[1:]):  # gather one layer ahead in backward too
                 layer.set_modules_to_backward_prefetch([previous])
         self._fsdp_modules += [m for m in module.modules() if isinstance(m, FSDPModule)]
         return module

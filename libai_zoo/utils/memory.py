@@ -4,6 +4,8 @@ ran (`TensorMemoryPeak`), e.g. while a model is built."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -36,29 +38,40 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 class TensorMemoryPeak(TorchDispatchMode):
     """``with TensorMemoryPeak() as peak: ...``: ``peak.bytes`` is the most bytes that tensors
-    created inside the block held at once (each storage counted once, freed ones dropped;
-    meta tensors hold none). Tensors made before the block do not count. It sees every tensor
-    an operator returns (allocations, copies, collectives' outputs), on any device; it slows
-    the block down, so use it on small models (tests), and the process's RSS on big ones."""
+    allocated inside the block held at once. Each storage an operator returns counts once, at its
+    current size less what it held when the block began (a view of an older tensor counts nothing;
+    a storage FSDP frees and refills in place by resizing it counts while it is full); freed ones
+    drop out; meta tensors hold none. It sees every tensor an operator returns (allocations, copies,
+    collectives' outputs), on any device, and sums after every operator; it slows the block down,
+    so use it on small models (tests), and the process's RSS on big ones."""
 
     def __init__(self):
         super().__init__()
         self.bytes = 0
+        self._before: dict[int, tuple[StorageWeakRef, int]] = {}
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __enter__(self):
+        self._before = {}
+        for obj in gc.get_objects():  # what every storage held before the block
+            if type(obj) in (torch.Tensor, nn.Parameter) and not obj.is_meta:
+                storage = obj.untyped_storage()
+                self._before[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        new = False
         for tensor in tree_leaves(out):
             # plain tensors own the memory; a subclass (DTensor) wraps one the mode sees separately
             if type(tensor) is torch.Tensor and not tensor.is_meta:
                 storage = tensor.untyped_storage()
-                key = storage.data_ptr()
-                known = self._live.get(key)
-                if key and (known is None or known[0].expired()):  # new, or a freed one's address reused
-                    self._live[key] = (StorageWeakRef(storage), storage.nbytes())
-                    new = True
-        if new:
-            self._live = {key: entry for key, entry in self._live.items() if not entry[0].expired()}
-            self.bytes = max(self.bytes, sum(size for _, size in self._live.values()))
+                known = self._live.get(storage._cdata)
+                if known is None or known[0].expired():  # new, or a freed one's storage object reused
+                    older = self._before.pop(storage._cdata, None)
+                    before = older[1] if older is not None and not older[0].expired() else 0
+                    self._live[storage._cdata] = (StorageWeakRef(storage), before)
+        self._live = {key: entry for key, entry in self._live.items() if not entry[0].expired()}
+        held = sum(max(0, torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() - before)
+                   for ref, before in self._live.values())
+        self.bytes = max(self.bytes, held)
         return out

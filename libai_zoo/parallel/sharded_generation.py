@@ -1,0 +1,160 @@
+"""Generation on a model sharded by ZeRO (FSDP2), holding at most one layer gathered at a time.
+
+Calling a ZeRO-wrapped model gathers its root unit (embeddings, final norm, head: at GPT-2's
+vocabulary, as large as four layers) for the whole forward, prefetches the next layer while one
+runs, and at ZeRO 1-2 keeps every layer it gathered. `layer_by_layer` makes `generate` follow the
+run's layout instead, the same on every rank:
+
+- each layer of the layer stack is gathered by FSDP in its own forward and freed after it (no
+  prefetch, reshard after forward at every stage);
+- the root unit is never gathered whole (`generate` runs the model's `forward` without FSDP's
+  root hooks); its tables are used where their rows are: FSDP keeps rank r's 1/dp of a table's
+  rows, so an embedding looks its tokens up in the rows it holds and the ranks sum the lookups
+  (one all-reduce of the tokens' hidden states), and the head computes the logits of its rows
+  and the ranks gather them (one token's logits): Megatron's vocabulary parallelism over dp;
+- the root's other modules (norms; tables split over tp too) gather their own parameters over dp
+  while they run and drop them after, one at a time.
+
+A rank's peak is then its shard plus one layer as FSDP gathers it (its flat all-gather buffer and
+the layer's parameters, both the layer's size, meet while FSDP copies one into the other), plus
+the KV cache and one token's activations; every step gathers each layer once, as a training
+forward does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
+
+from libai_zoo.layers import LMHead
+from libai_zoo.models import get_layer_stack
+
+from .data_parallel import DataParallel, set_forward_prefetch
+
+
+@contextmanager
+def layer_by_layer(model: nn.Module, data_parallel: DataParallel) -> Iterator[nn.Module]:
+    """Within the block, what to call `generate` on so that `model` (wrapped by `data_parallel`)
+    generates holding at most one layer or root module gathered; `model` itself when nothing is
+    sharded (dp = 1, or ZeRO-0, where every rank holds everything)."""
+    if data_parallel.group is None or data_parallel.zero_stage == 0:
+        yield model
+        return
+    layers = list(get_layer_stack(model))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # an evaluation at ZeRO 1-2 leaves the units gathered
+    set_forward_prefetch(layers, False)
+    for layer in layers:
+        layer.set_reshard_after_forward(True, recurse=False)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    handles, by_rows = [], []
+    for module in model.modules():
+        own = [name for name, p in module.named_parameters(recurse=False)
+               if id(p) not in in_layers and isinstance(p, DTensor)]
+        if own and _rows_suffice(module, own):
+            module.forward = partial(_lookup_rows if isinstance(module, nn.Embedding) else _project_rows, module)
+            by_rows.append(module)
+        elif own:
+            handles.append(module.register_forward_pre_hook(_gather_hook(own)))
+            handles.append(module.register_forward_hook(_release_hook(own)))
+    try:
+        yield _WithoutRootHooks(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in by_rows:
+            del module.forward
+        for layer in layers:
+            layer.set_reshard_after_forward(data_parallel.zero_stage == 3, recurse=False)
+        set_forward_prefetch(layers, True)
+
+
+class _WithoutRootHooks:
+    """`model` as `generate` sees it: a call runs ``model.forward`` itself, so FSDP's root unit
+    (embeddings, final norm, head together) is not gathered; everything else is the model's."""
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+
+    def __call__(self, *args, **kwargs):
+        return self._model.forward(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def generate(self, *args, **kwargs) -> torch.Tensor:
+        return type(self._model).generate(self, *args, **kwargs)
+
+
+def _rows_suffice(module: nn.Module, names: list[str]) -> bool:
+    """Whether `module` runs on its rows of a dp-only table: an embedding or the LM head, not split
+    over tp, without adapters."""
+    return (isinstance(module, nn.Embedding | LMHead) and getattr(module, "tp", None) is None
+            and set(names) <= {"weight", "bias"} and module.weight.device_mesh.ndim == 1)
+
+
+def _rows(param: DTensor) -> tuple[torch.Tensor, int, int]:
+    """(this rank's rows of a table FSDP split over dp (dim 0, torch.chunk's cut), the first one's
+    index, the rows per rank before the last ranks' shorter chunks)."""
+    mesh = param.device_mesh
+    per_rank = -(-param.shape[0] // mesh.size())
+    return param.to_local(), min(mesh.get_local_rank() * per_rank, param.shape[0]), per_rank
+
+
+def _lookup_rows(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding of `ids`: each rank fills the tokens in its rows, the ranks sum."""
+    rows, start, _ = _rows(module.weight)
+    inside = (ids >= start) & (ids < start + rows.shape[0])
+    out = rows.new_zeros(*ids.shape, rows.shape[1])
+    out[inside] = rows[ids[inside] - start]
+    dist.all_reduce(out, group=module.weight.device_mesh.get_group())
+    return out
+
+
+def _project_rows(module: LMHead, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits over the whole vocabulary: each rank projects onto its rows, the ranks gather."""
+    rows, _, per_rank = _rows(module.weight)
+    bias = None if module.bias is None else module.bias.to_local()
+    part = F.pad(F.linear(hidden, rows, bias), (0, per_rank - rows.shape[0]))
+    parts = [torch.empty_like(part) for _ in range(module.weight.device_mesh.size())]
+    dist.all_gather(parts, part.contiguous(), group=module.weight.device_mesh.get_group())
+    return torch.cat(parts, dim=-1)[..., :module.weight.shape[0]]
+
+
+def _gather_hook(names: list[str]):
+    def gather(module: nn.Module, args) -> None:
+        module._sharded = {name: getattr(module, name) for name in names}
+        for name, param in module._sharded.items():
+            setattr(module, name, nn.Parameter(gathered_over_dp(param), requires_grad=False))
+    return gather
+
+
+def _release_hook(names: list[str]):
+    def release(module: nn.Module, args, output) -> None:
+        for name, param in module.__dict__.pop("_sharded").items():
+            setattr(module, name, param)
+    return release
+
+
+def gathered_over_dp(param: DTensor) -> torch.Tensor:
+    """`param`'s dp shards joined, as FSDP's own gathered parameter is: a plain tensor on a dp-only
+    mesh, a DTensor on the remaining (tp) mesh dimensions otherwise."""
+    mesh = param.device_mesh
+    if mesh.ndim == 1:
+        return param.full_tensor()
+    names = list(mesh.mesh_dim_names)
+    dp = names.index("dp")
+    placements = [Replicate() if dim == dp else placement for dim, placement in enumerate(param.placements)]
+    whole = param.redistribute(mesh, placements).to_local()
+    rest = [name for name in names if name != "dp"]
+    return DTensor.from_local(whole, mesh[tuple(rest)] if len(rest) > 1 else mesh[rest[0]],
+                              [placement for dim, placement in enumerate(placements) if dim != dp], run_check=False)
