@@ -120,6 +120,7 @@ DAMAGE = {  # name -> (file, how, what the warning says)
     "truncated": ("__0_0.distcp", _truncate, "bytes, the manifest says"),
     "deleted_trainer_state": ("trainer_state_rank0.pt", Path.unlink, "is missing"),
     "deleted_metadata": (".metadata", Path.unlink, "is missing"),
+    "deleted_manifest": (commit.MANIFEST, Path.unlink, "is missing"),
 }
 
 
@@ -161,11 +162,13 @@ def test_at_most_and_order(tmp_path):
     assert Checkpointer(tmp_path / "empty", [nn.Linear(2, 2)]).find_resumable() is None
 
 
-def test_checkpoint_without_manifest_is_accepted(tmp_path, logs):
+def test_checkpoint_without_manifest_is_damaged(tmp_path, logs):
     checkpointer = _saved(tmp_path, [1])
-    (tmp_path / "model_0000001" / commit.MANIFEST).unlink()
-    assert checkpointer.find_resumable() == tmp_path / "model_0000001"
-    assert any("unverified" in r.getMessage() and r.levelno == logging.INFO for r in logs.records)
+    (tmp_path / "model_0000001" / commit.MANIFEST).unlink()  # nothing vouches for its files any more
+    assert checkpointer.find_resumable() is None
+    warnings = [r.getMessage() for r in logs.records if r.levelno == logging.WARNING]
+    assert "model_0000001 is damaged" in warnings[0] and "manifest.json is missing" in warnings[0]
+    assert "no intact checkpoint" in warnings[1]
 
 
 def test_unreadable_manifest_is_damage(tmp_path, logs):
@@ -284,7 +287,7 @@ def _two_ranks(output_dir: str) -> dict:
 
     from libai_zoo import distributed
 
-    distributed.init(tp=2)
+    group = distributed.init(tp=2).world_group
     rank, out = dist.get_rank(), Path(output_dir)
     records: list[str] = []
     handler = logging.Handler()
@@ -295,9 +298,9 @@ def _two_ranks(output_dir: str) -> dict:
 
     model, optimizer = _tp_model()
     snapshots, polls = {}, 0
-    sync = Checkpointer(out, [model], optimizer)
-    asynchronous = Checkpointer(out, [model], optimizer, async_save=True)
-    background = Checkpointer(out, [model], optimizer, async_save=True, stage_in_background=True)
+    sync = Checkpointer(out, [model], optimizer, group=group)
+    asynchronous = Checkpointer(out, [model], optimizer, async_save=True, group=group)
+    background = Checkpointer(out, [model], optimizer, async_save=True, stage_in_background=True, group=group)
     for iteration, checkpointer in [(1, sync), (2, asynchronous), (3, background)]:
         _train(model, optimizer)
         snapshots[iteration] = _snapshot(model, optimizer)
@@ -309,7 +312,7 @@ def _two_ranks(output_dir: str) -> dict:
     for iteration in (1, 2, 3):
         fresh, fresh_optimizer = _tp_model(seed=1)
         _train(fresh, fresh_optimizer)
-        result[f"iteration_{iteration}"] = Checkpointer(out, [fresh], fresh_optimizer).resume(
+        result[f"iteration_{iteration}"] = Checkpointer(out, [fresh], fresh_optimizer, group=group).resume(
             out / f"model_{iteration:07d}")
         result[f"equal_{iteration}"] = _equal(_snapshot(fresh, fresh_optimizer), snapshots[iteration])
     if rank == 1:

@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (ScheduleInterleaved1F1B, ScheduleInter
 from torch.distributed.pipelining.schedules import _ComputationType
 
 from libai_zoo.config import LazyCall, LazyConfig, instantiate
-from libai_zoo.engine import DefaultTrainer, default_trainer
+from libai_zoo.engine import checks
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel
 from libai_zoo.parallel import check_pipeline_layout
 from libai_zoo.plan import DEVICES, Layout, ModelTable, enumerate_layouts, plan
@@ -76,7 +76,7 @@ def overrides_of(text: str) -> dict[str, str]:
 # ------------------------------------------------------------------------- tools/plan.py --json
 @pytest.fixture
 def one_meta_model(monkeypatch):
-    """`DefaultTrainer.check_layout` builds ``cfg.model`` on the meta device at each call (30 ms for
+    """`engine.checks.check_layout` builds ``cfg.model`` on the meta device at each call (30 ms for
     7B); the candidates of one plan share the model, so build it once."""
     built: dict[str, object] = {}
 
@@ -86,7 +86,7 @@ def one_meta_model(monkeypatch):
             built[key] = instantiate(node)
         return built[key]
 
-    monkeypatch.setattr(default_trainer, "instantiate", instantiate_once)
+    monkeypatch.setattr(checks, "instantiate", instantiate_once)
 
 
 def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads: int,
@@ -149,7 +149,7 @@ def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads
     for (tp, pp, _, _, micro_batches), text in shapes.items():
         LazyConfig.apply_overrides(cfg, text.split())  # in place: pp = 1 leaves the pipeline keys, unread
         assert Layout.from_config(cfg, world_size).overrides() == text
-        DefaultTrainer.check_layout(cfg, tp, pp, micro_batches)
+        checks.check_layout(cfg, tp, pp, micro_batches)
     return tps
 
 

@@ -105,7 +105,7 @@ def measure(config_file: str, output_dir: str, name: str) -> dict:
         metrics = trainer.step([next(loader) for _ in range(trainer.accumulation)])
         ctx = trainer.ctx
         return {"pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank,
-                "params": sum(parameter_bytes(part) for part in parts), "skipped": metrics["skipped"], **seen}
+                "params": sum(parameter_bytes(part) for part in parts), "skipped": float(metrics.skipped), **seen}
     finally:
         distributed.destroy()
 

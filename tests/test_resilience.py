@@ -259,7 +259,7 @@ def test_divergence_rolls_back_and_skips_the_bad_batches(config_file, tmp_path, 
     got, want = losses(out), losses(straight)
     assert all(abs(got[i] - want[i]) <= 1e-6 for i in range(1, 5))
     assert all(torch.isfinite(torch.tensor(got[i])) for i in range(5, MAX_ITER + 1))
-    assert trainer.data_position.skipped_batches == 2
+    assert trainer.data.position.skipped_batches == 2
     assert records(out)[-1]["goodput/replayed_steps"] == 2
 
 

@@ -295,7 +295,7 @@ def test_a_stream_rollback_skips_the_batches_read_since_the_checkpoint(config_fi
         trainer = run_trainer(load(config_file, out, "train.max_bad_steps=2", "train.on_divergence=rollback",
                                    "train.max_iter=5", f"dataloader.train.streaming={streaming}",
                                    f"dataloader.train.path={sources['jsonl']}"))
-        assert trainer.data_position.skipped_batches == 2
+        assert trainer.data.position.skipped_batches == 2
         runs[streaming] = losses(out)
     assert sorted(runs[True]) == list(range(1, 6))
     assert all(abs(runs[True][i] - runs[False][i]) <= 1e-6 for i in (1, 2, 3, 4, 5))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from libai_zoo.config import LazyConfig
-from libai_zoo.engine import DefaultTrainer, TrainStep
+from libai_zoo.engine import DefaultTrainer, StepResult, TrainStep
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel
 from libai_zoo.parallel import apply_activation_checkpointing
 from trainer_runs import losses, records, run_trainer
@@ -93,9 +93,9 @@ def test_crash_while_checkpointing_resumes_from_previous(config_file, straight, 
 
     real_save, calls = checkpointer.dcp.save, []
 
-    def dying_save(state, checkpoint_id):
+    def dying_save(state, checkpoint_id, **options):
         calls.append(checkpoint_id)
-        real_save(state, checkpoint_id=checkpoint_id)
+        real_save(state, checkpoint_id=checkpoint_id, **options)
         if len(calls) == 2:  # the second checkpoint (after step 10) dies with its files half written
             raise KeyboardInterrupt("killed")
 
@@ -194,7 +194,7 @@ def batch(n: int, seed: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def sgd_step(model, micro_batches, **kwargs) -> tuple[float, list[torch.Tensor]]:
+def sgd_step(model, micro_batches, **kwargs) -> tuple[StepResult, list[torch.Tensor]]:
     step = TrainStep([model], torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"), **kwargs)
     metrics = step(micro_batches)
     return metrics, [p.detach().clone() for p in model.parameters()]
@@ -205,7 +205,7 @@ def test_accumulation_equals_one_big_batch():
     micro = [{k: v[i:i + 2] for k, v in whole.items()} for i in range(0, 8, 2)]
     one, params_one = sgd_step(tiny_gpt2(), [whole])
     four, params_four = sgd_step(tiny_gpt2(), micro)
-    assert abs(one["loss"] - four["loss"]) <= 1e-6
+    assert abs(one.loss - four.loss) <= 1e-6
     assert max((a - b).abs().max().item() for a, b in zip(params_one, params_four)) <= 1e-6
 
 
@@ -224,7 +224,7 @@ def test_bf16_autocast_trains_on_cpu():
     model = tiny_gpt2()
     before = [p.detach().clone() for p in model.parameters()]
     metrics, after = sgd_step(model, [batch(4, seed=3)], amp_dtype=torch.bfloat16)
-    assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["skipped"] == 0.0
+    assert torch.isfinite(torch.tensor(metrics.loss)) and not metrics.skipped
     assert all(p.dtype == torch.float32 for p in after)
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
 
@@ -237,10 +237,10 @@ def test_fp16_scaler_skips_overflowed_step_and_lowers_scale():
     hook = model.transformer.ln_f.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
     metrics = step([batch(4, seed=4)])
     hook.remove()
-    assert metrics["skipped"] == 1.0 and metrics["loss_scale"] == 2.0**15  # 2**16 halved
+    assert metrics.skipped and metrics.loss_scale == 2.0**15  # 2**16 halved
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     metrics = step([batch(4, seed=5)])
-    assert metrics["skipped"] == 0.0 and metrics["loss_scale"] == 2.0**15
+    assert not metrics.skipped and metrics.loss_scale == 2.0**15
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -17,20 +17,20 @@ Integrity: at save every rank records the size and CRC-32 of the files it wrote;
 the records and writes ``manifest.json`` into the staging directory before the commit.
 `Checkpointer.find_resumable` (every rank) walks the committed checkpoints newest first, each
 rank checking every world-size-th file of the manifest, and returns the newest whose files all
-match, logging a warning that names each skipped checkpoint and what differed; a checkpoint
-written before manifests existed is accepted unverified.
+match, logging a warning that names each skipped checkpoint and what differed (a checkpoint
+without its manifest is damaged like any other).
 
 Asynchronous saving (``Checkpointer(..., async_save=True)``, torch.distributed.checkpoint's
 ``async_save``): `save` copies the state off the live tensors (staging) and returns; the shards
 are written by a background thread whose collectives run on a gloo group of their own, then the
-rank writes its trainer state and records its files. The trainer calls `poll` after every step
-(no collective while nothing is pending; otherwise one 1-element all-reduce on a second gloo group
-until every rank has finished, then rank 0 writes the manifest and commits) and `wait` at the
-end of training; `save`, `remove_incomplete`, `find_resumable` and `resume` wait for a pending
+rank writes its trainer state and records its files. `poll` (after every step: no collective
+while nothing is pending; otherwise one 1-element all-reduce on a second gloo group until every
+rank has finished, then rank 0 writes the manifest and commits) and `wait` commit it; `save`, `remove_incomplete`, `find_resumable` and `resume` wait for a pending
 save themselves. With ``stage_in_background=True`` even the copy runs in the background: `save`
 returns at once and the optimizer's next ``step()`` waits for the copy (a step pre-hook, or
 `wait_for_staging`). A run killed while a write is pending never commits it: its ``.tmp`` is
-removed on resume.
+removed on resume. When a run saves, commits and prunes is `CheckpointManager`'s to decide
+(`manager.py`); this file is how.
 """
 
 from __future__ import annotations
@@ -61,27 +61,6 @@ from libai_zoo.utils import rng_state, set_rng_state
 from . import commit
 
 logger = logging.getLogger("libai_zoo")
-
-# Where ZeroRedundancyOptimizer's whole state went before ZeRO-1 ran on FSDP2 (2026-11-23).
-OLD_ZERO1_OPTIMIZER = "optimizer_zero1.pt"
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
 
 @contextmanager
 def _one_process_ok():
@@ -119,16 +98,21 @@ class Checkpointer:
     constructing the Checkpointer is then a collective (it creates two gloo groups).
     ``stage_in_background``: with `async_save`, copy the state in the background too; the
     optimizer's next ``step()`` waits for the copy. ``timeout`` (seconds): bounds the collectives
-    of those groups (None: gloo's default).
+    of those groups (None: gloo's default). ``group``: the run's process group (the parallel
+    context's `world_group`) every collective of a save, a load and a verification runs over;
+    None: this process alone, with no collective at all.
     """
 
     def __init__(self, output_dir: str | Path, model_parts: Sequence[nn.Module],
                  optimizer: torch.optim.Optimizer | None = None, *, stateful: dict[str, object] | None = None,
                  aliases: dict[str, str] | None = None, async_save: bool = False, stage_in_background: bool = False,
-                 timeout: float | None = None):
+                 timeout: float | None = None, group: dist.ProcessGroup | None = None):
         if stage_in_background and not async_save:
             raise ValueError("stage_in_background=True needs async_save=True: a synchronous save copies nothing")
         self.output_dir = Path(output_dir)
+        self.run_group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
         self.model = _one_module(list(model_parts))
         self.optimizer = optimizer
         self.stateful = stateful or {}
@@ -142,12 +126,13 @@ class Checkpointer:
         # The background write's DCP collectives run on one gloo group, the main thread's checkpoint
         # collectives (poll, manifest, verification) on another: two threads must never interleave
         # collectives on one group, and the training's group (NCCL on GPUs) stays untouched.
-        self._write_group = self._group = None
-        if async_save and _distributed():
+        self._write_group, self._group = None, group
+        if async_save and group is not None:
             limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
-            self._write_group = dist.new_group(backend="gloo", timeout=limit)
-            self._group = dist.new_group(backend="gloo", timeout=limit)
-        if async_save and not _distributed():
+            ranks = dist.get_process_group_ranks(group)
+            self._write_group = dist.new_group(ranks, backend="gloo", timeout=limit)
+            self._group = dist.new_group(ranks, backend="gloo", timeout=limit)
+        if async_save and group is None:
             # DCP's background thread warns that it runs without a process group: here that is the intent.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled",
                                     module=r"torch\.distributed\.checkpoint\.")
@@ -172,26 +157,26 @@ class Checkpointer:
     # ------------------------------------------------------------------------------ collectives
     def _gather(self, obj: object) -> list | None:
         """Every rank's `obj` on rank 0 (None elsewhere), over the checkpoint group."""
-        if not _distributed():
+        if self._group is None:
             return [obj]
-        gathered = [None] * _world_size() if _rank() == 0 else None
-        dist.gather_object(obj, gathered, dst=0, group=self._group)
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, gathered, group=self._group, group_dst=0)
         return gathered
 
     def _all_gather(self, obj: object) -> list:
         """Every rank's `obj` on every rank, over the checkpoint group."""
-        if not _distributed():
+        if self._group is None:
             return [obj]
-        gathered = [None] * _world_size()
+        gathered = [None] * self.world_size
         dist.all_gather_object(gathered, obj, group=self._group)
         return gathered
 
     def _broadcast(self, obj: object) -> object:
         """Rank 0's `obj` on every rank, over the checkpoint group."""
-        if not _distributed():
+        if self._group is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        dist.broadcast_object_list(box, group=self._group, group_src=0)
         return box[0]
 
     # ------------------------------------------------------------------------------------ saving
@@ -205,18 +190,17 @@ class Checkpointer:
         self.wait()
         final = self.output_dir / name
         staged = commit.staging_dir(final)
-        if _rank() == 0:
+        if self.rank == 0:
             commit.start(final)
+        self._barrier()
         if self.async_save:
-            if self._group is not None:
-                dist.barrier(group=self._group)
             self._pending = self._save_async(final, iteration, pointer)
             return final
-        _barrier()
         with _one_process_ok():
-            dcp.save(self._state(), checkpoint_id=str(staged))
-        torch.save(self._trainer_state(iteration), staged / f"trainer_state_rank{_rank()}.pt")
-        self._commit(final, iteration, pointer, _report(lambda: commit.record_files(staged, _rank())))
+            dcp.save(self._state(), checkpoint_id=str(staged), process_group=self.run_group,
+                     no_dist=self.run_group is None)
+        torch.save(self._trainer_state(iteration), staged / f"trainer_state_rank{self.rank}.pt")
+        self._commit(final, iteration, pointer, _report(self.rank, lambda: commit.record_files(staged, self.rank)))
         return final
 
     def _save_async(self, final: Path, iteration: int, pointer: bool) -> _PendingSave:
@@ -229,12 +213,12 @@ class Checkpointer:
                                                use_async_staging=True, use_non_blocking_copy=False))
                   if self.stage_in_background else None)
         response = dcp.async_save(self._state(), checkpoint_id=str(staged), process_group=self._write_group,
-                                  async_stager=stager, no_dist=not _distributed())
+                                  async_stager=stager, no_dist=self.run_group is None)
         if isinstance(response, Future):
             staged_future, upload = None, response
         else:
             staged_future, upload = response.staging_completion, response.upload_completion
-        rank = _rank()
+        rank = self.rank
 
         def finish_rank() -> dict:
             try:
@@ -246,7 +230,7 @@ class Checkpointer:
             return commit.record_files(staged, rank)
 
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="libai_zoo_checkpoint")
-        written = executor.submit(_report, finish_rank)
+        written = executor.submit(_report, rank, finish_rank)
         executor.shutdown(wait=False)
         return _PendingSave(final, iteration, pointer, staged_future, written, started)
 
@@ -255,7 +239,7 @@ class Checkpointer:
         writes the manifest and commits; every rank raises if any part failed."""
         reports = self._gather(report)
         error = None
-        if _rank() == 0:
+        if self.rank == 0:
             try:
                 error = _manifest_and_commit(final, iteration, pointer, reports)
             except Exception as exc:  # every rank must learn of it, not rank 0 alone
@@ -315,7 +299,7 @@ class Checkpointer:
             return
         if self._pending is not None:
             self._prune_after_commit = max_to_keep
-        elif _rank() == 0:
+        elif self.rank == 0:
             self._prune_now(max_to_keep)
 
     def _prune_now(self, max_to_keep: int) -> None:
@@ -327,42 +311,40 @@ class Checkpointer:
         """Delete the periodic checkpoints of more than `iteration` steps (a rollback abandons them;
         a restart must not resume from them). Every rank calls this."""
         self.wait()
-        if _rank() == 0:
+        if self.rank == 0:
             for path in self.output_dir.glob("model_*"):
                 if path.is_dir() and (commit.iteration_of(path) or 0) > iteration:
                     logger.info("removing %s: the run rolled back to iteration %d", path, iteration)
                     shutil.rmtree(path)
-        _barrier()
+        self._barrier()
 
     # ----------------------------------------------------------------------------------- loading
     def remove_incomplete(self) -> None:
         """Delete the checkpoints whose writing was interrupted (every rank must call this)."""
         self.wait()
-        if _rank() == 0:
+        if self.rank == 0:
             commit.remove_incomplete(self.output_dir)
-        _barrier()
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
 
     def find_resumable(self, at_most: int | None = None) -> Path | None:
         """The newest committed checkpoint whose files match its manifest (every rank calls this and
         gets the same answer): the one `last_checkpoint` names, else the periodic ones before it,
         newest first; `at_most` keeps only those of at most that iteration (a rollback). Each rank
-        checks every world-size-th file. A bad one is skipped with a warning naming its bad files;
-        one without a manifest (written before manifests existed) is accepted. None: nothing to resume."""
+        checks every world-size-th file. A bad one (a file, or the manifest itself, missing or
+        differing) is skipped with a warning naming what is wrong. None: nothing to resume."""
         self.wait()
         candidates = self._broadcast(commit.resumable_candidates(self.output_dir, at_most)
-                                     if _rank() == 0 else None)
+                                     if self.rank == 0 else None)
         for path in candidates:
-            verdicts = self._all_gather(_check_share(path, _rank(), _world_size()))
-            problems = [problem for verdict in verdicts for problem in verdict["problems"]]
-            unverified = {verdict["unverified"] for verdict in verdicts}
-            if len(unverified) > 1:
-                problems.append(f"ranks disagree whether {commit.MANIFEST} exists (a stale shared file system?)")
+            verdicts = self._all_gather(_check_share(path, self.rank, self.world_size))
+            problems = [problem for verdict in verdicts for problem in verdict]
             if problems:
                 logger.warning("checkpoint %s is damaged, skipping it: %s", path, "; ".join(problems))
                 continue
-            if unverified.pop():
-                logger.info("checkpoint %s has no %s (written before integrity manifests): using it unverified",
-                            path, commit.MANIFEST)
             return path
         if candidates:
             logger.warning("no intact checkpoint in %s%s", self.output_dir,
@@ -377,10 +359,6 @@ class Checkpointer:
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path} is not a libai_zoo checkpoint (no .metadata): pass a model_XXXXXXX "
                                     f"directory written by the trainer")
-        if with_optimizer and (path / OLD_ZERO1_OPTIMIZER).is_file():
-            raise ValueError(f"{path} was saved by train.zero_stage=1 before ZeRO-1 ran on FSDP2: its optimizer "
-                             f"state cannot be resumed; start a new run from its weights with "
-                             f"train.load_weight={path}")
         optimizers = self._sharded_optimizers(with_optimizer)
         state = self._state(with_optimizer)
         if "optim" in state:
@@ -391,7 +369,7 @@ class Checkpointer:
         for name in new_adapters:
             del state["model"][name]
         with _one_process_ok():
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path), process_group=self.run_group, no_dist=self.run_group is None)
         if "optim" in state:
             _rename_state(state["optim"], {saved: own for own, saved in self.aliases.items()})
         set_state_dict(self.model, optimizers, model_state_dict=state["model"],
@@ -416,26 +394,29 @@ class Checkpointer:
         RNG states); return the number of steps it had done. Waits for a pending save first."""
         self.wait()
         path = Path(path)
-        states = [path / f"trainer_state_rank{_rank()}.pt", path / "trainer_state_rank0.pt"]
+        states = [path / f"trainer_state_rank{self.rank}.pt", path / "trainer_state_rank0.pt"]
         state_file = next((file for file in states if file.is_file()), None)
         if state_file is None:
             raise ValueError(f"{path} holds model weights only (e.g. from tools/convert hf-to-zoo), not a run to "
                              f"resume: start from it with train.load_weight={path} instead of --resume")
         self.load(path, with_optimizer=True)
         state = torch.load(state_file, weights_only=True)
+        lacking = sorted(set(self.stateful) - set(state))
+        if lacking:
+            raise ValueError(f"{state_file} holds no state of {', '.join(lacking)}: it was not written by a run "
+                             f"like this one; start from its weights with train.load_weight={path}")
         for key, obj in self.stateful.items():
-            if key in state:  # a checkpoint from before `key` was saved leaves it as built
-                obj.load_state_dict(state[key])
+            obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         return state["iteration"]
 
 
-def _report(records: Callable[[], dict[str, dict]]) -> dict:
+def _report(rank: int, records: Callable[[], dict[str, dict]]) -> dict:
     """A rank's report for the manifest: {"files": records()} or, if that failed, {"error": ...}."""
     try:
         return {"files": records()}
     except Exception as exc:  # reported to every rank through rank 0
-        return {"error": f"rank {_rank()}: {type(exc).__name__}: {exc}"}
+        return {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
 
 
 def _manifest_and_commit(final: Path, iteration: int, pointer: bool, reports: list[dict]) -> str | None:
@@ -458,21 +439,17 @@ def _manifest_and_commit(final: Path, iteration: int, pointer: bool, reports: li
     return None
 
 
-def _check_share(path: Path, rank: int, world_size: int) -> dict:
-    """This rank's share of verifying checkpoint `path`: {"problems": [...], "unverified": bool}
-    (unverified: it has no manifest)."""
+def _check_share(path: Path, rank: int, world_size: int) -> list[str]:
+    """This rank's share of verifying checkpoint `path`: what is wrong with it (empty: nothing)."""
     if not path.is_dir():
-        return {"problems": [f"{path.name} does not exist"], "unverified": False}
+        return [f"{path.name} does not exist"]
     try:
         manifest = commit.read_manifest(path)
     except ValueError as error:
-        return {"problems": [str(error)], "unverified": False}
-    if manifest is None:
-        problems = [] if (path / commit.METADATA).is_file() else [f"{commit.METADATA} is missing"]
-        return {"problems": problems, "unverified": True}
+        return [str(error)]
     names = sorted(manifest["files"])
     problems = [commit.check_file(path, name, manifest["files"][name]) for name in names[rank::world_size]]
-    return {"problems": [problem for problem in problems if problem is not None], "unverified": False}
+    return [problem for problem in problems if problem is not None]
 
 
 def _one_module(parts: list[nn.Module]) -> nn.Module:

@@ -13,8 +13,8 @@ new one complete; an interrupted ``.tmp`` directory is removed on resume.
 writing, and it catches the truncations, torn writes and flipped bits of a disk or a copy; it is
 no defence against deliberate tampering). The rename and the pointer stay the commit marker: the
 manifest is written before them, so a committed checkpoint always has it. `resumable_candidates`
-lists what a resume may use, newest first; `check_file` compares one file with its record.
-Checkpoints written before manifests existed have none and are accepted as they are.
+lists what a resume may use, newest first; `check_file` compares one file with its record. A
+checkpoint without its manifest is damaged: nothing vouches for its files.
 """
 
 from __future__ import annotations
@@ -115,12 +115,11 @@ def write_manifest(staged: Path, files: dict[str, dict], *, iteration: int, worl
     os.replace(tmp, staged / MANIFEST)
 
 
-def read_manifest(checkpoint: Path) -> dict | None:
-    """The manifest of a checkpoint; None when it has none (written before manifests existed).
-    Raises ValueError when it is there but unreadable."""
+def read_manifest(checkpoint: Path) -> dict:
+    """The manifest of a checkpoint. Raises ValueError when it is missing or unreadable."""
     path = checkpoint / MANIFEST
     if not path.is_file():
-        return None
+        raise ValueError(f"{MANIFEST} is missing")
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]

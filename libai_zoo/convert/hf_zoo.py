@@ -168,6 +168,7 @@ def write_zoo_checkpoint(model: nn.Module, output_dir: Path, *, source: str | Pa
                        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
     }
     LazyConfig.save(record, output_dir / "config.yaml")
+    commit.write_manifest(staged, commit.record_files(staged, 0), iteration=0, world_size=1)
     commit.finish(final)
     logger.info("wrote %s from %s", final, source)
     return final

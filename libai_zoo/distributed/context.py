@@ -82,7 +82,7 @@ class ParallelContext:
         if self.mesh is None:
             return
         # no collective is in flight while the timeout changes
-        dist.barrier(device_ids=[self.local_rank] if self.device.type == "cuda" else None)
+        dist.barrier(self.world_group, device_ids=[self.local_rank] if self.device.type == "cuda" else None)
         _bound(self.mesh, seconds)
 
     def __repr__(self) -> str:

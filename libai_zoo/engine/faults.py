@@ -71,10 +71,14 @@ class FaultInjector(HookBase):
         self.faults = [fault for fault in faults if fault.rank == rank]
         self.markers = Path(output_dir) / "faults"
         self._poisoned_steps = 0
+        self._poison = False  # the running step's training forward passes turn NaN
         self._hook = None
 
+    def before_train(self) -> None:
+        if any(fault.kind == "nan" for fault in self.faults):
+            self._hook = next(iter(self.trainer.layers)).register_forward_hook(self._not_finite)
+
     def before_step(self) -> None:
-        self._remove_hook()  # a rolled-back step ends without after_step
         step = self.trainer.iter + 1
         for fault in self.faults:
             if fault.kind == "slow" and step >= fault.step:
@@ -88,18 +92,19 @@ class FaultInjector(HookBase):
                         handler.flush()
                     os.kill(os.getpid(), {"kill": signal.SIGKILL, "hang": signal.SIGSTOP,
                                           "term": signal.SIGTERM}[fault.kind])
-        if self._poisoned_steps:
-            self._poisoned_steps -= 1
-            layer = next(iter(self.trainer.layers))
-            self._hook = layer.register_forward_hook(_not_finite)
+        self._poison = self._poisoned_steps > 0
+        self._poisoned_steps -= self._poison
 
-    def after_step(self) -> None:
-        self._remove_hook()
+    def _not_finite(self, module, inputs, output):
+        """A forward hook that, in a poisoned step, turns a layer's output into NaN (and with it the
+        loss and every gradient); an evaluation (eval mode) after the step is left alone."""
+        if not (self._poison and module.training):
+            return None
+        if isinstance(output, tuple):
+            return (output[0] * torch.nan, *output[1:])
+        return output * torch.nan
 
     def close(self) -> None:
-        self._remove_hook()
-
-    def _remove_hook(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -111,13 +116,6 @@ class FaultInjector(HookBase):
         self.markers.mkdir(parents=True, exist_ok=True)
         marker.touch()
         return True
-
-
-def _not_finite(module, inputs, output):
-    """A forward hook that turns a layer's output into NaN (and with it the loss and every gradient)."""
-    if isinstance(output, tuple):
-        return (output[0] * torch.nan, *output[1:])
-    return output * torch.nan
 
 
 def fault_injector(rank: int, output_dir: Path) -> FaultInjector | None:

@@ -75,8 +75,8 @@ class Goodput(HookBase):
         storage, account = self.trainer.storage, self.account
         latest = storage.latest()
         now = self.trainer.iter
-        step_time = latest["time"][0] if "time" in latest and latest["time"][1] == now else 0.0
-        for key in ("checkpoint_s", "eval_s"):  # the step timer stops before these hooks run
+        step_time = self.trainer.step_time
+        for key in ("checkpoint_s", "eval_s"):  # recorded by hooks before this one, outside the step's time
             if key in latest and latest[key][1] == now:
                 account[key] += latest[key][0]
         account["productive_s"] += step_time

@@ -1,10 +1,10 @@
-"""The built-in hooks of `DefaultTrainer`: timing, LR schedule, checkpoints, evaluation,
-best-checkpoint keeping, the spread of step time over ranks, log writing and a progress bar."""
+"""The built-in hooks of `DefaultTrainer`: timing, LR schedule, evaluation, asking for checkpoints,
+the spread of step time over ranks, log writing and a progress bar. They read the step's
+`StepResult` (`trainer.last_step`) and time (`trainer.step_time`)."""
 
 from __future__ import annotations
 
 import logging
-import math
 import resource
 import sys
 import time
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from libai_zoo.checkpoint import Checkpointer
+from libai_zoo.checkpoint import CheckpointManager
 from libai_zoo.utils import mfu
 
 from .trainer_base import HookBase
@@ -22,28 +22,21 @@ logger = logging.getLogger("libai_zoo")
 
 
 class IterationTimer(HookBase):
-    """Step time, and from it samples/s, tokens/s, MFU and peak memory (the step records how many
-    samples and tokens it processed as "samples"/"tokens")."""
+    """The step's time (the loop's `step_time`), and from it samples/s, tokens/s, MFU and peak memory."""
 
     def __init__(self, flops_per_token: float | None = None, peak_flops: float | None = None, world_size: int = 1):
         self.flops_per_token, self.peak_flops, self.world_size = flops_per_token, peak_flops, world_size
-        self._start = 0.0
 
     def before_train(self) -> None:
         self._train_start = time.perf_counter()
 
-    def before_step(self) -> None:
-        self._start = time.perf_counter()
-
     def after_step(self) -> None:
-        storage = self.trainer.storage
-        elapsed = time.perf_counter() - self._start
-        latest = storage.latest()
+        storage, result = self.trainer.storage, self.trainer.last_step
+        elapsed = self.trainer.step_time
         storage.put_scalar("time", elapsed)
-        if "samples" in latest:
-            storage.put_scalar("samples_per_s", latest["samples"][0] / elapsed)
-        if "tokens" in latest:
-            tokens_per_s = latest["tokens"][0] / elapsed
+        storage.put_scalar("samples_per_s", result.samples / elapsed)
+        if result.tokens is not None:
+            tokens_per_s = result.tokens / elapsed
             storage.put_scalar("tokens_per_s", tokens_per_s)
             if self.flops_per_token and self.peak_flops:
                 storage.put_scalar("mfu", mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size))
@@ -70,44 +63,30 @@ class LRScheduler(HookBase):
         self.scheduler.step()
 
 
-class PeriodicCheckpointer(HookBase):
-    """Save `model_{steps:07d}` every `period` steps and after the last one (period 0: only the last),
-    keeping the newest `max_to_keep` (None: all)."""
+class Checkpoints(HookBase):
+    """Asks the run's `CheckpointManager` after every step (it saves when one is due and commits a
+    finished background write) and records the loop's stall as ``checkpoint_s``; at the end of
+    the run it commits the last write."""
 
-    def __init__(self, checkpointer: Checkpointer, period: int, max_to_keep: int | None = None):
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"train.checkpoint.max_to_keep = {max_to_keep} must be at least 1 (None keeps all)")
-        self.checkpointer, self.period, self.max_to_keep = checkpointer, period, max_to_keep
-
-    def after_step(self) -> None:
-        done = self.trainer.iter + 1
-        if (self.period and done % self.period == 0) or done == self.trainer.max_iter:
-            start = time.perf_counter()
-            self.checkpointer.save(f"model_{done:07d}", done)
-            self.checkpointer.prune(self.max_to_keep)
-            self.trainer.storage.put_scalar("checkpoint_s", time.perf_counter() - start)  # the loop's stall
-
-
-class CheckpointCommitter(HookBase):
-    """Commit an asynchronous checkpoint once every rank has written it (`Checkpointer.poll`, a
-    no-op without one pending), and wait for the last one when the run ends."""
-
-    def __init__(self, checkpointer: Checkpointer):
-        self.checkpointer = checkpointer
+    def __init__(self, manager: CheckpointManager):
+        self.manager = manager
 
     def after_step(self) -> None:
-        self.checkpointer.poll()
+        saved = self.manager.after_step(self.trainer.iter + 1, last=self.trainer.iter + 1 == self.trainer.max_iter)
+        if saved is not None:
+            self.trainer.storage.put_scalar("checkpoint_s", saved.stall_s)
 
     def after_train(self) -> None:
-        self.checkpointer.wait()
+        self.manager.finish()
 
 
 class EvalHook(HookBase):
     """Run `eval_function()` (a dict of metrics) every `period` steps and after the last; record
-    them as "eval/<name>"."""
+    them as "eval/<name>", and hand them to `checkpoints` (a `CheckpointManager`, which keeps the
+    best) when given."""
 
-    def __init__(self, period: int, eval_function):
-        self.period, self.eval_function = period, eval_function
+    def __init__(self, period: int, eval_function, checkpoints: CheckpointManager | None = None):
+        self.period, self.eval_function, self.checkpoints = period, eval_function, checkpoints
 
     def after_step(self) -> None:
         done = self.trainer.iter + 1
@@ -118,26 +97,8 @@ class EvalHook(HookBase):
             self.trainer.storage.put_scalars(**{f"eval/{name}": value for name, value in results.items()})
             logger.info("evaluation after %d steps: %s", done,
                         ", ".join(f"{name} = {value:.4f}" for name, value in results.items()))
-
-
-class BestCheckpointer(HookBase):
-    """After each evaluation, save `model_best` when "eval/<metric>" improved (mode "max" or "min")."""
-
-    def __init__(self, checkpointer: Checkpointer, metric: str, mode: str = "max"):
-        if mode not in ("max", "min"):
-            raise ValueError(f"train.best_mode = {mode!r} must be 'max' or 'min'")
-        self.checkpointer, self.metric, self.mode = checkpointer, f"eval/{metric}", mode
-        self.best = -math.inf if mode == "max" else math.inf
-
-    def after_step(self) -> None:
-        latest = self.trainer.storage.latest().get(self.metric)
-        if latest is None or latest[1] != self.trainer.iter:
-            return
-        value = latest[0]
-        if (value > self.best) if self.mode == "max" else (value < self.best):
-            logger.info("%s improved from %.4f to %.4f: saving model_best", self.metric, self.best, value)
-            self.best = value
-            self.checkpointer.save("model_best", self.trainer.iter + 1, pointer=False)
+            if self.checkpoints is not None:
+                self.checkpoints.evaluated(done, results)
 
 
 def is_log_step(trainer, period: int) -> bool:
@@ -154,23 +115,22 @@ class StepTimeSpread(HookBase):
     Busy time is the step time less the wait at the step's first collective (``sync_wait_s``, the
     targets count): a rank late with its data or its host work makes the others wait there, so its
     busy time is the largest. A rank slow inside forward/backward makes the others wait inside
-    collectives this does not time: there the step time evens out."""
+    collectives this does not time: there the step time evens out. ``group``: the run's ranks (the
+    parallel context's `world_group`)."""
 
-    def __init__(self, period: int, device: torch.device):
-        self.period, self.device = period, device
+    def __init__(self, period: int, device: torch.device, group: dist.ProcessGroup):
+        self.period, self.device, self.group = period, device, group
 
     def after_step(self) -> None:
         if not is_log_step(self.trainer, self.period):
             return
-        storage = self.trainer.storage
-        latest = storage.latest()
-        busy = latest["time"][0] - latest.get("sync_wait_s", (0.0,))[0] if "time" in latest else 0.0
+        busy = self.trainer.step_time - self.trainer.last_step.sync_wait_s
         mine = torch.tensor([busy], dtype=torch.float64, device=self.device)
-        times = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(times, mine)
+        times = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(times, mine, group=self.group)
         times = [t.item() for t in times]
         slowest = max(range(len(times)), key=times.__getitem__)
-        storage.put_scalars(time_max=times[slowest], time_min=min(times), slowest_rank=slowest)
+        self.trainer.storage.put_scalars(time_max=times[slowest], time_min=min(times), slowest_rank=slowest)
 
 
 class PeriodicWriter(HookBase):
@@ -205,9 +165,7 @@ class ProgressBar(HookBase):
                         leave=False, disable=not sys.stderr.isatty())
 
     def after_step(self) -> None:
-        latest = self.trainer.storage.latest()
-        if "loss" in latest:
-            self.bar.set_postfix(loss=f"{latest['loss'][0]:.4f}", refresh=False)
+        self.bar.set_postfix(loss=f"{self.trainer.last_step.loss:.4f}", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:

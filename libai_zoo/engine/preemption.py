@@ -1,12 +1,12 @@
-"""Preemption: on SIGTERM or SIGINT (what a scheduler sends before it takes the nodes back, and
-what torchrun forwards to its workers), finish the running step, save a checkpoint on every rank
-and exit with `EXIT_PREEMPTED`, so the job script can requeue the run, which resumes by itself.
+"""Preemption: SIGTERM or SIGINT (what a scheduler sends before it takes the nodes back, and what
+torchrun forwards to its workers) stops the run after the running step, every rank saving first
+(docs/design.md §5); the process then exits with `EXIT_PREEMPTED` so the job script can requeue
+the run, which resumes by itself.
 
-The signal may reach only some ranks; after every step the ranks agree (one max-reduction of a
-flag) so that all of them stop after the same step. A second SIGINT stops at once. A rank that has
-not reached that agreement `GRACE` seconds after the signal exits (code 1): it is stuck in a
-collective with a dead peer (torchrun stops the survivors of a failure with SIGTERM), and NCCL
-would otherwise hold it until torchrun's SIGKILL.
+The signal may reach only some ranks: after every step the ranks agree (one max-reduction of a
+flag). A second SIGINT stops at once. A rank that has not reached that agreement `GRACE` seconds
+after the signal exits (code 1): it is stuck in a collective with a dead peer (torchrun stops the
+survivors of a failure with SIGTERM), and NCCL would otherwise hold it until torchrun's SIGKILL.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-
-from .trainer_base import HookBase
 
 logger = logging.getLogger("libai_zoo")
 
@@ -33,24 +33,33 @@ class Preempted(Exception):
     exit_code = EXIT_PREEMPTED
 
 
-class Preemption(HookBase):
-    """Catches SIGTERM/SIGINT during training; after the step they arrived in, every rank saves
-    (`save(steps_done)`, a collective) and raises `Preempted`."""
+class Preemption:
+    """Catches SIGTERM/SIGINT while `catching()`; `agreed()` tells every rank alike whether one
+    arrived on any rank. ``group``: the run's ranks (the parallel context's `world_group`; None
+    alone)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, save, device: torch.device):
-        self.save, self.device = save, device
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None):
+        self.device, self.group = device, group
         self.received: int | None = None
-        self._previous: dict[int, object] = {}
         self._watchdog: threading.Timer | None = None
 
-    def before_train(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+    @contextmanager
+    def catching(self) -> Iterator[None]:
+        """Catch the signals inside the block (in the main thread; elsewhere they keep their handlers)."""
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        else:
             logger.info("training outside the main thread: SIGTERM/SIGINT keep their handlers (no checkpoint on them)")
-            return
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame) -> None:
         if self.received == signal.SIGINT and signum == signal.SIGINT:
@@ -63,25 +72,16 @@ class Preemption(HookBase):
             self._watchdog.daemon = True
             self._watchdog.start()
 
-    def after_step(self) -> None:
+    def agreed(self) -> signal.Signals | None:
+        """The signal some rank received, the same on every rank (a collective); None: none did."""
         flag = torch.tensor([0 if self.received is None else self.received], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if not flag.item():
-            return
+            return None
         if self._watchdog is not None:  # every rank got here: the save may take its time
             self._watchdog.cancel()
-        done = self.trainer.iter + 1
-        path = self.save(done)
-        raise Preempted(f"stopped on {signal.Signals(int(flag.item())).name} after {done} steps; checkpoint "
-                        f"{path} is saved: run the same command again to resume")
-
-    def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        return signal.Signals(int(flag.item()))
 
 
 def _stuck(signum: int) -> None:

@@ -1,13 +1,6 @@
-"""One optimizer step: micro-batches with gradient accumulation, mixed precision, clipping.
-
-    for each micro-batch:  autocast forward -> loss × (its targets / all targets) -> backward
-    finalize partial grads -> unscale (fp16) -> clip the global norm -> optimizer step -> zero grads
-
-Weighting each micro-batch's mean loss by its share of the step's targets (the model's
-`num_loss_targets`: labelled tokens for language models, samples for classifiers) makes the
-step's loss the mean over every target of the global batch, whatever the split into
-micro-batches and however the padding falls. Under pipeline parallelism the micro-batches run
-through the pipeline schedule instead, each scaled the same way.
+"""`TrainStep`: one optimizer step over a global batch's micro-batches (accumulation, mixed
+precision, clipping, the skip of a non-finite step), returning a `StepResult`. The flow of a step
+is told in docs/design.md §5.
 """
 
 from __future__ import annotations
@@ -17,6 +10,7 @@ import math
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,8 +23,40 @@ from libai_zoo.parallel import DataParallel, Pipeline
 logger = logging.getLogger("libai_zoo")
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did; the same on every rank except `sync_wait_s`."""
+
+    #: The mean loss over every target of the global batch.
+    loss: float
+    #: The global gradient norm before clipping.
+    grad_norm: float
+    #: Samples of the global batch.
+    samples: int
+    #: Tokens of the global batch; None when its batches have no ``input_ids``.
+    tokens: int | None
+    #: The optimizer step was skipped (a non-finite gradient norm, or an fp16 overflow).
+    skipped: bool
+    #: The loss or the gradient norm was not finite (an fp16 overflow aside): counts toward divergence.
+    diverged: bool
+    #: Seconds this rank waited in the step's first collective (its lateness shows in the others').
+    sync_wait_s: float
+    #: fp16's loss scale after the step; None in other modes.
+    loss_scale: float | None = None
+
+    def scalars(self) -> dict[str, float]:
+        """The fields as the scalars a run records (metrics.json, the console)."""
+        scalars = {"loss": self.loss, "grad_norm": self.grad_norm, "skipped": float(self.skipped),
+                   "diverged": float(self.diverged), "sync_wait_s": self.sync_wait_s, "samples": self.samples}
+        if self.tokens is not None:
+            scalars["tokens"] = self.tokens
+        if self.loss_scale is not None:
+            scalars["loss_scale"] = self.loss_scale
+        return scalars
+
+
 class TrainStep:
-    """Callable on a list of micro-batches (dicts of tensors with targets); returns the step's metrics.
+    """Callable on a list of micro-batches (dicts of tensors with targets); returns a `StepResult`.
 
     ``model_parts``: the model this rank trains (one module, or its pipeline stages' parts), which
     implements the model contract. ``amp_dtype`` None trains in the parameters' dtype; bf16
@@ -38,7 +64,7 @@ class TrainStep:
     overflowed and lowers the scale. A step whose gradient norm is not finite is skipped in every
     mode. ``clip_grad_norm`` None or 0: no clipping. ``data_parallel`` (wrapped around the model,
     it reduces gradients over dp during backward) syncs on the last micro-batch and counts targets
-    over dp; ``pipeline`` runs the micro-batches through the pipeline schedule.
+    over the run's world group (its parallel context's); ``pipeline`` runs the micro-batches through the pipeline schedule.
     """
 
     def __init__(self, model_parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer, *, device: torch.device,
@@ -52,7 +78,10 @@ class TrainStep:
         self.nonfinite_grads: list[str] = []
         self.amp_dtype, self.clip_grad_norm = amp_dtype, clip_grad_norm or 0.0
         self.data_parallel, self.pipeline = data_parallel, pipeline
-        self.dp = data_parallel.ctx.dp if data_parallel is not None else 1
+        ctx = data_parallel.ctx if data_parallel is not None else None
+        self.dp = ctx.dp if ctx is not None else 1
+        self.world_group = ctx.world_group if ctx is not None else None
+        self.replicas = ctx.world_size // ctx.dp if ctx is not None else 1  # ranks of one dp rank (tp × pp)
         if pipeline is not None and amp_dtype == torch.float16:
             raise ValueError("fp16 loss scaling is not available under pipeline parallelism: use train.amp.dtype=bf16")
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
@@ -63,9 +92,9 @@ class TrainStep:
         of all ranks: the time this rank waited in it for the others is recorded (`sync_wait_s`)."""
         total = torch.tensor(sum(counts), dtype=torch.float64, device=self.device)
         start = time.perf_counter()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-            total /= dist.get_world_size() // self.dp
+        if self.world_group is not None:
+            dist.all_reduce(total, group=self.world_group)
+            total /= self.replicas
         self.sync_wait_s = time.perf_counter() - start
         if total.item() == 0:
             raise ValueError("no labelled targets in this step's batches (every label is -100)")
@@ -74,7 +103,7 @@ class TrainStep:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
-    def __call__(self, micro_batches: list[dict]) -> dict:
+    def __call__(self, micro_batches: list[dict]) -> StepResult:
         batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in micro_batches]
         split = [self.model.split_batch(batch) for batch in batches]
         counts = [float(self.model.num_loss_targets(targets)) for _, targets in split]
@@ -123,15 +152,11 @@ class TrainStep:
             logger.warning("skipped the optimizer step: the loss is %s, the gradient norm %s", loss_value,
                            grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {"loss": loss_value, "grad_norm": grad_norm.item(), "skipped": float(skipped),
-                   "diverged": float(diverged), "sync_wait_s": self.sync_wait_s,
-                   "samples": sum(_batch_size(b) for b in batches) * self.dp}
-        if all("input_ids" in b for b in batches):
-            metrics["tokens"] = sum(b["input_ids"].numel() for b in batches) * self.dp
-        if self.scaler.is_enabled():
-            metrics["loss_scale"] = self.scaler.get_scale()
-        return metrics
-
+        tokens = sum(b["input_ids"].numel() for b in batches) * self.dp \
+            if all("input_ids" in b for b in batches) else None
+        return StepResult(loss=loss_value, grad_norm=grad_norm.item(), samples=sum(_batch_size(b) for b in batches) * self.dp,
+                          tokens=tokens, skipped=skipped, diverged=diverged, sync_wait_s=self.sync_wait_s,
+                          loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None)
 
     def _nonfinite_grads(self, limit: int = 5) -> list[str]:
         """The first `limit` parameters (by name) whose gradient shard on this rank is not finite."""

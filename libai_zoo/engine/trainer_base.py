@@ -2,38 +2,41 @@
 
     before_train
     for iteration in [start_iter, max_iter):
-        before_step ; run_step ; after_step
+        before_step ; run_step ; after_step ; end_step
     after_train                     only when every step ran (not when the loop raised)
     close                           always: release files, progress bars
 
-`run_step` may raise `RolledBack(iteration)`: the run went back to the state after `iteration`
-steps (a divergence rollback), and the loop goes on from there without that step's after_step.
-
-`trainer.iter` is the index of the running step, so after_step sees `iter + 1` steps done. When
-the loop raises, the log says at which iteration, and no hook does work meant for a finished
-run (a summary line, a sample generated with collectives a dead peer would never join).
+`trainer.iter` is the index of the running step, so after_step sees `iter + 1` steps done. The
+loop times each step (`step_time`: before_step hooks and `run_step`) and keeps what `run_step`
+returned (`last_step`) for the hooks to read. `run_step` returns `RolledBack` when the run went
+back to an earlier state (a divergence rollback): the loop goes on from there, and that step
+has no after_step. When the loop raises, the log says at which iteration, and no hook does work
+meant for a finished run.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import weakref
+from dataclasses import dataclass
 
 from .events import EventStorage
 
 logger = logging.getLogger("libai_zoo")
 
 
-class RolledBack(Exception):
-    """Raised by `run_step` when the trainer restored the state after `iteration` steps."""
+@dataclass(frozen=True)
+class RolledBack:
+    """What `run_step` returns when the trainer restored the state after `iteration` steps."""
 
-    def __init__(self, iteration: int):
-        super().__init__(f"rolled back to iteration {iteration}")
-        self.iteration = iteration
+    iteration: int
 
 
 class HookBase:
-    """Override any of the callbacks; `self.trainer` is set by `register_hooks`."""
+    """Override any of the callbacks; `self.trainer` is set by `register_hooks`. A hook observes the
+    step and reports (or does its side work: the LR schedule, evaluation, asking for a checkpoint);
+    whether the run goes on is the loop's to decide, though a hook may raise to stop it."""
 
     trainer: TrainerBase
 
@@ -50,7 +53,7 @@ class HookBase:
         """Before each step."""
 
     def after_step(self) -> None:
-        """After each step; `trainer.iter + 1` steps are done."""
+        """After each step; `trainer.iter + 1` steps are done, `trainer.last_step` is the step's result."""
 
 
 class TrainerBase:
@@ -60,6 +63,10 @@ class TrainerBase:
         self._hooks: list[HookBase] = []
         self.iter = self.start_iter = self.max_iter = 0
         self.storage: EventStorage | None = None
+        #: What the last `run_step` returned (DefaultTrainer: a `StepResult`).
+        self.last_step: object = None
+        #: Seconds of the last step: its before_step hooks and `run_step`.
+        self.step_time = 0.0
 
     def register_hooks(self, hooks: list[HookBase | None]) -> None:
         """Append hooks (None entries are skipped); they run in registration order."""
@@ -78,13 +85,15 @@ class TrainerBase:
             self._call("before_train")
             while self.iter < max_iter:
                 self.storage.iter = self.iter
+                start = time.perf_counter()
                 self._call("before_step")
-                try:
-                    self.run_step()
-                except RolledBack as back:
-                    self.iter = back.iteration
+                outcome = self.run_step()
+                if isinstance(outcome, RolledBack):
+                    self.iter = outcome.iteration
                     continue
+                self.last_step, self.step_time = outcome, time.perf_counter() - start
                 self._call("after_step")
+                self.end_step()
                 self.iter += 1
         except BaseException as error:
             log = logger.warning if getattr(error, "exit_code", None) else logger.error
@@ -99,5 +108,10 @@ class TrainerBase:
         for hook in self._hooks:
             getattr(hook, stage)()
 
-    def run_step(self) -> None:
+    def run_step(self) -> object:
+        """One step; returns its result (kept as `last_step`), or `RolledBack`."""
         raise NotImplementedError
+
+    def end_step(self) -> None:
+        """After the step's hooks (`iter + 1` steps done): the loop's own decision to stop or go on
+        (DefaultTrainer: preemption). The default goes on."""

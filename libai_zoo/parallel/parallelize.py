@@ -23,14 +23,21 @@ logger = logging.getLogger("libai_zoo")
 
 @dataclass
 class Parallelized:
-    """This rank's share of a model, wrapped for training (not yet allocated when built on meta)."""
+    """This rank's share of a model, wrapped for training (not yet allocated when built on meta):
+    what `parallelize` returns and `DefaultTrainer.build_model` completes."""
 
-    #: The whole model, split over tp (its stages' parts are pruned copies of it under pp).
+    #: The whole model, split over tp. Under pp it stays on the meta device (no memory): the names
+    #: and shapes of every stage's parameters, which a checkpoint is checked against; its stages'
+    #: parts are pruned copies of it.
     model: nn.Module
-    #: The modules this rank trains: the model, or its pipeline stages' parts.
+    #: The modules this rank trains: the model, or its pipeline stages' parts (real modules with the
+    #: full model's names).
     parts: list[nn.Module]
     #: The schedule that runs the parts under pipeline parallelism; None without it.
     pipeline: Pipeline | None
+    #: FLOPs of one training token of the whole model (for MFU); None until known (the trainer sets
+    #: it from the data's sequence length).
+    flops_per_token: float | None = None
 
 
 def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_parallel: DataParallel, *,
