@@ -93,7 +93,8 @@ class FaultInjector(HookBase):
                     os.kill(os.getpid(), {"kill": signal.SIGKILL, "hang": signal.SIGSTOP,
                                           "term": signal.SIGTERM}[fault.kind])
         self._poison = self._poisoned_steps > 0
-        self._poisoned_steps -= self._poison
+        if self._poison:
+            self._poisoned_steps -= 1
 
     def _not_finite(self, module, inputs, output):
         """A forward hook that, in a poisoned step, turns a layer's output into NaN (and with it the
