@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
-from libai_zoo.checkpoint import Checkpointer, commit
+from libai_zoo.checkpoint import CheckpointManager, Checkpointer, commit
 
 
 def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -169,6 +169,24 @@ def test_checkpoint_without_manifest_is_damaged(tmp_path, logs):
     warnings = [r.getMessage() for r in logs.records if r.levelno == logging.WARNING]
     assert "model_0000001 is damaged" in warnings[0] and "manifest.json is missing" in warnings[0]
     assert "no intact checkpoint" in warnings[1]
+
+
+def test_the_manager_decides_every_save_and_what_stays(tmp_path, monkeypatch):
+    model, optimizer, scheduler = _model()
+    checkpointer = Checkpointer(tmp_path, [model], optimizer, stateful={"scheduler": scheduler})
+    manager = CheckpointManager(checkpointer, period=2, max_to_keep=1, best_metric="loss", best_mode="min")
+    saved = [manager.after_step(done, last=done == 5) for done in range(1, 6)]
+    assert [s.iteration if s else None for s in saved] == [None, 2, None, 4, 5]
+    assert sorted(p.name for p in tmp_path.glob("model_*")) == ["model_0000005"]  # max_to_keep=1
+    manager.evaluated(4, {"loss": 2.0})
+    manager.evaluated(5, {"loss": 3.0})  # worse: no save
+    assert json.loads((tmp_path / "model_best" / commit.MANIFEST).read_text())["iteration"] == 4
+    calls = []
+    monkeypatch.setattr(checkpointer, "save", lambda *args, **kwargs: calls.append(args))
+    assert manager.save_now(5) == tmp_path / "model_0000005" and calls == []  # this step's checkpoint exists
+    assert commit.pointed_to(tmp_path) == tmp_path / "model_0000005"
+    with pytest.raises(ValueError, match="max_to_keep = 0 must be at least 1"):
+        CheckpointManager(checkpointer, period=2, max_to_keep=0)
 
 
 def test_unreadable_manifest_is_damage(tmp_path, logs):
