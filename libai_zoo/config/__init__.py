@@ -16,8 +16,8 @@ the trainer and the planner alike.
 
 from .instantiate import ConfigError, LazyCall, instantiate
 from .lazy_config import LazyConfig, get_config
-from .schema import AdamWConfig, DistConfig, PipelineConfig, Section, TrainConfig
+from .schema import AdamWConfig, DistConfig, PipelineConfig, Section, TrainConfig, typed
 from .settings import AMP_DTYPES, PipelineSettings, RunSettings, run_settings
 
 __all__ = ["AMP_DTYPES", "AdamWConfig", "ConfigError", "DistConfig", "LazyCall", "LazyConfig", "PipelineConfig",
-           "PipelineSettings", "RunSettings", "Section", "TrainConfig", "get_config", "instantiate", "run_settings"]
+           "PipelineSettings", "RunSettings", "Section", "TrainConfig", "get_config", "instantiate", "run_settings", "typed"]

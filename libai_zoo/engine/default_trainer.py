@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from libai_zoo import distributed
 from libai_zoo.checkpoint import CheckpointManager, Checkpointer, commit
-from libai_zoo.config import LazyConfig, instantiate, run_settings
+from libai_zoo.config import LazyConfig, instantiate, run_settings, typed
 from libai_zoo.data import MicroBatchSampler, check_dataset, stream_micro_batches
 from libai_zoo.hf import (HFWeightReader, apply_lora_config, check_hf_weights, load_hf_weights, load_peft_adapter,
                           read_peft_adapter)
@@ -74,21 +74,22 @@ class DefaultTrainer(TrainerBase):
     def __init__(self, cfg: DictConfig, *, fast_dev_run: bool = False):
         started_at = time.time()
         super().__init__()
+        cfg = typed(cfg)  # a config built by hand gets every key of the schema too
         self.cfg, self.fast_dev_run = cfg, fast_dev_run
         train = cfg.train
         auto_layout = None
-        if cfg.dist.get("auto", False):  # the planner picks dp, tp, pp, ZeRO, AC, SP, micro-batch, schedule
-            overrides, auto_layout = agree_on_layout(cfg, timeout=cfg.dist.get("init_timeout"))
+        if cfg.dist.auto:  # the planner picks dp, tp, pp, ZeRO, AC, SP, micro-batch, schedule
+            overrides, auto_layout = agree_on_layout(cfg, timeout=cfg.dist.init_timeout)
             LazyConfig.apply_overrides(cfg, overrides.split())
         # What can be refused without a process group is refused before one exists (checks.py).
         dp, tp, pp = distributed.resolve_sizes(distributed.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
         self.accumulation = accumulation_steps(train, dp)
         self.amp_dtype = run_settings(cfg).amp_dtype
-        self.divergence = DivergenceWatch(train.get("on_divergence", "stop"), train.get("max_bad_steps", 5))
+        self.divergence = DivergenceWatch(train.on_divergence, train.max_bad_steps)
         check_layout(cfg, tp, pp, self.accumulation)
         self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp,
-                                    sequence_parallel=cfg.dist.get("sequence_parallel", False),
-                                    timeout=cfg.dist.get("init_timeout"))
+                                    sequence_parallel=cfg.dist.sequence_parallel,
+                                    timeout=cfg.dist.init_timeout)
         self.output_dir = Path(train.output_dir)
         setup_logging(self.output_dir, self.ctx.rank)
         if auto_layout is not None:
@@ -98,7 +99,7 @@ class DefaultTrainer(TrainerBase):
         self.heartbeat = Heartbeat(distributed.progress_store(), self.ctx.rank, self.ctx.world_size)
         seed_all(train.seed)
         self.data_parallel = DataParallel(
-            self.ctx, train.zero_stage, offload=train.get("zero_offload", False),
+            self.ctx, train.zero_stage, offload=train.zero_offload,
             param_dtype=fsdp_param_dtype(self.amp_dtype, train.zero_stage))
         built = self.build_model(cfg)
         self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
@@ -109,7 +110,7 @@ class DefaultTrainer(TrainerBase):
         self.optimizer = self.build_optimizer(cfg, self.model_parts)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
         self.step = TrainStep(self.model_parts, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
-                              clip_grad_norm=train.get("clip_grad_norm"), data_parallel=self.data_parallel,
+                              clip_grad_norm=train.clip_grad_norm, data_parallel=self.data_parallel,
                               pipeline=self.pipeline)
         self.data = TrainingData(self.train_dataset, lambda samples: self.build_train_loader(self.cfg, samples),
                                  global_batch_size=train.global_batch_size, micro_batches=self.accumulation,
@@ -120,11 +121,11 @@ class DefaultTrainer(TrainerBase):
                                     stateful={"scheduler": self.scheduler, "scaler": self.step.scaler,
                                               "data": self.data.position},
                                     aliases=self.pipeline.tied_aliases() if self.pipeline else None,
-                                    async_save=train.checkpoint.get("async_save", False),
-                                    timeout=cfg.dist.get("timeout"), group=self.ctx.world_group)
+                                    async_save=train.checkpoint.async_save,
+                                    timeout=cfg.dist.timeout, group=self.ctx.world_group)
         self.checkpoints = CheckpointManager(checkpointer, period=None if fast_dev_run else train.checkpoint.period,
-                                             max_to_keep=train.checkpoint.get("max_to_keep"),
-                                             best_metric=train.get("best_metric"), best_mode=train.get("best_mode", "max"))
+                                             max_to_keep=train.checkpoint.max_to_keep,
+                                             best_metric=train.best_metric, best_mode=train.best_mode)
         self.preemption = Preemption(self.ctx.device, self.ctx.world_group)
         self.test_loader = self.build_test_loader(cfg)
         self.evaluator = self.build_evaluator(cfg)
@@ -154,7 +155,7 @@ class DefaultTrainer(TrainerBase):
         built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
                             pipeline=settings.pipeline,
                             activation_checkpoint=cfg.train.activation_checkpoint.enabled,
-                            compile_with=cfg.train.get("compile", False))
+                            compile_with=cfg.train.compile)
         model, parts, pipeline = built.model, built.parts, built.pipeline
         seq_len = settings.seq_len  # MFU needs it; of the whole model, not of a pipeline stage
         aliases = pipeline.tied_aliases() if pipeline is not None else None
@@ -173,13 +174,13 @@ class DefaultTrainer(TrainerBase):
         Started from a PEFT adapter, each adapted layer's rank and alpha are recorded in
         ``train.lora.layers``, so config.yaml rebuilds the model (a restart of the run, an export)
         without the adapter directory."""
-        lora = cfg.train.get("lora") or {}
+        lora = cfg.train.lora
         saved = self.output_dir / "config.yaml"
-        if lora.get("adapter") and not lora.get("layers") and saved.is_file():
-            cfg.train.lora.layers = (LazyConfig.load(str(saved)).train.get("lora") or {}).get("layers")
+        if lora.adapter and not lora.layers and saved.is_file():
+            cfg.train.lora.layers = LazyConfig.load(str(saved)).train.lora.layers
         layers = apply_lora_config(model, lora)
-        if lora.get("adapter") and not lora.get("layers"):
-            if lora.get("rank"):
+        if lora.adapter and not lora.layers:
+            if lora.rank:
                 logger.warning("train.lora.adapter is set: the adapter's ranks, alphas and layers are used, not "
                                "train.lora.rank/alpha/target_modules")
             cfg.train.lora.layers = {name: list(shape) for name, shape in layers.items()}
@@ -266,7 +267,7 @@ class DefaultTrainer(TrainerBase):
         write = []
         if self.ctx.is_main_process:
             writers = [ConsoleWriter(), JSONWriter(self.output_dir / "metrics.json")]
-            if train.get("tensorboard", False):
+            if train.tensorboard:
                 writers.append(TensorBoardWriter(self.output_dir / "tensorboard"))
             write = [hooks.PeriodicWriter(writers, log_period), hooks.ProgressBar()]
         return act + account + write + [instantiate(hook) for hook in self.cfg.get("hooks") or []]
@@ -291,10 +292,10 @@ class DefaultTrainer(TrainerBase):
         if resume:
             logger.info("no checkpoint in %s: starting from scratch", self.output_dir)
         self.start_iter = 0
-        weights = self.cfg.train.get("load_weight")
+        weights = self.cfg.train.load_weight
         if weights:
             self.load_weight(weights)
-        adapter = (self.cfg.train.get("lora") or {}).get("adapter")
+        adapter = self.cfg.train.lora.adapter
         if adapter:
             factors = read_peft_adapter(adapter, self.whole_model)  # read once for all of this rank's parts
             for part in self.model_parts:
@@ -347,7 +348,7 @@ class DefaultTrainer(TrainerBase):
         self.heartbeat.beat(step, "forward, backward and optimizer step")
         result = self.step(micro_batches)
         self.storage.put_scalars(data_time=data_time, **result.scalars())
-        if self.iter == self.start_iter and self.cfg.dist.get("timeout"):
+        if self.iter == self.start_iter and self.cfg.dist.timeout:
             self.ctx.set_timeout(self.cfg.dist.timeout)  # start-up is done: the shorter bound from now on
         self.heartbeat.beat(step, "hooks after the step (checkpoint, evaluation, logging)")
         if self.divergence.rollback_due(self.iter, result, self.step.nonfinite_grads, self.ctx.rank):
@@ -375,7 +376,7 @@ class DefaultTrainer(TrainerBase):
         """Evaluate on the test loader (``train.eval.max_batches`` batches at most)."""
         if self.test_loader is None:
             raise ValueError("no test data: set dataloader.test in the config")
-        max_batches = 2 if self.fast_dev_run else self.cfg.train.eval.get("max_batches")
+        max_batches = 2 if self.fast_dev_run else self.cfg.train.eval.max_batches
         forward = pipelined_forward(self.pipeline, self.model_parts[0]) if self.pipeline is not None else self.model
         return run_evaluation(self.model_parts, self.test_loader, self.evaluator, forward, device=self.ctx.device,
                               amp_dtype=self.amp_dtype, max_batches=max_batches)
