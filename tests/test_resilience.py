@@ -306,8 +306,14 @@ def test_fault_switch_is_parsed_strictly():
         parse_faults("explode:rank=1:step=2")
 
 
-def test_goodput_file_is_json(config_file, tmp_path):
+def test_goodput_file_is_json_and_accounts_saves_and_evaluations(config_file, tmp_path):
     out = tmp_path / "run"
-    run_trainer(load(config_file, out, "train.max_iter=2"))
+    cfg = load(config_file, out, "train.max_iter=2", "train.eval.period=1", "train.eval.max_batches=1")
+    cfg.dataloader.test = cfg.dataloader.train
+    run_trainer(cfg)
     account = json.loads((out / "goodput.json").read_text())
     assert account["restarts"] == 0 and account["last_iter"] == 2 and account["productive_s"] > 0
+    # the stall of the save after step 2 and both evaluations, read from the manager and EvalHook
+    assert account["checkpoint_s"] > 0 and account["eval_s"] > 0 and list(account["productive_at"]) == ["2"]
+    evaluated = [r["iteration"] for r in records(out) if "eval/loss" in r]
+    assert evaluated == [1, 2]

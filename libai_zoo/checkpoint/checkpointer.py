@@ -341,7 +341,8 @@ class Checkpointer:
                                      if self.rank == 0 else None)
         for path in candidates:
             verdicts = self._all_gather(_check_share(path, self.rank, self.world_size))
-            problems = [problem for verdict in verdicts for problem in verdict]
+            # every rank finds a missing manifest: name each problem once
+            problems = list(dict.fromkeys(problem for verdict in verdicts for problem in verdict))
             if problems:
                 logger.warning("checkpoint %s is damaged, skipping it: %s", path, "; ".join(problems))
                 continue

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import commit
 from .checkpointer import Checkpointer
 
 logger = logging.getLogger("libai_zoo")
@@ -44,6 +45,7 @@ class CheckpointManager:
         self.checkpointer, self.period, self.max_to_keep = checkpointer, period, max_to_keep
         self.best_metric, self.best_mode = best_metric, best_mode
         self.best = -math.inf if best_mode == "max" else math.inf
+        self.last_saved: Saved | None = None  # the save the latest `after_step` started, if any
 
     def after_step(self, done: int, *, last: bool) -> Saved | None:
         """After `done` steps (`last`: the run's final one): the periodic save when it is due, then
@@ -56,6 +58,7 @@ class CheckpointManager:
             self.checkpointer.prune(self.max_to_keep)
             saved = Saved(path, done, time.perf_counter() - start)
         self.checkpointer.poll()
+        self.last_saved = saved
         return saved
 
     def evaluated(self, done: int, results: dict[str, float]) -> None:
@@ -76,8 +79,21 @@ class CheckpointManager:
         self.checkpointer.wait()
         return path
 
-    def restore(self, at_most: int) -> tuple[Path, int] | None:
-        """Restore the newest intact checkpoint of at most `at_most` steps: (its path, its steps),
+    def start(self, resume: bool) -> tuple[Path, int] | None:
+        """At the start of a run: drop what an interrupted save left and, with `resume`, restore
+        the newest intact checkpoint ((its path, its steps); None: there is none). A directory
+        whose every checkpoint is damaged is an error, not a fresh start."""
+        self.checkpointer.remove_incomplete()
+        if not resume:
+            return None
+        restored = self.restore()
+        if restored is None and commit.resumable_candidates(self.checkpointer.output_dir):
+            raise RuntimeError(f"every checkpoint in {self.checkpointer.output_dir} is damaged (see the warnings "
+                               f"above): restore one, or start over with --no-resume (resume_or_load(resume=False))")
+        return restored
+
+    def restore(self, at_most: int | None = None) -> tuple[Path, int] | None:
+        """Restore the newest intact checkpoint (of at most `at_most` steps): (its path, its steps),
         or None when there is none."""
         path = self.checkpointer.find_resumable(at_most=at_most)
         return None if path is None else (path, self.checkpointer.resume(path))

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from libai_zoo import distributed
-from libai_zoo.checkpoint import CheckpointManager, Checkpointer, commit
+from libai_zoo.checkpoint import CheckpointManager, Checkpointer
 from libai_zoo.config import LazyConfig, instantiate, run_settings, typed
 from libai_zoo.data import MicroBatchSampler, check_dataset, stream_micro_batches
 from libai_zoo.hf import (HFWeightReader, apply_lora_config, check_hf_weights, load_hf_weights, load_peft_adapter,
@@ -84,7 +84,8 @@ class DefaultTrainer(TrainerBase):
         # What can be refused without a process group is refused before one exists (checks.py).
         dp, tp, pp = distributed.resolve_sizes(distributed.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
         self.accumulation = accumulation_steps(train, dp)
-        self.amp_dtype = run_settings(cfg).amp_dtype
+        self.settings = run_settings(cfg)  # what the config means (sequence length, AMP dtype, pipeline)
+        self.amp_dtype = self.settings.amp_dtype
         self.divergence = DivergenceWatch(train.on_divergence, train.max_bad_steps)
         check_layout(cfg, tp, pp, self.accumulation)
         self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp,
@@ -129,7 +130,8 @@ class DefaultTrainer(TrainerBase):
         self.preemption = Preemption(self.ctx.device, self.ctx.world_group)
         self.test_loader = self.build_test_loader(cfg)
         self.evaluator = self.build_evaluator(cfg)
-        self.goodput = Goodput(self.output_dir, started_at) if self.ctx.is_main_process else None
+        self.started_at = started_at
+        self.goodput: Goodput | None = None  # build_hooks makes it (the main process's time account)
         self.register_hooks(self.build_hooks())
         self.resumes = True  # resume_or_load(resume=False) starts a new run over the directory
         if self.ctx.is_main_process:  # only a run that passed every check leaves more than its log
@@ -249,19 +251,22 @@ class DefaultTrainer(TrainerBase):
     def build_hooks(self) -> list[hooks.HookBase]:
         """The built-in hooks, then the config's own ``hooks`` list (LazyCalls of HookBase subclasses).
 
-        In this order, because each reads what the ones before it recorded at this step: first those
-        that act on the step and record what they did (evaluation ``eval_s`` and ``eval/*``,
-        checkpoints ``checkpoint_s``), then those that account for it (goodput, the spread of step
-        time), the writers of every scalar last. The step's result and time come from the loop."""
+        In this order, because each reads what the ones before it did at this step: first those that
+        act on the step (evaluation: `EvalHook.last`; checkpoints: `CheckpointManager.last_saved`),
+        then those that account for it (goodput, the spread of step time), the writers of every
+        scalar last. The step's result and time come from the loop."""
         train = self.cfg.train
         log_period = 1 if self.fast_dev_run else train.log_period
         peak = peak_flops(self.ctx.device, self.amp_dtype or torch.float32)
         act = [hooks.IterationTimer(self.flops_per_token, peak, self.ctx.world_size),
                fault_injector(self.ctx.rank, self.output_dir),
                hooks.LRScheduler(self.optimizer, self.scheduler)]
-        if self.test_loader is not None:
-            act.append(hooks.EvalHook(1 if self.fast_dev_run else train.eval.period, self.test, self.checkpoints))
+        evaluation = (hooks.EvalHook(1 if self.fast_dev_run else train.eval.period, self.test, self.checkpoints)
+                      if self.test_loader is not None else None)
+        act.append(evaluation)
         act.append(hooks.Checkpoints(self.checkpoints))
+        if self.ctx.is_main_process:
+            self.goodput = Goodput(self.output_dir, self.started_at, self.checkpoints, evaluation)
         account = [hooks.StepTimeSpread(log_period, self.ctx.device, self.ctx.world_group)
                    if self.ctx.world_size > 1 else None, self.goodput]
         write = []
@@ -269,7 +274,7 @@ class DefaultTrainer(TrainerBase):
             writers = [ConsoleWriter(), JSONWriter(self.output_dir / "metrics.json")]
             if train.tensorboard:
                 writers.append(TensorBoardWriter(self.output_dir / "tensorboard"))
-            write = [hooks.PeriodicWriter(writers, log_period), hooks.ProgressBar()]
+            write = [hooks.PeriodicWriter(writers, log_period, evaluation), hooks.ProgressBar()]
         return act + account + write + [instantiate(hook) for hook in self.cfg.get("hooks") or []]
 
     # ------------------------------------------------------------------------------------ resume
@@ -279,14 +284,9 @@ class DefaultTrainer(TrainerBase):
         from ``train.load_weight`` if set (a Hugging Face directory or a trainer checkpoint:
         weights only)."""
         self.resumes = resume
-        self.resumes = resume
-        self.checkpointer.remove_incomplete()
-        path = self.checkpointer.find_resumable() if resume else None
-        if path is None and resume and commit.resumable_candidates(self.output_dir):
-            raise RuntimeError(f"every checkpoint in {self.output_dir} is damaged (see the warnings above): restore "
-                               f"one, or start over with --no-resume (resume_or_load(resume=False))")
-        if path is not None:
-            self.start_iter = self.checkpointer.resume(path)
+        restored = self.checkpoints.start(resume)
+        if restored is not None:
+            path, self.start_iter = restored
             logger.info("resumed from %s at iteration %d", path, self.start_iter)
             return
         if resume:

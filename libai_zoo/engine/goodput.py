@@ -17,6 +17,9 @@ import os
 import time
 from pathlib import Path
 
+from libai_zoo.checkpoint import CheckpointManager
+
+from .hooks import EvalHook
 from .trainer_base import HookBase
 
 logger = logging.getLogger("libai_zoo")
@@ -27,11 +30,14 @@ FILE = "goodput.json"
 class Goodput(HookBase):
     """Keeps the job's time account in `output_dir`/goodput.json (the main process only).
 
-    ``started_at``: when this process started (time.time()), so that start-up counts as lost."""
+    ``started_at``: when this process started (time.time()), so that start-up counts as lost;
+    ``checkpoints`` and ``evaluation`` (the run's `EvalHook`, if any): where the step's checkpoint
+    stall and evaluation time are read (their hooks run before this one)."""
 
-    def __init__(self, output_dir: str | Path, started_at: float):
+    def __init__(self, output_dir: str | Path, started_at: float, checkpoints: CheckpointManager,
+                 evaluation: EvalHook | None = None):
         self.path = Path(output_dir) / FILE
-        self.started_at = started_at
+        self.started_at, self.checkpoints, self.evaluation = started_at, checkpoints, evaluation
         self.account: dict = {}
 
     def before_train(self) -> None:
@@ -72,19 +78,20 @@ class Goodput(HookBase):
         account["last_iter"] = iteration
 
     def after_step(self) -> None:
-        storage, account = self.trainer.storage, self.account
-        latest = storage.latest()
-        now = self.trainer.iter
-        step_time = self.trainer.step_time
-        for key in ("checkpoint_s", "eval_s"):  # recorded by hooks before this one, outside the step's time
-            if key in latest and latest[key][1] == now:
-                account[key] += latest[key][0]
-        account["productive_s"] += step_time
-        account["last_iter"] = now + 1
+        account, done = self.account, self.trainer.iter + 1
+        saved = self.checkpoints.last_saved  # outside the step's time, like the evaluation
+        saved = saved if saved is not None and saved.iteration == done else None
+        evaluated = self.evaluation.last if self.evaluation is not None else None
+        if saved is not None:
+            account["checkpoint_s"] += saved.stall_s
+        if evaluated is not None and evaluated.iteration == done:
+            account["eval_s"] += evaluated.seconds
+        account["productive_s"] += self.trainer.step_time
+        account["last_iter"] = done
         account["last_time"] = time.time()
-        if "checkpoint_s" in latest and latest["checkpoint_s"][1] == now:
-            account["productive_at"][str(now + 1)] = account["productive_s"]
-        storage.put_scalars(**{f"goodput/{key}": value for key, value in self.figures().items()})
+        if saved is not None:
+            account["productive_at"][str(done)] = account["productive_s"]
+        self.trainer.storage.put_scalars(**{f"goodput/{key}": value for key, value in self.figures().items()})
         self._save()
 
     def figures(self) -> dict[str, float]:

@@ -8,6 +8,7 @@ import logging
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,9 +29,10 @@ class IterationTimer(HookBase):
         self.flops_per_token, self.peak_flops, self.world_size = flops_per_token, peak_flops, world_size
 
     def before_train(self) -> None:
-        self._train_start = time.perf_counter()
+        self._train_start, self._steps = time.perf_counter(), 0
 
     def after_step(self) -> None:
+        self._steps += 1  # steps run (a rollback repeats some: iter - start_iter would miss them)
         storage, result = self.trainer.storage, self.trainer.last_step
         elapsed = self.trainer.step_time
         storage.put_scalar("time", elapsed)
@@ -46,7 +48,7 @@ class IterationTimer(HookBase):
             storage.put_scalar("max_mem_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
     def after_train(self) -> None:
-        steps = self.trainer.iter - self.trainer.start_iter
+        steps = self._steps
         total = time.perf_counter() - self._train_start
         if steps:
             logger.info("trained %d steps in %.1f s (%.4f s/step)", steps, total, total / steps)
@@ -80,20 +82,32 @@ class Checkpoints(HookBase):
         self.manager.finish()
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """An evaluation after `iteration` steps: its results and the seconds it took."""
+
+    iteration: int
+    results: dict[str, float]
+    seconds: float
+
+
 class EvalHook(HookBase):
     """Run `eval_function()` (a dict of metrics) every `period` steps and after the last; record
-    them as "eval/<name>", and hand them to `checkpoints` (a `CheckpointManager`, which keeps the
+    them as "eval/<name>", keep the latest as `last` (an `Evaluation`, which the writers and the
+    goodput account read), and hand them to `checkpoints` (a `CheckpointManager`, which keeps the
     best) when given."""
 
     def __init__(self, period: int, eval_function, checkpoints: CheckpointManager | None = None):
         self.period, self.eval_function, self.checkpoints = period, eval_function, checkpoints
+        self.last: Evaluation | None = None
 
     def after_step(self) -> None:
         done = self.trainer.iter + 1
         if (self.period and done % self.period == 0) or done == self.trainer.max_iter:
             start = time.perf_counter()
             results = self.eval_function()
-            self.trainer.storage.put_scalar("eval_s", time.perf_counter() - start)
+            self.last = Evaluation(done, results, time.perf_counter() - start)
+            self.trainer.storage.put_scalar("eval_s", self.last.seconds)
             self.trainer.storage.put_scalars(**{f"eval/{name}": value for name, value in results.items()})
             logger.info("evaluation after %d steps: %s", done,
                         ", ".join(f"{name} = {value:.4f}" for name, value in results.items()))
@@ -135,15 +149,15 @@ class StepTimeSpread(HookBase):
 
 class PeriodicWriter(HookBase):
     """Call every writer after the run's first step (the starting loss), every `period` steps,
-    after the last step, and after a step that evaluated (whatever the period: its results are
-    recorded at that step only)."""
+    after the last step, and after a step that `evaluation` (the run's `EvalHook`, if any)
+    evaluated, whatever the period: its results are recorded at that step only."""
 
-    def __init__(self, writers: list, period: int):
-        self.writers, self.period = writers, period
+    def __init__(self, writers: list, period: int, evaluation: EvalHook | None = None):
+        self.writers, self.period, self.evaluation = writers, period, evaluation
 
     def after_step(self) -> None:
-        storage = self.trainer.storage
-        evaluated = any(name.startswith("eval/") and at == storage.iter for name, (_, at) in storage.latest().items())
+        last = self.evaluation.last if self.evaluation is not None else None
+        evaluated = last is not None and last.iteration == self.trainer.iter + 1
         if evaluated or is_log_step(self.trainer, self.period):
             for writer in self.writers:
                 writer.write(self.trainer.storage)
