@@ -12,3 +12,58 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 # torch.distributed and DTensor may write compile caches; keep them out of the user's /tmp.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="libai_zoo_inductor_"))
+
+
+# ------------------------------------------------------------------ markers and the time budget
+import json  # noqa: E402
+from collections import defaultdict  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+BUDGET = Path(__file__).with_name("durations_budget.json")
+# Seconds a module may take: its recorded time × SLACK + GRACE (machine noise), DEFAULT_BUDGET for a
+# module with no record. LIBAI_ZOO_DURATIONS_SLACK=0 turns the check off (a loaded machine);
+# LIBAI_ZOO_RECORD_DURATIONS=1 writes this run's times of the modules it ran into the budget.
+SLACK = float(os.environ.get("LIBAI_ZOO_DURATIONS_SLACK", "1.5"))
+GRACE, DEFAULT_BUDGET = 5.0, 20.0
+_module_seconds: dict[str, float] = defaultdict(float)
+_over_budget: list[str] = []
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Sum set-up, call and tear-down seconds per module (under xdist, on the controller too)."""
+    _module_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Fail the run when a module took longer than its budget: a new model or feature should pick
+    layouts from tests/layouts.py and share runs, not add a matrix (see tests/durations_budget.json)."""
+    if hasattr(session.config, "workerinput") or not _module_seconds:
+        return  # an xdist worker: the controller checks
+    budget = json.loads(BUDGET.read_text())
+    if os.environ.get("LIBAI_ZOO_RECORD_DURATIONS") == "1":
+        budget.update({module: round(seconds, 1) for module, seconds in _module_seconds.items()})
+        BUDGET.write_text(json.dumps(dict(sorted(budget.items())), indent=1) + "\n")
+        return
+    if SLACK <= 0:
+        return
+    for module, seconds in sorted(_module_seconds.items()):
+        allowed = budget[module] * SLACK + GRACE if module in budget else DEFAULT_BUDGET
+        if seconds > allowed:
+            _over_budget.append(f"{module}: {seconds:.0f} s, over its budget of {allowed:.0f} s "
+                                f"({'recorded ' + str(budget[module]) + ' s' if module in budget else 'no record'} "
+                                f"× {SLACK} + {GRACE:.0f} s)")
+    if _over_budget and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _over_budget:
+        terminalreporter.section("modules over their time budget (tests/durations_budget.json)", red=True)
+        for line in _over_budget:
+            terminalreporter.write_line(line)
+        terminalreporter.write_line("Cover a new model or feature on the few layouts that exercise it (tests/layouts.py) "
+                                    "and compose features into shared runs; if the time is earned, record it with "
+                                    "LIBAI_ZOO_RECORD_DURATIONS=1.")

@@ -101,6 +101,7 @@ LAYOUT = "ParallelContext(world_size=2, dp=2, tp=1, pp=1, rank=0, device=cpu"
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_accelerate_launch_runs_train_py_as_torchrun_does(workdir, torchrun_run):
     launcher = accelerate_launch(ROOT / "tools/train.py")[:-1]  # the script and its arguments follow
     out = train(workdir, launcher, "accelerate")
@@ -112,6 +113,7 @@ def test_accelerate_launch_runs_train_py_as_torchrun_does(workdir, torchrun_run)
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_accelerate_loop_gives_the_trainers_losses(workdir, torchrun_run):
     """projects/accelerate_loop/train_loop.py (Accelerator.prepare: DDP, the prepared loader sharding the
     global micro-batch order, accumulate, backward, clip_grad_norm_) against DefaultTrainer at dp2."""
@@ -129,6 +131,7 @@ def test_accelerate_loop_gives_the_trainers_losses(workdir, torchrun_run):
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_the_loop_refuses_to_run_each_process_alone(workdir):
     """Without a GPU and without ACCELERATE_USE_CPU, accelerate would let each launched process train
     alone on all the data (num_processes 1); the example stops and says what to set."""

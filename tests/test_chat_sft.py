@@ -2,8 +2,8 @@
 whole conversations with restarting positions and per-conversation targets, and warns about
 truncation; a packed batch trains the zoo's causal LMs exactly as the same conversations padded
 one per row (loss and gradients), and the zoo's Llama on a packed batch equals transformers'.
-Slow: packed SFT under DefaultTrainer at dp2, tp2 with sequence parallelism and pp2 logs the
-one-process losses."""
+Slow: packed SFT under DefaultTrainer at dp2, tp2 with sequence parallelism and pp2 (the Llama
+with LoRA adapters) logs the one-process losses."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import pytest
 import torch
 import transformers
 
-from distributed_runner import run_distributed
+from cases import Case, Cases
+from layouts import LAYOUTS
+from layouts import overrides as layout_overrides
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import build_chat_dataset, check_dataset, load_tokenizer
 from libai_zoo.data.chat_dataset import pack_greedily
@@ -308,12 +310,12 @@ model = models["llama"]
 dataloader = dict(train=LazyCall(build_chat_dataset)(path="{data}", tokenizer_dir="{tokenizer}", max_length=256,
                                                      chat_template={template!r}, cache_dir="{cache}"))
 '''
-LAYOUTS = {  # (model, overrides): each trains the same global batch of 8 packed samples
-    "llama_dp2": ("llama", ["dist.dp=2", "train.micro_batch_size=4"]),
-    "llama_tp2_sp": ("llama", ["dist.tp=2", "dist.sequence_parallel=true", "train.micro_batch_size=8"]),
-    "llama_pp2": ("llama", ["dist.pp=2", "train.micro_batch_size=4"]),
-    "gpt2_tp2_sp": ("gpt2", ["dist.tp=2", "dist.sequence_parallel=true", "train.micro_batch_size=8"]),
-}
+# The covering design (tests/layouts.py): packed data differs where positions restart and
+# conversations are masked apart, under sequence parallelism (split sequences), a pipeline and dp;
+# the Llama runs train LoRA adapters too (LoRA and packing are independent: one run covers both).
+LORA = ["train.lora.rank=4", "train.lora.alpha=8"]
+RUNS_AT = {"llama_dp2": ("llama", "dp2"), "llama_tp2_sp": ("llama", "tp2_sp"), "llama_pp2": ("llama", "pp2_1f1b"),
+           "gpt2_tp2_sp": ("gpt2", "tp2_sp")}
 
 
 def train(config_file: str, output_dir: str, model: str, overrides: list[str]) -> dict[int, float]:
@@ -321,32 +323,36 @@ def train(config_file: str, output_dir: str, model: str, overrides: list[str]) -
     cfg.model = cfg.models[model]
     cfg = LazyConfig.apply_overrides(cfg, [
         f"train.output_dir={output_dir}", f"train.max_iter={STEPS}", f"train.global_batch_size={GLOBAL_BATCH}",
-        "train.log_period=1", "train.checkpoint.period=0", "optim.lr=3e-3", *overrides])
+        "train.log_period=1", "train.checkpoint.period=0", "optim.lr=3e-3", *overrides,
+        *(LORA if model == "llama" else [])])
     run_trainer(cfg)
     return losses(Path(output_dir))
 
 
-def _layouts(config_file: str, out: str) -> dict:
-    return {name: train(config_file, f"{out}/{name}", model, overrides) for name, (model, overrides) in LAYOUTS.items()}
+def _run(root: str, model: str, layout: str) -> dict[int, float]:
+    return train(f"{root}/config.py", f"{root}/{model}_{layout}", model, layout_overrides(layout))
 
 
-@pytest.fixture(scope="module")
-def sft_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft")
+def setup(root: Path) -> None:
     data = root / "chats.jsonl"
     data.write_text("".join(SHIPPED.read_text().splitlines(keepends=True)[:96]))
-    config_file = root / "config.py"
-    config_file.write_text(CONFIG.format(data=data, tokenizer=TOKENIZER, template=TEMPLATE, cache=root / "cache"))
-    reference = {model: train(str(config_file), str(root / f"one_{model}"), model, ["train.micro_batch_size=8"])
-                 for model in ("llama", "gpt2")}  # also fills the data cache the workers read
-    return reference, run_distributed(_layouts, 2, str(config_file), str(root))[0]
+    (root / "config.py").write_text(CONFIG.format(data=data, tokenizer=TOKENIZER, template=TEMPLATE,
+                                                  cache=root / "cache"))
+
+
+CASES = {  # the references run first: they also fill the data cache the workers read
+    **{f"one_{model}": Case(1, _run, (model, "one")) for model in ("llama", "gpt2")},
+    **{name: Case(LAYOUTS[layout].world_size, _run, (model, layout), needs=(f"one_{model}",))
+       for name, (model, layout) in RUNS_AT.items()},
+}
+RUNS = Cases(__file__, CASES, setup)
+sft_runs = RUNS.fixture("sft_runs")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_packed_sft_trains_alike_at_every_layout(sft_runs, layout):
-    reference, results = sft_runs
-    expected, logged = reference[LAYOUTS[layout][0]], results[layout]
+@pytest.mark.parametrize("case", list(RUNS_AT))
+def test_packed_sft_trains_alike_at_every_layout(sft_runs, case):
+    expected, logged = sft_runs(f"one_{RUNS_AT[case][0]}"), sft_runs(case)
     assert sorted(logged) == list(range(1, STEPS + 1))
     worst = max(abs(logged[i] - expected[i]) / abs(expected[i]) for i in logged)
     assert worst <= TOL, (worst, logged, expected)

@@ -234,6 +234,7 @@ def test_a_checkpoint_missing_a_last_stage_tensor_fails_on_every_rank(runs):
             in error, error
 
 
+@pytest.mark.slow
 def test_hugging_face_directory_loads_by_slices_under_zero3(runs, hf_dir):
     """Each rank reads its tp slice of each tensor and keeps its ZeRO-3 shard of it: the first
     loss is the checkpoint's."""

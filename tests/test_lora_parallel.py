@@ -3,16 +3,25 @@ adapters trained 10 steps under dp (ZeRO 0-3), tp (with sequence parallelism), p
 zero-bubble, whose split backward meets frozen weights) and their mixes log the one-process loss at
 every step; the frozen base holds no gradient and no optimizer state on any rank (its bytes per
 rank against full fine-tuning are recorded). The config and the run helper are
-test_parallel_training's; 2-process layouts share one pair of processes, 4-process ones a quartet."""
+test_parallel_training's; each run is a case (tests/cases.py), computed when a selected test asks.
+
+The covering design (tests/layouts.py): what LoRA changes is a frozen base (under DDP, ZeRO 1-3 and
+a pipeline's split backward), adapters split as their layer is (tp, sequence parallelism) and
+adapters read from PEFT; each layout trains one model, and both models (GPT-2's fused qkv, Llama's
+separate projections and gated MLP) where adapters are split or loaded: tp2-SP (Llama's in
+test_chat_sft, composed with packed chat data), dp2×tp2 ZeRO-3 from a PEFT adapter, and LoRA
+dropout under tp.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from distributed_runner import run_distributed
+from cases import Case, Cases
+from layouts import LAYOUTS, overrides
 from libai_zoo.convert import export_adapter
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
-from test_parallel_training import MODELS, STEPS, _assert_same, train, trained_one_step, write_config
+from test_parallel_training import STEPS, _assert_same, train, trained_one_step, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -22,95 +31,98 @@ LORA = ["train.lora.rank=4", "train.lora.alpha=8", "optim.lr=1e-2", "dataloader.
 # nothing to train); started from a PEFT adapter exported from the plain reference run.
 VARIANTS = {"plain": [], "last_layer": ['train.lora.target_modules=["3.mlp.down"]'],
             "adapter": ["train.lora.adapter={adapter}"]}
-# name -> (overrides, variant)
-LAYOUTS_2 = {
-    "dp2": (["dist.dp=2", "train.micro_batch_size=4"], "plain"),
-    "dp2_zero3": (["dist.dp=2", "train.zero_stage=3", "train.micro_batch_size=4"], "plain"),
-    "tp2_sp": (["dist.tp=2", "dist.sequence_parallel=true", "train.micro_batch_size=8"], "plain"),
-    "pp2_1f1b": (["dist.pp=2", "train.micro_batch_size=4"], "plain"),
-    "pp2_zero_bubble": (["dist.pp=2", "train.micro_batch_size=4", "train.pipeline.schedule=zero_bubble"], "plain"),
-    "pp2_1f1b_last_layer": (["dist.pp=2", "train.micro_batch_size=4"], "last_layer"),
-}
-LAYOUTS_4 = {
-    "dp2_tp2_zero1": (["dist.dp=2", "dist.tp=2", "train.zero_stage=1", "train.micro_batch_size=4"], "plain"),
-    "dp2_pp2_zero2": (["dist.dp=2", "dist.pp=2", "train.zero_stage=2", "train.micro_batch_size=2"], "plain"),
-    "tp2_pp2_interleaved": (["dist.tp=2", "dist.pp=2", "train.micro_batch_size=2",
-                             "train.pipeline.schedule=interleaved_1f1b", "train.pipeline.virtual_stages=2"], "plain"),
-    "dp2_tp2_zero3_adapter": (["dist.dp=2", "dist.tp=2", "train.zero_stage=3", "train.micro_batch_size=4"],
-                              "adapter"),
-    "tp2_pp2_adapter": (["dist.tp=2", "dist.pp=2", "train.micro_batch_size=4"], "adapter"),
-}
+# (model, layout, variant) of each multi-process run
+RUNS_AT = [
+    ("gpt2", "dp2", "plain"), ("llama", "dp2_zero3", "plain"),
+    ("gpt2", "tp2_sp", "plain"),  # Llama's LoRA at tp2-SP shares test_chat_sft's packed-data run
+    ("gpt2", "pp2_1f1b", "plain"), ("llama", "pp2_zero_bubble", "plain"), ("gpt2", "pp2_1f1b", "last_layer"),
+    ("llama", "dp2_tp2_zero1", "plain"), ("gpt2", "dp2_pp2_zero2", "plain"), ("llama", "tp2_pp2_interleaved", "plain"),
+    ("gpt2", "dp2_tp2_zero3", "adapter"), ("llama", "dp2_tp2_zero3", "adapter"), ("gpt2", "tp2_pp2", "adapter"),
+]
 # LoRA dropout under tp: a column layer's input is the same on every tp rank, gathered or not, so
 # sequence parallelism changes nothing (a row layer's split input draws from its tp rank's stream)
-DROPOUT = {"tp2_dropout": ["dist.tp=2", "train.micro_batch_size=8", "train.lora.dropout=0.2"],
-           "tp2_sp_dropout": ["dist.tp=2", "dist.sequence_parallel=true", "train.micro_batch_size=8",
-                              "train.lora.dropout=0.2"]}
-BYTES_LAYOUT = ["dist.dp=2", "train.zero_stage=1", "train.micro_batch_size=4"]
+DROPOUT = ["train.lora.dropout=0.2"]
+BYTES_LAYOUT = "dp2_zero1"
 
 
-def _overrides(out: str, model: str, variant: str) -> list[str]:
-    return [*LORA, *(o.format(adapter=f"{out}/adapter_{model}") for o in VARIANTS[variant])]
+def _name(model: str, layout: str, variant: str) -> str:
+    return f"{model}_{layout}" + ("" if variant == "plain" else f"_{variant}")
 
 
-def _layouts(config_file: str, out: str, layouts: dict, extra: dict) -> dict:
-    results = {(model, name): train(config_file, f"{out}/{model}_{name}", model,
-                                    [*overrides, *_overrides(out, model, variant)])
-               for model in MODELS for name, (overrides, variant) in layouts.items()}
-    results.update({(model, name): train(config_file, f"{out}/{model}_{name}", model, [*overrides, *LORA])
-                    for model in MODELS for name, overrides in extra.items()})
-    if layouts is LAYOUTS_2:  # per-rank state of full fine-tuning and LoRA at dp2 ZeRO-1
-        for kind, more in (("full", []), ("lora", LORA)):
-            with trained_one_step(config_file, f"{out}/bytes_{kind}", [*BYTES_LAYOUT, *more]) as trainer:
-                batch = next(iter(trainer.build_train_loader(trainer.cfg)))
-                trainer.model(**batch).loss.backward()  # the step freed its gradients: make them again
-                adapters = sum(p.to_local().numel() * 4 for p in trainer.model.parameters() if p.requires_grad)
-                results["bytes", kind] = {"parameters": parameter_bytes(trainer.model),
-                                          "gradients": gradient_bytes(trainer.model),
-                                          "optimizer": optimizer_state_bytes(trainer.optimizer),
-                                          "trainable": adapters}  # this rank's adapter (or all) bytes
-    return results
+def _overrides(root: str, model: str, variant: str) -> list[str]:
+    return [*LORA, *(o.format(adapter=f"{root}/adapter_{model}") for o in VARIANTS[variant])]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_parallel")
-    config_file, _ = write_config(root)
-    reference = {}
-    for model in MODELS:
-        plain = root / f"one_{model}_plain"
-        reference[model, "plain"] = train(str(config_file), str(plain), model,
-                                          ["train.micro_batch_size=8", f"train.checkpoint.period={STEPS}", *LORA])
-        export_adapter(plain / f"model_{STEPS:07d}", root / f"adapter_{model}")
-        for variant in ("last_layer", "adapter"):
-            reference[model, variant] = train(str(config_file), str(root / f"one_{model}_{variant}"), model,
-                                              ["train.micro_batch_size=8", *_overrides(str(root), model, variant)])
-    two = run_distributed(_layouts, 2, str(config_file), str(root), LAYOUTS_2, DROPOUT)[0]
-    four = run_distributed(_layouts, 4, str(config_file), str(root), LAYOUTS_4, {})[0]
-    return reference, {**two, **four}
+def _reference(root: str, model: str, variant: str) -> dict[int, float]:
+    """One process; the plain run also exports its adapter (the `adapter` variant starts from it)."""
+    out = f"{root}/one_{model}_{variant}"
+    more = [f"train.checkpoint.period={STEPS}"] if variant == "plain" else []
+    logged = train(f"{root}/config.py", out, model, ["train.micro_batch_size=8", *more,
+                                                      *_overrides(root, model, variant)])
+    if variant == "plain":
+        export_adapter(f"{out}/model_{STEPS:07d}", f"{root}/adapter_{model}")
+    return logged
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
-def test_lora_layout_equals_one_process(runs, layout, model):
-    reference, results = runs
-    variant = {**LAYOUTS_2, **LAYOUTS_4}[layout][1]
-    expected = reference[model, variant]
+def _run(root: str, model: str, layout: str, variant: str, extra: tuple = ()) -> dict[int, float]:
+    name = _name(model, layout, variant) + ("_dropout" if extra else "")
+    return train(f"{root}/config.py", f"{root}/{name}", model,
+                 [*overrides(layout), *_overrides(root, model, variant), *extra])
+
+
+def _bytes(root: str, kind: str) -> dict:
+    """This rank's state bytes after one step at dp2 ZeRO-1, full fine-tuning or LoRA."""
+    with trained_one_step(f"{root}/config.py", f"{root}/bytes_{kind}",
+                          [*overrides(BYTES_LAYOUT), *(LORA if kind == "lora" else [])]) as trainer:
+        batch = next(iter(trainer.build_train_loader(trainer.cfg)))
+        trainer.model(**batch).loss.backward()  # the step freed its gradients: make them again
+        adapters = sum(p.to_local().numel() * 4 for p in trainer.model.parameters() if p.requires_grad)
+        return {"parameters": parameter_bytes(trainer.model), "gradients": gradient_bytes(trainer.model),
+                "optimizer": optimizer_state_bytes(trainer.optimizer),
+                "trainable": adapters}  # this rank's adapter (or all) bytes
+
+
+REFERENCES = [("gpt2", "plain"), ("llama", "plain"), ("gpt2", "last_layer"), ("gpt2", "adapter"),
+              ("llama", "adapter")]
+CASES = {
+    **{f"one_{model}_{variant}": Case(1, _reference, (model, variant),
+                                      needs=(f"one_{model}_plain",) if variant == "adapter" else ())
+       for model, variant in REFERENCES},
+    **{_name(model, layout, variant): Case(LAYOUTS[layout].world_size, _run, (model, layout, variant),
+                                           needs=(f"one_{model}_{variant}",) + (
+                                               (f"one_{model}_plain",) if variant == "adapter" else ()))
+       for model, layout, variant in RUNS_AT},
+    **{f"{model}_{layout}_dropout": Case(2, _run, (model, layout, "plain", tuple(DROPOUT)),
+                                         needs=(f"one_{model}_plain",))
+       for model in ("gpt2", "llama") for layout in ("tp2", "tp2_sp")},
+    **{f"bytes_{kind}": Case(2, _bytes, (kind,)) for kind in ("full", "lora")},
+}
+RUNS = Cases(__file__, CASES, write_config)
+runs = RUNS.fixture()
+
+
+@pytest.mark.parametrize("case, model, variant", [
+    pytest.param(_name(model, layout, variant), model, variant, id=_name(model, layout, variant))
+    for model, layout, variant in RUNS_AT])
+def test_lora_layout_equals_one_process(runs, case, model, variant):
+    expected = runs(f"one_{model}_{variant}")
     if variant == "plain":
         assert expected[STEPS] < expected[1] - 1e-3  # the adapters learn: the losses move
-    _assert_same(results[model, layout], expected, range(1, STEPS + 1))
+    _assert_same(runs(case), expected, range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [pytest.param(model, marks=pytest.mark.cases(f"{model}_tp2_dropout",
+                                                                               f"{model}_tp2_sp_dropout"))
+                                   for model in ("gpt2", "llama")])
 def test_lora_dropout_under_tp_is_the_same_with_sequence_parallelism(runs, model):
-    reference, results = runs
-    with_dropout = results[model, "tp2_dropout"]
-    assert abs(with_dropout[STEPS] - reference[model, "plain"][STEPS]) > 1e-4  # dropout drew masks
-    _assert_same(results[model, "tp2_sp_dropout"], with_dropout, range(1, STEPS + 1))
+    with_dropout = runs(f"{model}_tp2_dropout")
+    assert abs(with_dropout[STEPS] - runs(f"one_{model}_plain")[STEPS]) > 1e-4  # dropout drew masks
+    _assert_same(runs(f"{model}_tp2_sp_dropout"), with_dropout, range(1, STEPS + 1))
 
 
+@pytest.mark.cases("bytes_full", "bytes_lora")
 def test_frozen_base_holds_no_gradient_or_optimizer_state(runs):
-    _, results = runs
-    full, lora = results["bytes", "full"], results["bytes", "lora"]
+    full, lora = runs("bytes_full"), runs("bytes_lora")
     print(f"\nper-rank bytes at dp2 ZeRO-1 (GPT-2 test model): full fine-tuning {full}, LoRA rank 4 {lora}")
     trainable = lora["trainable"]
     assert lora["parameters"] == full["parameters"] + trainable  # the same base, plus the adapters

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_wheel_installs_only_the_libai_zoo_package(tmp_path):
     source = tmp_path / "src"  # build from a copy: setuptools writes build/ into the source tree
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__"))

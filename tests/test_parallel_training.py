@@ -3,8 +3,8 @@
 every step (≤ 1e-5 relative), for a tiny GPT-2 and a tiny Llama; a checkpoint written at
 dp2×tp2 with ZeRO-3 resumes at other layouts; bad layouts fail before the first step.
 
-All 2-process layouts share one pair of forked gloo processes and all 4-process layouts one
-quartet (start-up dominates on CPU); the parent runs the one-process references.
+Each run is a case (tests/cases.py): computed when a selected test asks for it, the cases of one
+world size in one group of forked gloo processes, the one-process references once in the parent.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed_runner import run_distributed
+from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.layers import LMHead
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from layouts import LAYOUTS, overrides
 from trainer_runs import losses, records, run_trainer
 
 pytestmark = pytest.mark.slow
@@ -54,50 +55,6 @@ dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenize
                                                    cache_dir="{cache}"))
 '''
 
-# name -> overrides; every layout trains the same global batch of 8 sequences for 10 steps.
-LAYOUTS_2 = {
-    "dp2": ["dist.dp=2", "train.micro_batch_size=4"],
-    "tp2": ["dist.tp=2", "train.micro_batch_size=8"],
-    "tp2_sp": ["dist.tp=2", "dist.sequence_parallel=true", "train.micro_batch_size=8"],
-    "dp2_zero1": ["dist.dp=2", "train.zero_stage=1", "train.micro_batch_size=4"],
-    "dp2_zero2": ["dist.dp=2", "train.zero_stage=2", "train.micro_batch_size=4"],
-    "dp2_zero3": ["dist.dp=2", "train.zero_stage=3", "train.micro_batch_size=4"],
-    "dp2_accum_ac": ["dist.dp=2", "train.micro_batch_size=1", "train.activation_checkpoint.enabled=true"],
-    "pp2_1f1b": ["dist.pp=2", "train.micro_batch_size=4"],
-    "pp2_interleaved": ["dist.pp=2", "train.micro_batch_size=2", "train.pipeline.schedule=interleaved_1f1b",
-                        "train.pipeline.virtual_stages=2"],
-    "pp2_1f1b_ac": ["dist.pp=2", "train.micro_batch_size=2", "train.activation_checkpoint.enabled=true"],
-    "pp2_zero_bubble": ["dist.pp=2", "train.micro_batch_size=4", "train.pipeline.schedule=zero_bubble"],
-}
-LAYOUTS_4 = {
-    "dp4": ["dist.dp=4", "train.micro_batch_size=2"],
-    "tp4": ["dist.tp=4", "train.micro_batch_size=8"],
-    "dp4_zero3": ["dist.dp=4", "train.zero_stage=3", "train.micro_batch_size=2"],
-    "dp2_tp2": ["dist.dp=2", "dist.tp=2", "train.micro_batch_size=4"],
-    "dp2_tp2_zero3": ["dist.dp=2", "dist.tp=2", "train.zero_stage=3", "train.micro_batch_size=4"],
-    "dp2_tp2_zero3_accum_ac": ["dist.dp=2", "dist.tp=2", "train.zero_stage=3", "train.micro_batch_size=2",
-                               "train.activation_checkpoint.enabled=true"],
-    "pp4_gpipe": ["dist.pp=4", "train.micro_batch_size=2", "train.pipeline.schedule=gpipe"],
-    "tp2_pp2": ["dist.tp=2", "dist.pp=2", "train.micro_batch_size=4"],
-    "dp2_pp2": ["dist.dp=2", "dist.pp=2", "train.micro_batch_size=2"],
-    # pipelines with ZeRO (FSDP2 inside each stage), one schedule each
-    "dp2_pp2_zero1_1f1b": ["dist.dp=2", "dist.pp=2", "train.zero_stage=1", "train.micro_batch_size=2"],
-    "dp2_pp2_zero2_gpipe": ["dist.dp=2", "dist.pp=2", "train.zero_stage=2", "train.micro_batch_size=2",
-                            "train.pipeline.schedule=gpipe"],
-    "dp2_pp2_zero3_interleaved": ["dist.dp=2", "dist.pp=2", "train.zero_stage=3", "train.micro_batch_size=2",
-                                  "train.pipeline.schedule=interleaved_1f1b", "train.pipeline.virtual_stages=2"],
-    "dp2_pp2_zero3_zero_bubble": ["dist.dp=2", "dist.pp=2", "train.zero_stage=3", "train.micro_batch_size=2",
-                                  "train.pipeline.schedule=zero_bubble", "train.pipeline.virtual_stages=2"],
-    "dp2_pp2_zero2_zbv": ["dist.dp=2", "dist.pp=2", "train.zero_stage=2", "train.micro_batch_size=2",
-                          "train.pipeline.schedule=zbv", "train.pipeline.virtual_stages=2", "dataloader.test=null"],
-}
-# dp × tp × pp with ZeRO: 8 processes (2 cores run them in about a minute)
-LAYOUTS_8 = {
-    "dp2_tp2_pp2_zero1": ["dist.dp=2", "dist.tp=2", "dist.pp=2", "train.zero_stage=1", "train.micro_batch_size=2"],
-    "dp2_tp2_pp2_zero3_interleaved": ["dist.dp=2", "dist.tp=2", "dist.pp=2", "train.zero_stage=3",
-                                      "train.micro_batch_size=2", "train.pipeline.schedule=interleaved_1f1b",
-                                      "train.pipeline.virtual_stages=2"],
-}
 MODELS = ("gpt2", "llama")
 
 
@@ -117,78 +74,10 @@ def train(config_file: str, output_dir: str, model: str, overrides: list[str], *
     return losses(Path(output_dir))
 
 
-INDEXED_LAYOUTS = {  # Megatron-format data: windows of 17 tokens as 16 inputs + 16 shift_labels
-    "indexed_dp2": ["dist.dp=2", "train.micro_batch_size=4"],
-    "indexed_pp2": ["dist.pp=2", "train.micro_batch_size=4"],
-}
-
-
-def _indexed_config(config_file: str) -> str:
-    return str(Path(config_file).with_name("config_indexed.py"))
-
-
-def _two_process_extras(config_file: str, out: str) -> dict:
-    results = {}
-    for name, overrides in INDEXED_LAYOUTS.items():
-        results["gpt2", name] = train(_indexed_config(config_file), f"{out}/gpt2_{name}", "gpt2", overrides)
-        results["gpt2", name, "eval"] = final_eval_loss(f"{out}/gpt2_{name}")
-    return results
-
-
 def final_eval_loss(output_dir: str) -> float | None:
     """The evaluation loss logged after the last step (one test batch of 8 sequences)."""
     path = Path(output_dir) / "metrics.json"
     return records(output_dir)[-1].get("eval/loss") if path.is_file() else None
-
-
-def _layouts(config_file: str, out: str, layouts: dict, extra) -> dict:
-    results = {}
-    for model in MODELS:
-        for name, overrides in layouts.items():
-            results[model, name] = train(config_file, f"{out}/{model}_{name}", model, overrides)
-            results[model, name, "eval"] = final_eval_loss(f"{out}/{model}_{name}")
-    if extra is not None:
-        results.update(extra(config_file, out))
-    return results
-
-
-def _errors(config_file: str, out: str) -> dict:
-    """Bad layouts fail in the constructor, before the first step; the message names the fix."""
-    errors = {}
-    for name, overrides in {"zero_dp1": ["dist.tp=4", "train.zero_stage=2"],
-                            "batch": ["dist.dp=4", "train.micro_batch_size=3"],
-                            "pp_layers": ["dist.pp=4", "train.micro_batch_size=1", "train.pipeline.virtual_stages=2",
-                                          "train.pipeline.schedule=interleaved_1f1b"],
-                            "few_micro_batches": ["dist.pp=4", "train.micro_batch_size=4"],
-                            "offload_on_cpu": ["dist.dp=4", "train.zero_stage=3", "train.zero_offload=true",
-                                               "train.micro_batch_size=2"],
-                            "zbv_eval": ["dist.dp=2", "dist.pp=2", "train.micro_batch_size=2",
-                                         "train.pipeline.schedule=zbv", "train.pipeline.virtual_stages=2"]}.items():
-        try:
-            train(config_file, f"{out}/error_{name}", "gpt2", overrides)
-        except Exception as error:  # noqa: BLE001 - the message is what is checked
-            errors["error", name] = str(error)
-    return {"errors": errors}
-
-
-def _checkpoint_at_dp2_tp2_zero3(config_file: str, out: str) -> dict:
-    train(config_file, f"{out}/ckpt", "gpt2", [*LAYOUTS_4["dp2_tp2_zero3"], "train.checkpoint.period=5"],
-          interrupt_after=5)
-    return {}
-
-
-def _resume_at(layout: list[str]):
-    def resume(config_file: str, out: str) -> dict:
-        name = "_".join(o.split("=")[0].split(".")[-1] + o.split("=")[1] for o in layout
-                        if o.startswith(("dist", "train.zero_stage")))
-        target = f"{out}/resume_{name}"
-        if torch.distributed.get_rank() == 0:
-            shutil.copytree(f"{out}/ckpt", target)
-            (Path(target) / "metrics.json").unlink()
-        torch.distributed.barrier()
-        return {("resume", name): train(config_file, target, "gpt2", [*layout, "train.checkpoint.period=5"],
-                                        resume=True)}
-    return resume
 
 
 @contextmanager
@@ -226,21 +115,6 @@ def optimizer_bytes_per_rank(config_file: str, output_dir: str, overrides: list[
         return per_rank, largest
 
 
-def _four_process_extras(config_file: str, out: str) -> dict:
-    results = {"zero3_bytes": state_bytes(config_file, f"{out}/bytes_dp4_zero3",
-                                          ["dist.dp=4", "train.zero_stage=3", "train.micro_batch_size=2"]),
-               "zero1_optimizer_bytes": optimizer_bytes_per_rank(config_file, f"{out}/bytes_dp4_zero1",
-                                                                 ["dist.dp=4", "train.zero_stage=1",
-                                                                  "train.micro_batch_size=2"])}
-    results.update(_checkpoint_at_dp2_tp2_zero3(config_file, out))
-    results.update(_resume_at(["dist.tp=4", "train.micro_batch_size=8"])(config_file, out))
-    results.update(_resume_at(["dist.tp=2", "dist.pp=2", "train.micro_batch_size=4"])(config_file, out))
-    results.update(_resume_at(["dist.dp=2", "dist.pp=2", "train.zero_stage=1", "train.micro_batch_size=2"])(
-        config_file, out))
-    results.update(_errors(config_file, out))
-    return results
-
-
 @pytest.fixture(scope="module", autouse=True)
 def loss_in_chunks():
     """The training loss of every layout here runs chunk by chunk (`LMHead.loss_from_hidden`; at
@@ -261,13 +135,10 @@ def write_config(root: Path) -> tuple[Path, list[str]]:
     return config_file, documents
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
+def setup(root: Path) -> None:
+    """The configs the cases read: CONFIG over the corpus's text, and over the same documents in
+    Megatron's indexed format."""
     config_file, documents = write_config(root)
-    reference = {model: train(str(config_file), str(root / f"one_{model}"), model, ["train.micro_batch_size=8"])
-                 for model in MODELS}
-    reference.update({(model, "eval"): final_eval_loss(str(root / f"one_{model}")) for model in MODELS})
     tokenizer = load_tokenizer(ROOT / "data/tokenizer")
     with IndexedDatasetWriter(root / "corpus_text_document") as writer:
         for document in documents:
@@ -277,22 +148,101 @@ def runs(tmp_path_factory):
     indexed = CONFIG.replace(text_data, indexed_data).replace(
         "import build_gpt_dataset", "import build_gpt_dataset, build_indexed_gpt_dataset")
     (root / "config_indexed.py").write_text(indexed.format(cache=root / "cache"))
-    reference["indexed"] = train(str(root / "config_indexed.py"), str(root / "one_indexed"), "gpt2",
-                                 ["train.micro_batch_size=8"])
-    reference["indexed", "eval"] = final_eval_loss(str(root / "one_indexed"))
-    two = run_distributed(_layouts, 2, str(config_file), str(root), LAYOUTS_2, _two_process_extras)[0]
-    four = run_distributed(_layouts, 4, str(config_file), str(root), LAYOUTS_4, _four_process_extras)[0]
-    if (root / "ckpt").is_dir():  # the 3-D mesh resumes the dp2×tp2 ZeRO-3 checkpoint too
-        four.update(run_distributed(_layouts, 8, str(config_file), str(root), LAYOUTS_8, _resume_at(
-            ["dist.dp=2", "dist.tp=2", "dist.pp=2", "train.zero_stage=3", "train.micro_batch_size=2"]))[0])
-    four["one_process_bytes"] = state_bytes(str(config_file), str(root / "bytes_one"), ["train.micro_batch_size=8"])
-    resumed_here = root / "resume_one_process"
-    shutil.copytree(root / "ckpt", resumed_here)
-    (resumed_here / "metrics.json").unlink()
-    four["resume", "one_process"] = train(str(config_file), str(resumed_here), "gpt2",
-                                          ["train.micro_batch_size=8", "train.checkpoint.period=5"], resume=True)
-    four["checkpoint_dir"] = root / "ckpt"
-    return reference, {**two, **four}
+
+
+def _run(root: str, name: str, model: str, layout: str, config: str = "config.py", extra: tuple = ()) -> dict:
+    """Train `model` at `layout` for STEPS steps: the losses and the final evaluation loss rank 0 logged."""
+    out = f"{root}/{name}"
+    return {"losses": train(f"{root}/{config}", out, model, [*overrides(layout), *extra]),
+            "eval": final_eval_loss(out)}
+
+
+def _errors(root: str) -> dict:
+    """Bad layouts fail in the constructor, before the first step; the message names the fix."""
+    errors = {}
+    for name, bad in {"zero_dp1": ["dist.tp=4", "train.zero_stage=2"],
+                      "batch": ["dist.dp=4", "train.micro_batch_size=3"],
+                      "pp_layers": ["dist.pp=4", "train.micro_batch_size=1", "train.pipeline.virtual_stages=2",
+                                    "train.pipeline.schedule=interleaved_1f1b"],
+                      "few_micro_batches": ["dist.pp=4", "train.micro_batch_size=4"],
+                      "offload_on_cpu": ["dist.dp=4", "train.zero_stage=3", "train.zero_offload=true",
+                                         "train.micro_batch_size=2"],
+                      "zbv_eval": ["dist.dp=2", "dist.pp=2", "train.micro_batch_size=2",
+                                   "train.pipeline.schedule=zbv", "train.pipeline.virtual_stages=2"]}.items():
+        try:
+            train(f"{root}/config.py", f"{root}/error_{name}", "gpt2", bad)
+        except Exception as error:  # noqa: BLE001 - the message is what is checked
+            errors[name] = str(error)
+    return errors
+
+
+def _checkpoint(root: str) -> Path:
+    """GPT-2 at dp2×tp2 ZeRO-3, stopped after step 5 and its checkpoint."""
+    train(f"{root}/config.py", f"{root}/ckpt", "gpt2", [*overrides("dp2_tp2_zero3"), "train.checkpoint.period=5"],
+          interrupt_after=5)
+    return Path(root) / "ckpt"
+
+
+def _resume(root: str, layout: str) -> dict[int, float]:
+    """The dp2×tp2 ZeRO-3 checkpoint resumed at `layout` to step 10."""
+    target = f"{root}/resume_{layout}"
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if rank0:
+        shutil.copytree(f"{root}/ckpt", target)
+        (Path(target) / "metrics.json").unlink()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return train(f"{root}/config.py", target, "gpt2", [*overrides(layout), "train.checkpoint.period=5"], resume=True)
+
+
+def _state_bytes(root: str, layout: str) -> int:
+    return state_bytes(f"{root}/config.py", f"{root}/bytes_{layout}", overrides(layout))
+
+
+def _optimizer_bytes(root: str, layout: str) -> tuple[list[int], int]:
+    return optimizer_bytes_per_rank(f"{root}/config.py", f"{root}/optimizer_bytes_{layout}", overrides(layout))
+
+
+# The covering design (tests/layouts.py): GPT-2 trains at every layout; Llama (grouped-query heads
+# split over tp down to one kv head a rank at tp4, rotary, RMSNorm and the gated MLP under sequence
+# parallelism, an untied head on the last pipeline stage, no biases under ZeRO-3, recomputed
+# rotary under activation checkpointing) at the layouts that split, shard or recompute those parts.
+GPT2_LAYOUTS = [name for name in LAYOUTS if name != "one" and name not in (
+    "dp2_tp2_zero1", "tp2_pp2_interleaved", "dp2_pp2_zero2")]  # those three are LoRA's (test_lora_parallel)
+LLAMA_LAYOUTS = ["tp2", "tp2_sp", "tp4", "dp2_zero3", "pp2_1f1b", "pp2_interleaved", "dp2_tp2_zero3_accum_ac",
+                 "dp2_pp2_zero3_zero_bubble"]
+INDEXED_LAYOUTS = ["dp2", "pp2_1f1b"]  # Megatron-format data: windows of 17 tokens as 16 inputs + 16 shift_labels
+RESUME_AT = ["tp4", "tp2_pp2", "dp2_pp2_zero1_1f1b", "dp2_tp2_pp2_zero3_interleaved", "one"]
+EXTRA = {"dp2_pp2_zero2_zbv": ("dataloader.test=null",)}  # zbv cannot evaluate
+
+
+def _world(layout: str) -> int:
+    return LAYOUTS[layout].world_size
+
+
+CASES = {
+    **{f"{model}_one": Case(1, _run, (f"{model}_one", model, "one")) for model in MODELS},
+    "indexed_one": Case(1, _run, ("indexed_one", "gpt2", "one", "config_indexed.py")),
+    **{f"{model}_{layout}": Case(_world(layout), _run, (f"{model}_{layout}", model, layout, "config.py",
+                                                         EXTRA.get(layout, ())), needs=(f"{model}_one",))
+       for model, layouts in (("gpt2", GPT2_LAYOUTS), ("llama", LLAMA_LAYOUTS)) for layout in layouts},
+    **{f"indexed_{layout}": Case(_world(layout), _run, (f"indexed_{layout}", "gpt2", layout, "config_indexed.py"),
+                                 needs=("indexed_one",)) for layout in INDEXED_LAYOUTS},
+    "ckpt": Case(4, _checkpoint, needs=("gpt2_one",)),
+    **{f"resume_{layout}": Case(_world(layout), _resume, (layout,), needs=("ckpt",)) for layout in RESUME_AT},
+    "bytes_one": Case(1, _state_bytes, ("one",)),
+    "bytes_dp4_zero3": Case(4, _state_bytes, ("dp4_zero3",)),
+    "optimizer_bytes_dp4_zero1": Case(4, _optimizer_bytes, ("dp4_zero1",)),
+    "errors": Case(4, _errors),
+}
+RUNS = Cases(__file__, CASES, setup)
+runs = RUNS.fixture()
+
+
+def _params(names) -> list:
+    """Case names as parameters; the 8-process ones are system tests."""
+    return [pytest.param(name, marks=pytest.mark.system) if CASES[name].world_size == 8 else name
+            for name in names]
 
 
 def _assert_same(losses: dict[int, float], reference: dict[int, float], steps) -> None:
@@ -301,11 +251,11 @@ def _assert_same(losses: dict[int, float], reference: dict[int, float], steps) -
     assert worst <= TOL, (worst, losses, reference)
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4, *LAYOUTS_8])
-def test_layout_equals_one_process(runs, layout, model):
-    reference, results = runs
-    _assert_same(results[model, layout], reference[model], range(1, STEPS + 1))
+@pytest.mark.parametrize("case", _params(f"{model}_{layout}" for model, layouts in (
+    ("gpt2", GPT2_LAYOUTS), ("llama", LLAMA_LAYOUTS)) for layout in layouts))
+def test_layout_equals_one_process(runs, case):
+    model = case.split("_")[0]
+    _assert_same(runs(case)["losses"], runs(f"{model}_one")["losses"], range(1, STEPS + 1))
 
 
 # Layouts whose one evaluation batch holds the same 8 sequences as the one-process run's
@@ -313,59 +263,55 @@ def test_layout_equals_one_process(runs, layout, model):
 SAME_EVAL_BATCH = ["tp2", "tp4", "pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble", "pp4_gpipe", "tp2_pp2"]
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("layout", SAME_EVAL_BATCH)
-def test_evaluation_equals_one_process(runs, layout, model):
+@pytest.mark.parametrize("case", [f"{model}_{layout}" for model, layouts in (
+    ("gpt2", GPT2_LAYOUTS), ("llama", LLAMA_LAYOUTS)) for layout in layouts if layout in SAME_EVAL_BATCH])
+def test_evaluation_equals_one_process(runs, case):
     """Evaluation after the last step, pipelined (forward-only schedule) or not."""
-    reference, results = runs
-    ours, theirs = results[model, layout, "eval"], reference[model, "eval"]
+    ours, theirs = runs(case)["eval"], runs(f"{case.split('_')[0]}_one")["eval"]
     assert ours is not None and abs(ours - theirs) / theirs <= TOL, (ours, theirs)
 
 
+@pytest.mark.cases("indexed_pp2_1f1b")
 def test_pipelined_evaluation_of_megatron_format_data(runs):
-    reference, results = runs
-    ours, theirs = results["gpt2", "indexed_pp2", "eval"], reference["indexed", "eval"]
+    ours, theirs = runs("indexed_pp2_1f1b")["eval"], runs("indexed_one")["eval"]
     assert ours is not None and abs(ours - theirs) / theirs <= TOL, (ours, theirs)
 
 
-@pytest.mark.parametrize("layout", list(INDEXED_LAYOUTS))
-def test_megatron_format_data_trains_alike_under_dp_and_pp(runs, layout):
+@pytest.mark.parametrize("case", [f"indexed_{layout}" for layout in INDEXED_LAYOUTS])
+def test_megatron_format_data_trains_alike_under_dp_and_pp(runs, case):
     """Windows of seq_len + 1 tokens give shift_labels; the pipeline scores them unshifted too."""
-    reference, results = runs
-    _assert_same(results["gpt2", layout], reference["indexed"], range(1, STEPS + 1))
+    _assert_same(runs(case)["losses"], runs("indexed_one")["losses"], range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("where", ["tp4", "tp2_pp2", "dp2_pp2_zero_stage1", "dp2_tp2_pp2_zero_stage3",
-                                   "one_process"])
-def test_checkpoint_from_dp2_tp2_zero3_resumes_elsewhere(runs, where):
-    reference, results = runs
-    _assert_same(results["resume", where], reference["gpt2"], range(6, STEPS + 1))
+@pytest.mark.parametrize("case", _params(f"resume_{layout}" for layout in RESUME_AT))
+def test_checkpoint_from_dp2_tp2_zero3_resumes_elsewhere(runs, case):
+    _assert_same(runs(case), runs("gpt2_one")["losses"], range(6, STEPS + 1))
 
 
+@pytest.mark.cases("bytes_dp4_zero3", "bytes_one")
 def test_zero3_at_dp4_holds_under_a_third_of_the_state(runs):
     """Parameters, gradients and AdamW moments per rank under FSDP2 at dp=4 vs one process: ~1/4."""
-    _, results = runs
-    ratio = results["zero3_bytes"] / results["one_process_bytes"]
+    ratio = runs("bytes_dp4_zero3") / runs("bytes_one")
     assert 0.2 <= ratio <= 0.3, ratio
 
 
+@pytest.mark.cases("optimizer_bytes_dp4_zero1")
 def test_zero1_cuts_the_optimizer_state_evenly(runs):
     """FSDP2 shards every tensor over dp: each of 4 ranks holds a quarter of AdamW's state, give or
     take one tensor's rounding (ZeroRedundancyOptimizer's whole tensors put 72% on rank 0)."""
-    _, results = runs
-    per_rank, largest = results["zero1_optimizer_bytes"]
+    per_rank, largest = runs("optimizer_bytes_dp4_zero1")
     quarter = sum(per_rank) / 4
     assert all(abs(b - quarter) <= largest for b in per_rank), (per_rank, largest)
     assert max(per_rank) / quarter < 1.05, per_rank
 
 
+@pytest.mark.cases("ckpt")
 def test_checkpoint_from_dp2_tp2_zero3_exports_to_transformers(runs, tmp_path):
     import transformers
 
     from libai_zoo.convert import export_to_hf, load_checkpoint_model
 
-    reference, results = runs
-    checkpoint = results["checkpoint_dir"] / "model_0000005"
+    checkpoint = runs("ckpt") / "model_0000005"
     ours = export_to_hf(checkpoint, tmp_path / "hf")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(0, 8192, (2, 16))
@@ -374,12 +320,12 @@ def test_checkpoint_from_dp2_tp2_zero3_exports_to_transformers(runs, tmp_path):
     assert torch.equal(again(ids).logits, ours(ids).logits)
 
 
+@pytest.mark.cases("errors")
 def test_bad_layouts_fail_before_the_first_step(runs):
-    _, results = runs
-    errors = results["errors"]
-    assert "train.zero_stage = 2 shards over data parallelism, but dist.dp = 1" in errors["error", "zero_dp1"]
-    assert "global_batch_size = 8 is not a multiple of micro_batch_size × dp = 3 × 4" in errors["error", "batch"]
-    assert "pp × virtual stages = 8 is larger than the number of layers 4" in errors["error", "pp_layers"]
-    assert "1F1B needs at least pp = 4 micro-batches per step, got 2" in errors["error", "few_micro_batches"]
-    assert "this run is already on the CPU" in errors["error", "offload_on_cpu"]
-    assert "schedule = 'zbv' cannot evaluate" in errors["error", "zbv_eval"]
+    errors = runs("errors")
+    assert "train.zero_stage = 2 shards over data parallelism, but dist.dp = 1" in errors["zero_dp1"]
+    assert "global_batch_size = 8 is not a multiple of micro_batch_size × dp = 3 × 4" in errors["batch"]
+    assert "pp × virtual stages = 8 is larger than the number of layers 4" in errors["pp_layers"]
+    assert "1F1B needs at least pp = 4 micro-batches per step, got 2" in errors["few_micro_batches"]
+    assert "this run is already on the CPU" in errors["offload_on_cpu"]
+    assert "schedule = 'zbv' cannot evaluate" in errors["zbv_eval"]

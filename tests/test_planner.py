@@ -417,6 +417,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_auto_layout_under_torchrun(tmp_path):
     out, cache = tmp_path / "run", tmp_path / "planner.json"
     env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", LIBAI_ZOO_CACHE=str(cache))
@@ -453,6 +454,7 @@ def test_auto_layout_under_torchrun(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_a_planner_failure_on_rank_0_stops_every_rank_with_its_reason(tmp_path):
     """Rank 0 plans alone; when its planner raises (here: no sequence length to plan for), every
     rank raises the same error instead of waiting for a layout that never comes."""

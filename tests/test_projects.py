@@ -45,7 +45,7 @@ RECIPES = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_recipe_fast_dev_run(recipe, workdir, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # recipes name the shipped data relative to the repository
@@ -57,7 +57,7 @@ def test_recipe_fast_dev_run(recipe, workdir, tmp_path, monkeypatch):
     assert (tmp_path / "config.yaml").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_gpt2_pretrain_loss_falls(workdir, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     overrides = [o.format(root=workdir, cache=workdir / "cache") for o in RECIPES["gpt2_pretrain"]]

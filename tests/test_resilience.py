@@ -121,6 +121,7 @@ def kill_step(seed: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_kill_a_rank_static_rendezvous_tp2(config_file, references, tmp_path):
     out = tmp_path / "run"
     env = torchrun_env(tmp_path, f"kill:rank=1:step={kill_step(1)}")
@@ -134,6 +135,7 @@ def test_kill_a_rank_static_rendezvous_tp2(config_file, references, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_kill_a_rank_standalone_dp2_tp2(config_file, references, tmp_path):
     """Rank 1 dies; rank 2 is a straggler (0.3 s late with its data every step), which the
     console line names."""
@@ -148,6 +150,7 @@ def test_kill_a_rank_standalone_dp2_tp2(config_file, references, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_kill_a_rank_of_one_of_two_agents_c10d(config_file, references, tmp_path):
     out = tmp_path / "run"
     env = torchrun_env(tmp_path, f"kill:rank=1:step={kill_step(3)}")
@@ -161,6 +164,7 @@ def test_kill_a_rank_of_one_of_two_agents_c10d(config_file, references, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_sigterm_saves_then_the_restart_resumes(config_file, references, tmp_path):
     """The scheduler's SIGTERM to torchrun: the workers finish the step, save, exit; the same command
     run again resumes there."""
@@ -184,6 +188,7 @@ def test_sigterm_saves_then_the_restart_resumes(config_file, references, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_a_stopped_rank_ends_the_job_naming_it(config_file, tmp_path):
     out = tmp_path / "run"
     timeout = 5

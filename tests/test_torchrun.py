@@ -30,6 +30,7 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_torchrun_two_processes(tmp_path):
     script = tmp_path / "tp2.py"
     script.write_text(SCRIPT)
