@@ -117,16 +117,18 @@ class Cases:
                 todo.extend(self.cases[name].needs)
         return [name for name in self.cases if name in found]
 
-    def _ensure(self, name: str) -> None:
+    def _ensure(self, name: str, with_selected: bool = True) -> None:
+        """Compute `name`: with the selected cases of its world size, or (a case another world
+        size needs) with only what it needs itself."""
         if name in self.results:
             return
         if name not in self.cases:
             raise KeyError(f"no case {name!r} in {self.path.name}: the cases are {', '.join(self.cases)}")
         world = self.cases[name].world_size
-        batch = [n for n in self._closure([name, *self._selected()])
+        batch = [n for n in self._closure([name, *(self._selected() if with_selected else [])])
                  if self.cases[n].world_size == world and n not in self.results]
         for need in {need for n in batch for need in self.cases[n].needs if self.cases[need].world_size != world}:
-            self._ensure(need)
+            self._ensure(need, with_selected=False)
         self._run(world, batch)
 
     def _failed_needs(self, name: str) -> CaseFailed | None:

@@ -66,6 +66,7 @@ def _hf_logits(directory: Path) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("form", ["torch_dist", "torch"])
 def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, family, form):
@@ -84,6 +85,7 @@ def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, fam
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, tmp_path):
     """megatron-to-zoo gives megatron-core's logits in libai_zoo; hf-to-megatron and
     zoo-to-megatron write checkpoints megatron-core loads with the same logits, and transformers'

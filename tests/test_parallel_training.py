@@ -199,8 +199,9 @@ def _state_bytes(root: str, layout: str) -> int:
     return state_bytes(f"{root}/config.py", f"{root}/bytes_{layout}", overrides(layout))
 
 
-def _optimizer_bytes(root: str, layout: str) -> tuple[list[int], int]:
-    return optimizer_bytes_per_rank(f"{root}/config.py", f"{root}/optimizer_bytes_{layout}", overrides(layout))
+def _optimizer_bytes_dp4_zero1(root: str) -> tuple[list[int], int]:
+    return optimizer_bytes_per_rank(f"{root}/config.py", f"{root}/optimizer_bytes_dp4_zero1",
+                                    ["dist.dp=4", "train.zero_stage=1", "train.micro_batch_size=2"])
 
 
 # The covering design (tests/layouts.py): GPT-2 trains at every layout; Llama (grouped-query heads
@@ -232,7 +233,7 @@ CASES = {
     **{f"resume_{layout}": Case(_world(layout), _resume, (layout,), needs=("ckpt",)) for layout in RESUME_AT},
     "bytes_one": Case(1, _state_bytes, ("one",)),
     "bytes_dp4_zero3": Case(4, _state_bytes, ("dp4_zero3",)),
-    "optimizer_bytes_dp4_zero1": Case(4, _optimizer_bytes, ("dp4_zero1",)),
+    "optimizer_bytes_dp4_zero1": Case(4, _optimizer_bytes_dp4_zero1),
     "errors": Case(4, _errors),
 }
 RUNS = Cases(__file__, CASES, setup)

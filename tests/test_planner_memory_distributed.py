@@ -9,14 +9,14 @@ the gradient bytes when the optimizer step starts (after backward, the dp reduct
 weights' sync and clipping; before the gradients are cleared), and the optimizer state bytes after
 the step equal the planner's `state_bytes(table, layout, pp_rank, dp_rank, OptimizerState.probe(...))`
 and the one-process dry run's count of the same rank. All layouts share one quartet of forked
-processes (start-up dominates on CPU).
+processes (start-up dominates on CPU), computed for the selected tests only (tests/cases.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from distributed_runner import run_distributed
+from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
@@ -110,27 +110,30 @@ def measure(config_file: str, output_dir: str, name: str) -> dict:
         distributed.destroy()
 
 
-def _all_layouts(config_file: str, out: str) -> dict:
-    return {name: measure(config_file, f"{out}/{name}", name) for name in LAYOUTS}
+def _measure(root: str, name: str) -> dict:
+    return measure(f"{root}/config.py", f"{root}/{name}", name)
+
+
+RUNS = Cases(__file__, {name: Case(4, _measure, (name,)) for name in LAYOUTS},
+             setup=lambda root: (root / "config.py").write_text(CONFIG))
+runs = RUNS.fixture()
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("planner_memory")
-    config_file = root / "config.py"
-    config_file.write_text(CONFIG)
-    ranks = run_distributed(_all_layouts, 4, str(config_file), str(root))
-    cfg = LazyConfig.load(str(config_file))
-    tables = {model: ModelTable.from_config(cfg.models[model]) for model in cfg.models}
-    return str(config_file), tables, OptimizerState.probe(cfg.optim), ranks
+def planner(runs):
+    """The config file, the model tables and the optimizer state the planner counts with."""
+    config_file = str(runs.root / "config.py")
+    cfg = LazyConfig.load(config_file)
+    return config_file, {model: ModelTable.from_config(cfg.models[model]) for model in cfg.models}, \
+        OptimizerState.probe(cfg.optim)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_state_bytes_equal_a_real_step_on_every_rank(runs, name):
-    config_file, tables, optimizer, ranks = runs
-    model, layout, extra = LAYOUTS[name]
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_state_bytes_equal_a_real_step_on_every_rank(runs, planner, case):
+    config_file, tables, optimizer = planner
+    name, (model, layout, _) = case, LAYOUTS[case]
     cfg = _config(config_file, "unused", name)
-    for rank, result in enumerate(r[name] for r in ranks):
+    for rank, result in enumerate(runs.ranks(name)):
         assert result["skipped"] == 0.0 and "grads" in result and "optimizer" in result, result
         assert result["grads_missing"] == 0, result  # every trainable parameter got its gradient
         measured = (result["params"], result["grads"], result["optimizer"])
@@ -143,11 +146,11 @@ def test_state_bytes_equal_a_real_step_on_every_rank(runs, name):
         assert (dry.params, dry.grads, dry.optimizer) == measured, (rank, dry, measured)
 
 
+@pytest.mark.cases("dp4_zero3", "pp4_zero0_1f1b")
 def test_the_layouts_pad_rows_and_tie_weights(runs):
     """The checks above see FSDP2's padding (the last dp rank holds fewer rows) and the tied
     weight's copy at each pipeline end (the first and last pp ranks hold more than the middle)."""
-    _, _, _, ranks = runs
-    dp4 = [r["dp4_zero3"]["params"] for r in ranks]
+    dp4 = [r["params"] for r in runs.ranks("dp4_zero3")]
     assert dp4[0] > dp4[3], dp4
-    pp4 = [r["pp4_zero0_1f1b"]["params"] for r in ranks]
+    pp4 = [r["params"] for r in runs.ranks("pp4_zero0_1f1b")]
     assert pp4[0] > pp4[1] == pp4[2] < pp4[3], pp4

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from distributed_runner import run_distributed
+from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
@@ -75,58 +75,58 @@ def build(config_file: str, output_dir: str, overrides: list[str], pretrained: b
         distributed.destroy()
 
 
-def _all_layouts(config_file: str, out: str) -> dict:
-    results = {name: build(config_file, f"{out}/{name}", overrides) for name, overrides in LAYOUTS.items()}
-    results["pretrained"] = build(config_file, f"{out}/pretrained",
-                                  ["dist.dp=2", "dist.tp=2", "train.zero_stage=3", "train.micro_batch_size=4"],
-                                  pretrained=True)
-    return results
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("startup")
+def setup(root: Path) -> None:
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
     hf.save_pretrained(root / "hf")
-    config_file = root / "config.py"
-    config_file.write_text(CONFIG.format(hf_dir=root / "hf"))
-    one = build(str(config_file), str(root / "one"), ["train.micro_batch_size=8"])
-    one_pretrained = build(str(config_file), str(root / "one_pretrained"), ["train.micro_batch_size=8"],
-                           pretrained=True)
-    ranks = run_distributed(_all_layouts, 4, str(config_file), str(root))
-    return one, one_pretrained, ranks
+    (root / "config.py").write_text(CONFIG.format(hf_dir=root / "hf"))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_start_up_peak_is_the_shard_plus_one_tensor(runs, layout):
-    one, _, ranks = runs
-    for result in (rank[layout] for rank in ranks):
+def _build(root: str, name: str, overrides: list[str], pretrained: bool = False) -> dict:
+    return build(f"{root}/config.py", f"{root}/{name}", overrides, pretrained)
+
+
+PRETRAINED_AT = ["dist.dp=2", "dist.tp=2", "train.zero_stage=3", "train.micro_batch_size=4"]
+CASES = {
+    "one": Case(1, _build, ("one", ["train.micro_batch_size=8"])),
+    "one_pretrained": Case(1, _build, ("one_pretrained", ["train.micro_batch_size=8"], True)),
+    **{name: Case(4, _build, (name, overrides)) for name, overrides in LAYOUTS.items()},
+    "pretrained": Case(4, _build, ("pretrained", PRETRAINED_AT, True)),
+}
+RUNS = Cases(__file__, CASES, setup)
+runs = RUNS.fixture()
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_start_up_peak_is_the_shard_plus_one_tensor(runs, case):
+    layout, one, ranks = case, runs("one"), runs.ranks(case)
+    for result in ranks:
         bound = LIMIT * result["shard"] + result["largest"] + OVERHEAD
         assert result["peak"] <= bound, (layout, result["peak"], result["shard"], result["largest"])
         assert result["shard"] <= one["shard"] / 3.5  # a quarter of the model, give or take the replicated norms
     # building the whole model first, as before, breaks the bound: the test can fail
-    assert one["shard"] > LIMIT * ranks[0][layout]["shard"] + ranks[0][layout]["largest"] + OVERHEAD
+    assert one["shard"] > LIMIT * ranks[0]["shard"] + ranks[0]["largest"] + OVERHEAD
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fresh_weights_are_the_one_process_weights(runs, layout):
-    one, _, ranks = runs
-    held = {name: value for rank in ranks for name, value in rank[layout]["full"].items()}
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_fresh_weights_are_the_one_process_weights(runs, case):
+    one = runs("one")
+    held = {name: value for rank in runs.ranks(case) for name, value in rank["full"].items()}
     assert set(held) == set(one["full"])  # every parameter is held by some rank
     for name, value in held.items():
         assert torch.equal(value, one["full"][name]), name
 
 
+@pytest.mark.cases("pretrained")
 def test_from_pretrained_reads_only_its_slices_and_loads_the_checkpoint(runs):
-    _, one, ranks = runs
+    one, ranks = runs("one_pretrained"), runs.ranks("pretrained")
     for rank in ranks:
-        for name, value in rank["pretrained"]["full"].items():
+        for name, value in rank["full"].items():
             assert torch.equal(value, one["full"][name]), name
     def mib_read(log: str) -> float:
         return float(log.split(" MiB read from")[0].rsplit(" ", 1)[-1])
 
-    read, total = mib_read(ranks[0]["pretrained"]["log"]), mib_read(one["log"])
+    read, total = mib_read(ranks[0]["log"]), mib_read(one["log"])
     # tp2 × ZeRO-3 over dp2: a quarter of each tensor (a fused QKV's tp half is read whole, then cut)
     assert read <= 0.3 * total, (read, total)
