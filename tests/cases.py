@@ -8,7 +8,8 @@ CASE (and what it needs). One-process cases (the references) run in the pytest p
 that raises fails only the tests that ask for it, with its name and traceback; the rest of its
 batch goes on in a fresh group of processes.
 
-A test asks for cases through a parameter named `case` or a `@pytest.mark.cases(...)` marker.
+A test asks for cases through a parameter named `case` (or the `param` a module names) or a
+`@pytest.mark.cases(...)` marker.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import torch.multiprocessing as mp
 
 @dataclass(frozen=True)
 class Case:
-    """`fn(root, *args)` on `world_size` processes; `needs`: cases whose outputs it reads (they run first)."""
+    """`fn(root, *args)` on `world_size` processes (`root`: the module's directory of this session);
+    `needs`: cases whose outputs it reads, which run first (declare one of the same world size
+    before it)."""
 
     world_size: int
     fn: Callable
@@ -64,8 +67,9 @@ def _worker(rank: int, cases: dict[str, Case], names: list[str], world_size: int
 class Cases:
     """The cases of one test module, computed on demand; see the module docstring."""
 
-    def __init__(self, module_file: str, cases: dict[str, Case], setup: Callable[[Path], None] | None = None):
-        self.path, self.cases, self.setup = Path(module_file), cases, setup
+    def __init__(self, module_file: str, cases: dict[str, Case], setup: Callable[[Path], None] | None = None,
+                 param: str = "case"):
+        self.path, self.cases, self.setup, self.param = Path(module_file), cases, setup, param
         self.results: dict[str, list | CaseFailed] = {}
         self.root: Path | None = None
         self.session = None
@@ -101,8 +105,8 @@ class Cases:
             if Path(item.path) != self.path:
                 continue
             callspec = getattr(item, "callspec", None)
-            if callspec is not None and "case" in callspec.params:
-                wanted.add(callspec.params["case"])
+            if callspec is not None and self.param in callspec.params:
+                wanted.add(callspec.params[self.param])
             for marker in item.iter_markers("cases"):
                 wanted.update(marker.args)
         return [name for name in self.cases if name in wanted]

@@ -31,9 +31,17 @@ _module_seconds: dict[str, float] = defaultdict(float)
 _over_budget: list[str] = []
 
 
+def _budget_key(report) -> str:
+    """A module's tests in one tier: `path` (one-process), `path::slow` (multi-process),
+    `path::system` (the slowest end-to-end ones): each tier of the README command sees whole keys."""
+    tier = "system" if "system" in report.keywords else "slow" if "slow" in report.keywords else None
+    module = report.nodeid.split("::")[0]
+    return f"{module}::{tier}" if tier else module
+
+
 def pytest_runtest_logreport(report) -> None:
-    """Sum set-up, call and tear-down seconds per module (under xdist, on the controller too)."""
-    _module_seconds[report.nodeid.split("::")[0]] += report.duration
+    """Sum set-up, call and tear-down seconds per module and tier (under xdist, on the controller)."""
+    _module_seconds[_budget_key(report)] += report.duration
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -44,17 +52,16 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         return  # an xdist worker: the controller checks
     budget = json.loads(BUDGET.read_text())
     if os.environ.get("LIBAI_ZOO_RECORD_DURATIONS") == "1":
-        budget.update({module: round(seconds, 1) for module, seconds in _module_seconds.items()})
+        budget.update({key: round(seconds, 1) for key, seconds in _module_seconds.items()})
         BUDGET.write_text(json.dumps(dict(sorted(budget.items())), indent=1) + "\n")
         return
     if SLACK <= 0:
         return
-    for module, seconds in sorted(_module_seconds.items()):
-        allowed = budget[module] * SLACK + GRACE if module in budget else DEFAULT_BUDGET
+    for key, seconds in sorted(_module_seconds.items()):
+        allowed = budget[key] * SLACK + GRACE if key in budget else DEFAULT_BUDGET
         if seconds > allowed:
-            _over_budget.append(f"{module}: {seconds:.0f} s, over its budget of {allowed:.0f} s "
-                                f"({'recorded ' + str(budget[module]) + ' s' if module in budget else 'no record'} "
-                                f"× {SLACK} + {GRACE:.0f} s)")
+            recorded = f"recorded {budget[key]} s × {SLACK} + {GRACE:.0f} s" if key in budget else "no record"
+            _over_budget.append(f"{key}: {seconds:.0f} s, over its budget of {allowed:.0f} s ({recorded})")
     if _over_budget and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

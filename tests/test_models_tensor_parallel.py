@@ -3,20 +3,21 @@ with ``shard=True`` (each rank reading only its slices) and with ``from_pretrain
 ``distributed.shard``; outputs, loss, gradients, greedy generation, sequence parallelism, saving back
 to a Hugging Face directory, and the error for a tp that does not divide the heads.
 
-All checks share one pair of processes (start-up dominates on CPU); the parent computes the
-`transformers` references and asserts on the numbers the ranks send back.
+Each model is a case (tests/cases.py): the selected ones share one pair of processes (start-up
+dominates on CPU), and a failure names its model; the parent computes the `transformers`
+references and asserts on the numbers the ranks send back.
 """
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from distributed_runner import run_distributed
+from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.optim import clip_grad_norm_
 from model_cases import CASES, hf_checkpoint_grads, hf_named_grads, main_output, make_hf_model, make_inputs
@@ -50,133 +51,143 @@ def _run_case(model, case, ref) -> dict:
     return result
 
 
-def _ranks(paths: dict, refs: dict, out_dir: str) -> dict:
+def _tp2(root: str, name: str) -> dict:
+    """Model `name` at tp2: loaded with shard=True and through distributed.shard (and with
+    sequence parallelism), generating, saving; the numbers against its reference."""
     ctx = distributed.init(dp=1, tp=TP)
-    results = {}
-    for name, case in CASES.items():
-        ref = refs[name]
-        model, info = case.zoo_class.from_pretrained(paths[name] / "sharded", shard=True, output_loading_info=True)
-        results[name, "shard=True"] = _run_case(model, case, ref)
-        results[name, "shard=True"]["bytes_read"] = info["bytes_read"]
-        results[name, "shard=True"]["bytes_held"] = sum(  # this rank's parameter memory, tied ones once
-            (p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
-        if case.generates:
-            ids, mask = ref["prompt"]
-            generated = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None)
-            results[name, "generate"] = torch.equal(generated, ref["generated"])
-            torch.manual_seed(ctx.rank)  # each rank draws differently: the tokens must still agree
-            results[name, "sampled"] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
-                                                      temperature=2.0, top_k=20, eos_token_id=None)
-        if name in TIED:
-            head, embedding = (model.get_submodule(m) for m in TIED[name])
-            results[name, "tied"] = head.weight is embedding.weight
-        model.save_pretrained(os.path.join(out_dir, name), max_shard_size="20KB")
-        full = distributed.shard(case.zoo_class.from_pretrained(paths[name] / "single"))
-        results[name, "dist.shard"] = _run_case(full, case, ref)
-        if name in SEQUENCE_PARALLEL_CASES:
-            sp = distributed.shard(case.zoo_class.from_pretrained(paths[name] / "single"), sequence_parallel=True)
-            results[name, "sequence_parallel"] = _run_case(sp, case, ref)
-    try:
-        CASES["llama"].zoo_class.from_pretrained(paths["llama_one_kv_head"], shard=True)
-    except ValueError as error:
-        results["heads_error"] = str(error)
-    results["tp_rank"] = ctx.tp_rank
+    case, path = CASES[name], Path(root) / name
+    ref = torch.load(path / "ref.pt", weights_only=False)
+    model, info = case.zoo_class.from_pretrained(path / "sharded", shard=True, output_loading_info=True)
+    results = {"shard=True": _run_case(model, case, ref)}
+    results["shard=True"]["bytes_read"] = info["bytes_read"]
+    results["shard=True"]["bytes_held"] = sum(  # this rank's parameter memory, tied ones once
+        (p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+    if case.generates:
+        ids, mask = ref["prompt"]
+        generated = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None)
+        results["generate"] = torch.equal(generated, ref["generated"])
+        torch.manual_seed(ctx.rank)  # each rank draws differently: the tokens must still agree
+        results["sampled"] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
+                                            temperature=2.0, top_k=20, eos_token_id=None)
+    if name in TIED:
+        head, embedding = (model.get_submodule(m) for m in TIED[name])
+        results["tied"] = head.weight is embedding.weight
+    model.save_pretrained(Path(root) / "saved" / name, max_shard_size="20KB")
+    full = distributed.shard(case.zoo_class.from_pretrained(path / "single"))
+    results["dist.shard"] = _run_case(full, case, ref)
+    if name in SEQUENCE_PARALLEL_CASES:
+        sp = distributed.shard(case.zoo_class.from_pretrained(path / "single"), sequence_parallel=True)
+        results["sequence_parallel"] = _run_case(sp, case, ref)
     return results
 
 
-@pytest.fixture(scope="module")
-def tp_results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp_models")
-    paths, refs = {}, {}
-    for name, case in CASES.items():
-        hf = make_hf_model(case)
-        paths[name] = root / name
-        hf.save_pretrained(paths[name] / "single")
-        hf.save_pretrained(paths[name] / "sharded", max_shard_size="20KB")
-        inputs, _ = make_inputs(case)
-        out = hf(**inputs)
-        stored = load_file(paths[name] / "single" / "model.safetensors").values()
-        ref = {"output": main_output(out).detach(), "model_bytes": sum(t.numel() * t.element_size() for t in stored)}
-        if "labels" in inputs:
-            out.loss.backward()
-            ref["loss"] = out.loss.item()
-            ref["grads"] = hf_checkpoint_grads(hf, root / f"{name}_grads")
-            ref["grad_norm"] = torch.stack([g.norm() for g in ref["grads"].values()]).norm().item()
-        if case.generates:
-            ids = inputs["input_ids"]
-            mask = torch.ones_like(ids)
-            mask[-1, :3] = 0
-            ref["prompt"] = ids, mask
-            ref["generated"] = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                           eos_token_id=None)
-        refs[name] = ref
+def _heads_error(root: str) -> str | None:
+    distributed.init(dp=1, tp=TP)
+    try:
+        CASES["llama"].zoo_class.from_pretrained(Path(root) / "llama_one_kv_head", shard=True)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _reference(root: str, name: str) -> dict:
+    """transformers' outputs, loss, gradients and generation for model `name`, and its files
+    (whole and in 20 KB shards); kept in ref.pt for the ranks."""
+    case, path = CASES[name], Path(root) / name
+    hf = make_hf_model(case)
+    hf.save_pretrained(path / "single")
+    hf.save_pretrained(path / "sharded", max_shard_size="20KB")
+    inputs, _ = make_inputs(case)
+    out = hf(**inputs)
+    stored = load_file(path / "single" / "model.safetensors").values()
+    ref = {"output": main_output(out).detach(), "model_bytes": sum(t.numel() * t.element_size() for t in stored)}
+    if "labels" in inputs:
+        out.loss.backward()
+        ref["loss"] = out.loss.item()
+        ref["grads"] = hf_checkpoint_grads(hf, Path(root) / f"{name}_grads")
+        ref["grad_norm"] = torch.stack([g.norm() for g in ref["grads"].values()]).norm().item()
+    if case.generates:
+        ids = inputs["input_ids"]
+        mask = torch.ones_like(ids)
+        mask[-1, :3] = 0
+        ref["prompt"] = ids, mask
+        ref["generated"] = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       eos_token_id=None)
+    torch.save(ref, path / "ref.pt")
+    return ref
+
+
+def _one_kv_head(root: Path) -> None:
+    """A Llama with one key/value head: tp2 cannot split it."""
     one_kv = CASES["llama"].hf_class(CASES["llama"].make_config().__class__(
         **{**CASES["llama"].make_config().to_dict(), "num_key_value_heads": 1}))
-    paths["llama_one_kv_head"] = root / "llama_one_kv_head"
-    one_kv.save_pretrained(paths["llama_one_kv_head"])
-    out_dir = root / "saved"
-    return run_distributed(_ranks, TP, paths, refs, str(out_dir)), refs, out_dir
+    one_kv.save_pretrained(root / "llama_one_kv_head")
+
+
+RUNS = Cases(__file__, {
+    **{f"ref_{name}": Case(1, _reference, (name,)) for name in CASES},
+    **{name: Case(TP, _tp2, (name,), needs=(f"ref_{name}",)) for name in CASES},
+    "heads_error": Case(TP, _heads_error),
+}, _one_kv_head, param="name")
+tp_results = RUNS.fixture("tp_results")
 
 
 @pytest.mark.parametrize("how", ["shard=True", "dist.shard"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_equals_transformers(tp_results, name, how):
-    results, refs, _ = tp_results
-    for rank_results in results:
-        r = rank_results[name, how]
+    ref = tp_results(f"ref_{name}")
+    for rank_results in tp_results.ranks(name):
+        r = rank_results[how]
         assert r["output"] <= TOL
-        if "loss" in refs[name]:
+        if "loss" in ref:
             assert r["loss"] <= TOL and r["grad_names"] and r["grads"] <= TOL
-            assert r["grad_norm"] <= 1e-5 * refs[name]["grad_norm"]  # the global norm over shards, counted once
+            assert r["grad_norm"] <= 1e-5 * ref["grad_norm"]  # the global norm over shards, counted once
 
 
 @pytest.mark.parametrize("name", SEQUENCE_PARALLEL_CASES)
 def test_tp2_sequence_parallel_equals_transformers(tp_results, name):
-    results, refs, _ = tp_results
-    for rank_results in results:
-        r = rank_results[name, "sequence_parallel"]
+    ref = tp_results(f"ref_{name}")
+    for rank_results in tp_results.ranks(name):
+        r = rank_results["sequence_parallel"]
         assert r["output"] <= TOL and r["loss"] <= TOL and r["grads"] <= TOL
-        assert r["grad_norm"] <= 1e-5 * refs[name]["grad_norm"]
+        assert r["grad_norm"] <= 1e-5 * ref["grad_norm"]
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.generates])
 def test_tp2_greedy_generate_equals_transformers(tp_results, name):
-    results, _, _ = tp_results
-    assert all(rank_results[name, "generate"] for rank_results in results)
+    assert all(rank_results["generate"] for rank_results in tp_results.ranks(name))
 
 
 @pytest.mark.parametrize("name", list(TIED))
 def test_tp2_keeps_tied_weights_one_parameter(tp_results, name):
-    results, _, _ = tp_results
-    assert all(rank_results[name, "tied"] for rank_results in results)
+    assert all(rank_results["tied"] for rank_results in tp_results.ranks(name))
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.generates])
 def test_tp2_sampling_agrees_across_ranks(tp_results, name):
-    results, _, _ = tp_results
-    first, second = (rank_results[name, "sampled"] for rank_results in results)
+    first, second = (rank_results["sampled"] for rank_results in tp_results.ranks(name))
     assert torch.equal(first, second)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert_mlm"])
 def test_shard_true_reads_and_holds_about_half_the_bytes(tp_results, name):
     """Half, plus the replicated norms, biases and position tables (a large share of these tiny models)."""
-    results, refs, _ = tp_results
-    for rank_results in results:
-        r = rank_results[name, "shard=True"]
-        read, held = r["bytes_read"] / refs[name]["model_bytes"], r["bytes_held"] / refs[name]["model_bytes"]
+    ref = tp_results(f"ref_{name}")
+    for rank_results in tp_results.ranks(name):
+        r = rank_results["shard=True"]
+        read, held = r["bytes_read"] / ref["model_bytes"], r["bytes_held"] / ref["model_bytes"]
         assert 0.5 <= read <= 0.62 and 0.5 <= held <= 0.62, (read, held)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_save_pretrained_loads_in_transformers(tp_results, name):
-    _, refs, out_dir = tp_results
+    ref, _ = tp_results(f"ref_{name}"), tp_results(name)  # the ranks saved it
     case = CASES[name]
-    reloaded = case.hf_class.from_pretrained(out_dir / name).eval()
+    reloaded = case.hf_class.from_pretrained(tp_results.root / "saved" / name).eval()
     inputs, mask = make_inputs(case)
-    assert _diff(main_output(reloaded(**inputs)), refs[name]["output"], mask) <= TOL
+    assert _diff(main_output(reloaded(**inputs)), ref["output"], mask) <= TOL
 
 
+@pytest.mark.cases("heads_error")
 def test_tp_that_does_not_divide_the_heads(tp_results):
-    results, _, _ = tp_results
-    assert "num_kv_heads = 1 is not divisible by tp = 2" in results[0]["heads_error"]
+    assert "num_kv_heads = 1 is not divisible by tp = 2" in tp_results("heads_error")
