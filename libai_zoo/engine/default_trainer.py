@@ -393,7 +393,7 @@ class DefaultTrainer(TrainerBase):
     def generation_model(self) -> Iterator[tuple[nn.Module, torch.device] | None]:
         """(the model ready for `generate`, in eval mode inside the block, gathering at most one layer at a
         time under ZeRO (`parallel.layer_by_layer`); the device its inputs go to), or None when this
-        rank holds pipeline stages."""
+        rank holds pipeline stages. The block autocasts as the training forward does (``train.amp``)."""
         if self.pipeline is not None:
             yield None
             return
@@ -401,7 +401,8 @@ class DefaultTrainer(TrainerBase):
         was_training = model.training
         model.eval()
         try:
-            with layer_by_layer(model, self.data_parallel) as generating:
+            with layer_by_layer(model, self.data_parallel) as generating, torch.autocast(
+                    self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 yield generating, self.ctx.device
         finally:
             model.train(was_training)

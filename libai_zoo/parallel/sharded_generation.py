@@ -13,7 +13,10 @@ run's layout instead, the same on every rank:
   (one all-reduce of the tokens' hidden states), and the head computes the logits of its rows
   and the ranks gather them (one token's logits): Megatron's vocabulary parallelism over dp;
 - the root's other modules (norms; tables split over tp too) gather their own parameters over dp
-  while they run and drop them after, one at a time.
+  while they run and drop them after, one at a time;
+- as FSDP does for the root it no longer gathers, the rows and gathered parameters are cast to the
+  data-parallel param dtype (bf16 under bf16 AMP at ZeRO 1-3) and moved from CPU to the run's
+  device under ``train.zero_offload`` (a 1/dp slice at a time).
 
 A rank's peak is then its shard plus one layer as FSDP gathers it (its flat all-gather buffer and
 the layer's parameters, both the layer's size, meet while FSDP copies one into the other), plus
@@ -26,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -56,15 +60,16 @@ def layer_by_layer(model: nn.Module, data_parallel: DataParallel) -> Iterator[nn
     for layer in layers:
         layer.set_reshard_after_forward(True, recurse=False)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    to = _Target(data_parallel.ctx.device, data_parallel.param_dtype)
     handles, by_rows = [], []
     for module in model.modules():
         own = [name for name, p in module.named_parameters(recurse=False)
                if id(p) not in in_layers and isinstance(p, DTensor)]
         if own and _rows_suffice(module, own):
-            module.forward = partial(_lookup_rows if isinstance(module, nn.Embedding) else _project_rows, module)
+            module.forward = partial(_lookup_rows if isinstance(module, nn.Embedding) else _project_rows, module, to)
             by_rows.append(module)
         elif own:
-            handles.append(module.register_forward_pre_hook(_gather_hook(own)))
+            handles.append(module.register_forward_pre_hook(_gather_hook(own, to)))
             handles.append(module.register_forward_hook(_release_hook(own)))
     try:
         yield _WithoutRootHooks(model)
@@ -102,39 +107,55 @@ def _rows_suffice(module: nn.Module, names: list[str]) -> bool:
             and set(names) <= {"weight", "bias"} and module.weight.device_mesh.ndim == 1)
 
 
-def _rows(param: DTensor) -> tuple[torch.Tensor, int, int]:
-    """(this rank's rows of a table FSDP split over dp (dim 0, torch.chunk's cut), the first one's
-    index, the rows per rank before the last ranks' shorter chunks)."""
+class _Target(NamedTuple):
+    """Where and in what dtype FSDP computes with its gathered parameters: the run's device (the
+    shards may be in CPU memory under offload) and the mixed-precision param dtype (None: the
+    parameters' own)."""
+
+    device: torch.device
+    dtype: torch.dtype | None
+
+
+def _local(param: DTensor, to: _Target) -> torch.Tensor:
+    """This rank's shard of `param` on `to`'s device, in its dtype: FSDP's cast before its all-gather."""
+    return param.to_local().to(to.device, to.dtype or param.dtype)
+
+
+def _rows(param: DTensor) -> tuple[int, int]:
+    """(the index of this rank's first row of a table FSDP split over dp (dim 0, torch.chunk's cut),
+    the rows per rank before the last ranks' shorter chunks)."""
     mesh = param.device_mesh
     per_rank = -(-param.shape[0] // mesh.size())
-    return param.to_local(), min(mesh.get_local_rank() * per_rank, param.shape[0]), per_rank
+    return min(mesh.get_local_rank() * per_rank, param.shape[0]), per_rank
 
 
-def _lookup_rows(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """The embedding of `ids`: each rank fills the tokens in its rows, the ranks sum."""
-    rows, start, _ = _rows(module.weight)
-    inside = (ids >= start) & (ids < start + rows.shape[0])
-    out = rows.new_zeros(*ids.shape, rows.shape[1])
-    out[inside] = rows[ids[inside] - start]
+def _lookup_rows(module: nn.Embedding, to: _Target, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding of `ids`: each rank fills the tokens in its rows, the ranks sum. Only the rows
+    looked up are moved and cast, not the rank's whole slice of the table."""
+    shard, (start, _) = module.weight.to_local(), _rows(module.weight)
+    ids = ids.to(to.device)
+    inside = (ids >= start) & (ids < start + shard.shape[0])
+    out = torch.zeros(*ids.shape, shard.shape[1], device=to.device, dtype=to.dtype or shard.dtype)
+    out[inside] = shard[(ids[inside] - start).to(shard.device)].to(out)
     dist.all_reduce(out, group=module.weight.device_mesh.get_group())
     return out
 
 
-def _project_rows(module: LMHead, hidden: torch.Tensor) -> torch.Tensor:
+def _project_rows(module: LMHead, to: _Target, hidden: torch.Tensor) -> torch.Tensor:
     """The logits over the whole vocabulary: each rank projects onto its rows, the ranks gather."""
-    rows, _, per_rank = _rows(module.weight)
-    bias = None if module.bias is None else module.bias.to_local()
+    rows, (_, per_rank) = _local(module.weight, to), _rows(module.weight)
+    bias = None if module.bias is None else _local(module.bias, to)
     part = F.pad(F.linear(hidden, rows, bias), (0, per_rank - rows.shape[0]))
     parts = [torch.empty_like(part) for _ in range(module.weight.device_mesh.size())]
     dist.all_gather(parts, part.contiguous(), group=module.weight.device_mesh.get_group())
     return torch.cat(parts, dim=-1)[..., :module.weight.shape[0]]
 
 
-def _gather_hook(names: list[str]):
+def _gather_hook(names: list[str], to: _Target):
     def gather(module: nn.Module, args) -> None:
         module._sharded = {name: getattr(module, name) for name in names}
         for name, param in module._sharded.items():
-            setattr(module, name, nn.Parameter(gathered_over_dp(param), requires_grad=False))
+            setattr(module, name, nn.Parameter(gathered_over_dp(param, to), requires_grad=False))
     return gather
 
 
@@ -145,10 +166,12 @@ def _release_hook(names: list[str]):
     return release
 
 
-def gathered_over_dp(param: DTensor) -> torch.Tensor:
-    """`param`'s dp shards joined, as FSDP's own gathered parameter is: a plain tensor on a dp-only
-    mesh, a DTensor on the remaining (tp) mesh dimensions otherwise."""
+def gathered_over_dp(param: DTensor, to: _Target) -> torch.Tensor:
+    """`param`'s dp shards joined on `to`'s device in its dtype, as FSDP's own gathered parameter
+    is: a plain tensor on a dp-only mesh, a DTensor on the remaining (tp) mesh dimensions otherwise."""
     mesh = param.device_mesh
+    param = DTensor.from_local(_local(param, to), mesh, param.placements, run_check=False,
+                               shape=param.shape, stride=param.stride())
     if mesh.ndim == 1:
         return param.full_tensor()
     names = list(mesh.mesh_dim_names)
