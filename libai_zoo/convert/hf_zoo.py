@@ -225,7 +225,8 @@ def load_checkpoint_model(checkpoint: str | Path, model: nn.Module | None = None
                                     f"next to its checkpoints")
         cfg = LazyConfig.load(str(config))
         model = instantiate(cfg.model)
-        apply_lora_config(model, (cfg.get("train") or {}).get("lora") or {})  # the run's adapters, if any
+        if "train" in cfg:  # a run's (typed) config; hf-to-zoo's has no train and no adapters
+            apply_lora_config(model, cfg.train.lora)
     Checkpointer.check_adapters(checkpoint, model)
     Checkpointer(checkpoint.parent, [model]).load(checkpoint)
     return model.eval()
