@@ -15,8 +15,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 import libai_zoo.config
-from libai_zoo.config import (AdamWConfig, ConfigError, DistConfig, LazyCall, LazyConfig, PipelineSettings, Section,
-                              TrainConfig, get_config, instantiate, run_settings)
+from libai_zoo.config import (AdamWConfig, ConfigError, DataLoaderConfig, DistConfig, LazyCall, LazyConfig,
+                              PipelineSettings, Section, TrainConfig, get_config, instantiate, run_settings)
 from libai_zoo.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,7 +215,7 @@ def test_apply_overrides_parses_values_as_yaml():
 def test_apply_overrides_unknown_key_suggests_the_closest():
     cfg = defaults()
     with pytest.raises(ConfigError,
-                       match=r"^train\.max_itr is not a key of this config; did you mean train\.max_iter\? "):
+                       match=r"^train\.max_itr is not a key of this config; did you mean train\.max_iter\?$"):
         LazyConfig.apply_overrides(cfg, ["train.max_itr=5"])
     with pytest.raises(ConfigError, match=r"did you mean train\.checkpoint\.async_save\?"):
         LazyConfig.apply_overrides(cfg, ["train.checkpoint.asyncsave=true"])
@@ -233,10 +233,29 @@ def test_apply_overrides_unknown_key_suggests_the_closest():
 
 def test_apply_overrides_plus_adds_keys_and_lists_take_indices():
     cfg = DictConfig({"a": {"steps": [1, 2]}})
-    LazyConfig.apply_overrides(cfg, ["+train.new_key=1", "+a.extra=x", "a.steps.1=5"])
-    assert cfg.train.new_key == 1 and cfg.a.extra == "x" and list(cfg.a.steps) == [1, 5]
-    typed = LazyConfig.apply_overrides(defaults(), ["+train.note=smoke"])  # a typed section takes new keys too
-    assert typed.train.note == "smoke"
+    LazyConfig.apply_overrides(cfg, ["+b.new_key=1", "+a.extra=x", "a.steps.1=5"])
+    assert cfg.b.new_key == 1 and cfg.a.extra == "x" and list(cfg.a.steps) == [1, 5]
+
+
+def test_plus_adds_free_form_keys_but_no_key_the_schema_lacks(tmp_path):
+    cfg = LazyConfig.load(ROOT / "projects/gpt2_pretrain/config.py")
+    LazyConfig.apply_overrides(cfg, ["+note=smoke", "+model.config.n_inner=64", "+dataloader.train.seed=3",
+                                     "+train.scheduler.warmup_ratio=0.1", "+optim.fused=false"])  # free-form parts
+    assert (cfg.note, cfg.model.config.n_inner, cfg.dataloader.train.seed, cfg.train.scheduler.warmup_ratio,
+            cfg.optim.fused) == ("smoke", 64, 3, 0.1, False)
+    LazyConfig.save(cfg, tmp_path / "config.yaml")                   # and the result loads back equal
+    assert LazyConfig.to_container(LazyConfig.load(tmp_path / "config.yaml")) == LazyConfig.to_container(cfg)
+    for key, section, hint in [("train.note", "train", "its keys are output_dir"),
+                               ("train.checkpoint.perod", r"train\.checkpoint", "did you mean period"),
+                               ("dist.tpp", "dist", "did you mean tp"),
+                               ("dataloader.workers", "dataloader", "did you mean num_workers")]:
+        with pytest.raises(ConfigError, match=rf"^\+{key}: {section} is typed by the schema \(\w+\) and has no "
+                                              rf"setting \w+ \({hint}"):
+            LazyConfig.apply_overrides(cfg, [f"+{key}=1"])
+    with pytest.raises(ConfigError, match=r"^\+train\.note: "):   # a config built by hand: the schema all the same
+        LazyConfig.apply_overrides(DictConfig({}), ["+train.note=smoke"])
+    with pytest.raises(ConfigError, match=r"^train\.note is not a key of this config; did you mean [^(]*$"):
+        LazyConfig.apply_overrides(cfg, ["train.note=smoke"])          # no "+train.note" advice
 
 
 # ----------------------------------------------------------------------------- packaged defaults
@@ -324,6 +343,14 @@ def test_a_recipe_that_updates_one_nested_key_keeps_the_others(tmp_path):
 
 def test_a_mistyped_key_in_a_recipe_is_refused_with_the_closest_name(tmp_path):
     train = get_config("common/train.py").train
+    with pytest.raises(ConfigError, match=r"^checkpoint is a section of TrainConfig, not a value: None cannot replace"):
+        train.update(checkpoint=None)
+    with pytest.raises(ConfigError, match=r"assign AmpConfig\(\) for its defaults"):
+        train.amp = None
+    assert train.checkpoint.period == 500 and train.amp.dtype == "bf16"
+    train.update(lora=dict(layers={"h.0.attn": [4, 8.0]}))
+    train.update(lora=dict(layers={"h.1.mlp": [2, 4.0]}))                # a plain dict field is replaced, not merged
+    assert train.lora.layers == {"h.1.mlp": [2, 4.0]}
     with pytest.raises(ConfigError, match=r"^max_itr is not a key of TrainConfig; did you mean max_iter\?"):
         train.max_itr = 5
     with pytest.raises(ConfigError, match=r"asyncsave is not a key of CheckpointConfig; did you mean async_save\?"):
@@ -350,7 +377,8 @@ def _leaves(node, prefix):
 
 def _hint(key: str):
     """The schema's type of a dotted key (train.checkpoint.period -> Optional[int]); None under Any."""
-    cls = {"train": TrainConfig, "dist": DistConfig, "optim": AdamWConfig}[key.split(".")[0]]
+    cls = {"train": TrainConfig, "dist": DistConfig, "dataloader": DataLoaderConfig,
+           "optim": AdamWConfig}[key.split(".")[0]]
     for part in key.split(".")[1:]:
         if not (isinstance(cls, type) and issubclass(cls, Section)):
             return None
@@ -376,9 +404,12 @@ def _another(value, hint):
 def test_every_key_of_the_packaged_defaults_overrides_on_every_recipe(recipe):
     keys = [key for section in ("train", "dist") for key, _ in _leaves(defaults()[section], section)]
     keys += [key for key, _ in _leaves(LazyConfig.load(COMMON / "optim.py").optim, "optim")]
+    keys += [f"dataloader.{name}" for name in ("num_workers", "shuffle", "prefetch")]
     base = LazyConfig.load(recipe)
+    # every recipe trains with the packaged AdamW, so all of its keys are required below, none dropped
+    assert OmegaConf.get_type(base.optim) is AdamWConfig and OmegaConf.get_type(base.dataloader) is DataLoaderConfig
     assert [key for key in keys if OmegaConf.select(base, key, default="absent") == "absent"
-            and not key.startswith(("train.scheduler.", "optim."))] == []      # the schema's keys are all there
+            and not key.startswith("train.scheduler.")] == []      # the schema's keys are all there
     # the LazyCall parts (scheduler, optimizer) are the recipe's own: every argument it gives
     keys = sorted({*keys, *(k for k, _ in _leaves(base.train.scheduler, "train.scheduler")),
                    *(k for k, _ in _leaves(base.optim, "optim"))})
@@ -449,6 +480,10 @@ def test_an_earlier_runs_config_yaml_loads(tmp_path):
     LazyConfig.apply_overrides(cfg, ["train.checkpoint.async_save=true", "train.max_iter=3"])
     assert cfg.train.checkpoint.async_save is True
     assert isinstance(build_optimizer(cfg.optim, [torch.nn.Linear(2, 2)]), torch.optim.AdamW)
+    # a saved optim is the optimizer's LazyCall, free-form: its arguments are checked when it is built
+    wrong = LazyConfig.apply_overrides(copy.deepcopy(cfg), ["optim.lr=abc"])
+    with pytest.raises(ConfigError, match=r"^while instantiating .*AdamW\): TypeError: "):
+        build_optimizer(wrong.optim, [torch.nn.Linear(2, 2)])
     # and it saves and loads back equal
     LazyConfig.save(cfg, tmp_path / "again.yaml")
     assert LazyConfig.to_container(LazyConfig.load(tmp_path / "again.yaml")) == LazyConfig.to_container(cfg)

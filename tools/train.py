@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                        "train and dist")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. train.max_iter=100 optim.lr=1e-3; a key that does not exist "
-                             "is an error (prefix it with + to add it)")
+                             "is an error (prefix it with + to add one to model, optim or a key of your own; train, "
+                             "dist and dataloader hold only the schema's keys)")
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true",
                         help="continue from the newest intact checkpoint in train.output_dir, and fail if there is "

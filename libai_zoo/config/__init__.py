@@ -9,15 +9,15 @@
 
 A config file is plain Python; its module-level config values are the keys. Defaults every recipe
 builds on ship in ``libai_zoo/config/common/`` and load with ``get_config("common/train.py")``; their
-keys, types and defaults are the dataclasses of `schema` (``train``, ``dist``, ``optim``).
+keys, types and defaults are the dataclasses of `schema` (``train``, ``dist``, ``dataloader``, ``optim``).
 `run_settings(cfg)` parses what a run's config means (sequence length, AMP dtype, pipeline, ...) for
 the trainer and the planner alike.
 """
 
 from .instantiate import ConfigError, LazyCall, instantiate
 from .lazy_config import LazyConfig, get_config
-from .schema import AdamWConfig, DistConfig, PipelineConfig, Section, TrainConfig, typed
+from .schema import AdamWConfig, DataLoaderConfig, DistConfig, PipelineConfig, Section, TrainConfig, typed
 from .settings import AMP_DTYPES, PipelineSettings, RunSettings, run_settings
 
-__all__ = ["AMP_DTYPES", "AdamWConfig", "ConfigError", "DistConfig", "LazyCall", "LazyConfig", "PipelineConfig",
-           "PipelineSettings", "RunSettings", "Section", "TrainConfig", "get_config", "instantiate", "run_settings", "typed"]
+__all__ = ["AMP_DTYPES", "AdamWConfig", "ConfigError", "DataLoaderConfig", "DistConfig", "LazyCall", "LazyConfig",
+           "PipelineConfig", "PipelineSettings", "RunSettings", "Section", "TrainConfig", "get_config", "instantiate", "run_settings", "typed"]

@@ -1,7 +1,7 @@
 """Config files in and out: load ``.py``/``.yaml``, override from the command line, save as YAML.
 
     cfg = LazyConfig.load("projects/gpt2/configs/pretrain.py")
-    LazyConfig.apply_overrides(cfg, ["train.max_iter=100", "dist.tp=2", "+train.note=smoke"])
+    LazyConfig.apply_overrides(cfg, ["train.max_iter=100", "dist.tp=2", "+note=smoke"])
     LazyConfig.save(cfg, "output/config.yaml")      # loads back equal: LazyConfig.load("...yaml")
     train = get_config("common/train.py").train    # a default shipped inside libai_zoo (schema.TrainConfig)
 
@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .instantiate import TUPLE_TYPES, OBJECT_FLAGS, TARGET, ConfigError, dotted_name
 from .python_file import ConfigFileLoader
-from .schema import Section, error_text, typed
+from .schema import Section, added_key_error, error_text, typed
 
 _CONFIG_VALUE_TYPES = (Container, Section, dict, list, tuple, str, int, float, bool, type(None))
 _PACKAGED_ROOT = Path(__file__).resolve().parent
@@ -40,8 +40,9 @@ class LazyConfig:
 
         A ``.py`` file runs as Python and may import other config files relatively
         (``from ..common.optim import optim``), resolved on disk beside it; see `python_file`.
-        ``train`` and ``dist`` come out typed (`schema.typed`): every key there, missing ones at their
-        defaults (so a config.yaml of an earlier run loads), values checked against their types.
+        The schema's sections (``train``, ``dist``, ``dataloader``) come out typed (`schema.typed`):
+        every key there, missing ones at their defaults (so a config.yaml of an earlier run loads),
+        values checked against their types.
         ``keys`` keeps only those top-level keys (one name or several).
         """
         path = Path(path)
@@ -97,7 +98,8 @@ class LazyConfig:
 
         Values are read as YAML (``100`` int, ``1e-3`` float, ``true`` bool, ``[1,2]`` list,
         ``null`` None, ``'100'`` a string; an empty value is the empty string). The key must exist:
-        a typo fails with the closest keys; ``+key.path=value`` adds a new key.
+        a typo fails with the closest keys; ``+key.path=value`` adds a new key, except under a schema
+        section (``train``, ``dist``, ``dataloader``), which has only its own keys.
         """
         for item in overrides:
             key, sep, text = item.partition("=")
@@ -112,6 +114,9 @@ class LazyConfig:
                 raise ConfigError(f"+{key} adds a key, but {key} already exists: drop the + to change it")
             if not add and not exists:
                 raise ConfigError(_unknown_key_message(cfg, key, text))
+            refusal = added_key_error(key) if add else None
+            if refusal:
+                raise ConfigError(refusal)
             try:
                 OmegaConf.update(cfg, key, value, merge=False, force_add=add)
             except OmegaConfBaseException as error:  # a value the key's type does not take
@@ -232,4 +237,5 @@ def _unknown_key_message(cfg: DictConfig, key: str, text: str) -> str:
     suggestions = list(dict.fromkeys(same_leaf + close))[:3]
     hint = (f"did you mean {' or '.join(suggestions)}?" if suggestions
             else f"its top-level keys are {', '.join(map(str, cfg.keys()))}")
-    return f"{key} is not a key of this config; {hint} (to add a new key, write +{key}={text})"
+    add = "" if added_key_error(key) else f" (to add a new key, write +{key}={text})"  # not in a section
+    return f"{key} is not a key of this config; {hint}{add}"

@@ -1,4 +1,4 @@
-"""The run's keys, typed: `train`, `dist` and `optim` as dataclasses, each default stated here once.
+"""The run's keys, typed: `train`, `dist`, `dataloader` and `optim` as dataclasses, each default stated here once.
 
 A recipe edits them as Python objects (``get_config("common/train.py").train`` is a `TrainConfig`)::
 
@@ -8,8 +8,11 @@ A recipe edits them as Python objects (``get_config("common/train.py").train`` i
 
 A name that is not a key is refused with the closest one. `LazyConfig.load` turns the sections into
 typed DictConfigs (omegaconf structured configs), so a command-line override of any key works and a
-value of the wrong type is refused; a saved config.yaml's ``train`` and ``dist`` are typed the same
-way (`typed`), its missing keys taking the defaults below.
+value of the wrong type is refused; a saved config.yaml's `SECTIONS` are typed the same way (`typed`),
+its missing keys taking the defaults below. ``optim`` is typed only as a recipe's `AdamWConfig`: the
+optimizer is a LazyCall whose arguments are the callee's (an override swaps ``optim._target_`` or adds
+``+optim.fused=true``), so a saved config.yaml's ``optim`` is free-form, its arguments checked when it
+is built, like ``model`` and the dataset recipes ``dataloader.train``/``dataloader.test``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .instantiate import OBJECT_FLAGS, TARGET, ConfigError, LazyCall
@@ -37,6 +40,10 @@ class Section:
         if name not in names:
             raise ConfigError(f"{name} is not a key of {type(self).__name__}; {_closest(name, names)}")
         default = _section_type(type(self), name)
+        if default is not None and value is None:
+            raise ConfigError(f"{name} is a section of {type(self).__name__}, not a value: None cannot replace it; "
+                              f"set its keys (e.g. update({name}=dict(...))), or assign {default.__name__}() for "
+                              f"its defaults")
         if default is not None and isinstance(value, Mapping):  # a dict for a section: the section, filled
             section = default()
             section.update(**value)
@@ -44,8 +51,10 @@ class Section:
         object.__setattr__(self, name, value)
 
     def update(self, **changes: Any) -> None:
-        """Set the given keys, merging a mapping into the section (or plain mapping) it replaces,
-        key by key; a mapping with ``_target_`` (a LazyCall: a new callable) replaces it whole."""
+        """Set the given keys. A mapping given for a section is merged into it key by key (the keys it
+        leaves out keep their values); one given for a LazyCall's arguments is merged into that LazyCall;
+        a mapping with ``_target_`` (a new callable) and any other value (a plain dict field such as
+        ``lora.layers`` included) replace the value whole."""
         for name, value in changes.items():
             current = getattr(self, name, None) if name in _field_names(self) else None
             if isinstance(value, Mapping) and TARGET not in value.keys():
@@ -189,15 +198,31 @@ class AdamWConfig(Section):
     weight_decay: float = 0.01          # for any group that sets none itself
 
 
+# ------------------------------------------------------------------------------------- dataloader
+@dataclass
+class DataLoaderConfig(Section):
+    """The data. ``train`` and ``test`` are dataset recipes (LazyCalls, their arguments the builder's);
+    the other keys say how the trainer reads them."""
+
+    # The training set: map-style, or a torch IterableDataset with state_dict() read as a stream (in
+    # order, each dp rank keeping its micro-batches of the global stream, its state saved with every
+    # checkpoint).
+    train: Any = MISSING
+    test: Any = None                    # the evaluation set (map-style); None: no evaluation
+    num_workers: int = 0                # DataLoader worker processes (a stream needs 0)
+    shuffle: bool = True                # shuffle a map-style training set (seeded by train.seed)
+    prefetch: int = 2                   # batches a background thread reads ahead of the step; 0: off
+
+
 #: The top-level keys typed by a schema, and their sections.
-SECTIONS: dict[str, type[Section]] = {"train": TrainConfig, "dist": DistConfig}
+SECTIONS: dict[str, type[Section]] = {"train": TrainConfig, "dist": DistConfig, "dataloader": DataLoaderConfig}
 
 
 # ----------------------------------------------------------------------------------- typing a config
 def typed(cfg: DictConfig, source: str = "the config") -> DictConfig:
-    """``cfg`` with its `SECTIONS` (``train``, ``dist``) as typed DictConfigs: every key present
-    (the missing ones at their defaults), values checked against the key's type, any other key
-    refused with the closest name. Sections already typed are kept. Returns ``cfg`` (edited in place)."""
+    """``cfg`` with its `SECTIONS` (``train``, ``dist``, ``dataloader``) as typed DictConfigs: every
+    key present (the missing ones at their defaults), values checked against the key's type, any other
+    key refused with the closest name. Sections already typed are kept. Returns ``cfg`` (edited in place)."""
     for key, section in SECTIONS.items():
         node = cfg.get(key) if key in cfg.keys() else None
         if isinstance(node, Mapping) and not issubclass(OmegaConf.get_type(node) or dict, section):
@@ -205,6 +230,25 @@ def typed(cfg: DictConfig, source: str = "the config") -> DictConfig:
             _fill(values, node, key, source)
             cfg[key] = structured(values, f"{source}: {key}")
     return cfg
+
+
+def added_key_error(key: str) -> str | None:
+    """Why ``+key`` (an override that adds a key) cannot add ``key``: under `SECTIONS` only the schema's
+    keys exist (a config.yaml holding another would not load back); None where the key is free-form
+    (``model``, ``optim``, a LazyCall's arguments, a key of the user's own) or the schema's."""
+    parts = key.split(".")
+    section = SECTIONS.get(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        if section is None:
+            return None
+        names = _field_names(section)
+        if part not in names:
+            where = ".".join(parts[:i])
+            return (f"+{key}: {where} is typed by the schema ({section.__name__}) and has no setting {part} "
+                    f"({_closest(part, names)}): a typed section holds only the schema's keys (a config.yaml "
+                    f"with another would not load back); set one of them, or add a top-level key of your own")
+        section = _section_type(section, part)
+    return None
 
 
 def structured(values: Section, where: str) -> DictConfig:
@@ -238,7 +282,7 @@ def _fill(section: Section, values: Mapping, path: str, source: str) -> None:
             setattr(section, key, value)
 
 
-def _field_names(section: Section) -> list[str]:
+def _field_names(section: Section | type[Section]) -> list[str]:
     return [f.name for f in dataclasses.fields(section)]
 
 

@@ -5,11 +5,8 @@ jobs" says what a run survives (resume, preemption, divergence, a timed-out coll
 Batch sizes: each process runs ``train.micro_batch_size`` samples per forward and accumulates
 ``global_batch_size / (micro_batch_size × dp)`` micro-batches per optimizer step.
 
-``dataloader`` keys: ``train`` (a dataset recipe; a torch IterableDataset with state_dict() is read
-as a stream: in order, each dp rank keeping its micro-batches of the global stream, its state saved
-with every checkpoint), ``test`` (optional, for evaluation),
-``num_workers`` (0), ``shuffle`` (True) and ``prefetch`` (2: batches a background thread reads
-ahead of the step; 0 turns it off).
+The ``dataloader`` keys (the datasets, workers, shuffling, prefetch): `DataLoaderConfig` in
+libai_zoo/config/schema.py.
 """
 
 from __future__ import annotations
@@ -116,8 +113,7 @@ class DefaultTrainer(TrainerBase):
         self.data = TrainingData(self.train_dataset, lambda samples: self.build_train_loader(self.cfg, samples),
                                  global_batch_size=train.global_batch_size, micro_batches=self.accumulation,
                                  samples_per_read=train.micro_batch_size * self.ctx.dp,
-                                 prefetch=cfg.dataloader.get("prefetch", 2),
-                                 num_workers=cfg.dataloader.get("num_workers", 0))
+                                 prefetch=cfg.dataloader.prefetch, num_workers=cfg.dataloader.num_workers)
         checkpointer = Checkpointer(self.output_dir, self.model_parts, self.optimizer,
                                     stateful={"scheduler": self.scheduler, "scaler": self.step.scaler,
                                               "data": self.data.position},
@@ -218,13 +214,13 @@ class DefaultTrainer(TrainerBase):
             return stream_micro_batches(dataset, cfg.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
                                         dp_size=self.ctx.dp, skip=skip)
         sampler = MicroBatchSampler(len(dataset), cfg.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
-                                    dp_size=self.ctx.dp, shuffle=cfg.dataloader.get("shuffle", True),
+                                    dp_size=self.ctx.dp, shuffle=cfg.dataloader.shuffle,
                                     seed=cfg.train.seed, consumed_samples=consumed_samples,
                                     global_batch_size=cfg.train.global_batch_size)
         # Its own generator: starting an iterator draws a seed, which must not move the global RNG
         # (dropout) differently in a resumed run than in an uninterrupted one.
         generator = torch.Generator().manual_seed(cfg.train.seed + consumed_samples)
-        return DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.dataloader.get("num_workers", 0),
+        return DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.dataloader.num_workers,
                           generator=generator)
 
     def build_test_loader(self, cfg: DictConfig) -> DataLoader | None:
