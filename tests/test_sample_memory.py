@@ -120,7 +120,10 @@ def test_the_sample_holds_one_layer_at_a_time_on_every_rank(runs, case):
     bound = max(LAYER_COPIES * layer, table // 4 if amp else 0) + ALLOWANCE
     peaks = [rank[case]["peak"] for rank in ranks]
     assert max(peaks) <= bound, (case, peaks, layer)
-    assert max(peaks) - min(peaks) <= 16 * 1024, peaks  # rank 0 holds what the others hold
+    # Rank 0 holds what the others hold: the bug this guards against left it holding the root unit
+    # whole (a table, several layers). Within one layer: a random rank now and then counts part of a
+    # layer more (seen: up to 0.8 of one; when FSDP's buffers are freed varies between ranks).
+    assert max(peaks) - min(peaks) <= layer < table, (case, peaks, layer)
     assert table > bound and 2 * layer > ALLOWANCE  # a gathered table, or a second layer, breaks the bound
     texts = {rank[case]["text"] for rank in ranks}
     assert texts == {ranks[0][case]["fsdp_text"]}, (texts, ranks[0][case]["fsdp_text"])
