@@ -141,7 +141,7 @@ def _rows_cast_and_moved() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from libai_zoo.parallel.sharded_generation import _local, _lookup_rows, _project_rows, _Target, gathered_over_dp
+    from libai_zoo.parallel.sharded_generation import _local, _lookup_rows, _project_rows, _Target, _gathered_over_dp
 
     torch.manual_seed(0)
     table, hidden = torch.randn(7, 4), torch.randn(1, 2, 4).bfloat16()
@@ -152,8 +152,8 @@ def _rows_cast_and_moved() -> dict:
     ids = torch.tensor([[0, 3, 4, 6]])
     moved = _local(weight, _Target(torch.device("meta"), torch.bfloat16))
     return {"table": table, "hidden": hidden, "ids": ids, "looked_up": _lookup_rows(embedding, to, ids),
-            "logits": _project_rows(head, to, hidden), "gathered": gathered_over_dp(weight, to),
-            "fp32": gathered_over_dp(weight, _Target(torch.device("cpu"), None)),
+            "logits": _project_rows(head, to, hidden), "gathered": _gathered_over_dp(weight, to),
+            "fp32": _gathered_over_dp(weight, _Target(torch.device("cpu"), None)),
             "moved": (moved.device.type, moved.dtype, tuple(moved.shape))}
 
 

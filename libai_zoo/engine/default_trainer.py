@@ -149,13 +149,12 @@ class DefaultTrainer(TrainerBase):
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
         self.add_lora(cfg, model)
-        settings = run_settings(cfg)
         built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
-                            pipeline=settings.pipeline,
+                            pipeline=self.settings.pipeline,
                             activation_checkpoint=cfg.train.activation_checkpoint.enabled,
                             compile_with=cfg.train.compile)
         model, parts, pipeline = built.model, built.parts, built.pipeline
-        seq_len = settings.seq_len  # MFU needs it; of the whole model, not of a pipeline stage
+        seq_len = self.settings.seq_len  # MFU needs it; of the whole model, not of a pipeline stage
         aliases = pipeline.tied_aliases() if pipeline is not None else None
         start = time.perf_counter()
         # ZeRO offload keeps the shards in CPU memory: allocate them there (FSDP2 pins them)
@@ -226,7 +225,7 @@ class DefaultTrainer(TrainerBase):
     def build_test_loader(self, cfg: DictConfig) -> DataLoader | None:
         """The evaluation data in order; under pp in batches of all the micro-batches of a step (the
         pipeline splits them), dropping a last batch that does not fill them."""
-        if cfg.dataloader.get("test") is None:
+        if cfg.dataloader.test is None:
             return None
         pipelined = self.pipeline is not None
         if pipelined and not self.pipeline.evaluates:

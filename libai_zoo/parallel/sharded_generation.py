@@ -155,7 +155,7 @@ def _gather_hook(names: list[str], to: _Target):
     def gather(module: nn.Module, args) -> None:
         module._sharded = {name: getattr(module, name) for name in names}
         for name, param in module._sharded.items():
-            setattr(module, name, nn.Parameter(gathered_over_dp(param, to), requires_grad=False))
+            setattr(module, name, nn.Parameter(_gathered_over_dp(param, to), requires_grad=False))
     return gather
 
 
@@ -166,7 +166,7 @@ def _release_hook(names: list[str]):
     return release
 
 
-def gathered_over_dp(param: DTensor, to: _Target) -> torch.Tensor:
+def _gathered_over_dp(param: DTensor, to: _Target) -> torch.Tensor:
     """`param`'s dp shards joined on `to`'s device in its dtype, as FSDP's own gathered parameter
     is: a plain tensor on a dp-only mesh, a DTensor on the remaining (tp) mesh dimensions otherwise."""
     mesh = param.device_mesh
