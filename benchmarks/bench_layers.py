@@ -33,7 +33,7 @@ def build_pairs(a) -> dict[str, tuple]:
     bert = BertLayer(BertConfig(hidden_size=h, num_attention_heads=nh, intermediate_size=ffn,
                                 attn_implementation="sdpa", hidden_dropout_prob=0.0,
                                 attention_probs_dropout_prob=0.0))
-    ours_bert = layers.TransformerLayer(h, nh, ffn, pre_norm=False, norm_eps=1e-12)
+    ours_bert = layers.TransformerLayer(h, nh, ffn, norm_position="post", norm_eps=1e-12)
     llama_config = LlamaConfig(hidden_size=h, num_attention_heads=nh, num_key_value_heads=kv, intermediate_size=ffn,
                                rope_theta=10000.0, attn_implementation="sdpa")
     llama, rotary = LlamaDecoderLayer(llama_config, layer_idx=0), LlamaRotaryEmbedding(llama_config)

@@ -20,10 +20,10 @@ from .norm import LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
 from .rotary import RotaryEmbedding, apply_rotary
 from .sequence_parallel import SequenceGather, SequenceScatter
-from .transformer_layer import TransformerLayer
+from .transformer_layer import NORMS, TransformerLayer
 
 __all__ = ["Attention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCache", "MLP", "LayerNorm", "RMSNorm",
            "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
            "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_layers",
            "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv",
-           "packed_causal_mask"]
+           "packed_causal_mask", "NORMS"]

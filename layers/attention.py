@@ -4,9 +4,12 @@
       -> out (row-parallel) -> all-reduce -> [B, S, h]
 
 Grouped-query attention (num_kv_heads < num_heads), rotary positions (Llama), causal and
-padding masks, sliding windows (MegaScale/Mistral), cross-attention and a KV cache for generation. The kernel is
-`torch.nn.functional.scaled_dot_product_attention`; with no mask beyond causality it gets
-``is_causal=True`` so the flash kernels apply.
+padding masks, sliding windows (MegaScale/Mistral), q/k normalisation (per head: Qwen3, Gemma 3;
+over the whole projection: OLMo 2), a softmax scale of one's own (Gemma 2's query_pre_attn_scalar,
+Granite's attention_multiplier), logit soft-capping (Gemma 2), cross-attention and a KV cache for
+generation. The kernel is `torch.nn.functional.scaled_dot_product_attention`; with no mask beyond
+causality it gets ``is_causal=True`` so the flash kernels apply. SDPA has no soft-cap: a capped
+layer computes its scores explicitly (`softcapped_attention`, exact, O(S²) memory).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-from .linear import Linear
 from .kv_cache import KVCache
+from .linear import Linear
+from .norm import RMSNorm
 from .parallel_layer import ParallelLayer, indivisible
 from .rotary import RotaryEmbedding, apply_rotary
+
+QK_NORMS = (None, "head", "projection")
 
 
 class Attention(ParallelLayer, nn.Module):
@@ -34,7 +40,10 @@ class Attention(ParallelLayer, nn.Module):
     row-parallel. ``sliding_window=w`` lets a query see keys less than w positions away (only
     earlier ones when causal). ``rope_theta`` turns on rotary positions on the first
     ``rotary_dim`` channels of each head (default all), ``rope_scaling`` rescales them
-    (`RotaryEmbedding`). ``sync_input``/``reduce_output`` as in `Linear`.
+    (`RotaryEmbedding`). ``qk_norm``: RMSNorm on q and k before rotary, over each head ("head")
+    or over the whole projection ("projection"), (1 + w) in float32 with ``qk_norm_unit_offset``.
+    ``softmax_scale`` replaces 1/sqrt(head_dim); ``softcap`` caps the scores at ±softcap
+    (cap·tanh(s/cap)). ``sync_input``/``reduce_output`` as in `Linear`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int | None = None,
@@ -42,7 +51,9 @@ class Attention(ParallelLayer, nn.Module):
                  causal: bool = False, cross_attention: bool = False, kv_input_size: int | None = None,
                  dropout: float = 0.0, rope_theta: float | None = None, rope_scaling: dict | None = None,
                  rotary_dim: int | None = None, sliding_window: int | None = None,
-                 softmax_scale: float | None = None, sync_input: bool = True,
+                 softmax_scale: float | None = None, softcap: float | None = None,
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, qk_norm_unit_offset: bool = False,
+                 sync_input: bool = True,
                  reduce_output: bool = True, sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -55,9 +66,14 @@ class Attention(ParallelLayer, nn.Module):
             head_dim = hidden_size // num_heads
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window = {sliding_window} must be a positive number of positions")
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm {qk_norm!r} is not one of {QK_NORMS}")
+        if qk_norm and cross_attention:
+            raise ValueError("qk_norm is for self-attention")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.causal, self.cross_attention = causal, cross_attention
         self.dropout, self.sliding_window, self.softmax_scale = dropout, sliding_window, softmax_scale
+        self.softcap = softcap
         self.sequence_parallel = sequence_parallel
         col = dict(parallel="col", sync_input=sync_input, sequence_parallel=sequence_parallel,
                    device=device, dtype=dtype)
@@ -72,6 +88,13 @@ class Attention(ParallelLayer, nn.Module):
                           reduce_output=reduce_output, sequence_parallel=sequence_parallel,
                           device=device, dtype=dtype)
         self.rotary = RotaryEmbedding(rotary_dim or head_dim, rope_theta, rope_scaling) if rope_theta else None
+        self.qk_norm = qk_norm
+        if qk_norm:  # q and k come out of the column-parallel qkv: whole sequence, this rank's heads
+            per_head = qk_norm == "head"
+            norm = dict(eps=qk_norm_eps, unit_offset=qk_norm_unit_offset, split_input=per_head, split_dim=not per_head,
+                        sequence_parallel=False, device=device, dtype=dtype)
+            self.q_norm = RMSNorm(head_dim if per_head else num_heads * head_dim, **norm)
+            self.k_norm = RMSNorm(head_dim if per_head else num_kv_heads * head_dim, **norm)
 
     def tp_problems(self, tp_size: int) -> list[str]:
         fix = "choose a tp that divides both head counts"
@@ -88,6 +111,8 @@ class Attention(ParallelLayer, nn.Module):
         boolean/additive mask; position_ids [B, S] for rotary; encoder_hidden_states for cross;
         kv_cache holds earlier positions (S_k = cached + S) and takes this call's keys and values."""
         q, k, v = self._project(hidden_states, encoder_hidden_states)
+        if self.qk_norm:
+            q, k = self._norm_qk(q, k)
         past = 0 if kv_cache is None else kv_cache.length
         if self.rotary is not None:
             if position_ids is None:
@@ -104,10 +129,22 @@ class Attention(ParallelLayer, nn.Module):
         dropout = self.dropout if self.training else 0.0
         # This rank's heads draw their own dropout masks (the tp rank's stream), as one process would.
         with self.tp.rng.fork() if self.tp is not None and dropout else nullcontext():
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=self.softmax_scale,
-                enable_gqa=q.shape[1] != k.shape[1])
+            if self.softcap is None:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=self.softmax_scale,
+                    enable_gqa=q.shape[1] != k.shape[1])
+            else:
+                if is_causal:
+                    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+                out = softcapped_attention(q, k, v, mask, self.softcap, self.softmax_scale, dropout)
         return self.out(out.transpose(1, 2).flatten(2))
+
+    def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, S, groups, heads, d] and k normalised per head, or over this rank's part of the
+        whole projection (heads in order: the grouped layout keeps a rank's q heads contiguous)."""
+        if self.qk_norm == "head":
+            return self.q_norm(q), self.k_norm(k)
+        return self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
 
     def _project(self, x: torch.Tensor, encoder_states: torch.Tensor | None):
         """This rank's q [B, S, groups, q heads per group, d] and k, v [B, S_k, groups, 1, d].
@@ -155,8 +192,25 @@ class Attention(ParallelLayer, nn.Module):
         kinds = ["cross" if self.cross_attention else "self"] + (["causal"] if self.causal else [])
         if self.sliding_window:
             kinds.append(f"window={self.sliding_window}")
+        if self.softcap:
+            kinds.append(f"softcap={self.softcap}")
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"{', '.join(kinds)}{self.parallel_repr()}")
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         softcap: float, scale: float | None, dropout: float) -> torch.Tensor:
+    """SDPA with the scores capped at ±softcap (cap·tanh(s/cap), Gemma 2), computed explicitly:
+    q [B, H, S, d], k and v [B, H_kv, S_k, d], mask boolean (True = attend) or additive; softmax in
+    float32 as transformers' eager attention does."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(q.dtype)
+    return F.dropout(probs, dropout) @ v if dropout else probs @ v
 
 
 def packed_causal_mask(attention_mask: torch.Tensor | None,

@@ -3,6 +3,10 @@ loss computed on that split.
 
     h [B, S, hidden] -> column-parallel [hidden, S(V)] -> logits [B, S, V/tp] -> vocab-parallel CE
 
+Some families reshape the logits: Granite divides them by ``logits_scaling`` (``logit_scale``
+here is its inverse), Gemma 2 caps them at ±``logit_softcap`` (cap·tanh(z/cap)); both act on each
+rank's slice, before the loss and before generation.
+
 Training never gathers [B, S, V]: `loss` works on this rank's vocabulary slice
 (`ParallelCrossEntropy`). `gather` makes the whole-vocabulary logits for callers that want them
 (a Hugging Face forward, generation). `loss_from_hidden` goes further for large vocabularies: it
@@ -30,9 +34,18 @@ class LMHead(Linear):
     chunk_bytes: int = 256 * 2**20
 
     def __init__(self, hidden_size: int, vocab_size: int, bias: bool = False, *, ignore_index: int = -100,
-                 device=None, dtype=None):
+                 logit_scale: float = 1.0, logit_softcap: float | None = None, device=None, dtype=None):
         super().__init__(hidden_size, vocab_size, bias, "col", sequence_parallel=False, device=device, dtype=dtype)
         self.loss_fn = ParallelCrossEntropy(ignore_index)
+        self.logit_scale, self.logit_softcap = logit_scale, logit_softcap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.logit_softcap is not None:
+            logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
+        return logits
 
     def tp_problems(self, tp_size: int) -> list[str]:
         return vocabulary_problems(self.out_features, tp_size)

@@ -1,6 +1,13 @@
 """LayerNorm and RMSNorm: replicated over tensor parallelism, split over the sequence under
 sequence parallelism (each rank normalizes its own tokens; weight gradients are then partial
-and summed over tp by `libai_zoo.distributed.finalize_grads`)."""
+and summed over tp by `libai_zoo.distributed.finalize_grads`).
+
+RMSNorm also covers what today's decoders add: Gemma's (1 + w) weight computed in float32
+(``unit_offset``), a norm over each rank's own heads (q/k norms of Qwen3 and Gemma 3:
+``split_input``, the weight's gradient is partial under any tp) and a norm over a dimension tp
+splits (OLMo 2's q/k norm over the whole projection: ``split_dim``, the weight is split with it
+and the mean square is summed over tp; q and k are never gathered).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.distributed import local
+from libai_zoo.distributed import TensorParallel, local
+from libai_zoo.distributed.collectives import sum_over_tp
 
-from .parallel_layer import ParallelLayer
+from .parallel_layer import ParallelLayer, indivisible
 
 
 class LayerNorm(ParallelLayer, nn.LayerNorm):
@@ -30,17 +38,49 @@ class LayerNorm(ParallelLayer, nn.LayerNorm):
 
 
 class RMSNorm(ParallelLayer, nn.RMSNorm):
-    """`nn.RMSNorm` over the last dimension, computed in float32 and cast back as Llama does."""
+    """`nn.RMSNorm` over the last dimension, computed in float32 and cast back as Llama does.
+
+    ``unit_offset``: Gemma's weight, applied as (1 + w) in float32 before the cast (it starts at 0).
+    ``split_input``: the input is a per-rank part of the data under any tp (each rank's heads).
+    ``split_dim``: the normalized dimension itself is split over tp (see the module docstring).
+    """
 
     def __init__(self, hidden_size: int, eps: float | None = None, elementwise_affine: bool = True,
-                 *, sequence_parallel: bool = True, device=None, dtype=None):
+                 *, unit_offset: bool = False, split_input: bool = False, split_dim: bool = False,
+                 sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__(hidden_size, eps, elementwise_affine, device=device, dtype=dtype)
+        self.unit_offset, self.split_input, self.split_dim = unit_offset, split_input, split_dim
         self.sequence_parallel = sequence_parallel
 
+    def tp_problems(self, tp_size: int) -> list[str]:
+        if not self.split_dim:
+            return []
+        return indivisible(self.normalized_shape[0], tp_size, "the normalized size of a norm split over tp",
+                           "choose a tp that divides the number of heads")
+
+    def shard_(self, tp: TensorParallel) -> None:
+        if self.split_dim and self.weight is not None:
+            tp.shard_parameter(self, "weight", 0)
+        super().shard_(tp)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
-        weight = local(self.weight, partial_grad=self.sp)
+        partial = self.sp or (self.tp is not None and self.split_input)
+        weight = local(self.weight, partial_grad=partial)
+        if self.split_dim and self.tp is not None:
+            normed = self._split_rms(x.float())
+        else:
+            normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + weight.float())).to(x.dtype)
+        normed = normed.to(x.dtype)
         return normed if weight is None else weight * normed
 
+    def _split_rms(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) where x is this rank's part of the normalized dimension."""
+        square_sum = sum_over_tp(x.pow(2).sum(-1, keepdim=True), self.tp)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return x * torch.rsqrt(square_sum / self.normalized_shape[0] + eps)
+
     def extra_repr(self) -> str:
-        return super().extra_repr() + self.parallel_repr()
+        kinds = [k for k in ("unit_offset", "split_input", "split_dim") if getattr(self, k)]
+        return super().extra_repr() + "".join(f", {k}" for k in kinds) + self.parallel_repr()

@@ -1,16 +1,23 @@
-"""One transformer layer: attention and MLP with residuals, in the three classic arrangements.
+"""One transformer layer: attention and MLP with residuals, in the arrangements today's models use.
 
-    pre-norm  (GPT-2, Llama):   x = x + attn(norm(x));  x = x + mlp(norm(x))
-    post-norm (BERT):           x = norm(x + attn(x));  x = norm(x + mlp(x))
-    parallel  (GPT-J, MegaScale): x = x + attn(norm(x)) + mlp(norm(x))
+    pre-norm  (GPT-2, Llama):         x = x + attn(norm(x));            x = x + mlp(norm(x))
+    post-norm (BERT):                 x = norm(x + attn(x));            x = norm(x + mlp(x))
+    sandwich  (Gemma 2 and 3):        x = x + norm(attn(norm(x)));      x = x + norm(mlp(norm(x)))
+    output    (OLMo 2):               x = x + norm(attn(x));            x = x + norm(mlp(x))
+    parallel  (GPT-J, MegaScale):     x = x + attn(norm(x)) + mlp(norm(x))        one norm
+              (Pythia, GPT-NeoX-20B): x = x + attn(norm1(x)) + mlp(norm2(x))      two norms
 
+Each branch's output may be scaled before the residual add (``residual_multiplier``, Granite).
 At tp>1 the sequential arrangements cost Megatron-LM's two all-reduces forward and two backward;
-the parallel block shares one input sync and one output reduction between attention and MLP,
-so it costs one each way. Under sequence parallelism every all-reduce is an all-gather +
-reduce-scatter pair and x is this rank's part of the sequence.
+the parallel block shares one input sync and one output reduction between attention and MLP
+(with two norms, their outputs travel side by side through the one sync), so it costs one each
+way. Under sequence parallelism every all-reduce is an all-gather + reduce-scatter pair and x is
+this rank's part of the sequence.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -23,61 +30,75 @@ from .mlp import MLP
 from .norm import LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
 
-NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+#: Norm kinds by name; "rmsnorm_1p" is Gemma's (1 + w) RMSNorm computed in float32.
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_1p": functools.partial(RMSNorm, unit_offset=True)}
+NORM_POSITIONS = ("pre", "post", "sandwich", "output")
 
 
 class TransformerLayer(ParallelLayer, nn.Module):
     """Attention (+ optional cross-attention) and MLP blocks; see the module docstring.
 
-    Children: ``attn_norm``, ``attn``, [``cross_attn_norm``, ``cross_attn``], [``mlp_norm``], ``mlp``.
-    The parallel block has one norm (``attn_norm``) shared by both branches and applies
-    ``hidden_dropout`` once to their sum. ``bias`` sets every bias; ``qkv_bias``, ``attention_out_bias``
-    and ``mlp_bias`` override it per part (Qwen2: biases on q, k, v only).
+    Children: [``attn_norm``], ``attn``, [``attn_out_norm``], [``cross_attn_norm``, ``cross_attn``],
+    [``mlp_norm``], ``mlp``, [``mlp_out_norm``]: ``*_norm`` normalizes a branch's input (pre,
+    sandwich) or the residual sum (post), ``*_out_norm`` a branch's output (sandwich, output). The
+    parallel block has ``attn_norm`` shared by both branches, or also ``mlp_norm`` with
+    ``parallel_norms=2``, and applies ``hidden_dropout`` once to their sum. ``bias`` sets every
+    bias; ``qkv_bias``, ``attention_out_bias`` and ``mlp_bias`` override it per part (Qwen2:
+    biases on q, k, v only). ``attention`` passes further `Attention` options (q/k norms, softmax
+    scale, soft-capping).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, norm: str = "layernorm", norm_eps: float = 1e-5,
-                 pre_norm: bool = True, parallel_block: bool = False, activation: str = "gelu",
-                 gated_mlp: bool = False, bias: bool = True, qkv_bias: bool | None = None,
+                 norm_position: str = "pre", parallel_block: bool = False, parallel_norms: int = 1,
+                 activation: str = "gelu", gated_mlp: bool = False, bias: bool = True, qkv_bias: bool | None = None,
                  attention_out_bias: bool | None = None, mlp_bias: bool | None = None,
-                 attention_dropout: float = 0.0,
-                 hidden_dropout: float = 0.0, causal: bool = False, rope_theta: float | None = None,
+                 attention_dropout: float = 0.0, hidden_dropout: float = 0.0, residual_multiplier: float = 1.0,
+                 causal: bool = False, rope_theta: float | None = None,
                  rope_scaling: dict | None = None, rotary_dim: int | None = None,
-                 sliding_window: int | None = None, cross_attention: bool = False,
+                 sliding_window: int | None = None, attention: dict | None = None, cross_attention: bool = False,
                  encoder_hidden_size: int | None = None, sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__()
         if norm not in NORMS:
             raise ValueError(f"norm {norm!r} is not one of {sorted(NORMS)}")
-        if parallel_block and (cross_attention or not pre_norm):
+        if norm_position not in NORM_POSITIONS:
+            raise ValueError(f"norm_position {norm_position!r} is not one of {NORM_POSITIONS}")
+        if parallel_block and (cross_attention or norm_position != "pre"):
             raise ValueError("parallel_block=True is a pre-norm self-attention layer: "
-                             "it does not combine with cross_attention or pre_norm=False")
+                             "it does not combine with cross_attention or another norm_position")
+        if parallel_norms not in (1, 2):
+            raise ValueError(f"parallel_norms = {parallel_norms}: a parallel block has one norm or two")
         qkv_bias = bias if qkv_bias is None else qkv_bias
         attention_out_bias = bias if attention_out_bias is None else attention_out_bias
         mlp_bias = bias if mlp_bias is None else mlp_bias
-        self.pre_norm, self.parallel_block = pre_norm, parallel_block
+        self.norm_position, self.parallel_block = norm_position, parallel_block
+        self.residual_multiplier = residual_multiplier
         self.sequence_parallel = sequence_parallel
         fused_comm = not parallel_block
         factory = dict(sequence_parallel=sequence_parallel, device=device, dtype=dtype)
 
-        def make_norm():
-            return NORMS[norm](hidden_size, norm_eps, **factory)
+        def make_norm(when: bool = True):
+            return NORMS[norm](hidden_size, norm_eps, **factory) if when else None
 
-        self.attn_norm = make_norm()
+        inputs_normed = norm_position != "output"
+        outputs_normed = norm_position in ("sandwich", "output")
+        self.attn_norm = make_norm(inputs_normed)
         heads = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, bias=qkv_bias, out_bias=attention_out_bias,
                      dropout=attention_dropout)
         self.attn = Attention(hidden_size, num_heads, causal=causal, rope_theta=rope_theta,
                               rope_scaling=rope_scaling, rotary_dim=rotary_dim, sliding_window=sliding_window,
-                              sync_input=fused_comm,
-                              reduce_output=fused_comm, **heads, **factory)
+                              sync_input=fused_comm, reduce_output=fused_comm, **(attention or {}), **heads, **factory)
+        self.attn_out_norm = make_norm(outputs_normed)
         if cross_attention:
             self.cross_attn_norm = make_norm()
             self.cross_attn = Attention(hidden_size, num_heads, cross_attention=True,
                                         kv_input_size=encoder_hidden_size, **heads, **factory)
         else:
             self.cross_attn = None
-        self.mlp_norm = None if parallel_block else make_norm()
+        self.mlp_norm = make_norm(inputs_normed and (not parallel_block or parallel_norms == 2))
         self.mlp = MLP(hidden_size, ffn_hidden_size, activation=activation, gated=gated_mlp, bias=mlp_bias,
                        sync_input=fused_comm, reduce_output=fused_comm, **factory)
+        self.mlp_out_norm = make_norm(outputs_normed)
         self.dropout = nn.Dropout(hidden_dropout)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,28 +108,44 @@ class TransformerLayer(ParallelLayer, nn.Module):
                 return self.dropout(x)
         return self.dropout(x)
 
+    def _residual(self, x: torch.Tensor, branch: torch.Tensor, out_norm: nn.Module | None) -> torch.Tensor:
+        """x + the branch's output (normalized in sandwich/output placement, scaled, dropped out)."""
+        if out_norm is not None:
+            branch = out_norm(branch)
+        if self.residual_multiplier != 1.0:
+            branch = branch * self.residual_multiplier
+        return x + self._dropout(branch)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
                 encoder_attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         x = hidden_states
         if self.parallel_block:
-            return x + self._dropout(self._parallel_branches(self.attn_norm(x), attention_mask, position_ids, kv_cache))
+            return self._residual(x, self._parallel_branches(x, attention_mask, position_ids, kv_cache), None)
         cross = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask)
-        if self.pre_norm:
-            x = x + self._dropout(self.attn(self.attn_norm(x), attention_mask, position_ids, kv_cache=kv_cache))
+        if self.norm_position == "post":
+            x = self.attn_norm(x + self._dropout(self.attn(x, attention_mask, position_ids, kv_cache=kv_cache)))
             if self.cross_attn is not None:
-                x = x + self._dropout(self.cross_attn(self.cross_attn_norm(x), **cross))
-            return x + self._dropout(self.mlp(self.mlp_norm(x)))
-        x = self.attn_norm(x + self._dropout(self.attn(x, attention_mask, position_ids, kv_cache=kv_cache)))
+                x = self.cross_attn_norm(x + self._dropout(self.cross_attn(x, **cross)))
+            return self.mlp_norm(x + self._dropout(self.mlp(x)))
+        h = x if self.attn_norm is None else self.attn_norm(x)
+        x = self._residual(x, self.attn(h, attention_mask, position_ids, kv_cache=kv_cache), self.attn_out_norm)
         if self.cross_attn is not None:
-            x = self.cross_attn_norm(x + self._dropout(self.cross_attn(x, **cross)))
-        return self.mlp_norm(x + self._dropout(self.mlp(x)))
+            x = x + self._dropout(self.cross_attn(self.cross_attn_norm(x), **cross))
+        h = x if self.mlp_norm is None else self.mlp_norm(x)
+        return self._residual(x, self.mlp(h), self.mlp_out_norm)
 
-    def _parallel_branches(self, h: torch.Tensor, attention_mask, position_ids, kv_cache) -> torch.Tensor:
-        """attn(h) + mlp(h) with one input sync and one output reduction for both."""
+    def _parallel_branches(self, x: torch.Tensor, attention_mask, position_ids, kv_cache) -> torch.Tensor:
+        """attn(norm(x)) + mlp(norm(x)) (or mlp(norm2(x))) with one input sync and one output
+        reduction for both."""
+        h = self.attn_norm(x)
+        h2 = None if self.mlp_norm is None else self.mlp_norm(x)
         if self.tp is not None:
-            h = column_input(h, self.tp, self.sp)
-        y = self.attn(h, attention_mask, position_ids, kv_cache=kv_cache) + self.mlp(h)
+            if h2 is None:
+                h = column_input(h, self.tp, self.sp)
+            else:  # both normalized inputs through one sync, side by side
+                h, h2 = column_input(torch.cat((h, h2), dim=-1), self.tp, self.sp).chunk(2, dim=-1)
+        y = self.attn(h, attention_mask, position_ids, kv_cache=kv_cache) + self.mlp(h if h2 is None else h2)
         if self.tp is not None:
             y = row_output(y, self.tp, self.sp)
         return self.mlp.down.add_bias(self.attn.out.add_bias(y))

@@ -15,10 +15,13 @@ from .contract import TrainableModel, check_trainable, get_layer_stack
 from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
 from .gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXModel
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
+from .mistral import MistralConfig, MistralForCausalLM, MistralModel
 from .pretrained import PreTrainedModel
+from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
 __all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_stack", "GPT2Config", "GPT2Model",
            "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification",
            "ViTConfig", "ViTModel", "ViTForImageClassification", "LlamaConfig", "LlamaModel", "LlamaForCausalLM",
-           "GPTNeoXConfig", "GPTNeoXModel", "GPTNeoXForCausalLM"]
+           "GPTNeoXConfig", "GPTNeoXModel", "GPTNeoXForCausalLM", "Qwen3Config", "Qwen3Model", "Qwen3ForCausalLM",
+           "MistralConfig", "MistralModel", "MistralForCausalLM"]

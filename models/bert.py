@@ -69,7 +69,7 @@ class BertModel(PreTrainedModel):
         self.embeddings = BertEmbeddings(config)
         self.scatter = SequenceScatter()
         self.layer = nn.ModuleList(
-            TransformerLayer(hidden, config.num_attention_heads, config.intermediate_size, pre_norm=False,
+            TransformerLayer(hidden, config.num_attention_heads, config.intermediate_size, norm_position="post",
                              norm_eps=config.layer_norm_eps, activation=config.hidden_act,
                              attention_dropout=config.attention_probs_dropout_prob,
                              hidden_dropout=config.hidden_dropout_prob)

@@ -63,8 +63,8 @@ class PreTrainedModel(nn.Module, ABC):
         body, prefix = getattr(self, self.base_model_prefix, None), self.base_model_prefix + "."
         if isinstance(body, PreTrainedModel) and name.startswith(prefix):
             body.init_parameter(name[len(prefix):], module, tensor, generator)
-        elif isinstance(module, LayerNorm | RMSNorm):
-            tensor.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif isinstance(module, LayerNorm | RMSNorm):  # a (1 + w) norm starts at w = 0
+            tensor.fill_(1.0 if name.endswith("weight") and not getattr(module, "unit_offset", False) else 0.0)
         elif name.endswith("bias"):
             tensor.zero_()
         else:

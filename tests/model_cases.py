@@ -49,6 +49,24 @@ def qwen2_config():
                                     max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
 
 
+def qwen3_config(**kw):
+    """q/k norms per head (their weights drawn away from 1 in make_hf_model), head_dim 16 ≠ 32/4, a
+    sliding window of 4 on the second layer."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=FFN, max_position_embeddings=64,
+                    use_sliding_window=True, sliding_window=4, max_window_layers=1, bos_token_id=1, eos_token_id=2,
+                    tie_word_embeddings=False)
+    return transformers.Qwen3Config(**{**defaults, **kw})
+
+
+def mistral_config(**kw):
+    """Every layer sees the last 4 positions (of 12), head_dim 16 ≠ 32/4."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=FFN, max_position_embeddings=64,
+                    sliding_window=4, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.MistralConfig(**{**defaults, **kw})
+
+
 def gpt_neox_config(**kw):
     """Sequential residual (Megatron's RoPE GPT), half of each head's channels rotating."""
     defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -91,6 +109,12 @@ CASES = {
                           lambda: gpt_neox_config(tie_word_embeddings=True, hidden_act="gelu_new",
                                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0,
                                                                    "partial_rotary_factor": 1.0}), "causal"),
+    "pythia": Case(transformers.GPTNeoXForCausalLM, models.GPTNeoXForCausalLM,
+                   lambda: gpt_neox_config(use_parallel_residual=True), "causal"),
+    "qwen3": Case(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM, qwen3_config, "causal"),
+    "qwen3_tied": Case(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM,
+                       lambda: qwen3_config(tie_word_embeddings=True, use_sliding_window=False), "causal"),
+    "mistral": Case(transformers.MistralForCausalLM, models.MistralForCausalLM, mistral_config, "causal"),
     "gpt_neox_body": Case(transformers.GPTNeoXModel, models.GPTNeoXModel, gpt_neox_config, "encoder"),
     "llama_body": Case(transformers.LlamaModel, models.LlamaModel, llama_config, "encoder"),
     "bert": Case(transformers.BertModel, models.BertModel, bert_config, "encoder"),
@@ -104,8 +128,15 @@ CASES = {
 
 
 def make_hf_model(case: Case, seed: int = 0):
+    """The transformers model, its norm weights drawn away from their initial value (1, or 0 for
+    Gemma's (1 + w)): a norm the zoo applied without its weight, or not at all, would then show."""
     torch.manual_seed(seed)
-    return case.hf_class(case.make_config()).eval()
+    model = case.hf_class(case.make_config()).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name.lower() and name.endswith("weight"):
+                param.add_(torch.randn_like(param) * 0.2)
+    return model
 
 
 def make_inputs(case: Case, seed: int = 1, batch: int = 2) -> tuple[dict, torch.Tensor]:

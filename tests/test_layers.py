@@ -281,7 +281,7 @@ def test_post_norm_layer_is_bert_layer():
     config = BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, attn_implementation="sdpa",
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     hf = BertLayer(config).eval()
-    ours = layers.TransformerLayer(32, 4, 64, pre_norm=False, activation="gelu", norm_eps=config.layer_norm_eps)
+    ours = layers.TransformerLayer(32, 4, 64, norm_position="post", activation="gelu", norm_eps=config.layer_norm_eps)
     sd = hf.state_dict()
     p = "attention.self."
     load(ours, {"attn.qkv.weight": layers.fuse_qkv(sd[p + "query.weight"], sd[p + "key.weight"],
@@ -345,7 +345,7 @@ def test_parallel_block_is_attention_plus_mlp():
 
 def test_layer_options_are_checked():
     with pytest.raises(ValueError, match="parallel_block"):
-        layers.TransformerLayer(32, 4, 64, parallel_block=True, pre_norm=False)
+        layers.TransformerLayer(32, 4, 64, parallel_block=True, norm_position="post")
     with pytest.raises(ValueError, match="num_kv_heads"):
         layers.Attention(32, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="activation"):

@@ -53,7 +53,7 @@ MODELS = {
 LAYERS = {
     "parallel_block": lambda: layers.TransformerLayer(64, 4, 256, parallel_block=True, hidden_dropout=0.1,
                                                       causal=True),
-    "post_norm": lambda: layers.TransformerLayer(64, 4, 256, pre_norm=False, hidden_dropout=0.1, causal=True),
+    "post_norm": lambda: layers.TransformerLayer(64, 4, 256, norm_position="post", hidden_dropout=0.1, causal=True),
 }
 
 

@@ -68,7 +68,7 @@ CASES = {
     "layer_gpt2": lambda sp: (layers.TransformerLayer(H, HEADS, FFN, activation="gelu_new", causal=True),
                               [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
     "layer_bert_post_norm": lambda sp: (
-        layers.TransformerLayer(H, HEADS, FFN, pre_norm=False, norm_eps=1e-12), [_x(B, S, H), _padding_mask()],
+        layers.TransformerLayer(H, HEADS, FFN, norm_position="post", norm_eps=1e-12), [_x(B, S, H), _padding_mask()],
         [1 if sp else None, None], 1 if sp else None),
     "layer_llama": lambda sp: (
         layers.TransformerLayer(H, HEADS, FFN, num_kv_heads=KV_HEADS, norm="rmsnorm", norm_eps=1e-6,

@@ -124,6 +124,23 @@ _GatherFromSP = _autograd_pair("_GatherFromSP", all_gather, reduce_scatter)
 _ReduceScatterToSP = _autograd_pair("_ReduceScatterToSP", reduce_scatter, all_gather)
 
 
+class _SumOverTP(Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return all_reduce_(x.clone(), tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_(grad.contiguous(), ctx.tp), None
+
+
+def sum_over_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """All-reduce (sum) forward and backward: a statistic every rank computes part of and every
+    rank uses (a norm over a tp-split dimension), so each rank's gradient is a share of the whole."""
+    return _SumOverTP.apply(x, tp)
+
+
 def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (Megatron's f)."""
     return _CopyToTP.apply(x, tp)

@@ -93,7 +93,7 @@ class LayerShape:
                    gated_mlp=mlp.gate is not None,
                    norm="rmsnorm" if isinstance(layer.attn_norm, RMSNorm) else "layernorm",
                    attention_dropout=float(attn.dropout), hidden_dropout=float(layer.dropout.p),
-                   parallel_block=bool(layer.parallel_block), pre_norm=bool(layer.pre_norm),
+                   parallel_block=bool(layer.parallel_block), pre_norm=layer.norm_position != "post",
                    rotary=attn.rotary is not None,
                    row_bias=attn.out.bias is not None or mlp.down.bias is not None)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from libai_zoo.hf.rules import PackedQKV, Same, WeightMap, linear
 
 
-def gpt2_weight_map(config, prefix: str, lm_head: bool = False) -> WeightMap:
-    p = prefix
+def gpt2_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
+    config, p = body.config, prefix
     rules = [Same(f"{p}wte.weight", f"{p}wte.weight"), Same(f"{p}wpe.weight", f"{p}wpe.weight")]
     for i in range(config.n_layer):
         z, h = f"{p}h.{i}.", f"{p}h.{i}."

@@ -6,8 +6,8 @@ from __future__ import annotations
 from libai_zoo.hf.rules import Same, WeightMap, linear
 
 
-def gpt_neox_weight_map(config, prefix: str, lm_head: bool = False) -> WeightMap:
-    p = prefix
+def gpt_neox_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
+    config, p = body.config, prefix
     rules = [Same(f"{p}embed_in.weight", f"{p}embed_in.weight")]
     for i in range(config.num_hidden_layers):
         z = h = f"{p}layers.{i}."

@@ -1,28 +1,43 @@
-"""Llama (and Qwen2): libai_zoo names <- Hugging Face names."""
+"""The Llama naming (Llama, Qwen2/3, Mistral, Gemma 1-3, SmolLM3, Granite, OLMo 2): libai_zoo names
+<- Hugging Face names. The rules follow the built body, so one map serves every family that names
+its tensors as Llama does: biases, q/k norms and where the norms sit are read off its layers."""
 
 from __future__ import annotations
 
 from libai_zoo.hf.rules import Same, WeightMap, linear, qkv
 
+#: norm_position -> the layer's norms (zoo name -> Hugging Face name)
+NORM_NAMES = {
+    "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+    "sandwich": {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+                 "mlp_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm"},
+    "output": {"attn_out_norm": "post_attention_layernorm", "mlp_out_norm": "post_feedforward_layernorm"},
+}
 
-def llama_weight_map(config, prefix: str, *, biases: tuple[bool, bool], lm_head: bool = False) -> WeightMap:
-    """``biases``: (on q/k/v, on o), as the model was built."""
+
+def has_bias(linear_layer) -> bool:
+    return linear_layer.bias is not None
+
+
+def llama_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
+    """The rules of a `DecoderModel` body named as Llama is (its parameters after `prefix`)."""
     p = prefix
-    bias, out_bias = biases
-    mlp_bias = getattr(config, "mlp_bias", False)
     rules = [Same(f"{p}embed_tokens.weight", f"{p}embed_tokens.weight")]
-    for i in range(config.num_hidden_layers):
+    for i, layer in enumerate(body.layers):
         z = h = f"{p}layers.{i}."
-        a = h + "self_attn."
+        a, attn, mlp = h + "self_attn.", layer.attn, layer.mlp
+        for zoo, hf in NORM_NAMES[layer.norm_position].items():
+            rules += linear(z + zoo, h + hf, bias=False)
+        rules += qkv(z + "attn.qkv", a + "q_proj", a + "k_proj", a + "v_proj", attn.num_heads, attn.num_kv_heads,
+                     bias=has_bias(attn.qkv))
+        if attn.qk_norm:
+            rules += [*linear(z + "attn.q_norm", a + "q_norm", bias=False),
+                      *linear(z + "attn.k_norm", a + "k_norm", bias=False)]
         rules += [
-            *linear(z + "attn_norm", h + "input_layernorm", bias=False),
-            *qkv(z + "attn.qkv", a + "q_proj", a + "k_proj", a + "v_proj", config.num_attention_heads,
-                 config.num_key_value_heads, bias=bias),
-            *linear(z + "attn.out", a + "o_proj", bias=out_bias),
-            *linear(z + "mlp_norm", h + "post_attention_layernorm", bias=False),
-            *linear(z + "mlp.gate", h + "mlp.gate_proj", bias=mlp_bias),
-            *linear(z + "mlp.up", h + "mlp.up_proj", bias=mlp_bias),
-            *linear(z + "mlp.down", h + "mlp.down_proj", bias=mlp_bias),
+            *linear(z + "attn.out", a + "o_proj", bias=has_bias(attn.out)),
+            *linear(z + "mlp.gate", h + "mlp.gate_proj", bias=has_bias(mlp.gate)),
+            *linear(z + "mlp.up", h + "mlp.up_proj", bias=has_bias(mlp.up)),
+            *linear(z + "mlp.down", h + "mlp.down_proj", bias=has_bias(mlp.down)),
         ]
     rules += linear(f"{p}norm", f"{p}norm", bias=False)
     if lm_head:

@@ -1,0 +1,51 @@
+"""Each family's distinguishing features matter in its test: with one switched off in the zoo's
+layers, the logits leave transformers' by far more than the parity tolerance. A parity test whose
+case did not exercise the feature (a window longer than the sequence, norms left at 1) would pass
+either way; this one fails then.
+
+FEATURES: (case in model_cases.CASES, what is dropped, how): `how` patches the zoo's class for the
+duration of one forward (monkeypatch) and the model is built after it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from libai_zoo import layers
+from model_cases import CASES, make_hf_model, make_inputs
+
+MIN_EFFECT = 1e-3  # far above the 1e-5 of the parity tests
+
+
+def _without_kwarg(cls, key: str, value=None):
+    """cls.__init__ with keyword `key` forced to `value` (the feature off)."""
+    init = cls.__init__
+
+    def patched(self, *args, **kwargs):
+        if key in kwargs:
+            kwargs[key] = value
+        init(self, *args, **kwargs)
+    return "__init__", patched
+
+
+FEATURES = {
+    ("qwen3", "per-head q/k norms"): (layers.Attention, ("_norm_qk", lambda self, q, k: (q, k))),
+    ("qwen3", "sliding window on layer 2"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
+    ("mistral", "sliding window"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
+    ("pythia", "parallel residual"): (layers.TransformerLayer,
+                                      _without_kwarg(layers.TransformerLayer, "parallel_block", False)),
+}
+
+
+@pytest.mark.parametrize("case,feature", list(FEATURES), ids=[f"{c}-{f}" for c, f in FEATURES])
+def test_dropping_the_feature_changes_the_logits(case, feature, tmp_path, monkeypatch):
+    hf = make_hf_model(CASES[case])
+    hf.save_pretrained(tmp_path)
+    inputs, mask = make_inputs(CASES[case])
+    cls, (attribute, replacement) = FEATURES[case, feature]
+    monkeypatch.setattr(cls, attribute, replacement)
+    zoo = CASES[case].zoo_class.from_pretrained(tmp_path)
+    with torch.no_grad():
+        effect = (zoo(**inputs).logits[mask] - hf(**inputs).logits[mask]).abs().max().item()
+    assert effect > MIN_EFFECT, f"{case} without its {feature}: logits within {effect:.2e} of transformers'"
