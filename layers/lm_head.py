@@ -40,7 +40,10 @@ class LMHead(Linear):
         self.logit_scale, self.logit_softcap = logit_scale, logit_softcap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)
+        return self.shape_logits(super().forward(x))
+
+    def shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's scaling and soft-cap of projected logits (any slice of the vocabulary)."""
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
         if self.logit_softcap is not None:

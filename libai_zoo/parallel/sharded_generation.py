@@ -148,7 +148,7 @@ def _project_rows(module: LMHead, to: _Target, hidden: torch.Tensor) -> torch.Te
     part = F.pad(F.linear(hidden, rows, bias), (0, per_rank - rows.shape[0]))
     parts = [torch.empty_like(part) for _ in range(module.weight.device_mesh.size())]
     dist.all_gather(parts, part.contiguous(), group=module.weight.device_mesh.get_group())
-    return torch.cat(parts, dim=-1)[..., :module.weight.shape[0]]
+    return module.shape_logits(torch.cat(parts, dim=-1)[..., :module.weight.shape[0]])
 
 
 def _gather_hook(names: list[str], to: _Target):
