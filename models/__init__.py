@@ -10,6 +10,8 @@ if __name__ != "libai_zoo.models":  # `import models` from the repository root w
     raise ImportError(f"`models/` is installed as `libai_zoo.models`: write `from libai_zoo import models` or "
                       f"`import libai_zoo.models`, not `import models` (imported here as `{__name__}`)")
 
+from .auto import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM,
+                   AutoModelForSequenceClassification)
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from .contract import TrainableModel, check_trainable, get_layer_stack
 from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
@@ -18,10 +20,13 @@ from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .mistral import MistralConfig, MistralForCausalLM, MistralModel
 from .pretrained import PreTrainedModel
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+from .roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
 __all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_stack", "GPT2Config", "GPT2Model",
            "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification",
            "ViTConfig", "ViTModel", "ViTForImageClassification", "LlamaConfig", "LlamaModel", "LlamaForCausalLM",
            "GPTNeoXConfig", "GPTNeoXModel", "GPTNeoXForCausalLM", "Qwen3Config", "Qwen3Model", "Qwen3ForCausalLM",
-           "MistralConfig", "MistralModel", "MistralForCausalLM"]
+           "MistralConfig", "MistralModel", "MistralForCausalLM", "RobertaConfig", "RobertaModel",
+           "RobertaForMaskedLM", "RobertaForSequenceClassification", "AutoConfig", "AutoModel", "AutoModelForCausalLM",
+           "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForImageClassification"]

@@ -24,6 +24,9 @@ class Case:
     zoo_class: type
     make_config: Callable[[], transformers.PretrainedConfig]
     kind: str  # "causal", "mlm", "seq_cls", "encoder", "image_cls", "image"
+    #: padding positions hold the config's pad token and the first row is left-padded (RoBERTa
+    #: counts its positions over the non-padding tokens)
+    pad_tokens: bool = False
 
     @property
     def generates(self) -> bool:
@@ -82,6 +85,14 @@ def bert_config(**kw):
                                    num_labels=3, **NO_DROPOUT, **kw)
 
 
+def roberta_config():
+    """The encoder's activation is ReLU: the MLM head's is GELU whatever it is; 14
+    positions, as roberta-base's 514 = padding_idx + 1 + 512."""
+    return transformers.RobertaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                      num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=SEQ + 2,
+                                      type_vocab_size=1, num_labels=3, hidden_act="relu", **NO_DROPOUT)
+
+
 def vit_config():
     return transformers.ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                                   intermediate_size=FFN, image_size=12, patch_size=4, num_labels=3, **NO_DROPOUT)
@@ -121,6 +132,11 @@ CASES = {
     "bert_mlm": Case(transformers.BertForMaskedLM, models.BertForMaskedLM, bert_config, "mlm"),
     "bert_cls": Case(transformers.BertForSequenceClassification, models.BertForSequenceClassification,
                      bert_config, "seq_cls"),
+    "roberta": Case(transformers.RobertaModel, models.RobertaModel, roberta_config, "encoder", pad_tokens=True),
+    "roberta_mlm": Case(transformers.RobertaForMaskedLM, models.RobertaForMaskedLM, roberta_config, "mlm",
+                        pad_tokens=True),
+    "roberta_cls": Case(transformers.RobertaForSequenceClassification, models.RobertaForSequenceClassification,
+                        roberta_config, "seq_cls", pad_tokens=True),
     "vit": Case(transformers.ViTModel, models.ViTModel, vit_config, "image"),
     "vit_cls": Case(transformers.ViTForImageClassification, models.ViTForImageClassification, vit_config,
                     "image_cls"),
@@ -150,12 +166,15 @@ def make_inputs(case: Case, seed: int = 1, batch: int = 2) -> tuple[dict, torch.
     ids = torch.randint(3, VOCAB, (batch, SEQ), generator=g)
     mask = torch.ones_like(ids)
     mask[-1, -4:] = 0  # the last sequence is shorter: right padding
+    if case.pad_tokens:
+        mask[0, :2] = 0  # and the first left-padded
+        ids = ids.masked_fill(mask == 0, case.make_config().pad_token_id)
     inputs = {"input_ids": ids, "attention_mask": mask}
     if case.kind == "causal":
         inputs["labels"] = ids.masked_fill(mask == 0, -100)
     elif case.kind == "mlm":
         chosen = (torch.rand(ids.shape, generator=g) < 0.3) & mask.bool()
-        chosen[0, 0] = True
+        chosen[0, mask[0].argmax()] = True  # the first token
         inputs["labels"] = ids.masked_fill(~chosen, -100)
     elif case.kind == "seq_cls":
         inputs["labels"] = torch.randint(0, 3, (batch,), generator=g)

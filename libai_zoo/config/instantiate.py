@@ -12,6 +12,7 @@ importable yet). Its other keys are the keyword arguments, built first, so recip
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import is_dataclass
 import re
 from collections.abc import Callable, Mapping
@@ -142,7 +143,13 @@ def locate(name: str, path: str = "") -> Any:
 
 
 def dotted_name(obj: Any) -> str:
-    """The ``"module.qualname"`` name that `locate` turns back into ``obj``; ConfigError if none does."""
+    """The ``"module.qualname"`` name that `locate` turns back into ``obj``; ConfigError if none does.
+    A class's classmethod (``LlamaForCausalLM.from_pretrained``) is named through its class."""
+    if inspect.ismethod(obj) and isinstance(obj.__self__, type):
+        name = f"{dotted_name(obj.__self__)}.{obj.__name__}"
+        if locate(name) != obj:  # a bound method is made anew at each lookup: equal, not identical
+            raise ConfigError(f"{obj!r}: its name {name!r} refers to a different object")
+        return name
     module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not module or not qualname or "<" in qualname:  # <lambda>, <locals>
         raise ConfigError(f"{obj!r} has no importable dotted name (a lambda, a local function, a bound "

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from libai_zoo.hf.rules import Same, WeightMap, linear, qkv
+from libai_zoo.hf.rules import Rule, Same, WeightMap, linear, qkv
 
 
-def bert_weight_map(config, prefix: str, *, pooler: bool, mlm_head: bool = False,
-                    classifier: bool = False) -> WeightMap:
+def encoder_rules(config, prefix: str, *, pooler: bool) -> list[Rule]:
+    """The encoder's rules (BERT's names, which RoBERTa shares) under `prefix`."""
     p = prefix
     e = f"{p}embeddings."
     rules = [Same(f"{e}{name}.weight", f"{e}{name}.weight")
@@ -26,6 +26,12 @@ def bert_weight_map(config, prefix: str, *, pooler: bool, mlm_head: bool = False
         ]
     if pooler:
         rules += linear(f"{p}pooler", f"{p}pooler.dense")
+    return rules
+
+
+def bert_weight_map(config, prefix: str, *, pooler: bool, mlm_head: bool = False,
+                    classifier: bool = False) -> WeightMap:
+    rules = encoder_rules(config, prefix, pooler=pooler)
     if mlm_head:
         t = "cls.predictions.transform."
         rules += [*linear("mlm_head.dense", t + "dense"), *linear("mlm_head.norm", t + "LayerNorm"),

@@ -1,0 +1,128 @@
+"""The zoo class of a Hugging Face directory, picked from config.json's ``model_type`` as
+transformers' own Auto classes do.
+
+    model = AutoModelForCausalLM.from_pretrained("qwen2_dir", shard=True)    # LlamaForCausalLM
+    config = AutoConfig.from_pretrained("bert_dir")                          # BertConfig
+    model = AutoModelForMaskedLM.from_config(config)                         # BertForMaskedLM, random weights
+    model = LazyCall(AutoModelForCausalLM.from_pretrained)(path="llama_dir")  # in a LazyConfig
+
+`MODELS` is the one table of which zoo class serves which model type and task: the Auto classes,
+`tools/convert` (``hf-to-zoo``'s default class) and the recipes read it. A new family is one row;
+classes are named, not imported, so this file imports no model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import ClassVar
+
+from transformers import PretrainedConfig
+
+from libai_zoo.hf import read_config
+
+from .pretrained import PreTrainedModel
+
+# model_type -> {task -> class name in libai_zoo.models}
+MODELS: dict[str, dict[str, str]] = {
+    "gpt2": {"base": "GPT2Model", "causal_lm": "GPT2LMHeadModel"},
+    "gpt_neox": {"base": "GPTNeoXModel", "causal_lm": "GPTNeoXForCausalLM"},
+    "llama": {"base": "LlamaModel", "causal_lm": "LlamaForCausalLM"},
+    "qwen2": {"base": "LlamaModel", "causal_lm": "LlamaForCausalLM"},
+    "bert": {"base": "BertModel", "masked_lm": "BertForMaskedLM", "sequence_classification": "BertForSequenceClassification"},
+    "roberta": {"base": "RobertaModel", "masked_lm": "RobertaForMaskedLM",
+                "sequence_classification": "RobertaForSequenceClassification"},
+    "vit": {"base": "ViTModel", "image_classification": "ViTForImageClassification"},
+}
+
+# how transformers' architecture names (config.json's ``architectures``) end, per task
+ARCHITECTURE_SUFFIXES = {"ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm", "ForMaskedLM": "masked_lm",
+                         "ForPreTraining": "masked_lm", "ForSequenceClassification": "sequence_classification",
+                         "ForImageClassification": "image_classification", "Model": "base"}
+
+
+def _tasks(model_type: str | None, source: str) -> dict[str, str]:
+    if model_type not in MODELS:
+        raise ValueError(f"{source}: model_type {model_type!r} has no libai_zoo model; supported: "
+                         f"{', '.join(sorted(MODELS))}")
+    return MODELS[model_type]
+
+
+def model_class(model_type: str | None, task: str, *, source: str = "config.json") -> type[PreTrainedModel]:
+    """The zoo class for `task` of a `model_type` model; a ValueError names what is supported."""
+    tasks = _tasks(model_type, source)
+    if task not in tasks:
+        serving = sorted(t for t, row in MODELS.items() if task in row)
+        raise ValueError(f"{source}: libai_zoo has no {task} model for model_type {model_type!r} (it has "
+                         f"{', '.join(tasks)}); the {task} model types are {', '.join(serving) or 'none'}")
+    return getattr(importlib.import_module(__package__), tasks[task])
+
+
+def class_for(config: dict, *, source: str = "config.json") -> type[PreTrainedModel]:
+    """The zoo class of the task config.json's ``architectures`` names; without one, the causal LM
+    where the model type has one, else the bare body (both load any checkpoint of their type)."""
+    tasks, names = _tasks(config.get("model_type"), source), config.get("architectures") or []
+    for name in names:
+        task = next((t for suffix, t in ARCHITECTURE_SUFFIXES.items() if name.endswith(suffix)), None)
+        if task in tasks:
+            return model_class(config["model_type"], task, source=source)
+    if names:
+        raise ValueError(f"{source}: architectures {names} have no libai_zoo model for model_type "
+                         f"{config['model_type']!r}; name one of {', '.join(sorted(set(tasks.values())))}")
+    return model_class(config["model_type"], "causal_lm" if "causal_lm" in tasks else "base", source=source)
+
+
+class AutoConfig:
+    """The zoo config class of a directory's model_type, read from its config.json."""
+
+    def __init__(self):
+        raise TypeError("AutoConfig is not instantiated: use AutoConfig.from_pretrained(path)")
+
+    @staticmethod
+    def from_pretrained(path: str | Path) -> PretrainedConfig:
+        config = read_config(path)
+        return model_class(config.get("model_type"), "base", source=f"{path}/config.json").load_config(path)
+
+
+class AutoModel:
+    """The bare body of a directory's model_type (``task`` names the head the subclasses add)."""
+
+    task: ClassVar[str] = "base"
+
+    def __init__(self):
+        raise TypeError(f"{type(self).__name__} is not instantiated: use {type(self).__name__}.from_pretrained(path) "
+                        f"or .from_config(config)")
+
+    @classmethod
+    def model_class(cls, model_type: str | None, *, source: str = "config.json") -> type[PreTrainedModel]:
+        """The zoo class this Auto class builds for `model_type`."""
+        return model_class(model_type, cls.task, source=source)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs) -> PreTrainedModel:
+        """`PreTrainedModel.from_pretrained` of the class for the directory's model_type (the same
+        keyword arguments: shard, dtype, strict, config overrides; under ``torch.device("meta")`` it
+        reads only config.json, as the trainer wants)."""
+        model_type = read_config(path).get("model_type")
+        return cls.model_class(model_type, source=f"{path}/config.json").from_pretrained(path, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> PreTrainedModel:
+        """A randomly initialised model of the config's model_type."""
+        return cls.model_class(config.model_type, source=type(config).__name__)(config)
+
+
+class AutoModelForCausalLM(AutoModel):
+    task = "causal_lm"
+
+
+class AutoModelForMaskedLM(AutoModel):
+    task = "masked_lm"
+
+
+class AutoModelForSequenceClassification(AutoModel):
+    task = "sequence_classification"
+
+
+class AutoModelForImageClassification(AutoModel):
+    task = "image_classification"
