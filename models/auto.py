@@ -29,6 +29,8 @@ MODELS: dict[str, dict[str, str]] = {
     "gpt_neox": {"base": "GPTNeoXModel", "causal_lm": "GPTNeoXForCausalLM"},
     "llama": {"base": "LlamaModel", "causal_lm": "LlamaForCausalLM"},
     "qwen2": {"base": "LlamaModel", "causal_lm": "LlamaForCausalLM"},
+    "qwen3": {"base": "Qwen3Model", "causal_lm": "Qwen3ForCausalLM"},
+    "mistral": {"base": "MistralModel", "causal_lm": "MistralForCausalLM"},
     "bert": {"base": "BertModel", "masked_lm": "BertForMaskedLM", "sequence_classification": "BertForSequenceClassification"},
     "roberta": {"base": "RobertaModel", "masked_lm": "RobertaForMaskedLM",
                 "sequence_classification": "RobertaForSequenceClassification"},
@@ -41,7 +43,8 @@ ARCHITECTURE_SUFFIXES = {"ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm",
                          "ForImageClassification": "image_classification", "Model": "base"}
 
 
-def _tasks(model_type: str | None, source: str) -> dict[str, str]:
+def tasks_of(model_type: str | None, *, source: str = "config.json") -> dict[str, str]:
+    """task -> class name of a `model_type`; a ValueError names the supported model types."""
     if model_type not in MODELS:
         raise ValueError(f"{source}: model_type {model_type!r} has no libai_zoo model; supported: "
                          f"{', '.join(sorted(MODELS))}")
@@ -50,7 +53,7 @@ def _tasks(model_type: str | None, source: str) -> dict[str, str]:
 
 def model_class(model_type: str | None, task: str, *, source: str = "config.json") -> type[PreTrainedModel]:
     """The zoo class for `task` of a `model_type` model; a ValueError names what is supported."""
-    tasks = _tasks(model_type, source)
+    tasks = tasks_of(model_type, source=source)
     if task not in tasks:
         serving = sorted(t for t, row in MODELS.items() if task in row)
         raise ValueError(f"{source}: libai_zoo has no {task} model for model_type {model_type!r} (it has "
@@ -61,7 +64,7 @@ def model_class(model_type: str | None, task: str, *, source: str = "config.json
 def class_for(config: dict, *, source: str = "config.json") -> type[PreTrainedModel]:
     """The zoo class of the task config.json's ``architectures`` names; without one, the causal LM
     where the model type has one, else the bare body (both load any checkpoint of their type)."""
-    tasks, names = _tasks(config.get("model_type"), source), config.get("architectures") or []
+    tasks, names = tasks_of(config.get("model_type"), source=source), config.get("architectures") or []
     for name in names:
         task = next((t for suffix, t in ARCHITECTURE_SUFFIXES.items() if name.endswith(suffix)), None)
         if task in tasks:

@@ -306,7 +306,7 @@ def test_hf_to_zoo_loads_in_one_process_and_exports_back(hf_dir, tmp_path):
     assert status == 1 and "is not empty" in err
 
 
-@pytest.mark.parametrize("case", ["bert_cls", "llama", "qwen2", "vit_cls"])
+@pytest.mark.parametrize("case", ["bert_cls", "roberta_mlm", "llama", "qwen2", "vit_cls"])
 def test_hf_to_zoo_to_hf_for_every_model_family(tmp_path, case):
     """The class comes from config.json (model_type, architectures); tp = 2 is checked (GQA: 2 KV heads)."""
     from model_cases import CASES, make_hf_model

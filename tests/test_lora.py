@@ -18,7 +18,7 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.convert import load_checkpoint_model
 from libai_zoo.hf import apply_lora_config, load_peft_adapter, read_peft_adapter, save_peft_adapter
 from libai_zoo.layers import Linear, apply_lora, merge_lora
-from libai_zoo.models import GPT2LMHeadModel, LlamaForCausalLM
+from libai_zoo.models import GPT2LMHeadModel, LlamaForCausalLM, RobertaForMaskedLM
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes
 from test_convert import cli
 from trainer_runs import losses, run_trainer
@@ -59,6 +59,20 @@ def tiny_gpt2_hf(path: Path) -> Path:
     return path
 
 
+def tiny_roberta_hf(path: Path) -> Path:
+    config = transformers.RobertaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=20, type_vocab_size=1)
+    torch.manual_seed(0)
+    transformers.RobertaForMaskedLM(config).save_pretrained(path)
+    return path
+
+
+# family -> (a tiny Hugging Face directory, the zoo class, the transformers Auto class that loads it)
+FAMILIES = {"llama": (tiny_llama_hf, LlamaForCausalLM, transformers.AutoModelForCausalLM),
+            "gpt2": (tiny_gpt2_hf, GPT2LMHeadModel, transformers.AutoModelForCausalLM),
+            "roberta": (tiny_roberta_hf, RobertaForMaskedLM, transformers.AutoModelForMaskedLM)}
+
+
 def test_apply_lora_freezes_the_base_and_refuses_unknown_targets(tmp_path):
     model = LlamaForCausalLM.from_pretrained(tiny_llama_hf(tmp_path / "hf"))
     adapted = apply_lora(model, 4, 8.0)
@@ -82,10 +96,10 @@ def _randomised_adapters(model: nn.Module) -> None:
             param.data = torch.randn(param.shape, generator=generator) * 0.1
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_path):
-    hf_dir = (tiny_llama_hf if family == "llama" else tiny_gpt2_hf)(tmp_path / "hf")
-    cls = LlamaForCausalLM if family == "llama" else GPT2LMHeadModel
+    make_hf, cls, hf_auto = FAMILIES[family]
+    hf_dir = make_hf(tmp_path / "hf")
     model = cls.from_pretrained(hf_dir)
     apply_lora(model, 4, 8.0)
     _randomised_adapters(model)
@@ -96,7 +110,7 @@ def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_pa
     save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(hf_dir))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["fan_in_fan_out"]) == (4, 8.0, family == "gpt2")
-    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    base = hf_auto.from_pretrained(hf_dir).eval()
     with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     assert (with_adapter(ids).logits - expected).abs().max() <= 1e-5
 
@@ -107,29 +121,33 @@ def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_pa
 
     assert merge_lora(model) == 2 * (5 if family == "llama" else 4)
     model.save_pretrained(tmp_path / "merged")
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    merged = hf_auto.from_pretrained(tmp_path / "merged").eval()
     assert (merged(ids).logits - expected).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, tmp_path):
     """PEFT trains separate A's for q, k and v: our fused qkv takes them stacked (rank 3r)."""
-    hf_dir = (tiny_llama_hf if family == "llama" else tiny_gpt2_hf)(tmp_path / "hf")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"] if family == "llama" else ["c_attn", "c_fc"]
-    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    trained = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf_dir),
+    make_hf, cls, hf_auto = FAMILIES[family]
+    hf_dir = make_hf(tmp_path / "hf")
+    out = {"llama": "o_proj", "gpt2": "o_proj", "roberta": "attention.output.dense"}[family]
+    targets = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"],
+               "roberta": ["query", "key", "value", out, "intermediate.dense"]}[family]
+    base = hf_auto.from_pretrained(hf_dir).eval()
+    trained = peft.get_peft_model(hf_auto.from_pretrained(hf_dir),
                                   peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets,
-                                                  rank_pattern={"o_proj": 3}, alpha_pattern={"o_proj": 9}))
+                                                  rank_pattern={out: 3}, alpha_pattern={out: 9}))
     _randomised_adapters(trained)
     trained.save_pretrained(tmp_path / "adapter")
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
     expected = trained.eval()(ids).logits
     assert (expected - base(ids).logits).abs().max() > 1e-2  # the adapters matter
-    cls = LlamaForCausalLM if family == "llama" else GPT2LMHeadModel
     model = cls.from_pretrained(hf_dir)
     layers = apply_lora_config(model, {"adapter": str(tmp_path / "adapter")})
     qkv = next(name for name in layers if name.endswith("attn.qkv"))
-    assert layers[qkv][0] == (6 if family == "llama" else 2)  # GPT-2's c_attn is one module in PEFT too
+    assert layers[qkv][0] == (2 if family == "gpt2" else 6)  # GPT-2's c_attn is one module in PEFT too
+    if family != "gpt2":  # the rank and alpha patterns reach the output projection
+        assert layers[next(name for name in layers if name.endswith("attn.out"))] == (3, 9.0)
     load_peft_adapter(model, tmp_path / "adapter")
     assert (model(ids).logits - expected).abs().max() <= 1e-5
 
@@ -156,7 +174,7 @@ from libai_zoo.data import build_gpt_dataset
 train = get_config("common/train.py").train
 dist = get_config("common/train.py").dist
 optim = get_config("common/optim.py").optim
-model = LazyCall("libai_zoo.models.LlamaForCausalLM.from_pretrained")(path="{hf}", dtype="float32")
+model = LazyCall("libai_zoo.models.AutoModelForCausalLM.from_pretrained")(path="{hf}", dtype="float32")
 dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
                                                     cache_dir="{cache}"))
 '''

@@ -3,7 +3,8 @@
 The Hugging Face hub is out of reach on the machines this project is built on, so the fine-tuning
 recipes start from one of these; with a real checkpoint, point the recipe at it instead.
 
-    python tools/make_tiny_hf_model.py bert output/tiny_bert
+    python tools/make_tiny_hf_model.py bert output/tiny_bert       # or roberta, and fine-tune it with
+                                                                   # projects/bert_finetune model.path=...
     python tools/make_tiny_hf_model.py llama output/tiny_llama --hidden 256 --layers 4
 """
 
@@ -22,6 +23,9 @@ def make_config(kind: str, hidden: int, layers: int, heads: int) -> transformers
                   intermediate_size=4 * hidden)
     if kind == "bert":
         return transformers.BertConfig(vocab_size=VOCAB, pad_token_id=1, max_position_embeddings=512, **common)
+    if kind == "roberta":  # positions from padding_idx + 1: 512 of them, as roberta-base
+        return transformers.RobertaConfig(vocab_size=VOCAB, pad_token_id=1, max_position_embeddings=514,
+                                          type_vocab_size=1, **common)
     if kind == "llama":
         return transformers.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=max(1, heads // 2), bos_token_id=0,
                                         eos_token_id=0, max_position_embeddings=2048, **common)
@@ -31,7 +35,7 @@ def make_config(kind: str, hidden: int, layers: int, heads: int) -> transformers
     return transformers.ViTConfig(image_size=8, patch_size=2, num_channels=1, num_labels=10, **common)
 
 
-MODELS = {"bert": "BertForMaskedLM", "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel",
+MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel",
           "vit": "ViTForImageClassification"}
 
 

@@ -37,47 +37,22 @@ from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyCall, LazyConfig, instantiate
 from libai_zoo.hf import apply_lora_config, read_config, save_peft_adapter
 from libai_zoo.layers import merge_lora
-from libai_zoo.models import check_trainable, get_layer_stack
+from libai_zoo.models import auto, check_trainable, get_layer_stack
 
 logger = logging.getLogger("libai_zoo")
 
 FIRST_CHECKPOINT = "model_0000000"
 HF_CONFIG = "hf_config.json"
 
-# model_type -> {architecture in config.json -> libai_zoo class}, and the class used when
-# config.json names no architecture. A task model loads a bare body's checkpoint only when its
-# head is tied or absent, so the default is the class that loads any checkpoint of that type.
-ARCHITECTURES = {
-    "gpt2": ({"GPT2LMHeadModel": "GPT2LMHeadModel", "GPT2Model": "GPT2Model"}, "GPT2LMHeadModel"),
-    "llama": ({"LlamaForCausalLM": "LlamaForCausalLM", "LlamaModel": "LlamaModel"}, "LlamaForCausalLM"),
-    "qwen2": ({"Qwen2ForCausalLM": "LlamaForCausalLM", "Qwen2Model": "LlamaModel"}, "LlamaForCausalLM"),
-    "gpt_neox": ({"GPTNeoXForCausalLM": "GPTNeoXForCausalLM", "GPTNeoXModel": "GPTNeoXModel"}, "GPTNeoXForCausalLM"),
-    "bert": ({"BertForMaskedLM": "BertForMaskedLM", "BertForPreTraining": "BertForMaskedLM",
-              "BertForSequenceClassification": "BertForSequenceClassification", "BertModel": "BertModel"},
-             "BertModel"),
-    "vit": ({"ViTForImageClassification": "ViTForImageClassification", "ViTModel": "ViTModel"}, "ViTModel"),
-}
-
-
 def zoo_class_for(config: dict, model_class: str | None = None, *, source: str = "config.json") -> type[nn.Module]:
     """The libai_zoo model class for a Hugging Face config: `model_class` if given (a name in
-    libai_zoo.models), else from model_type and architectures."""
-    model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"{source}: model_type {model_type!r} has no libai_zoo model; supported: "
-                         f"{', '.join(sorted(ARCHITECTURES))}")
-    by_architecture, default = ARCHITECTURES[model_type]
+    libai_zoo.models that serves its model_type), else the one its architectures name
+    (`models.auto.MODELS`)."""
     if model_class is None:
-        names = config.get("architectures") or []
-        known = [by_architecture[name] for name in names if name in by_architecture]
-        if names and not known:
-            raise ValueError(f"{source}: architectures {names} have no libai_zoo model for model_type {model_type!r} "
-                             f"(known: {', '.join(by_architecture)}); pass --model-class with one of "
-                             f"{', '.join(sorted(set(by_architecture.values())))}")
-        model_class = known[0] if known else default
-    choices = sorted(set(by_architecture.values()))
+        return auto.class_for(config, source=source)
+    choices = sorted(set(auto.tasks_of(config.get("model_type"), source=source).values()))
     if model_class not in choices:
-        raise ValueError(f"--model-class {model_class!r} does not load a {model_type!r} model: use one of "
+        raise ValueError(f"--model-class {model_class!r} does not load a {config['model_type']!r} model: use one of "
                          f"{', '.join(choices)}")
     return getattr(models, model_class)
 

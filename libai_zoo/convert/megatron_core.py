@@ -293,8 +293,7 @@ def _stored_config(derived, stored: dict | None, padded: int):
     if not isinstance(stored, dict) or stored.get("model_type") != derived.model_type:
         return derived
     candidate = type(derived).from_dict({k: v for k, v in stored.items() if k != "transformers_version"})
-    cls = {"gpt2": models.GPT2LMHeadModel, "gpt_neox": models.GPTNeoXForCausalLM}.get(derived.model_type,
-                                                                                     models.LlamaForCausalLM)
+    cls = models.AutoModelForCausalLM.model_class(derived.model_type)
     ignored = {"params_dtype", "bf16", "fp16"}
     try:
         ours, theirs = ({key: value for key, value in vars(megatron_args(_skeleton(cls, c), padded, 1)).items()

@@ -1,6 +1,6 @@
-"""A zoo causal LM (GPT-2, Llama/Qwen2) trained by your own loop under Hugging Face accelerate.
+"""A zoo causal LM (GPT-2, Llama/Qwen2, GPT-NeoX, ...) trained by your own loop under Hugging Face accelerate.
 
-    python tools/make_tiny_hf_model.py llama output/tiny_llama      # or any GPT-2 / Llama / Qwen2 directory
+    python tools/make_tiny_hf_model.py llama output/tiny_llama      # or any causal LM directory the zoo loads
     accelerate launch --multi_gpu --num_processes 2 projects/accelerate_loop/train_loop.py --model output/tiny_llama
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 projects/accelerate_loop/train_loop.py \
         --model output/tiny_llama                                     # the same on a machine without GPUs (gloo)
@@ -17,9 +17,7 @@ are projects/llama_finetune's recipe.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -27,15 +25,14 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from libai_zoo.data import MicroBatchSampler, build_gpt_dataset
-from libai_zoo.models import GPT2LMHeadModel, LlamaForCausalLM
+from libai_zoo.models import AutoModelForCausalLM
 from libai_zoo.optim import WarmupCosineLR, param_groups
-
-CAUSAL_LMS = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a Hugging Face directory of a GPT-2, Llama or Qwen2 model")
+    parser.add_argument("--model", required=True, help="a Hugging Face directory of a causal LM the zoo has "
+                                                       "(GPT-2, Llama, Qwen2, GPT-NeoX, ...)")
     parser.add_argument("--text", default="data/corpus/python_docs.txt", help="training text (blank-line documents)")
     parser.add_argument("--tokenizer", default="data/tokenizer", help="the model's tokenizer directory")
     parser.add_argument("--cache-dir", default="output/cache", help="where the tokenized text is cached")
@@ -61,8 +58,7 @@ def main(argv: list[str] | None = None) -> None:
                          "the CPU: launch with ACCELERATE_USE_CPU=1")
     set_seed(args.seed)
 
-    model_type = json.loads((Path(args.model) / "config.json").read_text())["model_type"]
-    model = CAUSAL_LMS[model_type].from_pretrained(args.model, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
     model.train()  # from_pretrained returns it in eval mode, as transformers does
     dataset = build_gpt_dataset(args.text, args.tokenizer, args.seq_len, cache_dir=args.cache_dir)
     # The global order of micro-batches (one shuffled permutation per epoch); the prepared loader

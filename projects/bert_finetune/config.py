@@ -16,7 +16,7 @@ train = get_config("common/train.py").train
 dist = get_config("common/train.py").dist
 optim = get_config("common/optim.py").optim
 
-model = LazyCall("libai_zoo.models.BertForSequenceClassification.from_pretrained")(
+model = LazyCall("libai_zoo.models.AutoModelForSequenceClassification.from_pretrained")(
     path="output/tiny_bert", dtype="float32", strict=False, num_labels=2)
 
 dataloader = dict(

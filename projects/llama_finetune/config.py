@@ -16,7 +16,7 @@ train = get_config("common/train.py").train
 dist = get_config("common/train.py").dist
 optim = get_config("common/optim.py").optim
 
-model = LazyCall("libai_zoo.models.LlamaForCausalLM.from_pretrained")(path="output/tiny_llama", dtype="float32")
+model = LazyCall("libai_zoo.models.AutoModelForCausalLM.from_pretrained")(path="output/tiny_llama", dtype="float32")
 
 optim.lr = 1e-3
 optim.betas = (0.9, 0.95)

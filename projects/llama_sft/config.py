@@ -32,7 +32,7 @@ _CHAT_TEMPLATE = """{%- for message in messages %}
 _DATA = dict(tokenizer_dir="data/tokenizer", max_length=512, chat_template=_CHAT_TEMPLATE, pack=True,
              cache_dir="output/cache")
 
-model = LazyCall("libai_zoo.models.LlamaForCausalLM.from_pretrained")(path="output/tiny_llama", dtype="float32")
+model = LazyCall("libai_zoo.models.AutoModelForCausalLM.from_pretrained")(path="output/tiny_llama", dtype="float32")
 
 dataloader = dict(
     train=LazyCall(build_chat_dataset)(path="data/chat/python_docs_chat.jsonl", **_DATA),
