@@ -176,6 +176,13 @@ class BertTaskModel(PreTrainedModel):
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.body.final_norm(hidden)
 
+    def input_limits(self) -> dict[str, int | None]:
+        """Positions counted after the padding leave padding_idx + 1 rows of the table unused by tokens."""
+        limits = super().input_limits()
+        if self.body_class.positions_after_padding:
+            limits["max_positions"] -= self.config.pad_token_id + 1
+        return limits
+
     def body_weight_map(self, **heads: bool) -> WeightMap:
         """The checkpoint names of the body (its pooler if it has one) and of `heads`."""
         return self.body_class.weight_map(self.config, prefix=f"{self.base_model_prefix}.",

@@ -64,10 +64,12 @@ def test_input_limits_of_the_zoo_models():
         llama = models.LlamaForCausalLM(models.LlamaConfig(vocab_size=500, max_position_embeddings=16,
                                                            num_key_value_heads=2, **small))
         vit = models.ViTForImageClassification(models.ViTConfig(image_size=8, patch_size=4, num_labels=3, **small))
+        roberta = models.RobertaForMaskedLM(models.RobertaConfig(vocab_size=300, max_position_embeddings=42, **small))
     assert gpt2(100, 64).input_limits() == {"vocab_size": 100, "max_positions": 64}  # GPT-2's n_positions
     assert bert.input_limits() == bert_cls.input_limits() == {"vocab_size": 300, "max_positions": 40}
     assert llama.input_limits() == {"vocab_size": 500, "max_positions": None}  # rotary: no position table
     assert vit.input_limits() == {"vocab_size": None, "max_positions": None}  # images: no token ids
+    assert roberta.input_limits() == {"vocab_size": 300, "max_positions": 40}  # positions from padding_idx + 1 = 2
 
     class Own(nn.Module, TrainableModel):  # a model of one's own without a config: no known limit
         layer_stack, first_stage_modules, last_stage_modules, loss_unit = "layers", (), (), "token"
