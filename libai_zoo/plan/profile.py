@@ -117,7 +117,7 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
 def _one_layer_model(model_cfg, ctx: distributed.ParallelContext, micro_batch: int, seq_len: int):
     """(model, inputs, targets): the model split over the context's tp group with one layer left
     of its stack (they are alike), allocated on the device with random weights, in train mode, and
-    a random batch of token ids."""
+    a random batch of token ids (labelled per token, or per sample for a classifier)."""
     with torch.device("meta"):
         model = instantiate(model_cfg)
     model = distributed.shard(model, ctx)
@@ -129,7 +129,8 @@ def _one_layer_model(model_cfg, ctx: distributed.ParallelContext, micro_batch: i
     model.init_buffers()
     model.train()
     ids = torch.randint(0, model.input_limits()["vocab_size"], (micro_batch, seq_len), device=ctx.device)
-    inputs, targets = model.split_batch({"input_ids": ids, "labels": ids})
+    labels = ids if model.loss_unit == "token" else torch.zeros(micro_batch, dtype=torch.long, device=ctx.device)
+    inputs, targets = model.split_batch({"input_ids": ids, "labels": labels})
     return model, inputs, targets
 
 
