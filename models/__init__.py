@@ -18,6 +18,7 @@ from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
 from .gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXModel
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .mistral import MistralConfig, MistralForCausalLM, MistralModel
+from .olmo2 import Olmo2Config, Olmo2ForCausalLM, Olmo2Model
 from .pretrained import PreTrainedModel
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 from .roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
@@ -27,6 +28,7 @@ __all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_st
            "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification",
            "ViTConfig", "ViTModel", "ViTForImageClassification", "LlamaConfig", "LlamaModel", "LlamaForCausalLM",
            "GPTNeoXConfig", "GPTNeoXModel", "GPTNeoXForCausalLM", "Qwen3Config", "Qwen3Model", "Qwen3ForCausalLM",
-           "MistralConfig", "MistralModel", "MistralForCausalLM", "RobertaConfig", "RobertaModel",
-           "RobertaForMaskedLM", "RobertaForSequenceClassification", "AutoConfig", "AutoModel", "AutoModelForCausalLM",
-           "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForImageClassification"]
+           "MistralConfig", "MistralModel", "MistralForCausalLM", "Olmo2Config", "Olmo2Model", "Olmo2ForCausalLM",
+           "RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "AutoConfig",
+           "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+           "AutoModelForImageClassification"]

@@ -31,6 +31,7 @@ MODELS: dict[str, dict[str, str]] = {
     "qwen2": {"base": "LlamaModel", "causal_lm": "LlamaForCausalLM"},
     "qwen3": {"base": "Qwen3Model", "causal_lm": "Qwen3ForCausalLM"},
     "mistral": {"base": "MistralModel", "causal_lm": "MistralForCausalLM"},
+    "olmo2": {"base": "Olmo2Model", "causal_lm": "Olmo2ForCausalLM"},
     "bert": {"base": "BertModel", "masked_lm": "BertForMaskedLM", "sequence_classification": "BertForSequenceClassification"},
     "roberta": {"base": "RobertaModel", "masked_lm": "RobertaForMaskedLM",
                 "sequence_classification": "RobertaForSequenceClassification"},

@@ -70,6 +70,14 @@ def mistral_config(**kw):
     return transformers.MistralConfig(**{**defaults, **kw})
 
 
+def olmo2_config(**kw):
+    """Norms on the branch outputs only, q/k norms over the whole projection (4 q heads, 2 KV heads)."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=64, pad_token_id=0,
+                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.Olmo2Config(**{**defaults, **kw})
+
+
 def gpt_neox_config(**kw):
     """Sequential residual (Megatron's RoPE GPT), half of each head's channels rotating."""
     defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -126,6 +134,7 @@ CASES = {
     "qwen3_tied": Case(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM,
                        lambda: qwen3_config(tie_word_embeddings=True, use_sliding_window=False), "causal"),
     "mistral": Case(transformers.MistralForCausalLM, models.MistralForCausalLM, mistral_config, "causal"),
+    "olmo2": Case(transformers.Olmo2ForCausalLM, models.Olmo2ForCausalLM, olmo2_config, "causal"),
     "gpt_neox_body": Case(transformers.GPTNeoXModel, models.GPTNeoXModel, gpt_neox_config, "encoder"),
     "llama_body": Case(transformers.LlamaModel, models.LlamaModel, llama_config, "encoder"),
     "bert": Case(transformers.BertModel, models.BertModel, bert_config, "encoder"),

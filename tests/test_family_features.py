@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from libai_zoo import layers
 from model_cases import CASES, make_hf_model, make_inputs
@@ -29,12 +30,22 @@ def _without_kwarg(cls, key: str, value=None):
     return "__init__", patched
 
 
+def _norm_qk_per_head(self, q, k):
+    """q and k [B, S, groups, heads, d] normalised over each head, with the projection norm's weights."""
+    def norm(x, layer):
+        return F.rms_norm(x, (x.shape[-1],), eps=layer.eps) * layer.weight.view(x.shape[2:])
+    return norm(q, self.q_norm), norm(k, self.k_norm)
+
+
 FEATURES = {
     ("qwen3", "per-head q/k norms"): (layers.Attention, ("_norm_qk", lambda self, q, k: (q, k))),
     ("qwen3", "sliding window on layer 2"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
     ("mistral", "sliding window"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
     ("pythia", "parallel residual"): (layers.TransformerLayer,
                                       _without_kwarg(layers.TransformerLayer, "parallel_block", False)),
+    ("olmo2", "norms on the branch outputs"): (layers.TransformerLayer,
+                                                ("_residual", lambda self, x, branch, out_norm: x + branch)),
+    ("olmo2", "q/k norms over the whole projection"): (layers.Attention, ("_norm_qk", _norm_qk_per_head)),
 }
 
 
