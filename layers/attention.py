@@ -3,6 +3,16 @@
     x [B, S, h] -> qkv (column-parallel: whole heads per rank) -> SDPA on local heads
       -> out (row-parallel) -> all-reduce -> [B, S, h]
 
+More tp ranks than KV heads (Gemma 3 270M: one KV head) is allowed when tp is a multiple of the
+KV heads: each KV head is then replicated on the tp / num_kv_heads ranks that share its group, as
+inference engines do (vLLM). The fused `qkv` stays one parameter of its true shape, held whole
+(replicated over tp) on every rank; a rank computes only its rows (its q heads and its group's
+k and v: `Linear.replicate_rows_`), so its gradient is partial: `distributed.finalize_grads` sums
+it over tp, which gives a q row its one owner's gradient and a shared k/v row the sum over the
+ranks sharing it. Checkpoints (Hugging Face, DCP at any layout) hold one copy of each head, the
+gradient norm counts it once (replicated), and ZeRO shards it over dp like any replicated weight.
+The price is memory: every rank holds all of q's rows of that layer, not 1/tp of them.
+
 Grouped-query attention (num_kv_heads < num_heads), rotary positions (Llama), causal and
 padding masks, sliding windows (MegaScale/Mistral), q/k normalisation (per head: Qwen3, Gemma 3;
 over the whole projection: OLMo 2), a softmax scale of one's own (Gemma 2's query_pre_attn_scalar,
@@ -20,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from libai_zoo.distributed import TensorParallel
 
 from .kv_cache import KVCache
 from .linear import Linear
@@ -71,6 +82,7 @@ class Attention(ParallelLayer, nn.Module):
         if qk_norm and cross_attention:
             raise ValueError("qk_norm is for self-attention")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.kv_replicas = 1  # tp ranks sharing each KV head (set by shard_ when tp > num_kv_heads)
         self.causal, self.cross_attention = causal, cross_attention
         self.dropout, self.sliding_window, self.softmax_scale = dropout, sliding_window, softmax_scale
         self.softcap = softcap
@@ -97,12 +109,40 @@ class Attention(ParallelLayer, nn.Module):
             self.k_norm = RMSNorm(head_dim if per_head else num_kv_heads * head_dim, **norm)
 
     def tp_problems(self, tp_size: int) -> list[str]:
-        fix = "choose a tp that divides both head counts"
-        problems = indivisible(self.num_heads, tp_size, "num_heads", fix)
-        if self.num_kv_heads != self.num_heads:
-            problems += indivisible(self.num_kv_heads, tp_size, "num_kv_heads",
-                                    fix + " (each rank needs whole KV groups)")
-        return problems
+        problems = indivisible(self.num_heads, tp_size, "num_heads", "choose a tp that divides the number of heads")
+        kv = self.num_kv_heads
+        if kv % tp_size == 0 or problems:
+            return problems
+        if self.cross_attention:
+            return [f"num_kv_heads = {kv} of a cross-attention is not divisible by tp = {tp_size}: "
+                    f"choose a tp that divides it (each rank needs whole KV groups)"]
+        if tp_size % kv:
+            return [f"num_kv_heads = {kv} is not divisible by tp = {tp_size}, nor tp by it: choose a tp that "
+                    f"divides the KV heads, or a multiple of them (each KV head is then replicated on "
+                    f"tp / num_kv_heads ranks)"]
+        if self.qk_norm == "projection":
+            return [f"num_kv_heads = {kv} is not divisible by tp = {tp_size}: a k norm over the whole projection "
+                    f"needs whole KV heads on each rank (replicated ones are not supported there); "
+                    f"choose a tp that divides the KV heads"]
+        return []
+
+    def shard_(self, tp: TensorParallel) -> None:
+        """Split the heads over tp; with fewer KV heads than tp ranks, replicate each KV head on
+        the ranks its group's q heads are split over (see the module docstring)."""
+        if not self.cross_attention and self.num_kv_heads % tp.size:
+            self.kv_replicas = tp.size // self.num_kv_heads
+            self.qkv.replicate_rows_(self._qkv_rows(tp.rank))
+        super().shard_(tp)
+
+    def _qkv_rows(self, rank: int) -> list[tuple[int, int]]:
+        """The rows of the grouped `qkv` that tp rank `rank` computes when KV heads are replicated:
+        its share of its group's q heads, then the group's k and v."""
+        d, per_group = self.head_dim, self.num_heads // self.num_kv_heads
+        group, share = divmod(rank, self.kv_replicas)
+        mine = per_group // self.kv_replicas
+        start = group * (per_group + 2) * d
+        return [(start + share * mine * d, start + (share + 1) * mine * d),
+                (start + per_group * d, start + (per_group + 2) * d)]
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
@@ -158,7 +198,7 @@ class Attention(ParallelLayer, nn.Module):
             q = self.q(x).unflatten(-1, (-1, 1, d))
             k, v = self.kv(encoder_states).unflatten(-1, (-1, 2, d)).split(1, dim=-2)
             return q, k, v
-        per_group = self.num_heads // self.num_kv_heads
+        per_group = self.num_heads // self.num_kv_heads // self.kv_replicas  # this rank's q heads per group
         qkv = self.qkv(x).unflatten(-1, (-1, per_group + 2, d))
         return qkv.split([per_group, 1, 1], dim=-2)
 
@@ -194,6 +234,8 @@ class Attention(ParallelLayer, nn.Module):
             kinds.append(f"window={self.sliding_window}")
         if self.softcap:
             kinds.append(f"softcap={self.softcap}")
+        if self.kv_replicas > 1:
+            kinds.append(f"kv_replicas={self.kv_replicas}")
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"{', '.join(kinds)}{self.parallel_repr()}")
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.distributed import TensorParallel, local
+from libai_zoo.distributed import TensorParallel, local, local_rows
 from libai_zoo.distributed.collectives import column_input, gather_from_tp, row_output
 
 from .lora import LoRA
@@ -30,6 +30,11 @@ class Linear(ParallelLayer, nn.Linear):
     (row) leave that communication to the caller, so a block can do it once for two layers;
     a row layer then returns its partial sum without bias, even at tp=1 (see `add_bias`).
 
+    A column layer whose outputs do not split into disjoint equal slices (KV heads shared by
+    several tp ranks, `Attention`) keeps its weight whole on every rank and computes only its own
+    output rows (`replicate_rows_`); its gradient is then partial, summed over tp by
+    `distributed.finalize_grads`, so rows several ranks share get every sharer's part.
+
     ``add_lora`` gives the layer a low-rank adapter (`LoRA`, ``self.lora``) split as the layer is;
     its update joins the local output before the layer's own communication.
     """
@@ -46,6 +51,7 @@ class Linear(ParallelLayer, nn.Linear):
         self.reduce_output = reduce_output
         self.sequence_parallel = sequence_parallel
         self.lora: LoRA | None = None
+        self.rows: list[tuple[int, int]] | None = None
 
     def tp_problems(self, tp_size: int) -> list[str]:
         fix = "choose a size that is a multiple of tp, or lower tp"
@@ -55,15 +61,22 @@ class Linear(ParallelLayer, nn.Linear):
             return indivisible(self.in_features, tp_size, "in_features of a row-parallel Linear", fix)
         return []
 
+    def replicate_rows_(self, rows: list[tuple[int, int]]) -> None:
+        """Before sharding a column layer: keep the weight (and bias) whole on every tp rank and
+        compute only output `rows` ([start, end) ranges, joined in order) on this one."""
+        if self.parallel != "col" or self.tp is not None:
+            raise ValueError("replicate_rows_ is for a column-parallel Linear not yet sharded")
+        self.rows = rows
+
     def shard_(self, tp: TensorParallel) -> None:
-        if self.parallel == "col":
+        if self.parallel == "col" and self.rows is None:
             tp.shard_parameter(self, "weight", 0)
             tp.shard_parameter(self, "bias", 0)
         elif self.parallel == "row":
             tp.shard_parameter(self, "weight", 1)
         super().shard_(tp)
         if self.lora is not None:
-            self.lora.split_like_layer_(tp, self.sp)
+            self.lora.split_like_layer_(tp, self.sp, self.rows)
 
     def add_lora(self, rank: int, alpha: float, *, dropout: float = 0.0) -> LoRA:
         """Attach a rank-`rank` adapter (`LoRA`) on this layer's device and dtype, split as it is."""
@@ -82,7 +95,12 @@ class Linear(ParallelLayer, nn.Linear):
         if self.parallel == "col":
             if self.sync_input:
                 x = column_input(x, tp, self.sp)
-            y = self._adapted(x, F.linear(x, local(self.weight), local(self.bias)))
+            if self.rows is None:
+                y = F.linear(x, local(self.weight), local(self.bias))
+            else:
+                y = F.linear(x, local_rows(self.weight, self.rows),
+                             None if self.bias is None else local_rows(self.bias, self.rows))
+            y = self._adapted(x, y)
             return gather_from_tp(y, tp, dim=-1) if self.gather_output else y
         if self.parallel == "row":
             return self.add_bias(row_output(self._adapted(x, F.linear(x, local(self.weight))), tp, self.sp))

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.distributed import TensorParallel, local
+from libai_zoo.distributed import TensorParallel, local, local_rows
 
 #: Module names adapted when none are given: the attention and MLP projections of the zoo's layers.
 DEFAULT_TARGETS = ("qkv", "q", "kv", "out", "gate", "up", "down")
@@ -51,6 +51,7 @@ class LoRA(nn.Module):
         self.B = nn.Parameter(torch.empty(out_features, rank, device=device, dtype=dtype))
         self.tp: TensorParallel | None = None
         self.sp = False
+        self.rows: list[tuple[int, int]] | None = None
         if not self.A.is_meta:
             self.reset_parameters()
 
@@ -67,10 +68,13 @@ class LoRA(nn.Module):
         for name, param in self.named_parameters(recurse=False):
             self.init_parameter(name, param, None)
 
-    def split_like_layer_(self, tp: TensorParallel, sequence_parallel: bool) -> None:
+    def split_like_layer_(self, tp: TensorParallel, sequence_parallel: bool,
+                          rows: list[tuple[int, int]] | None = None) -> None:
         """Split as the layer is (its `Linear.shard_` calls this; not a `shard_` of its own, which
-        `distributed.shard` would call without the layer's settings)."""
-        if self.parallel == "col":
+        `distributed.shard` would call without the layer's settings). ``rows``: the layer keeps its
+        weight whole and computes only these output rows (`Linear.replicate_rows_`); B does too."""
+        self.rows = rows
+        if self.parallel == "col" and rows is None:
             tp.shard_parameter(self, "B", 0)
         elif self.parallel == "row":
             tp.shard_parameter(self, "A", 1)
@@ -84,7 +88,10 @@ class LoRA(nn.Module):
         # gradient; likewise B of a row layer. A data layer's factors see this rank's tokens under SP.
         split = self.tp is not None
         a = local(self.A, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "col")
-        b = local(self.B, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "row")
+        if self.rows is not None:
+            b = local_rows(self.B, self.rows)
+        else:
+            b = local(self.B, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "row")
         if self.dropout and self.training:
             # A row layer's input (and a data layer's under SP) differs over tp: its own random stream;
             # a column layer's is the same on every tp rank (gathered under SP): the shared one.

@@ -133,6 +133,9 @@ CASES = {
     "qwen3": Case(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM, qwen3_config, "causal"),
     "qwen3_tied": Case(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM,
                        lambda: qwen3_config(tie_word_embeddings=True, use_sliding_window=False), "causal"),
+    # One KV head (Gemma 3 270M's count): at tp = 2 both ranks hold it, each with two of the q heads.
+    "qwen3_one_kv_head": Case(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM,
+                              lambda: qwen3_config(num_key_value_heads=1), "causal"),
     "mistral": Case(transformers.MistralForCausalLM, models.MistralForCausalLM, mistral_config, "causal"),
     "olmo2": Case(transformers.Olmo2ForCausalLM, models.Olmo2ForCausalLM, olmo2_config, "causal"),
     "gpt_neox_body": Case(transformers.GPTNeoXModel, models.GPTNeoXModel, gpt_neox_config, "encoder"),

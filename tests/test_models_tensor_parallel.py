@@ -1,7 +1,8 @@
 """Every libai_zoo model at tp=2 (two gloo processes) against its `transformers` twin: loaded
 with ``shard=True`` (each rank reading only its slices) and with ``from_pretrained`` +
 ``distributed.shard``; outputs, loss, gradients, greedy generation, sequence parallelism, saving back
-to a Hugging Face directory, and the error for a tp that does not divide the heads.
+to a Hugging Face directory, and the error for a tp that neither divides the KV heads nor is a
+multiple of them (a multiple replicates them: qwen3_one_kv_head).
 
 Each model is a case (tests/cases.py): the selected ones share one pair of processes (start-up
 dominates on CPU), and a failure names its model; the parent computes the `transformers`
@@ -20,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.optim import clip_grad_norm_
-from model_cases import CASES, hf_checkpoint_grads, hf_named_grads, main_output, make_hf_model, make_inputs
+from model_cases import (CASES, hf_checkpoint_grads, hf_named_grads, main_output, make_hf_model, make_inputs,
+                         qwen3_config)
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +89,7 @@ def _tp2(root: str, name: str) -> dict:
 def _heads_error(root: str) -> str | None:
     distributed.init(dp=1, tp=TP)
     try:
-        CASES["llama"].zoo_class.from_pretrained(Path(root) / "llama_one_kv_head", shard=True)
+        CASES["qwen3"].zoo_class.from_pretrained(Path(root) / "qwen3_three_kv_heads", shard=True)
     except ValueError as error:
         return str(error)
     return None
@@ -120,18 +122,17 @@ def _reference(root: str, name: str) -> dict:
     return ref
 
 
-def _one_kv_head(root: Path) -> None:
-    """A Llama with one key/value head: tp2 cannot split it."""
-    one_kv = CASES["llama"].hf_class(CASES["llama"].make_config().__class__(
-        **{**CASES["llama"].make_config().to_dict(), "num_key_value_heads": 1}))
-    one_kv.save_pretrained(root / "llama_one_kv_head")
+def _three_kv_heads(root: Path) -> None:
+    """A Qwen3 with 6 heads in 3 KV groups: tp2 neither splits the KV heads nor replicates them evenly."""
+    CASES["qwen3"].hf_class(qwen3_config(num_attention_heads=6, num_key_value_heads=3)).save_pretrained(
+        root / "qwen3_three_kv_heads")
 
 
 RUNS = Cases(__file__, {
     **{f"ref_{name}": Case(1, _reference, (name,)) for name in TP_CASES},
     **{name: Case(TP, _tp2, (name,), needs=(f"ref_{name}",)) for name in TP_CASES},
     "heads_error": Case(TP, _heads_error),
-}, _one_kv_head, param="name")
+}, _three_kv_heads, param="name")
 tp_results = RUNS.fixture("tp_results")
 
 
@@ -192,5 +193,6 @@ def test_tp2_save_pretrained_loads_in_transformers(tp_results, name):
 
 
 @pytest.mark.cases("heads_error")
-def test_tp_that_does_not_divide_the_heads(tp_results):
-    assert "num_kv_heads = 1 is not divisible by tp = 2" in tp_results("heads_error")
+def test_tp_that_neither_divides_nor_is_a_multiple_of_the_kv_heads(tp_results):
+    """(A multiple replicates each KV head: the case qwen3_one_kv_head.)"""
+    assert "num_kv_heads = 3 is not divisible by tp = 2, nor tp by it" in tp_results("heads_error")

@@ -78,3 +78,12 @@ def local(param: torch.Tensor | None, *, partial_grad: bool = False) -> torch.Te
     if partial_grad:
         return param.to_local(grad_placements=[Partial()])
     return param.to_local()
+
+
+def local_rows(param: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows `rows` ([start, end) ranges of dim 0, joined) of a parameter replicated over tp of which
+    this rank computes only those rows, differentiable. Its gradient is partial: each rank fills its
+    rows (rows several ranks share get a part from each), summed over tp by `finalize_grads`."""
+    whole = local(param, partial_grad=True)
+    parts = [whole[start:end] for start, end in rows]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
