@@ -1,7 +1,8 @@
 """3-D parallel training equals one process: the same config, global batch and data trained for
 10 steps under data, tensor and pipeline parallelism and ZeRO 1-3 logs the one-process loss at
-every step (≤ 1e-5 relative), for a tiny GPT-2 and a tiny Llama; a checkpoint written at
-dp2×tp2 with ZeRO-3 resumes at other layouts; bad layouts fail before the first step.
+every step (≤ 1e-5 relative), for a tiny GPT-2 and a tiny Llama (and one with a single KV head);
+a checkpoint written at dp2×tp2 with ZeRO-3 resumes at other layouts; bad layouts fail before
+the first step.
 
 Each run is a case (tests/cases.py): computed when a selected test asks for it, the cases of one
 world size in one group of forked gloo processes, the one-process references once in the parent.
@@ -46,7 +47,10 @@ models = dict(
         embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)),
     llama=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
         vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
+        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
+    mqa=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
+        vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
 )
 model = models["gpt2"]
 dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
@@ -55,7 +59,7 @@ dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenize
                                                    cache_dir="{cache}"))
 '''
 
-MODELS = ("gpt2", "llama")
+MODELS = ("gpt2", "llama", "mqa")
 
 
 def train(config_file: str, output_dir: str, model: str, overrides: list[str], *, resume: bool = False,
@@ -205,14 +209,18 @@ def _optimizer_bytes_dp4_zero1(root: str) -> tuple[list[int], int]:
 
 
 # The covering design (tests/layouts.py): GPT-2 trains at every layout; Llama (grouped-query heads
-# split over tp down to one kv head a rank at tp4, rotary, RMSNorm and the gated MLP under sequence
-# parallelism, an untied head on the last pipeline stage, no biases under ZeRO-3, recomputed
-# rotary under activation checkpointing) at the layouts that split, shard or recompute those parts.
+# split over tp down to one kv head a rank at tp2, each of its 2 kv heads replicated on 2 ranks at
+# tp4, rotary, RMSNorm and the gated MLP under sequence parallelism, an untied head on the last
+# pipeline stage, no biases under ZeRO-3, recomputed rotary under activation checkpointing) at the
+# layouts that split, shard or recompute those parts; a Llama with one kv head (multi-query, as
+# Gemma 3 270M) where its replicated kv head meets ZeRO-3, gradient accumulation and recomputation.
 GPT2_LAYOUTS = [name for name in LAYOUTS if name != "one" and name not in (
     "dp2_tp2_zero1", "tp2_pp2_interleaved", "dp2_pp2_zero2")]  # those three are LoRA's (test_lora_parallel)
 LLAMA_LAYOUTS = ["tp2", "tp2_sp", "tp4", "dp2_zero3", "pp2_1f1b", "pp2_interleaved", "dp2_tp2_zero3_accum_ac",
                  "dp2_pp2_zero3_zero_bubble"]
 INDEXED_LAYOUTS = ["dp2", "pp2_1f1b"]  # Megatron-format data: windows of 17 tokens as 16 inputs + 16 shift_labels
+MQA_LAYOUTS = ["dp2_tp2_zero3_accum_ac"]
+TRAINED = (("gpt2", GPT2_LAYOUTS), ("llama", LLAMA_LAYOUTS), ("mqa", MQA_LAYOUTS))
 RESUME_AT = ["tp4", "tp2_pp2", "dp2_pp2_zero1_1f1b", "dp2_tp2_pp2_zero3_interleaved", "one"]
 EXTRA = {"dp2_pp2_zero2_zbv": ("dataloader.test=null",)}  # zbv cannot evaluate
 
@@ -226,7 +234,7 @@ CASES = {
     "indexed_one": Case(1, _run, ("indexed_one", "gpt2", "one", "config_indexed.py")),
     **{f"{model}_{layout}": Case(_world(layout), _run, (f"{model}_{layout}", model, layout, "config.py",
                                                          EXTRA.get(layout, ())), needs=(f"{model}_one",))
-       for model, layouts in (("gpt2", GPT2_LAYOUTS), ("llama", LLAMA_LAYOUTS)) for layout in layouts},
+       for model, layouts in TRAINED for layout in layouts},
     **{f"indexed_{layout}": Case(_world(layout), _run, (f"indexed_{layout}", "gpt2", layout, "config_indexed.py"),
                                  needs=("indexed_one",)) for layout in INDEXED_LAYOUTS},
     "ckpt": Case(4, _checkpoint, needs=("gpt2_one",)),
@@ -252,8 +260,7 @@ def _assert_same(losses: dict[int, float], reference: dict[int, float], steps) -
     assert worst <= TOL, (worst, losses, reference)
 
 
-@pytest.mark.parametrize("case", _params(f"{model}_{layout}" for model, layouts in (
-    ("gpt2", GPT2_LAYOUTS), ("llama", LLAMA_LAYOUTS)) for layout in layouts))
+@pytest.mark.parametrize("case", _params(f"{model}_{layout}" for model, layouts in TRAINED for layout in layouts))
 def test_layout_equals_one_process(runs, case):
     model = case.split("_")[0]
     _assert_same(runs(case)["losses"], runs(f"{model}_one")["losses"], range(1, STEPS + 1))
@@ -264,8 +271,8 @@ def test_layout_equals_one_process(runs, case):
 SAME_EVAL_BATCH = ["tp2", "tp4", "pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble", "pp4_gpipe", "tp2_pp2"]
 
 
-@pytest.mark.parametrize("case", [f"{model}_{layout}" for model, layouts in (
-    ("gpt2", GPT2_LAYOUTS), ("llama", LLAMA_LAYOUTS)) for layout in layouts if layout in SAME_EVAL_BATCH])
+@pytest.mark.parametrize("case", [f"{model}_{layout}" for model, layouts in TRAINED for layout in layouts
+                                  if layout in SAME_EVAL_BATCH])
 def test_evaluation_equals_one_process(runs, case):
     """Evaluation after the last step, pipelined (forward-only schedule) or not."""
     ours, theirs = runs(case)["eval"], runs(f"{case.split('_')[0]}_one")["eval"]
