@@ -4,8 +4,9 @@
 parameter table) equals what `dry_run` counts on the tensors of that rank, built by the trainer's
 own `parallelize` under torch's fake process group on the meta device, for Llama 7B and 70B at 64
 and 512 ranks under a spread of layouts (ZeRO 0-3, tp 1-8, pp 1-8 with 1F1B, interleaved 1F1B
-and ZBV), and for a small GPT-2 whose head is tied to its embedding (a copy at each pipeline end;
-both copies on one rank under ZBV's V placement) at ZeRO 3 over a dp that does not divide the rows.
+and ZBV), for a Llama with one KV head that tp replicates (its fused qkv whole on every rank), and
+for a small GPT-2 whose head is tied to its embedding (a copy at each pipeline end; both copies on
+one rank under ZBV's V placement) at ZeRO 3 over a dp that does not divide the rows.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ MODELS = {
     "llama70b": LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
         hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
         num_key_value_heads=8, vocab_size=128256)),
+    # one KV head (as Gemma 3 270M): at tp > 1 every rank holds the whole fused qkv (KV head replicated)
+    "llama_mqa": LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=1, vocab_size=1000)),
     # hidden 64 and vocab 1000 over dp 3: FSDP2 pads the rows, the last dp rank holds fewer
     "gpt2_tied": LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
         vocab_size=1000, n_positions=64, n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0)),
@@ -47,6 +52,8 @@ LLAMA_CASES = [
     ("llama70b", L(64, 8, 1, 3)),                               # 16032 vocab rows per tp rank over 64: padded
     ("llama70b", L(32, 8, 2, 1, schedule="interleaved_1f1b", virtual_stages=2)),
     ("llama70b", L(16, 4, 8, 2, schedule="zbv", virtual_stages=2)),
+    ("llama_mqa", L(1, 8, 1, 0)),                               # the KV head on each of 8 tp ranks
+    ("llama_mqa", L(2, 4, 2, 3, schedule="1f1b")),
 ]
 GPT2_CASES = [
     L(2, 1, 2, 0, schedule="1f1b"),                             # each end holds a copy of the tied weight

@@ -5,8 +5,10 @@ sizes the activation and time models need. No process group and no memory."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -34,9 +36,12 @@ class ParameterInfo:
     #: For a parameter outside the layer stack: held by the first stage, the last stage or both (tied).
     ends: frozenset[str]
     requires_grad: bool
+    #: Whether every tp rank holds it whole at a given tp though tp_dim splits it at others (a fused
+    #: qkv at a tp above its KV heads, which it replicates): what the layers do at that tp.
+    whole_at: Callable[[int], bool] = field(default=lambda tp: False, compare=False, repr=False)
 
     def tp_local_shape(self, tp: int) -> tuple[int, ...]:
-        if self.tp_dim is None:
+        if self.tp_dim is None or self.whole_at(tp):
             return self.shape
         return tuple(size // tp if dim == self.tp_dim else size for dim, size in enumerate(self.shape))
 
@@ -45,9 +50,10 @@ class _SplitRecorder:
     """Stands in for `distributed.TensorParallel` in a layer's ``shard_``: records which dimension each
     parameter is split along, and splits nothing."""
 
-    size, rank, sequence_parallel = 1, 0, False
+    rank, sequence_parallel = 0, False
 
-    def __init__(self):
+    def __init__(self, size: int = 1):
+        self.size = size
         self.dims: dict[int, int] = {}
 
     def local_range(self, total: int) -> tuple[int, int]:
@@ -90,16 +96,14 @@ class ModelTable:
         self.embedding_dropout = float(getattr(model.config, "embd_pdrop", 0.0) or 0.0)
         self._unsharded = copy.deepcopy(model)  # the recorder below marks the model's layers as split
         self._tp_problems: dict[int, list[str]] = {}
-        recorder = _SplitRecorder()
-        for module in model.modules():
-            if callable(getattr(module, "shard_", None)):
-                module.shard_(recorder)
+        self._whole: dict[int, frozenset[int]] = {}
+        recorder = _record_splits(model, 1)
         places: dict[int, tuple[nn.Parameter, list[tuple[int | None, str | None]]]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             places.setdefault(id(param), (param, []))[1].append(
                 _place(name, model.layer_stack, tuple(model.first_stage_modules), tuple(model.last_stage_modules)))
         self.parameters: list[ParameterInfo] = []
-        for key, (param, where) in places.items():
+        for index, (key, (param, where)) in enumerate(places.items()):
             layers = {layer for layer, _ in where if layer is not None}
             if len(layers) > 1 or (layers and len(where) > 1):
                 raise ValueError(f"a parameter of shape {tuple(param.shape)} is shared between layers {sorted(layers)} "
@@ -107,7 +111,7 @@ class ModelTable:
             self.parameters.append(ParameterInfo(
                 tuple(param.shape), param.element_size(), recorder.dims.get(key),
                 layers.pop() if layers else None, frozenset(end for _, end in where if end is not None),
-                param.requires_grad))
+                param.requires_grad, functools.partial(self._held_whole, index)))
 
         signatures = [[(p.shape, p.tp_dim, p.requires_grad) for p in self.parameters if p.layer == index]
                       for index in range(self.num_layers)]
@@ -139,3 +143,27 @@ class ModelTable:
         if tp not in self._tp_problems:
             self._tp_problems[tp] = distributed.tp_problems(self._unsharded, tp) if tp > 1 else []
         return self._tp_problems[tp]
+
+    def _held_whole(self, index: int, tp: int) -> bool:
+        """Whether parameter `index`, split by tp in general, is held whole at `tp`: the layers'
+        ``shard_`` run at that tp on a copy of the model, recorded (once per tp)."""
+        if tp not in self._whole:
+            whole: frozenset[int] = frozenset()
+            if tp > 1 and not self.tp_problems(tp):
+                model = copy.deepcopy(self._unsharded)
+                dims = _record_splits(model, tp).dims
+                ids = list(dict.fromkeys(id(p) for _, p in model.named_parameters(remove_duplicate=False)))
+                whole = frozenset(i for i, key in enumerate(ids)
+                                  if key not in dims and self.parameters[i].tp_dim is not None)
+            self._whole[tp] = whole
+        return index in self._whole[tp]
+
+
+def _record_splits(model: nn.Module, tp: int) -> _SplitRecorder:
+    """Run every parallel layer's ``shard_`` with a recorder of size `tp` (it marks the layers as
+    split, splits nothing): which dimension each parameter is split along."""
+    recorder = _SplitRecorder(tp)
+    for module in model.modules():
+        if callable(getattr(module, "shard_", None)):
+            module.shard_(recorder)
+    return recorder
