@@ -10,7 +10,8 @@ a pipeline's split backward), adapters split as their layer is (tp, sequence par
 adapters read from PEFT; each layout trains one model, and both models (GPT-2's fused qkv, Llama's
 separate projections and gated MLP) where adapters are split or loaded: tp2-SP (Llama's in
 test_chat_sft, composed with packed chat data), dp2×tp2 ZeRO-3 from a PEFT adapter, and LoRA
-dropout under tp.
+dropout under tp. The Llama with one KV head trains at dp2×tp2 ZeRO-1: its adapter's B, like the
+qkv it adapts, is held whole on both tp ranks, each computing its own rows.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ RUNS_AT = [
     ("gpt2", "dp2", "plain"), ("llama", "dp2_zero3", "plain"),
     ("gpt2", "tp2_sp", "plain"),  # Llama's LoRA at tp2-SP shares test_chat_sft's packed-data run
     ("gpt2", "pp2_1f1b", "plain"), ("llama", "pp2_zero_bubble", "plain"), ("gpt2", "pp2_1f1b", "last_layer"),
-    ("llama", "dp2_tp2_zero1", "plain"), ("gpt2", "dp2_pp2_zero2", "plain"), ("llama", "tp2_pp2_interleaved", "plain"),
+    ("mqa", "dp2_tp2_zero1", "plain"),  # Llama with one KV head: the adapter on a qkv tp replicates ("gpt2", "dp2_pp2_zero2", "plain"), ("llama", "tp2_pp2_interleaved", "plain"),
     ("gpt2", "dp2_tp2_zero3", "adapter"), ("llama", "dp2_tp2_zero3", "adapter"), ("gpt2", "tp2_pp2", "adapter"),
 ]
 # LoRA dropout under tp: a column layer's input is the same on every tp rank, gathered or not, so
@@ -82,7 +83,7 @@ def _bytes(root: str, kind: str) -> dict:
                 "trainable": adapters}  # this rank's adapter (or all) bytes
 
 
-REFERENCES = [("gpt2", "plain"), ("llama", "plain"), ("gpt2", "last_layer"), ("gpt2", "adapter"),
+REFERENCES = [("gpt2", "plain"), ("llama", "plain"), ("mqa", "plain"), ("gpt2", "last_layer"), ("gpt2", "adapter"),
               ("llama", "adapter")]
 CASES = {
     **{f"one_{model}_{variant}": Case(1, _reference, (model, variant),
