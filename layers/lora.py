@@ -9,6 +9,7 @@ and splits the way its layer splits over tensor parallelism, so LoRA runs at eve
 
     column-parallel layer  W [S(out), in]:   B [S(out), r] split by rows, A [r, in] replicated
     row-parallel layer     W [out, S(in)]:   A [r, S(in)] split by columns, B [out, r] replicated
+    replicated rows (qkv with KV heads shared by tp ranks): W and B whole, this rank's rows of each
 
 Each rank adds its partial update to what its layer computes locally, so the layer's own
 communication carries the adapter too: nothing is added to forward. The replicated factor's
