@@ -61,6 +61,13 @@ CASES = {
     "attention_sliding_window": lambda sp: (
         layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, causal=True, sliding_window=3), [_x(B, S, H)],
         [1 if sp else None], 1 if sp else None),
+    # fewer KV heads than tp ranks: each replicated on the ranks sharing its group (2 groups at tp4)
+    "attention_kv_replicated": lambda sp: (
+        layers.Attention(H, HEADS, num_kv_heads=2, causal=True, rope_theta=10000.0, qk_norm="head"), [_x(B, S, H)],
+        [1 if sp else None], 1 if sp else None),
+    "attention_one_kv_head": lambda sp: (
+        layers.Attention(H, HEADS, num_kv_heads=1, causal=True, sliding_window=3), [_x(B, S, H)],
+        [1 if sp else None], 1 if sp else None),
     "attention_cross": lambda sp: (
         layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, cross_attention=True, kv_input_size=ENC_H),
         [_x(B, S, H), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), None, _x(B, ENC_S, ENC_H)],
@@ -184,7 +191,8 @@ def _bad_inputs(tp_size: int) -> dict[str, str]:
     heads = 3 * tp_size // 2
     return {
         "num_heads": _error(lambda: shard(layers.Attention(8 * heads, heads))),
-        "num_kv_heads": _error(lambda: shard(layers.Attention(H, HEADS, num_kv_heads=tp_size // 2))),
+        # 3 KV heads: tp neither divides them nor is a multiple of them (a multiple would replicate them)
+        "num_kv_heads": _error(lambda: shard(layers.Attention(H, 3 * tp_size, num_kv_heads=3, head_dim=8))),
         "vocab": _error(lambda: shard(layers.VocabEmbedding(51, 8))),
         "ffn": _error(lambda: shard(layers.MLP(H, 7 * tp_size // 2))),
         "sequence": _error(lambda: shard(layers.SequenceScatter(), sequence_parallel=True)(_x(B, 9, H))),
@@ -295,7 +303,7 @@ def test_transformer_layer_issues_megatron_collectives(results):
 def test_bad_sizes_fail_with_the_fix(results):
     errors = results["errors"]
     assert "num_heads" in errors["num_heads"] and "not divisible by tp" in errors["num_heads"]
-    assert "num_kv_heads" in errors["num_kv_heads"] and "whole KV groups" in errors["num_kv_heads"]
+    assert "num_kv_heads = 3" in errors["num_kv_heads"] and "or a multiple of them" in errors["num_kv_heads"]
     assert "vocabulary size = 51" in errors["vocab"] and "pad the vocabulary" in errors["vocab"]
     assert "ffn_hidden_size" in errors["ffn"]
     assert "size 9" in errors["sequence"] and "sequence length" in errors["sequence"]
