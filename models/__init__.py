@@ -14,6 +14,8 @@ from .auto import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImag
                    AutoModelForSequenceClassification)
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from .contract import TrainableModel, check_trainable, get_layer_stack
+from .gemma import (Gemma2Config, Gemma2ForCausalLM, Gemma2Model, Gemma3ForCausalLM, Gemma3TextConfig, Gemma3TextModel,
+                    GemmaConfig, GemmaForCausalLM, GemmaModel)
 from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
 from .gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXModel
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
@@ -29,6 +31,8 @@ __all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_st
            "ViTConfig", "ViTModel", "ViTForImageClassification", "LlamaConfig", "LlamaModel", "LlamaForCausalLM",
            "GPTNeoXConfig", "GPTNeoXModel", "GPTNeoXForCausalLM", "Qwen3Config", "Qwen3Model", "Qwen3ForCausalLM",
            "MistralConfig", "MistralModel", "MistralForCausalLM", "Olmo2Config", "Olmo2Model", "Olmo2ForCausalLM",
+           "GemmaConfig", "GemmaModel", "GemmaForCausalLM", "Gemma2Config", "Gemma2Model", "Gemma2ForCausalLM",
+           "Gemma3TextConfig", "Gemma3TextModel", "Gemma3ForCausalLM",
            "RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "AutoConfig",
            "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
            "AutoModelForImageClassification"]

@@ -32,6 +32,10 @@ MODELS: dict[str, dict[str, str]] = {
     "qwen3": {"base": "Qwen3Model", "causal_lm": "Qwen3ForCausalLM"},
     "mistral": {"base": "MistralModel", "causal_lm": "MistralForCausalLM"},
     "olmo2": {"base": "Olmo2Model", "causal_lm": "Olmo2ForCausalLM"},
+    "gemma": {"base": "GemmaModel", "causal_lm": "GemmaForCausalLM"},
+    "gemma2": {"base": "Gemma2Model", "causal_lm": "Gemma2ForCausalLM"},
+    "gemma3_text": {"base": "Gemma3TextModel", "causal_lm": "Gemma3ForCausalLM"},
+    "gemma3": {"base": "Gemma3TextModel", "causal_lm": "Gemma3ForCausalLM"},  # its text model (vision skipped)
     "bert": {"base": "BertModel", "masked_lm": "BertForMaskedLM", "sequence_classification": "BertForSequenceClassification"},
     "roberta": {"base": "RobertaModel", "masked_lm": "RobertaForMaskedLM",
                 "sequence_classification": "RobertaForSequenceClassification"},
@@ -39,8 +43,10 @@ MODELS: dict[str, dict[str, str]] = {
 }
 
 # how transformers' architecture names (config.json's ``architectures``) end, per task
+# (ForConditionalGeneration: Gemma 3's multimodal checkpoints, whose text model the zoo loads)
 ARCHITECTURE_SUFFIXES = {"ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm", "ForMaskedLM": "masked_lm",
-                         "ForPreTraining": "masked_lm", "ForSequenceClassification": "sequence_classification",
+                         "ForPreTraining": "masked_lm", "ForConditionalGeneration": "causal_lm",
+                         "ForSequenceClassification": "sequence_classification",
                          "ForImageClassification": "image_classification", "Model": "base"}
 
 

@@ -147,7 +147,7 @@ class DecoderForCausalLM(PreTrainedModel, CausalLM):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         body = cls.body_class
-        cls.config_class, cls.other_configs = body.config_class, body.other_configs
+        cls.config_class, cls.other_configs, cls.containers = body.config_class, body.other_configs, body.containers
         cls.base_model_prefix = prefix = body.base_model_prefix
         names = body.names
         cls.layer_stack = f"{prefix}.{names.layers}"

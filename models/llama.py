@@ -61,10 +61,11 @@ def llama_layer(config, index: int, **changes) -> dict:
     """Layer `index` of a Llama-shaped `config` as `TransformerLayer` arguments, with `changes`."""
     theta, scaling = rope_settings(config)
     bias, out_bias = qkv_bias(config)
+    activation = getattr(config, "hidden_act", None) or config.hidden_activation  # Gemma 2/3's name
     layer = dict(hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
                  ffn_hidden_size=config.intermediate_size, num_kv_heads=config.num_key_value_heads,
                  head_dim=getattr(config, "head_dim", None), norm="rmsnorm", norm_eps=config.rms_norm_eps,
-                 activation=config.hidden_act, gated_mlp=True, qkv_bias=bias, attention_out_bias=out_bias,
+                 activation=activation, gated_mlp=True, qkv_bias=bias, attention_out_bias=out_bias,
                  mlp_bias=getattr(config, "mlp_bias", False), attention_dropout=config.attention_dropout,
                  causal=True, rope_theta=theta, rope_scaling=scaling, sliding_window=sliding_window(config, index))
     return {**layer, **changes}

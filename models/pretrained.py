@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from libai_zoo.hf import WeightMap, load_pretrained, read_config, save_pretrained
+from libai_zoo.hf import Container, WeightMap, load_pretrained, read_config, save_pretrained
 from libai_zoo.layers import Embedding, LayerNorm, RMSNorm, VocabEmbedding
 
 
@@ -29,6 +29,7 @@ class PreTrainedModel(nn.Module, ABC):
 
     config_class: type[PretrainedConfig]
     other_configs: dict[str, type[PretrainedConfig]] = {}  # model types with the same architecture
+    containers: dict[str, Container] = {}  # model types whose directories hold this model with other parts
     base_model_prefix: str
 
     def __init__(self, config: PretrainedConfig):
@@ -99,14 +100,17 @@ class PreTrainedModel(nn.Module, ABC):
 
     @classmethod
     def load_config(cls, path: str | Path) -> PretrainedConfig:
-        """The config.json of the Hugging Face directory `path` as this class's config class."""
+        """The config.json of the Hugging Face directory `path` as this class's config class (out of
+        a container's config: `containers`)."""
         config = read_config(path)
+        if config.get("model_type") in cls.containers:
+            config = cls.containers[config["model_type"]].inner_config(config)
         model_type = config.get("model_type")
         configs = {cls.config_class.model_type: cls.config_class, **cls.other_configs}
         if model_type not in configs:
             raise ValueError(f"{path} holds a {model_type!r} model (model_type in config.json) but {cls.__name__} "
-                             f"loads {' or '.join(map(repr, configs))} models: use the libai_zoo class of that "
-                             f"model type")
+                             f"loads {' or '.join(map(repr, [*configs, *cls.containers]))} models: use the "
+                             f"libai_zoo class of that model type")
         return configs[model_type].from_dict(config)
 
     def save_pretrained(self, path: str | Path, *, max_shard_size: int | str = "5GB") -> None:

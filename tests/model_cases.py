@@ -78,6 +78,46 @@ def olmo2_config(**kw):
     return transformers.Olmo2Config(**{**defaults, **kw})
 
 
+def gemma_config(**kw):
+    """(1 + w) norms (drawn away from 0 in make_hf_model), embeddings × sqrt(32), head_dim 16 ≠ 32/4, tied."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=FFN, max_position_embeddings=64,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return transformers.GemmaConfig(**{**defaults, **kw})
+
+
+#: Gemma 2 and 3 weights drawn 10× wider than their default: attention scores and logits of a few
+#: units, so that the soft-caps (scores at ±1.5, logits at ±2) bite
+GEMMA_WIDE = dict(initializer_range=0.2)
+
+
+def gemma2_config(**kw):
+    """Sandwich norms, softmax scale 64^-0.5 ≠ head_dim^-0.5, scores capped at ±1.5 and logits at
+    ±2, a window of 4 on layer 1 (layer_types: sliding, full)."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=FFN, max_position_embeddings=64,
+                    query_pre_attn_scalar=64, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+                    sliding_window=4, bos_token_id=1, eos_token_id=2, pad_token_id=0, **GEMMA_WIDE)
+    return transformers.Gemma2Config(**{**defaults, **kw})
+
+
+#: Gemma 3's rotary bases: far apart, and the full layers' table scaled (as the 4B-27B models are)
+GEMMA3_LOCAL_BASE, GEMMA3_GLOBAL_BASE = 10.0, 1e6
+
+
+def gemma3_text_config(**kw):
+    """Per-head (1 + w) q/k norms, sandwich norms, softmax scale 64^-0.5, a window of 4 on the
+    sliding layer; the sliding layer rotates with base 10, the full one with base 1e6 scaled
+    linearly by 4."""
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_BASE},
+            "full_attention": {"rope_type": "linear", "rope_theta": GEMMA3_GLOBAL_BASE, "factor": 4.0}}
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=FFN, max_position_embeddings=64,
+                    query_pre_attn_scalar=64, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters=rope, bos_token_id=1, eos_token_id=2, pad_token_id=0, **GEMMA_WIDE)
+    return transformers.Gemma3TextConfig(**{**defaults, **kw})
+
+
 def gpt_neox_config(**kw):
     """Sequential residual (Megatron's RoPE GPT), half of each head's channels rotating."""
     defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -138,6 +178,9 @@ CASES = {
                               lambda: qwen3_config(num_key_value_heads=1), "causal"),
     "mistral": Case(transformers.MistralForCausalLM, models.MistralForCausalLM, mistral_config, "causal"),
     "olmo2": Case(transformers.Olmo2ForCausalLM, models.Olmo2ForCausalLM, olmo2_config, "causal"),
+    "gemma": Case(transformers.GemmaForCausalLM, models.GemmaForCausalLM, gemma_config, "causal"),
+    "gemma2": Case(transformers.Gemma2ForCausalLM, models.Gemma2ForCausalLM, gemma2_config, "causal"),
+    "gemma3": Case(transformers.Gemma3ForCausalLM, models.Gemma3ForCausalLM, gemma3_text_config, "causal"),
     "gpt_neox_body": Case(transformers.GPTNeoXModel, models.GPTNeoXModel, gpt_neox_config, "encoder"),
     "llama_body": Case(transformers.LlamaModel, models.LlamaModel, llama_config, "encoder"),
     "bert": Case(transformers.BertModel, models.BertModel, bert_config, "encoder"),

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from libai_zoo import layers
-from model_cases import CASES, make_hf_model, make_inputs
+from libai_zoo.models.decoder import DecoderSpec
+from model_cases import CASES, GEMMA3_GLOBAL_BASE, make_hf_model, make_inputs
 
 MIN_EFFECT = 1e-3  # far above the 1e-5 of the parity tests
 
@@ -46,6 +47,19 @@ FEATURES = {
     ("olmo2", "norms on the branch outputs"): (layers.TransformerLayer,
                                                 ("_residual", lambda self, x, branch, out_norm: x + branch)),
     ("olmo2", "q/k norms over the whole projection"): (layers.Attention, ("_norm_qk", _norm_qk_per_head)),
+    ("gemma", "(1 + w) norms"): (layers.RMSNorm, _without_kwarg(layers.RMSNorm, "unit_offset", False)),
+    ("gemma", "embedding × sqrt(hidden)"): (DecoderSpec, _without_kwarg(DecoderSpec, "embedding_multiplier", 1.0)),
+    ("gemma2", "sandwich norms"): (layers.TransformerLayer,
+                                   ("_residual", lambda self, x, branch, out_norm: x + branch)),
+    ("gemma2", "attention soft-cap"): (layers.Attention, _without_kwarg(layers.Attention, "softcap")),
+    ("gemma2", "final-logit soft-cap"): (layers.LMHead, _without_kwarg(layers.LMHead, "logit_softcap")),
+    ("gemma2", "query_pre_attn_scalar"): (layers.Attention, _without_kwarg(layers.Attention, "softmax_scale")),
+    ("gemma2", "sliding window on layer 1"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
+    ("gemma3", "per-head (1 + w) q/k norms"): (layers.Attention, ("_norm_qk", lambda self, q, k: (q, k))),
+    ("gemma3", "local rope base"): (layers.TransformerLayer,
+                                    _without_kwarg(layers.TransformerLayer, "rope_theta", GEMMA3_GLOBAL_BASE)),
+    ("gemma3", "global rope scaling"): (layers.TransformerLayer,
+                                        _without_kwarg(layers.TransformerLayer, "rope_scaling")),
 }
 
 
@@ -59,4 +73,5 @@ def test_dropping_the_feature_changes_the_logits(case, feature, tmp_path, monkey
     zoo = CASES[case].zoo_class.from_pretrained(tmp_path)
     with torch.no_grad():
         effect = (zoo(**inputs).logits[mask] - hf(**inputs).logits[mask]).abs().max().item()
+    print(f"{case} without its {feature}: {effect:.3g}")
     assert effect > MIN_EFFECT, f"{case} without its {feature}: logits within {effect:.2e} of transformers'"

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from libai_zoo import distributed
 from libai_zoo.layers import is_adapter_parameter
 
-from .reader import HFWeightReader
+from .reader import Container, HFWeightReader
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +84,18 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
     tensor-parallel slice, and of it only the rows its ZeRO shard keeps (a fused QKV's tp slice is
     read whole and cut). Returns {"missing_keys",
     "unexpected_keys", "not_loaded"}: checkpoint names the parameters need but the files lack,
-    names in the files no parameter uses, and the parameters (model names) left as they were."""
+    names in the files no parameter uses, the parameters (model names) left as they were, and the
+    names of a container's other parts (a vision tower) that were not read."""
     params, held, available, missing, unexpected = check_hf_weights(model, reader, strict=strict, aliases=aliases)
     if missing or unexpected:
         logger.warning("%s: initialised %s; ignored %s", type(model).__name__, missing or "nothing",
                        unexpected or "nothing")
+    container = _container(model, reader.keys())
+    skipped = [key for key in reader.keys() if container is not None and key.startswith(container.skipped)]
+    if skipped:
+        logger.warning("%s: loading the model under %r of %s; skipped its other parts (%s: %d tensors)",
+                       type(model).__name__, container.prefix, reader.path, ", ".join(container.skipped),
+                       len(skipped))
 
     def read(name, ranges=None):
         return reader.read(available[name], ranges)
@@ -102,7 +109,7 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
             (param.to_local() if isinstance(param, DTensor) else param).copy_(tensor)
         else:
             not_loaded.append(rule.zoo)
-    return {"missing_keys": missing, "unexpected_keys": unexpected, "not_loaded": not_loaded}
+    return {"missing_keys": missing, "unexpected_keys": unexpected, "not_loaded": not_loaded, "skipped_keys": skipped}
 
 
 def check_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = True,
@@ -141,15 +148,26 @@ def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
     """The model's name for each checkpoint tensor -> the checkpoint's name.
 
     A task model loads a bare body's checkpoint (its head is then missing), and a bare body loads
-    a task model's checkpoint (the head's tensors are left out), as in transformers."""
+    a task model's checkpoint (the head's tensors are left out), as in transformers. In a
+    container's checkpoint (`Container`: Gemma 3's multimodal model) only the tensors under its
+    prefix are the model's."""
+    names, container = {key: key for key in keys}, _container(model, keys)
+    if container is not None:
+        names = {key[len(container.prefix):]: key for key in keys if key.startswith(container.prefix)}
     prefix = model.base_model_prefix + "."
     is_task_model = isinstance(getattr(model, model.base_model_prefix, None), nn.Module)
-    prefixed = any(key.startswith(prefix) for key in keys)
+    prefixed = any(name.startswith(prefix) for name in names)
     if is_task_model and not prefixed:
-        return {prefix + key: key for key in keys}
+        return {prefix + name: key for name, key in names.items()}
     if not is_task_model and prefixed:
-        return {key[len(prefix):]: key for key in keys if key.startswith(prefix)}
-    return {key: key for key in keys}
+        return {name[len(prefix):]: key for name, key in names.items() if name.startswith(prefix)}
+    return names
+
+
+def _container(model: nn.Module, keys: list[str]) -> Container | None:
+    """The container (of the model's `containers`) whose checkpoint `keys` are, if any."""
+    return next((container for container in getattr(model, "containers", {}).values()
+                 if any(key.startswith(container.prefix) for key in keys)), None)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, config) -> torch.dtype:

@@ -10,6 +10,7 @@ tensor-parallel rank reads only the bytes of its own shard; `bytes_read` counts 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +36,25 @@ def read_config(path: str | Path) -> dict:
         return json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_file} is not valid JSON ({error}): restore it from the model's source") from None
+
+
+@dataclass(frozen=True)
+class Container:
+    """A larger model whose directories hold a zoo model (Gemma 3's multimodal model holds its
+    text model): the zoo model's config is the container config's `config_key`, its tensors are
+    those under `prefix`, and those under `skipped` (the container's other parts) are not read."""
+
+    config_key: str
+    prefix: str
+    skipped: tuple[str, ...] = ()
+
+    def inner_config(self, config: dict) -> dict:
+        """The held model's config out of the container's, with the dtype the container states."""
+        inner = dict(config[self.config_key])
+        for key in ("dtype", "torch_dtype"):
+            if key in config:
+                inner.setdefault(key, config[key])
+        return inner
 
 
 class HFWeightReader:

@@ -1,0 +1,103 @@
+"""Gemma (Gemma Team, 2024), Gemma 2 (2024) and Gemma 3 (2025, its text model): Llama-shaped
+decoders with Gemma's own touches, each generation adding to the one before.
+
+    Gemma:   RMSNorm (1 + w) in float32 (final norm too); embeddings × sqrt(hidden) rounded to the
+             weights' dtype; GeGLU (tanh GELU); head_dim ≠ hidden / heads; tied head.
+    Gemma 2: + sandwich norms (x + norm(attn(norm(x))), the same around the MLP); softmax scale
+             query_pre_attn_scalar^-0.5; attention scores and final logits soft-capped
+             (cap·tanh(s/cap)); sliding and full attention layers alternating (`layer_types`).
+    Gemma 3: + RMSNorm (1 + w) on each head of q and k before rotary; two rotary tables, the
+             sliding layers' (local base, 10k) and the full layers' (global base, 1M, scaled on
+             the larger models), five sliding layers to one full.
+
+The 4B-27B Gemma 3 checkpoints are `Gemma3ForConditionalGeneration` (``model_type: gemma3``):
+the text model loads from them (its config is ``text_config``, its tensors ``language_model.*``);
+the vision tower and projector are skipped, and the load says so. Weights are named as Llama's
+(`hf_maps/llama.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import transformers
+
+from libai_zoo.hf import Container
+
+from .decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
+from .hf_maps.llama import llama_weight_map
+from .llama import llama_layer, llama_spec, rope_settings
+
+
+class GemmaConfig(transformers.GemmaConfig):
+    """Hugging Face's GemmaConfig: reads a Gemma config.json unchanged and writes it back."""
+
+
+class Gemma2Config(transformers.Gemma2Config):
+    """Hugging Face's Gemma2Config: reads a Gemma 2 config.json unchanged and writes it back."""
+
+
+class Gemma3TextConfig(transformers.Gemma3TextConfig):
+    """Hugging Face's Gemma3TextConfig: reads a Gemma 3 text config.json unchanged and writes it back."""
+
+
+def gemma_layer(config, index: int, **changes) -> dict:
+    return llama_layer(config, index, norm="rmsnorm_1p", **changes)
+
+
+def gemma2_layer(config, index: int, **changes) -> dict:
+    attention = dict(softmax_scale=config.query_pre_attn_scalar ** -0.5, softcap=config.attn_logit_softcapping)
+    return gemma_layer(config, index, norm_position="sandwich", attention=attention, **changes)
+
+
+def gemma3_layer(config, index: int) -> dict:
+    """Gemma 2's layer with per-head q/k norms and the rotary table of its layer type."""
+    theta, scaling = rope_settings(config, config.rope_parameters[config.layer_types[index]])
+    layer = gemma2_layer(config, index, rope_theta=theta, rope_scaling=scaling)
+    layer["attention"].update(qk_norm="head", qk_norm_eps=config.rms_norm_eps, qk_norm_unit_offset=True)
+    return layer
+
+
+def gemma_spec(config, layer=gemma_layer) -> DecoderSpec:
+    """A Gemma `config` as a `DecoderSpec`: each layer from `layer(config, index)`."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{config.model_type}: use_bidirectional_attention (an encoder) is not supported by "
+                         f"libai_zoo's Gemma models, which are causal LMs; set it to false")
+    return llama_spec(config, layer=layer, final_norm="rmsnorm_1p", embedding_multiplier=config.hidden_size ** 0.5,
+                      multiplier_in_dtype=True, logit_softcap=getattr(config, "final_logit_softcapping", None))
+
+
+class GemmaModel(DecoderModel):
+    config_class = GemmaConfig
+    base_model_prefix = "model"
+    describe = staticmethod(gemma_spec)
+    weight_map = llama_weight_map
+
+
+class GemmaForCausalLM(DecoderForCausalLM):
+    body_class = GemmaModel
+
+
+class Gemma2Model(DecoderModel):
+    config_class = Gemma2Config
+    base_model_prefix = "model"
+    describe = staticmethod(functools.partial(gemma_spec, layer=gemma2_layer))
+    weight_map = llama_weight_map
+
+
+class Gemma2ForCausalLM(DecoderForCausalLM):
+    body_class = Gemma2Model
+
+
+class Gemma3TextModel(DecoderModel):
+    config_class = Gemma3TextConfig
+    base_model_prefix = "model"
+    #: the multimodal checkpoints: the text model's config and tensors inside them
+    containers = {"gemma3": Container(config_key="text_config", prefix="language_model.",
+                                      skipped=("vision_tower.", "multi_modal_projector."))}
+    describe = staticmethod(functools.partial(gemma_spec, layer=gemma3_layer))
+    weight_map = llama_weight_map
+
+
+class Gemma3ForCausalLM(DecoderForCausalLM):
+    body_class = Gemma3TextModel
