@@ -118,6 +118,15 @@ def gemma3_text_config(**kw):
     return transformers.Gemma3TextConfig(**{**defaults, **kw})
 
 
+def gemma3_multimodal_config(**text):
+    """A Gemma3ForConditionalGeneration (the 4B-27B checkpoints): the gemma3 text model (changed by
+    `text`) and a one-layer vision tower."""
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=16, patch_size=4)
+    return transformers.Gemma3Config(text_config=gemma3_text_config(**text), vision_config=vision,
+                                     mm_tokens_per_image=4)
+
+
 def gpt_neox_config(**kw):
     """Sequential residual (Megatron's RoPE GPT), half of each head's channels rotating."""
     defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,

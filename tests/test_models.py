@@ -12,7 +12,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from libai_zoo import models
-from model_cases import CASES, hf_checkpoint_grads, hf_named_grads, main_output, make_hf_model, make_inputs
+from model_cases import (CASES, HIDDEN, SEQ, Case, gemma3_multimodal_config, hf_checkpoint_grads, hf_named_grads,
+                         main_output, make_hf_model, make_inputs)
 
 TOL = 1e-5
 #: Reading a sharded index is the loader's, not a family's: one model of each kind covers it.
@@ -160,6 +161,48 @@ def test_base_model_loads_the_body_of_a_task_checkpoint(hf_dirs):
     inputs, mask = make_inputs(CASES["gpt2_body"])
     inputs.pop("labels", None)
     assert max_diff(body(**inputs).last_hidden_state, hf.transformer(**inputs).last_hidden_state, mask) <= TOL
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gemma3_text_model_loads_from_a_multimodal_checkpoint(tied, tmp_path, caplog):
+    """Gemma 3 4B-27B are Gemma3ForConditionalGeneration directories (model_type gemma3): the text
+    model loads from its text_config and language_model.* tensors (the head tied as the container
+    says), and the vision tower and projector are named as skipped."""
+    def config():
+        multimodal = gemma3_multimodal_config()
+        multimodal.tie_word_embeddings = tied
+        return multimodal
+
+    hf = make_hf_model(Case(transformers.Gemma3ForConditionalGeneration, None, config, "causal"))
+    hf.save_pretrained(tmp_path)
+    zoo, info = models.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert isinstance(zoo, models.Gemma3ForCausalLM) and zoo.config.tie_word_embeddings == tied
+    assert info["missing_keys"] == [] and info["unexpected_keys"] == []
+    assert {name.split(".")[0] for name in info["skipped_keys"]} == {"vision_tower", "multi_modal_projector"}
+    assert "skipped its other parts (vision_tower., multi_modal_projector." in caplog.text
+    inputs, mask = make_inputs(CASES["gemma3"])
+    ours, theirs = zoo(**inputs), hf(**inputs)
+    assert max_diff(ours.logits, theirs.logits, mask) <= TOL and abs(ours.loss.item() - theirs.loss.item()) <= TOL
+    body = models.Gemma3TextModel.from_pretrained(tmp_path)
+    inputs.pop("labels")
+    assert max_diff(body(**inputs).last_hidden_state, hf.model.language_model(**inputs).last_hidden_state,
+                    mask) <= TOL
+
+
+def test_gemma_bf16_rounds_as_transformers(tmp_path):
+    """Under bf16 Gemma scales the embeddings by sqrt(hidden) rounded to bf16, and normalises in
+    float32 with its (1 + w) before the cast: both equal transformers' bit for bit (each differs
+    in some elements done otherwise); the logits agree within bf16's resolution."""
+    hf = make_hf_model(CASES["gemma"]).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    zoo = models.GemmaForCausalLM.from_pretrained(tmp_path)
+    assert zoo.lm_head.weight.dtype == torch.bfloat16
+    inputs, mask = make_inputs(CASES["gemma"])
+    with torch.no_grad():
+        assert torch.equal(zoo.model.embed(inputs["input_ids"]), hf.model.embed_tokens(inputs["input_ids"]))
+        x = torch.randn(2, SEQ, HIDDEN, generator=torch.Generator().manual_seed(0)).bfloat16() * 3
+        assert torch.equal(zoo.model.norm(x), hf.model.norm(x))
+        assert max_diff(zoo(**inputs).logits.float(), hf(**inputs).logits.float(), mask) <= 1e-2
 
 
 def test_new_head_needs_strict_false(hf_dirs):

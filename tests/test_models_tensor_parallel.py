@@ -31,6 +31,7 @@ TP, TOL, NEW_TOKENS = 2, 1e-5, 20
 TP_CASES = [name for name in CASES if name not in ("roberta", "roberta_cls")]
 SEQUENCE_PARALLEL_CASES = tuple(name for name in TP_CASES if CASES[name].kind not in ("encoder", "image"))
 TIED = {"gpt2": ("lm_head", "transformer.wte"), "llama_tied_bias": ("lm_head", "model.embed_tokens"),
+        "gemma": ("lm_head", "model.embed_tokens"),
         "bert_mlm": ("mlm_head.decoder", "bert.embeddings.word_embeddings"),
         "roberta_mlm": ("mlm_head.decoder", "roberta.embeddings.word_embeddings")}
 

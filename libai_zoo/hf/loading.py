@@ -151,9 +151,8 @@ def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
     a task model's checkpoint (the head's tensors are left out), as in transformers. In a
     container's checkpoint (`Container`: Gemma 3's multimodal model) only the tensors under its
     prefix are the model's."""
-    names, container = {key: key for key in keys}, _container(model, keys)
-    if container is not None:
-        names = {key[len(container.prefix):]: key for key in keys if key.startswith(container.prefix)}
+    container = _container(model, keys)
+    names = {key: key for key in keys} if container is None else container.names(keys)
     prefix = model.base_model_prefix + "."
     is_task_model = isinstance(getattr(model, model.base_model_prefix, None), nn.Module)
     prefixed = any(name.startswith(prefix) for name in names)

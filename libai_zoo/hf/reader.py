@@ -49,12 +49,15 @@ class Container:
     skipped: tuple[str, ...] = ()
 
     def inner_config(self, config: dict) -> dict:
-        """The held model's config out of the container's, with the dtype the container states."""
-        inner = dict(config[self.config_key])
-        for key in ("dtype", "torch_dtype"):
-            if key in config:
-                inner.setdefault(key, config[key])
-        return inner
+        """The held model's config out of the container's, with the container's dtype and head
+        tying (transformers ties the container's head by the container's tie_word_embeddings)."""
+        outer = {key: config[key] for key in ("dtype", "torch_dtype", "tie_word_embeddings") if key in config}
+        return {**config[self.config_key], **outer}
+
+    def names(self, keys: list[str]) -> dict[str, str]:
+        """The held model's name of each checkpoint tensor (the prefix dropped) -> the checkpoint's
+        name; the skipped parts left out."""
+        return {key.removeprefix(self.prefix): key for key in keys if not key.startswith(self.skipped)}
 
 
 class HFWeightReader:
