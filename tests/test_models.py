@@ -177,6 +177,7 @@ def test_gemma3_text_model_loads_from_a_multimodal_checkpoint(tied, tmp_path, ca
     hf.save_pretrained(tmp_path)
     zoo, info = models.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert isinstance(zoo, models.Gemma3ForCausalLM) and zoo.config.tie_word_embeddings == tied
+    assert type(models.AutoConfig.from_pretrained(tmp_path)) is models.Gemma3TextConfig
     assert info["missing_keys"] == [] and info["unexpected_keys"] == []
     assert {name.split(".")[0] for name in info["skipped_keys"]} == {"vision_tower", "multi_modal_projector"}
     assert "skipped its other parts (vision_tower., multi_modal_projector." in caplog.text
