@@ -78,25 +78,21 @@ class GemmaForCausalLM(DecoderForCausalLM):
     body_class = GemmaModel
 
 
-class Gemma2Model(DecoderModel):
+class Gemma2Model(GemmaModel):
     config_class = Gemma2Config
-    base_model_prefix = "model"
     describe = staticmethod(functools.partial(gemma_spec, layer=gemma2_layer))
-    weight_map = llama_weight_map
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
     body_class = Gemma2Model
 
 
-class Gemma3TextModel(DecoderModel):
+class Gemma3TextModel(GemmaModel):
     config_class = Gemma3TextConfig
-    base_model_prefix = "model"
     #: the multimodal checkpoints: the text model's config and tensors inside them
     containers = {"gemma3": Container(config_key="text_config", prefix="language_model.",
                                       skipped=("vision_tower.", "multi_modal_projector."))}
     describe = staticmethod(functools.partial(gemma_spec, layer=gemma3_layer))
-    weight_map = llama_weight_map
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
