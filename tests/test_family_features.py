@@ -73,5 +73,4 @@ def test_dropping_the_feature_changes_the_logits(case, feature, tmp_path, monkey
     zoo = CASES[case].zoo_class.from_pretrained(tmp_path)
     with torch.no_grad():
         effect = (zoo(**inputs).logits[mask] - hf(**inputs).logits[mask]).abs().max().item()
-    print(f"{case} without its {feature}: {effect:.3g}")
     assert effect > MIN_EFFECT, f"{case} without its {feature}: logits within {effect:.2e} of transformers'"
