@@ -83,7 +83,7 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
     Each rank reads, one parameter at a time, only its part of each tensor it needs: the
     tensor-parallel slice, and of it only the rows its ZeRO shard keeps (a fused QKV's tp slice is
     read whole and cut). Returns {"missing_keys",
-    "unexpected_keys", "not_loaded"}: checkpoint names the parameters need but the files lack,
+    "unexpected_keys", "not_loaded", "skipped_keys"}: checkpoint names the parameters need but the files lack,
     names in the files no parameter uses, the parameters (model names) left as they were, and the
     names of a container's other parts (a vision tower) that were not read."""
     params, held, available, missing, unexpected = check_hf_weights(model, reader, strict=strict, aliases=aliases)
@@ -91,7 +91,7 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
         logger.warning("%s: initialised %s; ignored %s", type(model).__name__, missing or "nothing",
                        unexpected or "nothing")
     container = _container(model, reader.keys())
-    skipped = [key for key in reader.keys() if container is not None and key.startswith(container.skipped)]
+    skipped = [key for key in reader.keys() if key.startswith(container.skipped)] if container else []
     if skipped:
         logger.warning("%s: loading the model under %r of %s; skipped its other parts (%s: %d tensors)",
                        type(model).__name__, container.prefix, reader.path, ", ".join(container.skipped),
