@@ -18,7 +18,7 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.convert import load_checkpoint_model
 from libai_zoo.hf import apply_lora_config, load_peft_adapter, read_peft_adapter, save_peft_adapter
 from libai_zoo.layers import Linear, apply_lora, merge_lora
-from libai_zoo.models import GPT2LMHeadModel, LlamaForCausalLM, RobertaForMaskedLM
+from libai_zoo.models import Gemma3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, RobertaForMaskedLM
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes
 from test_convert import cli
 from trainer_runs import losses, run_trainer
@@ -67,8 +67,19 @@ def tiny_roberta_hf(path: Path) -> Path:
     return path
 
 
+def tiny_gemma3_hf(path: Path) -> Path:
+    """Gemma 3's text model: Llama's module names, and q/k norms PEFT must leave alone."""
+    config = transformers.Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           max_position_embeddings=64, sliding_window=4)
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
 # family -> (a tiny Hugging Face directory, the zoo class, the transformers Auto class that loads it)
 FAMILIES = {"llama": (tiny_llama_hf, LlamaForCausalLM, transformers.AutoModelForCausalLM),
+            "gemma3": (tiny_gemma3_hf, Gemma3ForCausalLM, transformers.AutoModelForCausalLM),
             "gpt2": (tiny_gpt2_hf, GPT2LMHeadModel, transformers.AutoModelForCausalLM),
             "roberta": (tiny_roberta_hf, RobertaForMaskedLM, transformers.AutoModelForMaskedLM)}
 
@@ -119,7 +130,7 @@ def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_pa
     load_peft_adapter(reloaded, tmp_path / "adapter")
     assert (reloaded(ids).logits - expected).abs().max() == 0
 
-    assert merge_lora(model) == 2 * (5 if family == "llama" else 4)
+    assert merge_lora(model) == 2 * (5 if family in ("llama", "gemma3") else 4)
     model.save_pretrained(tmp_path / "merged")
     merged = hf_auto.from_pretrained(tmp_path / "merged").eval()
     assert (merged(ids).logits - expected).abs().max() <= 1e-5
@@ -130,8 +141,9 @@ def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, t
     """PEFT trains separate A's for q, k and v: our fused qkv takes them stacked (rank 3r)."""
     make_hf, cls, hf_auto = FAMILIES[family]
     hf_dir = make_hf(tmp_path / "hf")
-    out = {"llama": "o_proj", "gpt2": "o_proj", "roberta": "attention.output.dense"}[family]
-    targets = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"],
+    out = {"llama": "o_proj", "gemma3": "o_proj", "gpt2": "o_proj", "roberta": "attention.output.dense"}[family]
+    llama_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    targets = {"llama": llama_targets, "gemma3": llama_targets, "gpt2": ["c_attn", "c_fc"],
                "roberta": ["query", "key", "value", out, "intermediate.dense"]}[family]
     base = hf_auto.from_pretrained(hf_dir).eval()
     trained = peft.get_peft_model(hf_auto.from_pretrained(hf_dir),
