@@ -42,10 +42,12 @@ class Gemma3TextConfig(transformers.Gemma3TextConfig):
 
 
 def gemma_layer(config, index: int, **changes) -> dict:
+    """Llama's layer with (1 + w) norms (the activation is the config's: GELU-tanh)."""
     return llama_layer(config, index, norm="rmsnorm_1p", **changes)
 
 
 def gemma2_layer(config, index: int, **changes) -> dict:
+    """Gemma's layer in sandwich norms, its softmax scaled by query_pre_attn_scalar and capped."""
     attention = dict(softmax_scale=config.query_pre_attn_scalar ** -0.5, softcap=config.attn_logit_softcapping)
     return gemma_layer(config, index, norm_position="sandwich", attention=attention, **changes)
 
