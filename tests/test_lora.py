@@ -20,6 +20,7 @@ from libai_zoo.hf import apply_lora_config, load_peft_adapter, read_peft_adapter
 from libai_zoo.layers import Linear, apply_lora, merge_lora
 from libai_zoo.models import Gemma3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, RobertaForMaskedLM
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes
+from model_cases import gemma3_text_config
 from test_convert import cli
 from trainer_runs import losses, run_trainer
 
@@ -68,12 +69,9 @@ def tiny_roberta_hf(path: Path) -> Path:
 
 
 def tiny_gemma3_hf(path: Path) -> Path:
-    """Gemma 3's text model: Llama's module names, and q/k norms PEFT must leave alone."""
-    config = transformers.Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                           max_position_embeddings=64, sliding_window=4)
+    """Gemma 3's text model (model_cases'): Llama's module names, and q/k norms PEFT must leave alone."""
     torch.manual_seed(0)
-    transformers.Gemma3ForCausalLM(config).save_pretrained(path)
+    transformers.Gemma3ForCausalLM(gemma3_text_config(vocab_size=96)).save_pretrained(path)
     return path
 
 
