@@ -3,7 +3,10 @@
 Context extension rescales the frequencies (``scaling``): "linear" divides them all by a
 factor (position interpolation); "llama3" (Llama 3.1) divides only the low frequencies, whose
 wavelength exceeds the original context / low_freq_factor, keeps those shorter than original
-context / high_freq_factor, and blends linearly in between.
+context / high_freq_factor, and blends linearly in between; "longrope" (Phi-3, Phi-4) divides each
+frequency by its own factor, the long ones once a position lies past the original context
+(``original_max_position_embeddings``) and the short ones before, and multiplies cos and sin by
+``attention_factor`` (which scales q·k on the rotated channels).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-SCALINGS = ("linear", "llama3")
+SCALINGS = ("linear", "llama3", "longrope")
 
 
 class RotaryEmbedding(nn.Module):
@@ -28,9 +31,21 @@ class RotaryEmbedding(nn.Module):
         if scaling is not None and scaling.get("rope_type") not in SCALINGS:
             raise ValueError(f"rope scaling {scaling.get('rope_type')!r} is not one of {SCALINGS}")
         self.dim, self.base, self.scaling = dim, base, scaling
+        longrope = scaling is not None and scaling["rope_type"] == "longrope"
+        #: the length past which the frequencies change (longrope's original context), else None
+        self.switch_length = scaling["original_max_position_embeddings"] if longrope else None
+        self.attention_factor = scaling["attention_factor"] if longrope else 1.0
 
-    def inv_freq(self, device) -> torch.Tensor:
+    def inv_freq(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The frequencies for a call on `position_ids` (longrope's depend on the last position)."""
+        device = position_ids.device
         exponents = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
+        if self.switch_length is not None:
+            short, long = (torch.tensor(self.scaling[key], dtype=torch.float32, device=device)
+                           for key in ("short_factor", "long_factor"))
+            # as transformers picks them, and with no host sync: for the whole call, by its last position
+            factors = torch.where(position_ids.max() + 1 > self.switch_length, long, short)
+            return 1.0 / (factors * self.base ** exponents)
         inv_freq = 1.0 / (self.base ** exponents)
         if self.scaling is None:
             return inv_freq
@@ -45,8 +60,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, S] -> cos, sin of shape [B, S, dim] (float32)."""
-        freqs = position_ids[..., None].float() * self.inv_freq(position_ids.device)
+        freqs = position_ids[..., None].float() * self.inv_freq(position_ids)
         angles = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_factor != 1.0:
+            return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         return angles.cos(), angles.sin()
 
     def extra_repr(self) -> str:

@@ -18,12 +18,15 @@ from .gemma import (Gemma2Config, Gemma2ForCausalLM, Gemma2Model, Gemma3ForCausa
                     GemmaConfig, GemmaForCausalLM, GemmaModel)
 from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
 from .gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXModel
+from .granite import GraniteConfig, GraniteForCausalLM, GraniteModel
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .mistral import MistralConfig, MistralForCausalLM, MistralModel
 from .olmo2 import Olmo2Config, Olmo2ForCausalLM, Olmo2Model
+from .phi3 import Phi3Config, Phi3ForCausalLM, Phi3Model
 from .pretrained import PreTrainedModel
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 from .roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
+from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM, SmolLM3Model
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
 __all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_stack", "GPT2Config", "GPT2Model",
@@ -35,4 +38,5 @@ __all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_st
            "Gemma3TextConfig", "Gemma3TextModel", "Gemma3ForCausalLM",
            "RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "AutoConfig",
            "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
-           "AutoModelForImageClassification"]
+           "AutoModelForImageClassification", "Phi3Config", "Phi3Model", "Phi3ForCausalLM", "GraniteConfig",
+           "GraniteModel", "GraniteForCausalLM", "SmolLM3Config", "SmolLM3Model", "SmolLM3ForCausalLM"]

@@ -36,6 +36,9 @@ MODELS: dict[str, dict[str, str]] = {
     "gemma2": {"base": "Gemma2Model", "causal_lm": "Gemma2ForCausalLM"},
     "gemma3_text": {"base": "Gemma3TextModel", "causal_lm": "Gemma3ForCausalLM"},
     "gemma3": {"base": "Gemma3TextModel", "causal_lm": "Gemma3ForCausalLM"},  # its text model (vision skipped)
+    "phi3": {"base": "Phi3Model", "causal_lm": "Phi3ForCausalLM"},
+    "granite": {"base": "GraniteModel", "causal_lm": "GraniteForCausalLM"},
+    "smollm3": {"base": "SmolLM3Model", "causal_lm": "SmolLM3ForCausalLM"},
     "bert": {"base": "BertModel", "masked_lm": "BertForMaskedLM", "sequence_classification": "BertForSequenceClassification"},
     "roberta": {"base": "RobertaModel", "masked_lm": "RobertaForMaskedLM",
                 "sequence_classification": "RobertaForSequenceClassification"},

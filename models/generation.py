@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from libai_zoo.layers import KVCache, ParallelLayer
+from libai_zoo.layers import KVCache, ParallelLayer, RotaryEmbedding
 
 
 class GenerationMixin:
@@ -42,11 +42,17 @@ class GenerationMixin:
         batch, length = input_ids.shape
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
         caches = [KVCache(length + max_new_tokens) for _ in range(self.config.num_hidden_layers)]
-        # Positions count real tokens only, so a left-padded prompt starts at position 0 (as transformers does).
-        positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+        switch = min((m.switch_length for m in self.modules() if isinstance(m, RotaryEmbedding) and m.switch_length),
+                     default=None)
+        positions = _positions(mask)
         tokens, step_ids = input_ids, input_ids
         unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
         for _ in range(max_new_tokens):
+            if switch is not None and 0 < caches[0].length <= switch < tokens.shape[1]:
+                # LongRoPE's frequencies change past `switch`: as transformers, the cache made with the
+                # short ones is dropped once and the whole sequence run again (with the long ones)
+                caches = [KVCache(length + max_new_tokens) for _ in caches]
+                step_ids, positions = tokens, _positions(mask)
             logits = self(step_ids, attention_mask=mask, position_ids=positions, cache=caches,
                           logits_to_keep=1).logits[:, -1].float()
             if do_sample:
@@ -63,6 +69,12 @@ class GenerationMixin:
             if not unfinished.any():
                 break
         return tokens
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count real tokens only, so a left-padded prompt starts at position 0 (as
+    transformers does)."""
+    return (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
 
 
 def _filter(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:

@@ -13,6 +13,8 @@ Llama-shaped families start from.
 
 from __future__ import annotations
 
+import math
+
 import transformers
 
 from .decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
@@ -25,8 +27,8 @@ class LlamaConfig(transformers.LlamaConfig):
 
 def rope_settings(config, params: dict | None = None) -> tuple[float, dict | None]:
     """(base, scaling) of RoPE, from ``params`` or the config's ``rope_parameters`` (transformers 5)
-    or ``rope_theta`` and ``rope_scaling`` (4.x). Scalings: none, "linear" and "llama3" (Llama 3.1
-    and later)."""
+    or ``rope_theta`` and ``rope_scaling`` (4.x). Scalings: none, "linear", "llama3" (Llama 3.1
+    and later) and "longrope" (Phi-3, Phi-4: `longrope_scaling`)."""
     if params is None:
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
@@ -34,10 +36,25 @@ def rope_settings(config, params: dict | None = None) -> tuple[float, dict | Non
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("linear", "llama3"):
+    if rope_type not in ("linear", "llama3", "longrope"):
         raise ValueError(f"rope_type {rope_type!r} is not supported by libai_zoo's {config.model_type} "
-                         f"(supported: default, linear, llama3)")
+                         f"(supported: default, linear, llama3, longrope)")
+    if rope_type == "longrope":
+        return theta, longrope_scaling(config, params)
     return theta, {**params, "rope_type": rope_type}
+
+
+def longrope_scaling(config, params: dict) -> dict:
+    """LongRoPE's scaling with its defaults filled in as transformers fills them: the original
+    context from the config, and the cos/sin multiplier sqrt(1 + ln(factor) / ln(original context))
+    where factor (if not given) is max_position_embeddings / the original context."""
+    context = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+    factor = params.get("factor") or config.max_position_embeddings / context
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(context)) if factor > 1 else 1.0
+    return {**params, "rope_type": "longrope", "original_max_position_embeddings": context,
+            "attention_factor": attention_factor}
 
 
 def qkv_bias(config) -> tuple[bool, bool]:

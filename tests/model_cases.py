@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from libai_zoo import models
+from libai_zoo.hf.rules import joined
 
 VOCAB, HIDDEN, HEADS, FFN, LAYERS, SEQ = 128, 32, 4, 64, 2, 12
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -76,6 +77,44 @@ def olmo2_config(**kw):
                     num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=64, pad_token_id=0,
                     bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     return transformers.Olmo2Config(**{**defaults, **kw})
+def phi3_config(**kw):
+    """LongRoPE with an original context of 8 (of the 12 positions: the long factors apply) and its
+    cos/sin multiplier (sqrt(1 + ln 8 / ln 8)), 3/4 of each head's 8 channels rotating, grouped
+    q/k/v (2 KV heads) in the fused qkv_proj; weights drawn 5× wider than the default, so that q·k
+    (and with it where the positions rotate it) is not near zero."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=64,
+                    original_max_position_embeddings=8, partial_rotary_factor=0.75,
+                    rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.7], "long_factor": [2.0, 5.0, 11.0]},
+                    initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    return transformers.Phi3Config(**{**defaults, **kw})
+
+
+def phi3_short_config():
+    """An original context of 16: the 12 positions take the short factors, generation passes 16 (and
+    recomputes its cache with the long ones); all channels rotate; a window of 6 (Phi-3-mini's 2047)."""
+    return phi3_config(original_max_position_embeddings=16, partial_rotary_factor=1.0, sliding_window=6,
+                       rope_scaling={"type": "longrope", "short_factor": [1.5, 2.0, 3.0, 4.0],
+                                     "long_factor": [0.25, 0.5, 30.0, 90.0]})
+
+
+def granite_config(**kw):
+    """Every multiplier far from 1 (the 1/64 softmax scale against 1/sqrt(8)); weights drawn 5× wider
+    than the default, so that q·k is not near zero whatever its scale."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=64, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, attention_multiplier=1 / 64, logits_scaling=8.0, initializer_range=0.1,
+                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.GraniteConfig(**{**defaults, **kw})
+
+
+def smollm3_config(**kw):
+    """Every 2nd layer without positions (SmolLM3's every 4th, in 2 layers), weights drawn 5× wider
+    than the default (q·k not near zero); tied embeddings."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=64,
+                    no_rope_layer_interval=2, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    return transformers.SmolLM3Config(**{**defaults, **kw})
 
 
 def gemma_config(**kw):
@@ -190,6 +229,10 @@ CASES = {
     "gemma": Case(transformers.GemmaForCausalLM, models.GemmaForCausalLM, gemma_config, "causal"),
     "gemma2": Case(transformers.Gemma2ForCausalLM, models.Gemma2ForCausalLM, gemma2_config, "causal"),
     "gemma3": Case(transformers.Gemma3ForCausalLM, models.Gemma3ForCausalLM, gemma3_text_config, "causal"),
+    "phi3": Case(transformers.Phi3ForCausalLM, models.Phi3ForCausalLM, phi3_config, "causal"),
+    "phi3_short": Case(transformers.Phi3ForCausalLM, models.Phi3ForCausalLM, phi3_short_config, "causal"),
+    "granite": Case(transformers.GraniteForCausalLM, models.GraniteForCausalLM, granite_config, "causal"),
+    "smollm3": Case(transformers.SmolLM3ForCausalLM, models.SmolLM3ForCausalLM, smollm3_config, "causal"),
     "gpt_neox_body": Case(transformers.GPTNeoXModel, models.GPTNeoXModel, gpt_neox_config, "encoder"),
     "llama_body": Case(transformers.LlamaModel, models.LlamaModel, llama_config, "encoder"),
     "bert": Case(transformers.BertModel, models.BertModel, bert_config, "encoder"),
@@ -270,10 +313,10 @@ def hf_checkpoint_grads(hf_model, directory) -> dict[str, torch.Tensor]:
 def hf_named_grads(zoo_model) -> dict[str, torch.Tensor]:
     """The zoo model's gradients under Hugging Face names (through its own weight map)."""
     params = dict(zoo_model.named_parameters())
-    grads = {}
+    pieces = []
     for rule in zoo_model.hf_weight_map().rules:
         grad = params[rule.zoo].grad
         if grad is not None:
             grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-            grads.update(rule.save(grad))
-    return grads
+            pieces += rule.save(grad).items()
+    return joined(pieces)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from libai_zoo import layers
+from libai_zoo.hf import rules
 from libai_zoo.models.decoder import DecoderSpec
 from model_cases import CASES, GEMMA3_GLOBAL_BASE, make_hf_model, make_inputs
 
@@ -36,6 +37,37 @@ def _norm_qk_per_head(self, q, k):
     def norm(x, layer):
         return F.rms_norm(x, (x.shape[-1],), eps=layer.eps) * layer.weight.view(x.shape[2:])
     return norm(q, self.q_norm), norm(k, self.k_norm)
+def _with_scaling(**changes):
+    """RotaryEmbedding.__init__ with keys of its scaling replaced (a LongRoPE feature off)."""
+    init = layers.RotaryEmbedding.__init__
+
+    def patched(self, dim, base=10000.0, scaling=None):
+        init(self, dim, base, scaling and {**scaling, **{key: value(scaling) for key, value in changes.items()}})
+    return "__init__", patched
+
+
+def _whole_heads_rotate():
+    """Attention.__init__ rotating every channel of a head (partial rotary off; LongRoPE's factors
+    for the added channels 1)."""
+    init = layers.Attention.__init__
+
+    def patched(self, hidden_size, num_heads, **kwargs):
+        rotary_dim, scaling = kwargs.pop("rotary_dim", None), kwargs.get("rope_scaling")
+        if rotary_dim and scaling:
+            ones = [1.0] * (((kwargs.get("head_dim") or hidden_size // num_heads) - rotary_dim) // 2)
+            kwargs["rope_scaling"] = {**scaling, "short_factor": scaling["short_factor"] + ones,
+                                      "long_factor": scaling["long_factor"] + ones}
+        init(self, hidden_size, num_heads, **kwargs)
+    return "__init__", patched
+
+
+def _rotary_everywhere(cls, theta: float = 10000.0):
+    """cls.__init__ with rotary positions on the layers that have none (NoPE off)."""
+    init = cls.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "rope_theta": kwargs.get("rope_theta") or theta})
+    return "__init__", patched
 
 
 FEATURES = {
@@ -60,6 +92,23 @@ FEATURES = {
                                     _without_kwarg(layers.TransformerLayer, "rope_theta", GEMMA3_GLOBAL_BASE)),
     ("gemma3", "global rope scaling"): (layers.TransformerLayer,
                                         _without_kwarg(layers.TransformerLayer, "rope_scaling")),
+    ("phi3", "fused qkv_proj read in the grouped layout"): (
+        rules.PackedQKV, ("load", lambda self, read, shard, zoo_shape, rows=None: read(self.name))),
+    ("phi3", "gate_up_proj split as [gate; up]"): (
+        rules.Part, ("load", lambda self, read, shard, zoo_shape, rows=None: read(self.name).chunk(2)[1 - self.index])),
+    ("phi3", "LongRoPE long factors"): (layers.RotaryEmbedding, _with_scaling(long_factor=lambda s: s["short_factor"])),
+    ("phi3", "LongRoPE attention-scale correction"): (layers.RotaryEmbedding,
+                                                      _with_scaling(attention_factor=lambda s: 1.0)),
+    ("phi3", "partial rotary"): (layers.Attention, _whole_heads_rotate()),
+    ("phi3_short", "LongRoPE short factors"): (layers.RotaryEmbedding,
+                                               _with_scaling(short_factor=lambda s: [1.0] * len(s["short_factor"]))),
+    ("phi3_short", "sliding window"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
+    ("granite", "embedding multiplier"): (DecoderSpec, _without_kwarg(DecoderSpec, "embedding_multiplier", 1.0)),
+    ("granite", "residual multiplier"): (layers.TransformerLayer,
+                                         _without_kwarg(layers.TransformerLayer, "residual_multiplier", 1.0)),
+    ("granite", "attention multiplier"): (layers.Attention, _without_kwarg(layers.Attention, "softmax_scale")),
+    ("granite", "logits scaling"): (layers.LMHead, _without_kwarg(layers.LMHead, "logit_scale", 1.0)),
+    ("smollm3", "NoPE layers"): (layers.Attention, _rotary_everywhere(layers.Attention)),
 }
 
 
@@ -74,3 +123,30 @@ def test_dropping_the_feature_changes_the_logits(case, feature, tmp_path, monkey
     with torch.no_grad():
         effect = (zoo(**inputs).logits[mask] - hf(**inputs).logits[mask]).abs().max().item()
     assert effect > MIN_EFFECT, f"{case} without its {feature}: logits within {effect:.2e} of transformers'"
+
+
+def test_longrope_generation_recomputes_its_cache_past_the_original_context(tmp_path, monkeypatch):
+    """Once a generated sequence passes LongRoPE's original context, transformers drops the keys cached
+    with the short factors and runs the whole sequence again with the long ones: each step's logits
+    equal transformers' (phi3_short: 12 + 8 tokens past 16), and without that recomputation they do not."""
+    from libai_zoo.models import generation
+
+    case = CASES["phi3_short"]
+    hf = make_hf_model(case)
+    hf.save_pretrained(tmp_path)
+    ids = make_inputs(case)[0]["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0
+    theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                         output_logits=True, return_dict_in_generate=True).logits
+
+    def step_logits() -> list[torch.Tensor]:
+        zoo, steps = case.zoo_class.from_pretrained(tmp_path), []
+        zoo.register_forward_hook(lambda module, args, out: steps.append(out.logits[:, -1]))
+        zoo.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+        return steps
+
+    assert max((a - b).abs().max().item() for a, b in zip(step_logits(), theirs)) <= 1e-5
+    monkeypatch.setattr(generation, "RotaryEmbedding", type(None))  # no rotary table found: the cache is kept
+    effect = max((a - b).abs().max().item() for a, b in zip(step_logits(), theirs))
+    assert effect > MIN_EFFECT, f"the kept cache's logits are within {effect:.2e} of transformers'"

@@ -18,7 +18,7 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.convert import load_checkpoint_model
 from libai_zoo.hf import apply_lora_config, load_peft_adapter, read_peft_adapter, save_peft_adapter
 from libai_zoo.layers import Linear, apply_lora, merge_lora
-from libai_zoo.models import Gemma3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, RobertaForMaskedLM
+from libai_zoo.models import Gemma3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, Phi3ForCausalLM, RobertaForMaskedLM
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes
 from model_cases import gemma3_text_config
 from test_convert import cli
@@ -75,11 +75,21 @@ def tiny_gemma3_hf(path: Path) -> Path:
     return path
 
 
+def tiny_phi3_hf(path: Path) -> Path:
+    config = transformers.Phi3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    torch.manual_seed(0)
+    transformers.Phi3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
 # family -> (a tiny Hugging Face directory, the zoo class, the transformers Auto class that loads it)
 FAMILIES = {"llama": (tiny_llama_hf, LlamaForCausalLM, transformers.AutoModelForCausalLM),
             "gemma3": (tiny_gemma3_hf, Gemma3ForCausalLM, transformers.AutoModelForCausalLM),
             "gpt2": (tiny_gpt2_hf, GPT2LMHeadModel, transformers.AutoModelForCausalLM),
-            "roberta": (tiny_roberta_hf, RobertaForMaskedLM, transformers.AutoModelForMaskedLM)}
+            "roberta": (tiny_roberta_hf, RobertaForMaskedLM, transformers.AutoModelForMaskedLM),
+            "phi3": (tiny_phi3_hf, Phi3ForCausalLM, transformers.AutoModelForCausalLM)}
 
 
 def test_apply_lora_freezes_the_base_and_refuses_unknown_targets(tmp_path):
@@ -107,6 +117,8 @@ def _randomised_adapters(model: nn.Module) -> None:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_path):
+    """Phi-3's gate_up_proj holds the adapters of our gate and up joined (rank 2r): back here each
+    takes the whole A and its rows of B, the same update."""
     make_hf, cls, hf_auto = FAMILIES[family]
     hf_dir = make_hf(tmp_path / "hf")
     model = cls.from_pretrained(hf_dir)
@@ -128,7 +140,7 @@ def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_pa
     load_peft_adapter(reloaded, tmp_path / "adapter")
     assert (reloaded(ids).logits - expected).abs().max() == 0
 
-    assert merge_lora(model) == 2 * (5 if family in ("llama", "gemma3") else 4)
+    assert merge_lora(model) == 2 * (5 if family in ("llama", "gemma3", "phi3") else 4)
     model.save_pretrained(tmp_path / "merged")
     merged = hf_auto.from_pretrained(tmp_path / "merged").eval()
     assert (merged(ids).logits - expected).abs().max() <= 1e-5
@@ -136,13 +148,16 @@ def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_pa
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, tmp_path):
-    """PEFT trains separate A's for q, k and v: our fused qkv takes them stacked (rank 3r)."""
+    """PEFT trains separate A's for q, k and v: our fused qkv takes them stacked (rank 3r); Phi-3's
+    gate_up_proj gives our gate and up its A and each its rows of B."""
     make_hf, cls, hf_auto = FAMILIES[family]
     hf_dir = make_hf(tmp_path / "hf")
-    out = {"llama": "o_proj", "gemma3": "o_proj", "gpt2": "o_proj", "roberta": "attention.output.dense"}[family]
+    out = {"llama": "o_proj", "gemma3": "o_proj", "gpt2": "o_proj", "roberta": "attention.output.dense",
+           "phi3": "o_proj"}[family]
     llama_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
     targets = {"llama": llama_targets, "gemma3": llama_targets, "gpt2": ["c_attn", "c_fc"],
-               "roberta": ["query", "key", "value", out, "intermediate.dense"]}[family]
+               "roberta": ["query", "key", "value", out, "intermediate.dense"],
+               "phi3": ["qkv_proj", out, "gate_up_proj", "down_proj"]}[family]
     base = hf_auto.from_pretrained(hf_dir).eval()
     trained = peft.get_peft_model(hf_auto.from_pretrained(hf_dir),
                                   peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets,
@@ -155,7 +170,7 @@ def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, t
     model = cls.from_pretrained(hf_dir)
     layers = apply_lora_config(model, {"adapter": str(tmp_path / "adapter")})
     qkv = next(name for name in layers if name.endswith("attn.qkv"))
-    assert layers[qkv][0] == (2 if family == "gpt2" else 6)  # GPT-2's c_attn is one module in PEFT too
+    assert layers[qkv][0] == (2 if family in ("gpt2", "phi3") else 6)  # c_attn, qkv_proj: one module in PEFT too
     if family != "gpt2":  # the rank and alpha patterns reach the output projection
         assert layers[next(name for name in layers if name.endswith("attn.out"))] == (3, 9.0)
     load_peft_adapter(model, tmp_path / "adapter")

@@ -8,8 +8,11 @@
 
 The model's weight map (`hf_weight_map`) says which Hugging Face modules each layer is: an adapter
 on a fused ``qkv`` becomes one per q_proj, k_proj and v_proj (A repeated, B's rows split), GPT-2's
-packed c_attn keeps one with B's rows in [q | k | v] order. Reading the other way, fused modules'
-adapters with different A's (as PEFT trains them) are stacked into one of their summed rank.
+packed c_attn (and Phi-3's qkv_proj) keeps one with B's rows in [q | k | v] order; the adapters of
+layers that are blocks of one module (Phi-3's gate and up in gate_up_proj) are joined into one, of
+their summed rank. Reading the other way, fused modules' adapters with different A's (as PEFT
+trains them) are stacked into one of their summed rank, and a module made of blocks gives each
+block's layer its rows of B (and the whole A).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from libai_zoo.config.schema import LoraConfig
 from libai_zoo.distributed import fill_shard_, run_group
 from libai_zoo.layers import apply_lora, lora_layers
 
-from .rules import Adapter, PackedQKV, Transposed
+from .rules import Adapter, PackedQKV, Transposed, joined
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -55,15 +58,15 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_
     rules, layers = _rules(model), lora_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} holds no LoRA adapter (train.lora.rank = 0?): nothing to write")
-    tensors, ranks, alphas, transposed = {}, {}, {}, False
+    tensors, ranks, alphas, pieces, transposed = {}, {}, {}, [], False
     for name, layer in layers.items():
         rule = rules[f"{name}.weight"]
-        transposed |= isinstance(rule, Transposed | PackedQKV)
-        adapter = Adapter(_full(layer.lora.A), _full(layer.lora.B), layer.lora.scale)
-        for module, part in rule.save_adapter(adapter).items():
-            tensors[f"{PREFIX}{module}.lora_A.weight"] = part.A.clone()  # A is shared by fused modules
-            tensors[f"{PREFIX}{module}.lora_B.weight"] = part.B.contiguous()
-            ranks[module], alphas[module] = part.A.shape[0], part.scale * part.A.shape[0]
+        transposed |= isinstance(rule, Transposed) or isinstance(rule, PackedQKV) and rule.transposed
+        pieces += rule.save_adapter(Adapter(_full(layer.lora.A), _full(layer.lora.B), layer.lora.scale)).items()
+    for module, part in joined(pieces).items():  # Phi-3's gate_up_proj: the adapters of gate and up joined
+        tensors[f"{PREFIX}{module}.lora_A.weight"] = part.A.clone()  # A is shared by fused modules
+        tensors[f"{PREFIX}{module}.lora_B.weight"] = part.B.contiguous()
+        ranks[module], alphas[module] = part.A.shape[0], part.scale * part.A.shape[0]
     path = Path(path)
     group = run_group()
     if group is None or dist.get_rank(group) == 0:

@@ -118,8 +118,9 @@ class Reshaped(Same):
 @dataclass
 class Part(Same):
     """Block `index` of `count` equal blocks along dim 0 of one checkpoint tensor, which several
-    parameters share (Megatron's `linear_fc1` = [gate; up]). `save` gives this block only: the
-    writer joins the blocks of one name in rule order."""
+    parameters share (Megatron's `linear_fc1` and Phi-3's `gate_up_proj` = [gate; up]). `save`
+    gives this block only (`save_adapter` this block's adapter): `joined` puts the blocks of one
+    name together in rule order."""
 
     index: int = 0
     count: int = 1
@@ -132,6 +133,12 @@ class Part(Same):
 
     def hf_shapes(self, zoo_shape):
         return {self.name: torch.Size([self.count * zoo_shape[0], *zoo_shape[1:]])}
+
+    def load_adapter(self, adapters):
+        # the module's adapter (its B's rows are the blocks') with this block's rows of B
+        adapter = adapters[_module(self.name)]
+        rows = adapter.B.shape[0] // self.count
+        return Adapter(adapter.A, adapter.B[self.index * rows:(self.index + 1) * rows], adapter.scale)
 
 
 @dataclass
@@ -200,11 +207,18 @@ class QKV(Rule):
 
 @dataclass
 class PackedQKV(Rule):
-    """GPT-2's c_attn: [q | k | v] side by side in one Conv1D ([in, 3h] weight, [3h] bias)."""
+    """q, k and v stacked along the output features of one checkpoint tensor: Phi-3's qkv_proj
+    (nn.Linear, [q; k; v] rows, grouped-query) and, ``transposed``, GPT-2's c_attn (Conv1D: [in, 3h]
+    weight with [q | k | v] side by side, [3h] bias). A tp shard reads its slice of each part."""
 
     zoo: str
     name: str
     num_heads: int
+    num_kv_heads: int | None = None  # None: as many as num_heads
+    transposed: bool = False
+
+    def __post_init__(self):
+        self.num_kv_heads = self.num_kv_heads or self.num_heads
 
     @property
     def hf(self) -> tuple[str, ...]:
@@ -212,24 +226,33 @@ class PackedQKV(Rule):
 
     def load(self, read, shard, zoo_shape, rows=None):
         index, count = _row_shard(self.zoo, shard)
-        width = zoo_shape[0] // 3
-        out_dim = len(zoo_shape) - 1  # Conv1D keeps the output features last
-        start, end = local_range(width, index, count)
-        parts = [read(self.name, {out_dim: (part * width + start, part * width + end)}) for part in range(3)]
-        return _rows(fuse_qkv(*(p.t() if out_dim else p for p in parts), self.num_heads // count), rows)
+        out_dim = int(self.transposed and len(zoo_shape) == 2)  # Conv1D keeps the output features last
+        parts, start = [], 0
+        for size in self._sizes(zoo_shape[0]):
+            first, last = local_range(size, index, count)
+            part = read(self.name, {out_dim: (start + first, start + last)})
+            parts.append(part.t() if out_dim else part)
+            start += size
+        return _rows(fuse_qkv(*parts, self.num_kv_heads // count), rows)
 
     def save(self, tensor):
-        packed = torch.cat(split_qkv(tensor, self.num_heads, self.num_heads))
-        return {self.name: packed.t().contiguous() if packed.dim() == 2 else packed}
+        packed = torch.cat(split_qkv(tensor, self.num_heads, self.num_kv_heads))
+        return {self.name: packed.t().contiguous() if self.transposed and packed.dim() == 2 else packed}
 
     def save_adapter(self, adapter):
         # PEFT keeps Conv1D's factors as nn.Linear does: only the row order of B changes
-        return {_module(self.name): Adapter(adapter.A, torch.cat(split_qkv(adapter.B, self.num_heads, self.num_heads)),
-                                            adapter.scale)}
+        packed = torch.cat(split_qkv(adapter.B, self.num_heads, self.num_kv_heads))
+        return {_module(self.name): Adapter(adapter.A, packed, adapter.scale)}
 
     def load_adapter(self, adapters):
         adapter = adapters[_module(self.name)]
-        return Adapter(adapter.A, fuse_qkv(*adapter.B.chunk(3), self.num_heads), adapter.scale)
+        parts = adapter.B.split(self._sizes(adapter.B.shape[0]))
+        return Adapter(adapter.A, fuse_qkv(*parts, self.num_kv_heads), adapter.scale)
+
+    def _sizes(self, rows: int) -> list[int]:
+        """The rows of q, k and v among `rows` packed ones."""
+        head_dim = rows // (self.num_heads + 2 * self.num_kv_heads)
+        return [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
 
 
 @dataclass
@@ -239,6 +262,16 @@ class Adapter:
     A: torch.Tensor
     B: torch.Tensor
     scale: float
+
+
+def joined(pieces: list[tuple[str, torch.Tensor | Adapter]]) -> dict[str, torch.Tensor | Adapter]:
+    """The rules' `save` (or `save_adapter`) outputs, in rule order, as one checkpoint: the blocks
+    several rules give under one name (`Part`) joined, tensors by rows, adapters by `_joined`."""
+    grouped: dict[str, list] = {}
+    for name, piece in pieces:
+        grouped.setdefault(name, []).append(piece)
+    return {name: parts[0] if len(parts) == 1 else _joined(parts) if isinstance(parts[0], Adapter)
+            else torch.cat(parts) for name, parts in grouped.items()}
 
 
 def _module(weight_name: str) -> str:

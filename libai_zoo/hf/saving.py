@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor
 from libai_zoo import distributed
 from libai_zoo.layers import is_adapter_parameter
 
+from .rules import joined
+
 
 @torch.no_grad()
 def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB") -> None:
@@ -32,14 +34,15 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
                          f"(libai_zoo.hf.save_peft_adapter)")
     group = distributed.run_group()
     is_writer = group is None or dist.get_rank(group) == 0
-    state: dict[str, torch.Tensor] = {}
+    pieces: list[tuple[str, torch.Tensor]] = []
     for rule in model.hf_weight_map().rules:
         param = params[rule.zoo]
         full = param.full_tensor() if isinstance(param, DTensor) else param
-        if is_writer:  # a part that is a view of a parameter (q of one KV group's qkv) is copied: safetensors
-            state.update({name: t if t.untyped_storage().nbytes() == t.nbytes else t.clone()  # stores whole tensors
-                          for name, t in rule.save(full.detach().cpu()).items()})
+        if is_writer:
+            pieces += rule.save(full.detach().cpu()).items()
     if is_writer:
+        # a part that is a view of a parameter (q of one KV group's qkv) is copied: safetensors stores whole tensors
+        state = {name: t if t.untyped_storage().nbytes() == t.nbytes else t.clone() for name, t in joined(pieces).items()}
         path.mkdir(parents=True, exist_ok=True)
         config = copy.deepcopy(model.config)
         if config.model_type == model.config_class.model_type:  # our class names are transformers' names

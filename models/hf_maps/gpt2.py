@@ -13,8 +13,8 @@ def gpt2_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
         z, h = f"{p}h.{i}.", f"{p}h.{i}."
         rules += [
             *linear(z + "attn_norm", h + "ln_1"),
-            PackedQKV(z + "attn.qkv.weight", h + "attn.c_attn.weight", config.n_head),
-            PackedQKV(z + "attn.qkv.bias", h + "attn.c_attn.bias", config.n_head),
+            PackedQKV(z + "attn.qkv.weight", h + "attn.c_attn.weight", config.n_head, transposed=True),
+            PackedQKV(z + "attn.qkv.bias", h + "attn.c_attn.bias", config.n_head, transposed=True),
             *linear(z + "attn.out", h + "attn.c_proj", transposed=True),
             *linear(z + "mlp_norm", h + "ln_2"),
             *linear(z + "mlp.up", h + "mlp.c_fc", transposed=True),
