@@ -42,7 +42,8 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
             pieces += rule.save(full.detach().cpu()).items()
     if is_writer:
         # a part that is a view of a parameter (q of one KV group's qkv) is copied: safetensors stores whole tensors
-        state = {name: t if t.untyped_storage().nbytes() == t.nbytes else t.clone() for name, t in joined(pieces).items()}
+        state = {name: t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+                 for name, t in joined(pieces).items()}
         path.mkdir(parents=True, exist_ok=True)
         config = copy.deepcopy(model.config)
         if config.model_type == model.config_class.model_type:  # our class names are transformers' names
