@@ -355,6 +355,28 @@ def test_llama_style_layer_is_llama_decoder_layer():
     assert max_diff(out, ref) <= HF_TOL and max_diff(dx, ref_dx) <= HF_TOL
 
 
+def test_longrope_tables_are_phi3s():
+    """LongRoPE's cos/sin equal transformers' Phi-3 tables on either side of the original context
+    (short factors up to position 15 of a 16-position context, long ones once one position is past
+    it, for the whole call), the attention factor included; partial rotary: 6 of 8 channels."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from libai_zoo.models.llama import rope_settings
+
+    config = Phi3Config(hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
+                        original_max_position_embeddings=16, partial_rotary_factor=0.75,
+                        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 3.0],
+                                      "long_factor": [2.0, 7.0, 20.0]})
+    theta, scaling = rope_settings(config)
+    ours = layers.RotaryEmbedding(6, theta, scaling)
+    for last in (15, 16, 40):  # positions 0..last: the long factors from last = 16 on
+        positions = torch.arange(last + 1)[None]
+        theirs = Phi3RotaryEmbedding(config)(torch.zeros(1), positions)
+        assert all(torch.equal(a, b) for a, b in zip(ours(positions), theirs)), last
+    assert ours.attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(16)))
+
+
 def test_parallel_block_is_attention_plus_mlp():
     layer = layers.TransformerLayer(32, 4, 64, parallel_block=True, causal=True, rope_theta=10000.0)
     x = torch.randn(2, 6, 32)
