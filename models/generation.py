@@ -3,7 +3,9 @@
 Greedy decoding picks the most likely token; sampling applies temperature, then top-k, then
 top-p (nucleus) filtering, in the order transformers applies them. Under tensor parallelism
 every rank runs the loop on the same gathered logits; the LM head makes the ranks agree on a
-sampled token (`LMHead.agree`), so all continue with the same sequence.
+sampled token (`LMHead.agree`), so all continue with the same sequence. A LongRoPE model
+(Phi-3) drops its cache once the sequence passes the original context and runs the whole
+sequence again with the long factors, as transformers' Phi-3 does.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ class GenerationMixin:
         batch, length = input_ids.shape
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
         caches = [KVCache(length + max_new_tokens) for _ in range(self.config.num_hidden_layers)]
-        switch = min((m.switch_length for m in self.modules() if isinstance(m, RotaryEmbedding) and m.switch_length),
-                     default=None)
+        switch = min((m.switch_length for m in self.modules() if isinstance(m, RotaryEmbedding)
+                      and m.switch_length), default=None)  # LongRoPE's original context
         positions = _positions(mask)
         tokens, step_ids = input_ids, input_ids
         unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
