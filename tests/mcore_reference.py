@@ -46,13 +46,37 @@ FAMILIES = {
                   untie_embeddings_and_output_weights=True, vocab_size=100, make_vocab_size_divisible_by=64,
                   rotary_base=500000, rotary_percent=1.0, use_rope_scaling=True, rope_scaling_factor=8.0,
                   rotary_seq_len_interpolation_factor=None),
+    # per-head q/k norms, kv_channels apart from hidden / heads, a window on odd layers (every 2nd skips it)
+    "qwen3": dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=16,
+                  group_query_attention=True, num_query_groups=2, max_position_embeddings=64, seq_length=64,
+                  position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True,
+                  bias_gelu_fusion=False, bias_swiglu_fusion=False, add_bias_linear=False, add_qkv_bias=False,
+                  untie_embeddings_and_output_weights=True, vocab_size=100, make_vocab_size_divisible_by=64,
+                  rotary_base=1000000, rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0,
+                  rotary_seq_len_interpolation_factor=None, qk_layernorm=True, window_size=(3, 0),
+                  window_attn_skip_freq=2),
+    # a window on every layer, kv_channels apart from hidden / heads, tied head
+    "mistral": dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=16,
+                    group_query_attention=True, num_query_groups=2, max_position_embeddings=64, seq_length=64,
+                    position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
+                    bias_gelu_fusion=False, bias_swiglu_fusion=False, add_bias_linear=False, add_qkv_bias=False,
+                    untie_embeddings_and_output_weights=False, vocab_size=100, make_vocab_size_divisible_by=64,
+                    rotary_base=10000, rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0,
+                    rotary_seq_len_interpolation_factor=None, window_size=(4, 0)),
 }
 
 
 def _stand_ins() -> None:
     """What Megatron-Core's saver and attention ask of CUDA, answered on CPU."""
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random
 
+    def window_mask(sq: int, skv: int, size: tuple[int, int]) -> torch.Tensor:  # True: masked, as Megatron-Core's
+        query = torch.arange(sq)[:, None] + skv - sq
+        key = torch.arange(skv)[None]
+        return (key < query - size[0]) | (key > query + size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = window_mask  # Megatron-Core's builds it on "cuda"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the tied head's first all-reduce between end stages
@@ -73,11 +97,12 @@ def gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: 
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
         activation_func=activation, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
+        qk_layernorm=args.qk_layernorm, window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
         hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size)
-    return GPTModel(config, get_gpt_layer_local_spec(normalization=args.normalization),
+    return GPTModel(config, get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm),
                     vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -90,7 +115,7 @@ def gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: 
 def megatron_args(family: str, tp: int, pp: int) -> argparse.Namespace:
     from megatron.core.transformer.enums import AttnBackend
 
-    values = dict(FAMILIES[family])
+    values = {"qk_layernorm": False, "window_size": None, "window_attn_skip_freq": None, **FAMILIES[family]}
     multiple = values["make_vocab_size_divisible_by"] * tp
     return argparse.Namespace(**values, padded_vocab_size=-(-values["vocab_size"] // multiple) * multiple,
                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -21,14 +21,20 @@ import safetensors.torch
 import torch
 import transformers
 
+from libai_zoo import models
 from libai_zoo.convert import load_checkpoint_model
+from libai_zoo.convert.megatron_core import write_megatron_core
 from libai_zoo.convert.torch_dist import COMMON
+from libai_zoo.models.decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
+from libai_zoo.models.hf_maps.llama import llama_weight_map
+from libai_zoo.models.llama import llama_layer, llama_spec
 from test_convert import convert, has_row, ok
 
 REFERENCE = Path(__file__).with_name("mcore_reference.py")
 VOCAB = 100  # mcore_reference.py's vocabulary (padded to 128 in its checkpoints)
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
-FAMILIES = ("gpt", "gpt_rope", "llama")
+FAMILIES = ("gpt", "gpt_rope", "llama", "qwen3", "mistral")
+HF_KINDS = ("gpt2", "gpt2_untied", "gpt_neox", "qwen2", "llama", "qwen3", "mistral")  # tiny_hf's
 
 
 def megatron_core(*argv) -> None:
@@ -81,6 +87,11 @@ def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, fam
     if family == "llama":
         assert config["num_key_value_heads"] == 2 and not config["tie_word_embeddings"]
         assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["rope_theta"] == 5e5
+    if family == "qwen3":  # --qk-layernorm, --kv-channels 16, --window-size 3,0 skipped every 2nd layer
+        assert config["model_type"] == "qwen3" and config["head_dim"] == 16 and config["sliding_window"] == 4
+        assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    if family == "mistral":
+        assert config["model_type"] == "mistral" and config["head_dim"] == 16 and config["sliding_window"] == 5
     assert _max_difference(_hf_logits(tmp_path / "hf"), reference[family]) <= 1e-4
 
 
@@ -103,7 +114,7 @@ def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, 
         ok("hf-to-megatron", tmp_path / f"hf_{family}", tmp_path / f"hf_to_mc_{family}")
         exports += [tmp_path / f"zoo_to_mc_{family}", tmp_path / f"hf_to_mc_{family}"]
         expected.update({f"zoo_to_mc_{family}": reference[family], f"hf_to_mc_{family}": reference[family]})
-    for name in ("gpt2", "gpt2_untied", "gpt_neox", "qwen2", "llama"):
+    for name in HF_KINDS:
         model = tiny_hf(name)
         model.save_pretrained(tmp_path / name)
         ok("hf-to-megatron", tmp_path / name, tmp_path / f"{name}_mc")
@@ -137,6 +148,17 @@ def tiny_hf(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rope_theta=20000.0))
+    elif kind == "qwen3":  # per-head q/k norms, head_dim apart from hidden / heads, a window on layer 0 only
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
+            use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+            rope_theta=20000.0, bos_token_id=1, eos_token_id=2))
+    elif kind == "mistral":  # a window on every layer, one KV head, head_dim apart from hidden / heads, tied head
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=16, max_position_embeddings=64, sliding_window=5,
+            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2))
     else:  # Llama with linear RoPE scaling, head_dim apart from hidden / heads, biases everywhere
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -148,7 +170,7 @@ def tiny_hf(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "gpt2_untied", "gpt_neox", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", HF_KINDS)
 def test_hf_to_megatron_core_to_hf_is_bit_identical(tmp_path, kind):
     tiny_hf(kind).save_pretrained(tmp_path / "hf")
     out = ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc", "--make-vocab-size-divisible-by", 64)
@@ -169,6 +191,56 @@ def test_hf_to_megatron_core_to_hf_is_bit_identical(tmp_path, kind):
     source = tiny_hf(kind)
     with torch.no_grad():
         assert _max_difference(_hf_logits(tmp_path / "from_args"), source(IDS).logits) <= 1e-6
+
+
+class UnusualModel(DecoderModel):
+    """A family this converter has never seen, with options Megatron-Core cannot express: (1 + w)
+    sandwich norms, a NoPE layer, soft-capped attention, q/k norms over the whole projection,
+    scaled residuals, embeddings and logits."""
+
+    config_class = models.LlamaConfig
+    base_model_prefix = "model"
+    weight_map = llama_weight_map
+
+    @staticmethod
+    def describe(config) -> DecoderSpec:
+        def layer(config, index: int) -> dict:
+            return llama_layer(config, index, norm="rmsnorm_1p", norm_position="sandwich", residual_multiplier=0.5,
+                               rope_theta=10000.0 if index else None,
+                               attention=dict(softcap=50.0, qk_norm="projection"))
+
+        return llama_spec(config, layer=layer, embedding_multiplier=4.0, logit_softcap=30.0)
+
+
+class UnusualForCausalLM(DecoderForCausalLM):
+    body_class = UnusualModel
+
+
+def test_what_megatron_core_cannot_express_is_refused_by_name(tmp_path):
+    """The refusal reads the built model's layer description, so a family is refused for what it
+    has, whatever its name: Pythia's parallel residual through hf-to-megatron (before its weights
+    are read), and every option of a family unknown to the converter in one error."""
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        use_parallel_residual=True)).save_pretrained(tmp_path / "pythia")
+    (tmp_path / "pythia" / "model.safetensors").write_bytes(b"not read")
+    status, _, err = convert("hf-to-megatron", tmp_path / "pythia", tmp_path / "mc")
+    assert status == 1 and not (tmp_path / "mc").exists()
+    assert "parallel_block (attention and MLP side by side: GPT-J, Pythia): Megatron-Core's GPT layer is sequential" in err
+    config = models.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=4)
+    with pytest.raises(ValueError) as refused:
+        write_megatron_core(UnusualForCausalLM(config), tmp_path / "unusual")
+    for words in ("embedding_multiplier = 4.0: the embeddings scaled",
+                  "logit_softcap = 30.0: final-logit soft-capping (Gemma 2)",
+                  "layer 1 has rope_theta = 10000.0, layer 0 None: Megatron-Core builds every layer alike",
+                  "norm 'rmsnorm_1p': Megatron-Core's layers have LayerNorm or RMSNorm",
+                  "norm_position 'sandwich'", "residual_multiplier 0.5 (Granite)",
+                  "no positions (rope_theta=None: NoPE layers)", "q/k norm 'projection' (over the whole projection",
+                  "attention softcap = 50.0: attention logit soft-capping"):
+        assert words in str(refused.value)
+    assert not (tmp_path / "unusual").exists()
 
 
 def _rewrite_common(directory: Path, **changes) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +44,9 @@ from torch import nn
 
 from libai_zoo import models
 from libai_zoo.hf import read_config
-from libai_zoo.hf.rules import PaddedRows, Part, Same, WeightMap
-from libai_zoo.layers import merge_lora
-from libai_zoo.models.gpt_neox import rotary_fraction
+from libai_zoo.hf.rules import PaddedRows, Part, Same, WeightMap, linear
+from libai_zoo.layers import Attention, TransformerLayer, merge_lora
+from libai_zoo.models.decoder import DecoderForCausalLM, DecoderSpec
 
 from . import torch_dist
 from .hf_zoo import check_output_dir, load_checkpoint_model, resolve_checkpoint, write_zoo_checkpoint, zoo_class_for
@@ -77,64 +78,43 @@ def _arg(args: argparse.Namespace, name: str, default=None):
     return default if value is None else value
 
 
-def family_of(model: nn.Module) -> str:
-    """"gpt" (learned positions: GPT-2), "gpt_rope" (GPT-NeoX) or "llama" (Llama, Qwen2)."""
-    if isinstance(model, models.GPT2LMHeadModel):
-        return "gpt"
-    if isinstance(model, models.GPTNeoXForCausalLM):
-        return "gpt_rope"
-    if isinstance(model, models.LlamaForCausalLM):
-        return "llama"
-    raise ValueError(f"{type(model).__name__} has no Megatron-Core form here: GPT2LMHeadModel and GPTNeoXForCausalLM "
-                     f"(GPT family) and LlamaForCausalLM (Llama family, Qwen2 included) are converted")
-
-
-# family -> (the zoo's word embedding, layer stack, final norm; whether its norms and MLP have biases)
-FAMILY_NAMES = {"gpt": ("transformer.wte", "transformer.h", "transformer.ln_f", True),
-                "gpt_rope": ("gpt_neox.embed_in", "gpt_neox.layers", "gpt_neox.final_layer_norm", True),
-                "llama": ("model.embed_tokens", "model.layers", "model.norm", False)}
-
-
 def megatron_weight_map(model: nn.Module, padded_vocab: int) -> WeightMap:
-    """The rules of a zoo model's parameters <- Megatron-Core names (per layer, global numbering)."""
-    config, family = model.config, family_of(model)
-    rules: list = []
+    """The rules of a zoo decoder's parameters <- Megatron-Core names (per layer, global numbering),
+    read off the built model: its parts' names, biases, norms, q/k norms and gated MLP."""
+    body, rules = model.body, []
+    names, p = body.names, model.base_model_prefix + "."
 
-    def pair(zoo: str, mcore: str, bias: bool) -> None:
-        rules.append(Same(f"{zoo}.weight", f"{mcore}.weight"))
-        if bias:
-            rules.append(Same(f"{zoo}.bias", f"{mcore}.bias"))
+    def pair(zoo: str, mcore: str, part: nn.Module) -> None:
+        rules.extend(linear(zoo, mcore, bias=getattr(part, "bias", None) is not None))
 
-    def norm(zoo: str, mcore: str, bias: bool) -> None:  # the fused norms: "layer_norm_weight"
+    def norm(zoo: str, mcore: str, part: nn.Module) -> None:  # the fused norms: "layer_norm_weight"
         rules.append(Same(f"{zoo}.weight", f"{mcore}weight"))
-        if bias:
+        if getattr(part, "bias", None) is not None:
             rules.append(Same(f"{zoo}.bias", f"{mcore}bias"))
 
-    words, layers, final, gpt = FAMILY_NAMES[family]
-    rules.append(PaddedRows(f"{words}.weight", "embedding.word_embeddings.weight", padded_vocab))
-    if family == "gpt":
-        rules.append(Same("transformer.wpe.weight", "embedding.position_embeddings.weight"))
-    if gpt:
-        qkv_b = out_b = getattr(config, "attention_bias", True)
-        mlp_b = True
-    else:
-        qkv_b, out_b = models.llama.qkv_bias(config)
-        mlp_b = getattr(config, "mlp_bias", False)
-    for i in range(config.num_hidden_layers):
-        z, m = f"{layers}.{i}.", f"decoder.layers.{i}."
-        norm(z + "attn_norm", m + "self_attention.linear_qkv.layer_norm_", gpt)
-        pair(z + "attn.qkv", m + "self_attention.linear_qkv", qkv_b)
-        pair(z + "attn.out", m + "self_attention.linear_proj", out_b)
-        norm(z + "mlp_norm", m + "mlp.linear_fc1.layer_norm_", gpt)
-        if gpt:
-            pair(z + "mlp.up", m + "mlp.linear_fc1", mlp_b)
-        else:
-            for index, part in enumerate(("gate", "up")):
-                for suffix in ("weight", "bias") if mlp_b else ("weight",):
-                    rules.append(Part(f"{z}mlp.{part}.{suffix}", f"{m}mlp.linear_fc1.{suffix}", index, 2))
-        pair(z + "mlp.down", m + "mlp.linear_fc2", mlp_b)
-    pair(final, "decoder.final_layernorm", gpt)
-    if not config.tie_word_embeddings:
+    rules.append(PaddedRows(f"{p}{names.embed}.weight", "embedding.word_embeddings.weight", padded_vocab))
+    if names.positions:
+        rules.append(Same(f"{p}{names.positions}.weight", "embedding.position_embeddings.weight"))
+    for i, layer in enumerate(getattr(body, names.layers)):
+        z, m = f"{p}{names.layers}.{i}.", f"decoder.layers.{i}."
+        attn, mlp = layer.attn, layer.mlp
+        norm(z + "attn_norm", m + "self_attention.linear_qkv.layer_norm_", layer.attn_norm)
+        pair(z + "attn.qkv", m + "self_attention.linear_qkv", attn.qkv)
+        if attn.qk_norm:  # --qk-layernorm: one norm over each head's channels, shared by the heads
+            for part in ("q", "k"):
+                rules.append(Same(f"{z}attn.{part}_norm.weight", f"{m}self_attention.{part}_layernorm.weight"))
+        pair(z + "attn.out", m + "self_attention.linear_proj", attn.out)
+        norm(z + "mlp_norm", m + "mlp.linear_fc1.layer_norm_", layer.mlp_norm)
+        if mlp.gate is None:
+            pair(z + "mlp.up", m + "mlp.linear_fc1", mlp.up)
+        else:  # linear_fc1 = [gate; up]
+            for index, part in enumerate((mlp.gate, mlp.up)):
+                zoo = f"{z}mlp.{('gate', 'up')[index]}"
+                for suffix in ("weight", "bias") if part.bias is not None else ("weight",):
+                    rules.append(Part(f"{zoo}.{suffix}", f"{m}mlp.linear_fc1.{suffix}", index, 2))
+        pair(z + "mlp.down", m + "mlp.linear_fc2", mlp.down)
+    pair(f"{p}{names.final_norm}", "decoder.final_layernorm", getattr(body, names.final_norm))
+    if not model.config.tie_word_embeddings:
         rules.append(PaddedRows("lm_head.weight", "output_layer.weight", padded_vocab))
     return WeightMap(rules)
 
@@ -157,10 +137,10 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
         if given not in values:
             problems.append(f"args.{name} = {given!r}: the {family} family (swiglu = {gated}) has "
                             f"{' or '.join(map(repr, values))}")
-    refused = {"num_experts": lambda v: v not in (None, 0, 1), "qk_layernorm": bool, "squared_relu": bool,
+    refused = {"num_experts": lambda v: v not in (None, 0, 1), "squared_relu": bool,
                "multi_latent_attention": bool, "apply_residual_connection_post_layernorm": bool,
                "rotary_interleaved": bool, "mtp_num_layers": bool, "heterogeneous_layers_config_path": bool,
-               "window_size": bool, "window_attn_skip_freq": bool, "qk_l2_norm": bool, "no_rope_freq": bool,
+               "qk_l2_norm": bool, "no_rope_freq": bool,
                "softmax_type": lambda v: v not in (None, "vanilla"), "glu_linear_offset": bool,
                "activation_func_clamp_value": lambda v: v is not None}
     problems += [f"args.{name} = {getattr(args, name)!r} is not converted" for name, bad in refused.items()
@@ -199,6 +179,10 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
             problems.append(f"{heads} heads × kv_channels {head_dim} != hidden_size {hidden}: {name} needs it equal")
         if not bias:
             problems.append(f"args.add_bias_linear = False: {name}'s linear layers have biases")
+        for name in ("qk_layernorm", "window_size"):
+            if _arg(args, name):
+                problems.append(f"args.{name} = {getattr(args, name)!r}: {name} has no Hugging Face form in the GPT "
+                                f"family (GPT-2, GPT-NeoX)")
         act = core_activation(args)
         common = dict(vocab_size=vocab, tie_word_embeddings=not untied, bos_token_id=None, eos_token_id=None,
                       initializer_range=_arg(args, "init_method_std", 0.02))
@@ -231,11 +215,27 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
             initializer_range=_arg(args, "init_method_std", 0.02), bos_token_id=None, eos_token_id=None, **rope)
         if head_dim * heads != hidden:
             kwargs["head_dim"] = head_dim
-        if qkv_only:
-            config = transformers.Qwen2Config(**kwargs)
+        window, layer_types = _window(args, problems)
+        windows = dict(use_sliding_window=True, sliding_window=window,
+                       layer_types=layer_types or ["sliding_attention"] * args.num_layers) if window else {}
+        cls = models.LlamaForCausalLM
+        if _arg(args, "qk_layernorm", False):  # per-head q/k RMSNorms: Qwen3
+            if bias or qkv_only:
+                problems.append("args.qk_layernorm with biases (add_bias_linear or add_qkv_bias): Qwen3, the family "
+                                "with per-head q/k norms, has none here")
+            cls, config = models.Qwen3ForCausalLM, models.Qwen3Config(**{**kwargs, "head_dim": head_dim}, **windows)
+        elif qkv_only:
+            config = transformers.Qwen2Config(**kwargs, **windows)
+        elif window:  # Mistral: one window on every layer, no biases
+            if bias:
+                problems.append("args.window_size with args.add_bias_linear: Mistral, the windowed family without "
+                                "q/k/v-only biases or q/k norms, has no biases")
+            if layer_types:
+                problems.append("args.window_attn_skip_freq (full attention on some layers) without q/k/v-only biases "
+                                "(Qwen2) or q/k norms (Qwen3): Mistral has the window on every layer")
+            cls, config = models.MistralForCausalLM, models.MistralConfig(**kwargs, sliding_window=window)
         else:
             config = models.LlamaConfig(attention_bias=bias, mlp_bias=bias, **kwargs)
-        cls = models.LlamaForCausalLM
     if _arg(args, "apply_layernorm_1p", False) and family == "llama":
         problems.append("args.apply_layernorm_1p = True with RMSNorm is not converted")
     problems += _tensor_problems(cls, config, tensors, padded)
@@ -243,6 +243,28 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
         raise ValueError(f"{where} ({family} family, from its args) cannot be converted; {len(problems)} "
                          f"problem(s):\n  " + "\n  ".join(problems))
     return cls, config, padded
+
+
+def _window(args: argparse.Namespace, problems: list[str]) -> tuple[int | None, list[str] | None]:
+    """Megatron-Core's sliding window as Hugging Face's: (sliding_window, layer_types when some
+    layers skip it). Megatron-Core's (left, 0) sees the query and `left` earlier positions."""
+    size = _arg(args, "window_size")
+    if size is None or size[0] < 0:  # -1: no limit
+        return None, None
+    if size[1] != 0:
+        problems.append(f"args.window_size = {tuple(size)}: a window that sees later positions is not causal")
+        return None, None
+    skip, layers = _arg(args, "window_attn_skip_freq"), args.num_layers
+    if skip is None:
+        return size[0] + 1, None
+    windowed = [(i + 1) % skip != 0 for i in range(layers)] if isinstance(skip, int) else [bool(w) for w in skip]
+    if len(windowed) != layers:
+        problems.append(f"args.window_attn_skip_freq has {len(windowed)} entries for {layers} layers")
+    if all(windowed):
+        return size[0] + 1, None
+    if not any(windowed):
+        return None, None
+    return size[0] + 1, ["sliding_attention" if w else "full_attention" for w in windowed]
 
 
 def _rope_scaling(args: argparse.Namespace, problems: list[str]) -> dict | None:
@@ -309,77 +331,180 @@ def _stored_config(derived, stored: dict | None, padded: int):
 
 def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible_by: int) -> argparse.Namespace:
     """The Megatron-LM arguments of a zoo model (what `megatron_config` reads back), for common.pt."""
-    config, family = model.config, family_of(model)
+    config = model.config
     dtype = next(model.parameters()).dtype
     common = dict(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, use_mcore_models=True, ckpt_format="torch_dist",
         transformer_impl="transformer_engine", padded_vocab_size=padded_vocab, vocab_size=config.vocab_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, apply_layernorm_1p=False, qk_layernorm=False, squared_relu=False, num_experts=None,
-        bias_gelu_fusion=False, bias_swiglu_fusion=False, openai_gelu=False, rotary_interleaved=False, iteration=0,
+        fp16=dtype == torch.float16, apply_layernorm_1p=False, squared_relu=False, num_experts=None,
+        bias_swiglu_fusion=False, openai_gelu=False, rotary_interleaved=False, iteration=0,
         consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
-        init_method_std=config.initializer_range, tokenizer_type="HuggingFaceTokenizer", rotary_base=10000,
-        rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None)
-    if family in ("gpt", "gpt_rope"):
-        act = getattr(config, "activation_function", getattr(config, "hidden_act", None))
-        if act not in ("gelu_new", "gelu", "gelu_pytorch_tanh"):
-            raise ValueError(f"activation {act!r} has no Megatron-Core form (GELU: erf, or tanh through "
-                             f"--bias-gelu-fusion)")
-        if not getattr(config, "attention_bias", True):
-            raise ValueError("attention_bias=False with MLP biases: Megatron-LM's --add-bias-linear sets both")
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        specific = dict(
-            num_layers=config.num_hidden_layers, hidden_size=hidden, num_attention_heads=heads,
-            kv_channels=hidden // heads, group_query_attention=False, num_query_groups=heads,
-            normalization="LayerNorm", swiglu=False, bias_gelu_fusion=act != "gelu", add_bias_linear=True,
-            add_qkv_bias=True, untie_embeddings_and_output_weights=not config.tie_word_embeddings)
-        if family == "gpt":
-            specific.update(
-                ffn_hidden_size=config.n_inner or 4 * hidden, max_position_embeddings=config.n_positions,
-                seq_length=config.n_positions, position_embedding_type="learned_absolute",
-                add_position_embedding=True, norm_epsilon=config.layer_norm_epsilon,
-                hidden_dropout=config.resid_pdrop, attention_dropout=config.attn_pdrop)
-        else:
-            specific.update(
-                ffn_hidden_size=config.intermediate_size, max_position_embeddings=config.max_position_embeddings,
-                seq_length=config.max_position_embeddings, position_embedding_type="rope",
-                add_position_embedding=False, norm_epsilon=config.layer_norm_eps,
-                rotary_percent=rotary_fraction(config), hidden_dropout=config.hidden_dropout,
-                attention_dropout=config.attention_dropout, **_rope_args(config))
+        init_method_std=config.initializer_range, tokenizer_type="HuggingFaceTokenizer",
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings)
+    positions = config.max_position_embeddings
+    return argparse.Namespace(**common, **architecture_args(model), max_position_embeddings=positions,
+                              seq_length=positions)
+
+
+# Megatron-Core's GPTModel (local or Transformer Engine layers) as `TransformerLayer` options:
+# what it cannot express, by option, with a word on who has it. An option not named here nor read
+# by `architecture_args` is refused when it differs from its default, so a new layer option of
+# the zoo is refused until this file learns it.
+LAYER_DEFAULTS = {name: p.default for name, p in inspect.signature(TransformerLayer).parameters.items()
+                  if p.default is not p.empty}
+ATTENTION_DEFAULTS = {name: p.default for name, p in inspect.signature(Attention).parameters.items()
+                      if p.default is not p.empty}
+NOT_ARCHITECTURE = {"sequence_parallel", "device", "dtype", "attention_dropout", "hidden_dropout",
+                    "parallel_norms", "encoder_hidden_size", "sync_input", "reduce_output", "dropout"}
+SPEC_UNCONVERTED = {
+    "embedding_multiplier": "the embeddings scaled (Gemma's sqrt(hidden), Granite's embedding_multiplier): "
+                            "Megatron-Core's GPTModel embeds unscaled",
+    "logit_scale": "the logits scaled (Granite's logits_scaling): Megatron-Core's output layer does not scale",
+    "logit_softcap": "final-logit soft-capping (Gemma 2): Megatron-Core's output layer has none",
+}
+# the DecoderSpec fields a Megatron checkpoint keeps elsewhere, or that are no architecture
+SPEC_READ = {"vocab_size", "hidden_size", "layers", "final_norm", "final_norm_eps", "max_positions", "padding_idx",
+             "token_types", "embedding_dropout", "multiplier_in_dtype"}
+GELUS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> --bias-gelu-fusion (tanh)
+
+
+def architecture_args(model: nn.Module) -> dict:
+    """Megatron-LM's architecture args of a zoo decoder, read off its `DecoderSpec` (every layer's
+    `TransformerLayer` options), so any family built on the declarative decoder converts when
+    Megatron-Core can express it; what it cannot is named, all of it, in one ValueError."""
+    if not isinstance(model, DecoderForCausalLM):
+        raise ValueError(f"{type(model).__name__} has no Megatron-Core form: Megatron-Core's GPTModel is a decoder-only "
+                         f"causal LM (libai_zoo's DecoderForCausalLM families)")
+    spec, problems = model.body.spec, []
+    for i, layer in enumerate(spec.layers[1:], start=1):
+        for key in sorted(k for k in set(layer) | set(spec.layers[0])
+                          if k != "sliding_window" and layer.get(k) != spec.layers[0].get(k)):
+            problems.append(f"layer {i} has {key} = {layer.get(key)!r}, layer 0 {spec.layers[0].get(key)!r}: "
+                            f"Megatron-Core builds every layer alike (only the sliding window may be skipped on some: "
+                            f"--window-attn-skip-freq)")
+    layer = {**LAYER_DEFAULTS, **spec.layers[0]}
+    attention = {**ATTENTION_DEFAULTS, **(layer.pop("attention") or {})}
+    refuse = {name: value for name, value in spec.__dict__.items()
+              if name not in SPEC_READ and value != DecoderSpec.__dataclass_fields__[name].default}
+    problems += [f"{name} = {value!r}: " + SPEC_UNCONVERTED.get(name, "no Megatron-Core form here")
+                 for name, value in refuse.items()]
+
+    def check(when: bool, problem: str) -> None:
+        if when:
+            problems.append(problem)
+
+    heads, hidden = layer["num_heads"], layer["hidden_size"]
+    norm = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(layer["norm"])
+    check(norm is None, f"norm {layer['norm']!r}: Megatron-Core's layers have LayerNorm or RMSNorm (Gemma's (1 + w) "
+                        f"RMSNorm in float32 has no Megatron-Core form here)")
+    check((spec.final_norm, spec.final_norm_eps) != (layer["norm"], layer["norm_eps"]),
+          f"final norm {spec.final_norm} (eps {spec.final_norm_eps}) unlike the layers' {layer['norm']} (eps "
+          f"{layer['norm_eps']}): Megatron-Core has one normalization and one layernorm_epsilon")
+    check(layer["norm_position"] != "pre", f"norm_position {layer['norm_position']!r}: Megatron-Core's GPT layer "
+                                           f"normalizes each branch's input (pre-norm) only")
+    check(layer["parallel_block"], "parallel_block (attention and MLP side by side: GPT-J, Pythia): Megatron-Core's "
+                                   "GPT layer is sequential")
+    check(layer["residual_multiplier"] != 1.0, f"residual_multiplier {layer['residual_multiplier']} (Granite): "
+                                               f"Megatron-Core adds the branches unscaled")
+    check(not layer["causal"] or layer["cross_attention"], "Megatron-Core's GPTModel is causal self-attention only")
+    gated, act = layer["gated_mlp"], layer["activation"]
+    if gated:
+        check(act != "silu", f"a gated MLP with {act!r}: Megatron-LM's --swiglu gates with SiLU")
     else:
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r}: Megatron-LM's --swiglu is SiLU-gated")
-        qkv_b, out_b = models.llama.qkv_bias(config)
-        mlp_b = getattr(config, "mlp_bias", False)
-        if not (qkv_b == out_b == mlp_b or (qkv_b and not out_b and not mlp_b)):
-            raise ValueError(f"biases on q/k/v {qkv_b}, o {out_b}, MLP {mlp_b}: Megatron-LM has all of them "
-                             f"(--add-bias-linear), none, or q/k/v only (--add-qkv-bias)")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        specific = dict(
-            num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-            ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
-            kv_channels=head_dim, group_query_attention=config.num_key_value_heads != config.num_attention_heads,
-            num_query_groups=config.num_key_value_heads, max_position_embeddings=config.max_position_embeddings,
-            seq_length=config.max_position_embeddings, position_embedding_type="rope", normalization="RMSNorm",
-            norm_epsilon=config.rms_norm_eps, swiglu=True, add_bias_linear=out_b, add_position_embedding=False,
-            add_qkv_bias=qkv_b, untie_embeddings_and_output_weights=not config.tie_word_embeddings,
-            hidden_dropout=0.0, attention_dropout=config.attention_dropout, **_rope_args(config))
-    return argparse.Namespace(**{**common, **specific})
+        check(act not in GELUS, f"activation {act!r}: Megatron-Core's GPT MLP has GELU (erf, or tanh through "
+                                f"--bias-gelu-fusion)")
+    check(norm is not None and gated != (norm == "RMSNorm"),
+          f"a {'gated' if gated else 'plain'} MLP with {norm}: converted Megatron-Core models have SwiGLU with RMSNorm "
+          f"(Llama) or GELU with LayerNorm (GPT)")
+    qkv_b, out_b, mlp_b = (layer["bias"] if layer[key] is None else layer[key]
+                           for key in ("qkv_bias", "attention_out_bias", "mlp_bias"))
+    check(not (qkv_b == out_b == mlp_b or (qkv_b and not out_b and not mlp_b)),
+          f"biases on q/k/v {qkv_b}, o {out_b}, MLP {mlp_b}: Megatron-LM has all of them (--add-bias-linear), none, "
+          f"or q/k/v only (--add-qkv-bias)")
+    check(not gated and not out_b, "a GELU MLP without biases: converted GPT models have biases (--add-bias-linear)")
+    head_dim = layer["head_dim"] or hidden // heads
+    args = dict(num_layers=len(spec.layers), hidden_size=hidden, ffn_hidden_size=layer["ffn_hidden_size"],
+                num_attention_heads=heads, kv_channels=head_dim,
+                group_query_attention=(layer["num_kv_heads"] or heads) != heads,
+                num_query_groups=layer["num_kv_heads"] or heads, normalization=norm, norm_epsilon=layer["norm_eps"],
+                swiglu=gated, bias_gelu_fusion=not gated and GELUS.get(act, False), add_bias_linear=out_b,
+                add_qkv_bias=qkv_b, hidden_dropout=layer["hidden_dropout"],
+                attention_dropout=layer["attention_dropout"], **_position_args(spec, layer, head_dim, problems),
+                **_attention_args(spec, layer, attention, problems))
+    known = set(NOT_ARCHITECTURE) | {"num_heads", "hidden_size", "ffn_hidden_size", "num_kv_heads", "head_dim", "norm",
+                                     "norm_eps", "norm_position", "parallel_block", "residual_multiplier", "causal",
+                                     "cross_attention", "gated_mlp", "activation", "bias", "qkv_bias",
+                                     "attention_out_bias", "mlp_bias", "rope_theta", "rope_scaling", "rotary_dim",
+                                     "sliding_window"}
+    problems += [f"layer option {name} = {value!r}: no Megatron-Core form here" for name, value in layer.items()
+                 if name not in known and value != LAYER_DEFAULTS.get(name)]
+    if problems:
+        raise ValueError(f"{type(model).__name__} ({model.config.model_type}) has no Megatron-Core form; "
+                         f"{len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    return args
 
 
-def _rope_args(config) -> dict:
-    """A Hugging Face config's RoPE base and scaling as Megatron-LM's args."""
-    base, scaling = models.llama.rope_settings(config)
-    rope = {"rotary_base": int(base) if float(base).is_integer() else base}
-    if scaling is not None and scaling["rope_type"] == "llama3":
+def _position_args(spec: DecoderSpec, layer: dict, head_dim: int, problems: list[str]) -> dict:
+    """Learned positions, or RoPE's base, scaling (llama3 or linear) and rotated fraction."""
+    theta, scaling = layer["rope_theta"], layer["rope_scaling"]
+    args = dict(rotary_base=10000, rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0,
+                rotary_seq_len_interpolation_factor=None)
+    if spec.max_positions is not None:
+        if theta is not None:
+            problems.append("learned positions and rotary ones together: Megatron-Core has one or the other")
+        return dict(args, position_embedding_type="learned_absolute", add_position_embedding=True)
+    if theta is None:
+        problems.append("no positions (rope_theta=None: NoPE layers): Megatron-Core's GPTModel has rotary or learned "
+                        "positions on every layer")
+        return dict(args, position_embedding_type="none", add_position_embedding=False)
+    args.update(position_embedding_type="rope", add_position_embedding=False,
+                rotary_base=int(theta) if float(theta).is_integer() else theta,
+                rotary_percent=(layer["rotary_dim"] or head_dim) / head_dim)
+    rope_type = (scaling or {}).get("rope_type")
+    if rope_type == "llama3":
         others = {key: scaling.get(key) for key in LLAMA3_SCALING if scaling.get(key) != LLAMA3_SCALING[key]}
         if others:
-            raise ValueError(f"llama3 RoPE scaling with {others}: Megatron-Core fixes low_freq_factor 1, "
-                             f"high_freq_factor 4 and original_max_position_embeddings 8192")
-        rope.update(use_rope_scaling=True, rope_scaling_factor=scaling["factor"])
-    elif scaling is not None:
-        rope.update(rotary_seq_len_interpolation_factor=scaling["factor"])
-    return rope
+            problems.append(f"llama3 RoPE scaling with {others}: Megatron-Core fixes low_freq_factor 1, "
+                            f"high_freq_factor 4 and original_max_position_embeddings 8192")
+        args.update(use_rope_scaling=True, rope_scaling_factor=scaling["factor"])
+    elif rope_type == "linear":
+        args.update(rotary_seq_len_interpolation_factor=scaling["factor"])
+    elif rope_type is not None:
+        problems.append(f"RoPE scaling {rope_type!r}: Megatron-LM's args have llama3 (--use-rope-scaling) and linear "
+                        f"(--rotary-seq-len-interpolation-factor)")
+    return args
+
+
+def _attention_args(spec: DecoderSpec, layer: dict, attention: dict, problems: list[str]) -> dict:
+    """Per-head q/k norms (--qk-layernorm) and the sliding window (--window-size, skipped on the
+    full-attention layers by --window-attn-skip-freq)."""
+    qk = attention.pop("qk_norm")
+    if qk == "head":
+        if layer["norm"] != "rmsnorm" or attention["qk_norm_eps"] != layer["norm_eps"]:
+            problems.append(f"RMSNorm q/k norms (eps {attention['qk_norm_eps']}) with {layer['norm']} layers (eps "
+                            f"{layer['norm_eps']}): Megatron-Core's --qk-layernorm is the layers' norm")
+        if attention["qk_norm_unit_offset"]:
+            problems.append("(1 + w) q/k norms (Gemma 3): Megatron-Core's q/k norms weigh by w")
+    elif qk is not None:
+        problems.append(f"q/k norm {qk!r} (over the whole projection: OLMo 2): Megatron-Core's --qk-layernorm "
+                        f"normalizes each head")
+    unconverted = {"softmax_scale": "a softmax scale of its own (Gemma 2's query_pre_attn_scalar, Granite's "
+                                    "attention_multiplier): not converted",
+                   "softcap": "attention logit soft-capping (Gemma 2): Megatron-Core has none"}
+    known = set(NOT_ARCHITECTURE) | {"qk_norm_eps", "qk_norm_unit_offset"}
+    problems += [f"attention {name} = {value!r}: " + unconverted.get(name, "no Megatron-Core form here")
+                 for name, value in attention.items() if name not in known and value != ATTENTION_DEFAULTS.get(name)]
+    windows = [each.get("sliding_window") for each in spec.layers]
+    sizes = sorted({w for w in windows if w is not None})
+    args = dict(qk_layernorm=qk == "head", window_size=None, window_attn_skip_freq=None)
+    if len(sizes) > 1:
+        problems.append(f"sliding windows of {sizes} positions: Megatron-Core has one window for all windowed layers")
+    elif sizes:  # Megatron-Core's window (left, right) counts the positions besides the query's own
+        args["window_size"] = (sizes[0] - 1, 0)
+        if None in windows:
+            args["window_attn_skip_freq"] = [int(w is not None) for w in windows]
+    return args
 
 
 # ----------------------------------------------------------------------------- reading
@@ -585,10 +710,12 @@ def megatron_to_zoo(path: str | Path, output_dir: str | Path, *, dp: int = 1, tp
 
 def hf_to_megatron(hf_dir: str | Path, output_dir: str | Path, *, make_vocab_size_divisible_by: int = 128,
                    dtype: torch.dtype | str | None = None, overwrite: bool = False) -> tuple[Path, nn.Module]:
-    """Write a Hugging Face GPT-2 or Llama (Qwen2) directory as a Megatron-Core torch_dist
+    """Write a Hugging Face decoder directory (GPT-2, GPT-NeoX, Llama, Qwen2, Qwen3, Mistral, or any
+    family Megatron-Core can express: `architecture_args`) as a Megatron-Core torch_dist
     checkpoint; its config.json rides along in common.pt, so megatron-to-hf gives it back."""
     hf_dir, output_dir = Path(hf_dir), check_output_dir(output_dir, overwrite)
     cls = zoo_class_for(read_config(hf_dir), source=str(hf_dir / "config.json"))
+    architecture_args(_skeleton(cls, cls.load_config(hf_dir)))  # what Megatron-Core cannot express, before the weights
     model = cls.from_pretrained(hf_dir, dtype=dtype)
     extra = {"hf_config": json.loads((hf_dir / "config.json").read_text())}
     return write_megatron_core(model, output_dir, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
