@@ -1,7 +1,7 @@
 """Megatron-Core itself, for the conversion tests (run as a script, so its global parallel state
 and CUDA stand-ins never touch the pytest process).
 
-    python tests/mcore_reference.py build OUT --tp 2 --pp 2     # GPT and Llama checkpoints, torch_dist and torch files
+    python tests/mcore_reference.py build OUT --tp 2 --pp 2     # GPT, Llama, Qwen3, Mistral: torch_dist and torch files
     python tests/mcore_reference.py forward CKPT... --ids IDS.pt --out LOGITS.pt   # load each, logits of IDS
 
 `build` runs tp × pp forked gloo ranks that build Megatron-Core GPTModels (CPU initialisation,

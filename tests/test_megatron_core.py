@@ -1,7 +1,8 @@
 """Megatron-Core checkpoints <-> Hugging Face and libai_zoo, checked against megatron-core itself.
 
-megatron-core (a test dependency, CPU-only here) builds GPT and Llama GPTModels at tp 2 × pp 2
-and saves them as Megatron-LM does, in both formats (`mcore_reference.py build`); its own forward
+megatron-core (a test dependency, CPU-only here) builds GPT, Llama, Qwen3 (--qk-layernorm, a
+window on every other layer) and Mistral (--window-size) GPTModels at tp 2 × pp 2 and saves them
+as Megatron-LM does, in both formats (`mcore_reference.py build`); its own forward
 on the torch_dist checkpoint, loaded at tp 1, gives the reference logits. Our conversions must
 give those logits through transformers and through libai_zoo, and our exports must load into a
 megatron-core GPTModel (`dist_checkpointing.load`) with the same logits. Both megatron-core steps
@@ -101,7 +102,10 @@ def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, 
     """megatron-to-zoo gives megatron-core's logits in libai_zoo; hf-to-megatron and
     zoo-to-megatron write checkpoints megatron-core loads with the same logits, and transformers'
     models reach megatron-core intact: GPT-2 with tanh GELU and with an untied head, Qwen2's q/k/v
-    biases, Llama with linear RoPE scaling, one KV head, head_dim != hidden / heads and biases."""
+    biases, Llama with linear RoPE scaling, one KV head, head_dim != hidden / heads and biases,
+    Qwen3's q/k norms with a window on one layer of two and Mistral's window (Megatron-Core's
+    window (W - 1, 0) is Hugging Face's W: one position more or no window moves these logits by
+    0.4 to 0.8)."""
     root, reference = megatron
     exports, expected = [], {}
     for family in FAMILIES:
@@ -227,7 +231,8 @@ def test_what_megatron_core_cannot_express_is_refused_by_name(tmp_path):
     (tmp_path / "pythia" / "model.safetensors").write_bytes(b"not read")
     status, _, err = convert("hf-to-megatron", tmp_path / "pythia", tmp_path / "mc")
     assert status == 1 and not (tmp_path / "mc").exists()
-    assert "parallel_block (attention and MLP side by side: GPT-J, Pythia): Megatron-Core's GPT layer is sequential" in err
+    assert "parallel_block (attention and MLP side by side: GPT-J, Pythia): Megatron-Core's GPT layer is " \
+           "sequential" in err
     config = models.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                 num_attention_heads=4)
     with pytest.raises(ValueError) as refused:

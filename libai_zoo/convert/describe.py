@@ -134,6 +134,7 @@ ARCHITECTURE_SHOWN = ("position_embedding_type", "normalization", "swiglu", "gro
                       "num_query_groups", "kv_channels", "add_bias_linear", "add_qkv_bias",
                       "untie_embeddings_and_output_weights", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
                       "rotary_percent", "rotary_seq_len_interpolation_factor", "norm_epsilon", "bias_gelu_fusion",
+                      "qk_layernorm", "window_size", "window_attn_skip_freq",
                       "apply_layernorm_1p", "add_position_embedding", "vocab_size", "tokenizer_type",
                       "make_vocab_size_divisible_by")
 

@@ -1,5 +1,6 @@
 """Megatron-Core GPT models <-> libai_zoo, for the GPT family (learned positions: GPT-2; RoPE:
-GPT-NeoX, sequential) and the Llama family (Llama, Qwen2).
+GPT-NeoX, sequential) and the Llama family (Llama, Qwen2; Qwen3 with --qk-layernorm; Mistral,
+and Qwen2/3 `layer_types`, with --window-size).
 
     model, source = read_megatron_core("megatron_ckpt")      # torch_dist, or per-rank torch files
     write_megatron_core(model, "megatron_out")               # torch_dist + common.pt, `--load`-able
@@ -11,6 +12,7 @@ layers hold them; Megatron-Core's local layers map theirs to these names when sa
     embedding.position_embeddings.weight                 [positions, h]      learned positions only
     decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight (, _bias)  the pre-attention norm
     decoder.layers.{i}.self_attention.linear_qkv.weight (, .bias)  per query group [its q heads, k, v]
+    decoder.layers.{i}.self_attention.q_layernorm.weight, k_layernorm.weight  per-head q/k norms (--qk-layernorm)
     decoder.layers.{i}.self_attention.linear_proj.weight (, .bias) columns split over tp
     decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight (, _bias)  the pre-MLP norm
     decoder.layers.{i}.mlp.linear_fc1.weight (, .bias)   [gate; up] with SwiGLU (per rank in torch files)
@@ -18,10 +20,13 @@ layers hold them; Megatron-Core's local layers map theirs to these names when sa
     decoder.final_layernorm.weight (, .bias)
     output_layer.weight                                  untied head only
 
-The grouped `linear_qkv` is libai_zoo's fused `qkv` row for row, so each family's map
+The grouped `linear_qkv` is libai_zoo's fused `qkv` row for row, so the map
 (`megatron_weight_map`) pairs the zoo's parameters with these names using the rules of the
 Hugging Face maps (`libai_zoo.hf.rules`); Hugging Face names and layouts are the models' own
-maps' business (`save_pretrained`, `from_pretrained`), never restated here.
+maps' business (`save_pretrained`, `from_pretrained`), never restated here. The map and the
+args a model is written with are read off the built decoder (`DecoderSpec`: each layer's
+`TransformerLayer` options), never its family's name: any family Megatron-Core can express is
+written, and an option it cannot express is refused by name (`architecture_args`).
 
 The architecture comes from the run's `args` (`common.pt`, or the torch files' "args"), which
 Megatron-LM saves with every checkpoint; `megatron_config` turns them into the zoo config and
@@ -374,8 +379,8 @@ def architecture_args(model: nn.Module) -> dict:
     `TransformerLayer` options), so any family built on the declarative decoder converts when
     Megatron-Core can express it; what it cannot is named, all of it, in one ValueError."""
     if not isinstance(model, DecoderForCausalLM):
-        raise ValueError(f"{type(model).__name__} has no Megatron-Core form: Megatron-Core's GPTModel is a decoder-only "
-                         f"causal LM (libai_zoo's DecoderForCausalLM families)")
+        raise ValueError(f"{type(model).__name__} has no Megatron-Core form: Megatron-Core's GPTModel is a "
+                         f"decoder-only causal LM (libai_zoo's DecoderForCausalLM families)")
     spec, problems = model.body.spec, []
     for i, layer in enumerate(spec.layers[1:], start=1):
         for key in sorted(k for k in set(layer) | set(spec.layers[0])

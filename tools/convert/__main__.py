@@ -8,7 +8,7 @@
     python tools/convert zoo-to-megatron CHECKPOINT_DIR OUT_DIR
     python tools/convert inspect PATH
 
-Megatron-LM: Megatron-Core GPT and Llama models in the torch_dist format (read and written) or
+Megatron-LM: Megatron-Core GPT, Llama, Qwen2/3 and Mistral models in the torch_dist format (read and written) or
 per-rank torch files (read), and legacy GPT checkpoints (language_model names, read).
 
 libai_zoo checkpoints (torch.distributed.checkpoint) keep every tensor's global shape, so a
@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         "      GPT family   LayerNorm, GELU, biases, tied or untied head: learned positions -> GPT-2,\n"
         "                   RoPE (any rotary percent, linear scaling) -> GPT-NeoX (sequential residual)\n"
         "      Llama family RoPE (base, llama3 or linear scaling), RMSNorm, SwiGLU, grouped-query\n"
-        "                   attention, untied or tied head, biases: none, all, or q/k/v (Qwen2) -> Llama\n"
+        "                   attention, untied or tied head, biases: none, all, or q/k/v (Qwen2) -> Llama;\n"
+        "                   --qk-layernorm -> Qwen3; --window-size -> Mistral, or skipped on some layers\n"
+        "                   (--window-attn-skip-freq) Qwen2/Qwen3\n"
         "  - legacy GPT (language_model.encoder names, torch files) -> GPT-2 (megatron-to-hf only)\n"
         "The architecture comes from the args saved with the checkpoint and is checked against the\n"
         "tensors; every mismatch is named in one error. Tensors are read through\n"
@@ -149,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     _layout(p)
     megatron_options(p)
 
-    for name, source, what in (("hf-to-megatron", "hf_dir", "Hugging Face GPT-2, GPT-NeoX or Llama/Qwen2 directory"),
+    hf_families = "Hugging Face GPT-2, GPT-NeoX, Llama, Qwen2, Qwen3 or Mistral directory"
+    for name, source, what in (("hf-to-megatron", "hf_dir", hf_families),
                                ("zoo-to-megatron", "checkpoint", "libai_zoo checkpoint (any layout)")):
         p = commands.add_parser(
             name, formatter_class=raw, help=f"{what} -> Megatron-Core torch_dist checkpoint",
@@ -163,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizer or RNG state) and the architecture flags of its args (inspect OUT_DIR), at any\n"
                         "tp/pp. The vocabulary is padded to a multiple of --make-vocab-size-divisible-by\n"
                         "(Megatron-LM pads to make_vocab_size_divisible_by x tp: pass that product) by repeating\n"
-                        "the last row, as Megatron-LM's own converter does. LoRA adapters are merged.")
+                        "the last row, as Megatron-LM's own converter does. LoRA adapters are merged. A model\n"
+                        "Megatron-Core cannot express (parallel residual, scaled embeddings or logits, soft-caps,\n"
+                        "(1 + w) or post norms, NoPE layers, ...) is refused with everything missing named.")
         p.add_argument(source, metavar="HF_DIR" if source == "hf_dir" else "CHECKPOINT_DIR",
                        help="Hugging Face model directory" if source == "hf_dir"
                        else "a model_XXXXXXX directory, or a run's output_dir (its last_checkpoint is used)")
