@@ -24,6 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+LLAMA = dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=8,
+             group_query_attention=True, num_query_groups=2, max_position_embeddings=16384, seq_length=64,
+             position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
+             bias_gelu_fusion=False, bias_swiglu_fusion=False, add_bias_linear=False, add_qkv_bias=False,
+             untie_embeddings_and_output_weights=True, vocab_size=100, make_vocab_size_divisible_by=64,
+             rotary_base=500000, rotary_percent=1.0, use_rope_scaling=True, rope_scaling_factor=8.0,
+             rotary_seq_len_interpolation_factor=None)
 FAMILIES = {
     "gpt": dict(num_layers=4, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4, kv_channels=8,
                 group_query_attention=False, num_query_groups=4, max_position_embeddings=64, seq_length=64,
@@ -39,30 +46,13 @@ FAMILIES = {
                      untie_embeddings_and_output_weights=True, vocab_size=100, make_vocab_size_divisible_by=64,
                      rotary_base=20000, rotary_percent=0.5, use_rope_scaling=False, rope_scaling_factor=8.0,
                      rotary_seq_len_interpolation_factor=None),
-    "llama": dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=8,
-                  group_query_attention=True, num_query_groups=2, max_position_embeddings=16384, seq_length=64,
-                  position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
-                  bias_gelu_fusion=False, bias_swiglu_fusion=False, add_bias_linear=False, add_qkv_bias=False,
-                  untie_embeddings_and_output_weights=True, vocab_size=100, make_vocab_size_divisible_by=64,
-                  rotary_base=500000, rotary_percent=1.0, use_rope_scaling=True, rope_scaling_factor=8.0,
-                  rotary_seq_len_interpolation_factor=None),
+    "llama": LLAMA,
     # per-head q/k norms, kv_channels apart from hidden / heads, a window on odd layers (every 2nd skips it)
-    "qwen3": dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=16,
-                  group_query_attention=True, num_query_groups=2, max_position_embeddings=64, seq_length=64,
-                  position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True,
-                  bias_gelu_fusion=False, bias_swiglu_fusion=False, add_bias_linear=False, add_qkv_bias=False,
-                  untie_embeddings_and_output_weights=True, vocab_size=100, make_vocab_size_divisible_by=64,
-                  rotary_base=1000000, rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0,
-                  rotary_seq_len_interpolation_factor=None, qk_layernorm=True, window_size=(3, 0),
-                  window_attn_skip_freq=2),
+    "qwen3": dict(LLAMA, kv_channels=16, max_position_embeddings=64, norm_epsilon=1e-6, rotary_base=1000000,
+                  use_rope_scaling=False, qk_layernorm=True, window_size=(3, 0), window_attn_skip_freq=2),
     # a window on every layer, kv_channels apart from hidden / heads, tied head
-    "mistral": dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=16,
-                    group_query_attention=True, num_query_groups=2, max_position_embeddings=64, seq_length=64,
-                    position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
-                    bias_gelu_fusion=False, bias_swiglu_fusion=False, add_bias_linear=False, add_qkv_bias=False,
-                    untie_embeddings_and_output_weights=False, vocab_size=100, make_vocab_size_divisible_by=64,
-                    rotary_base=10000, rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0,
-                    rotary_seq_len_interpolation_factor=None, window_size=(4, 0)),
+    "mistral": dict(LLAMA, kv_channels=16, max_position_embeddings=64, rotary_base=10000, use_rope_scaling=False,
+                    untie_embeddings_and_output_weights=False, window_size=(4, 0)),
 }
 
 

@@ -371,6 +371,11 @@ SPEC_UNCONVERTED = {
 # the DecoderSpec fields a Megatron checkpoint keeps elsewhere, or that are no architecture
 SPEC_READ = {"vocab_size", "hidden_size", "layers", "final_norm", "final_norm_eps", "max_positions", "padding_idx",
              "token_types", "embedding_dropout", "multiplier_in_dtype"}
+# the TransformerLayer options architecture_args reads (and refuses the values of that have no form)
+LAYER_READ = {"num_heads", "hidden_size", "ffn_hidden_size", "num_kv_heads", "head_dim", "norm", "norm_eps",
+              "norm_position", "parallel_block", "residual_multiplier", "causal", "cross_attention", "gated_mlp",
+              "activation", "bias", "qkv_bias", "attention_out_bias", "mlp_bias", "rope_theta", "rope_scaling",
+              "rotary_dim", "sliding_window"}
 GELUS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> --bias-gelu-fusion (tanh)
 
 
@@ -437,13 +442,8 @@ def architecture_args(model: nn.Module) -> dict:
                 add_qkv_bias=qkv_b, hidden_dropout=layer["hidden_dropout"],
                 attention_dropout=layer["attention_dropout"], **_position_args(spec, layer, head_dim, problems),
                 **_attention_args(spec, layer, attention, problems))
-    known = set(NOT_ARCHITECTURE) | {"num_heads", "hidden_size", "ffn_hidden_size", "num_kv_heads", "head_dim", "norm",
-                                     "norm_eps", "norm_position", "parallel_block", "residual_multiplier", "causal",
-                                     "cross_attention", "gated_mlp", "activation", "bias", "qkv_bias",
-                                     "attention_out_bias", "mlp_bias", "rope_theta", "rope_scaling", "rotary_dim",
-                                     "sliding_window"}
     problems += [f"layer option {name} = {value!r}: no Megatron-Core form here" for name, value in layer.items()
-                 if name not in known and value != LAYER_DEFAULTS.get(name)]
+                 if name not in LAYER_READ | NOT_ARCHITECTURE and value != LAYER_DEFAULTS.get(name)]
     if problems:
         raise ValueError(f"{type(model).__name__} ({model.config.model_type}) has no Megatron-Core form; "
                          f"{len(problems)} problem(s):\n  " + "\n  ".join(problems))
@@ -497,7 +497,7 @@ def _attention_args(spec: DecoderSpec, layer: dict, attention: dict, problems: l
     unconverted = {"softmax_scale": "a softmax scale of its own (Gemma 2's query_pre_attn_scalar, Granite's "
                                     "attention_multiplier): not converted",
                    "softcap": "attention logit soft-capping (Gemma 2): Megatron-Core has none"}
-    known = set(NOT_ARCHITECTURE) | {"qk_norm_eps", "qk_norm_unit_offset"}
+    known = NOT_ARCHITECTURE | {"qk_norm_eps", "qk_norm_unit_offset"}
     problems += [f"attention {name} = {value!r}: " + unconverted.get(name, "no Megatron-Core form here")
                  for name, value in attention.items() if name not in known and value != ATTENTION_DEFAULTS.get(name)]
     windows = [each.get("sliding_window") for each in spec.layers]
@@ -658,9 +658,9 @@ def padded_vocabulary(vocab: int, multiple: int) -> int:
 
 def write_megatron_core(model: nn.Module, output_dir: str | Path, *, make_vocab_size_divisible_by: int = 128,
                         extra: dict | None = None) -> Path:
-    """Write a zoo GPT-2 or Llama model as a Megatron-Core torch_dist checkpoint that Megatron-LM
-    loads with `--load OUT_DIR` (the `release` iteration: weights only, no optimizer or RNG
-    state); return the iteration directory. `extra` adds keys to common.pt."""
+    """Write a zoo decoder (any family `architecture_args` accepts) as a Megatron-Core torch_dist
+    checkpoint that Megatron-LM loads with `--load OUT_DIR` (the `release` iteration: weights only,
+    no optimizer or RNG state); return the iteration directory. `extra` adds keys to common.pt."""
     output_dir = Path(output_dir)
     padded = padded_vocabulary(model.config.vocab_size, make_vocab_size_divisible_by)
     args = megatron_args(model, padded, make_vocab_size_divisible_by)
