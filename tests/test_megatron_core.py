@@ -102,7 +102,7 @@ def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, 
     """megatron-to-zoo gives megatron-core's logits in libai_zoo; hf-to-megatron and
     zoo-to-megatron write checkpoints megatron-core loads with the same logits, and transformers'
     models reach megatron-core intact: GPT-2 with tanh GELU and with an untied head, Qwen2's q/k/v
-    biases, Llama with linear RoPE scaling, one KV head, head_dim != hidden / heads and biases,
+    biases and window on its second layer, Llama with linear RoPE scaling, one KV head, head_dim != hidden / heads and biases,
     Qwen3's q/k norms with a window on one layer of two and Mistral's window (Megatron-Core's
     window (W - 1, 0) is Hugging Face's W: one position more or no window moves these logits by
     0.4 to 0.8)."""
@@ -148,10 +148,11 @@ def tiny_hf(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
             max_position_embeddings=64, use_parallel_residual=False, tie_word_embeddings=True,
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
                              "partial_rotary_factor": 0.25}, bos_token_id=1, eos_token_id=2))
-    elif kind == "qwen2":  # biases on q/k/v only, grouped-query, tied head
+    elif kind == "qwen2":  # biases on q/k/v only, grouped-query, tied head, a window from layer 1 on
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rope_theta=20000.0))
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rope_theta=20000.0,
+            use_sliding_window=True, sliding_window=3, max_window_layers=1))
     elif kind == "qwen3":  # per-head q/k norms, head_dim apart from hidden / heads, a window on layer 0 only
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
