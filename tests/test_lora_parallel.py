@@ -37,7 +37,8 @@ RUNS_AT = [
     ("gpt2", "dp2", "plain"), ("llama", "dp2_zero3", "plain"),
     ("gpt2", "tp2_sp", "plain"),  # Llama's LoRA at tp2-SP shares test_chat_sft's packed-data run
     ("gpt2", "pp2_1f1b", "plain"), ("llama", "pp2_zero_bubble", "plain"), ("gpt2", "pp2_1f1b", "last_layer"),
-    ("mqa", "dp2_tp2_zero1", "plain"),  # Llama with one KV head: the adapter on a qkv tp replicates ("gpt2", "dp2_pp2_zero2", "plain"), ("llama", "tp2_pp2_interleaved", "plain"),
+    ("mqa", "dp2_tp2_zero1", "plain"),  # Llama with one KV head: the adapter on a qkv tp replicates
+    ("gpt2", "dp2_pp2_zero2", "plain"), ("llama", "tp2_pp2_interleaved", "plain"),
     ("gpt2", "dp2_tp2_zero3", "adapter"), ("llama", "dp2_tp2_zero3", "adapter"), ("gpt2", "tp2_pp2", "adapter"),
 ]
 # LoRA dropout under tp: a column layer's input is the same on every tp rank, gathered or not, so
