@@ -141,12 +141,13 @@ def _rows_cast_and_moved() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from libai_zoo.layers import LMHead
     from libai_zoo.parallel.sharded_generation import _local, _lookup_rows, _project_rows, _Target, _gathered_over_dp
 
     torch.manual_seed(0)
     table, hidden = torch.randn(7, 4), torch.randn(1, 2, 4).bfloat16()
     weight = nn.Parameter(distribute_tensor(table, init_device_mesh("cpu", (2,)), [Shard(0)]))
-    embedding, head = nn.Embedding(7, 4), nn.Linear(4, 7, bias=False)
+    embedding, head = nn.Embedding(7, 4), LMHead(4, 7, logit_scale=0.5, logit_softcap=0.75)  # Gemma 2's, Granite's
     embedding.weight = head.weight = weight
     to = _Target(torch.device("cpu"), torch.bfloat16)
     ids = torch.tensor([[0, 3, 4, 6]])
@@ -167,6 +168,7 @@ def test_rows_and_gathered_parameters_take_the_param_dtype_and_device():
     for rank, rows in zip(ranks, (4, 3)):
         assert rank["looked_up"].dtype == rank["logits"].dtype == rank["gathered"].dtype == torch.bfloat16
         assert torch.equal(rank["looked_up"], bf16[rank["ids"]])
-        assert torch.equal(rank["logits"], torch.nn.functional.linear(rank["hidden"], bf16))
+        logits = torch.nn.functional.linear(rank["hidden"], bf16) * 0.5
+        assert torch.equal(rank["logits"], 0.75 * torch.tanh(logits / 0.75))  # the head's scale and cap apply
         assert torch.equal(rank["gathered"], bf16) and torch.equal(rank["fp32"], rank["table"])
         assert rank["moved"] == ("meta", torch.bfloat16, (rows, 4))
