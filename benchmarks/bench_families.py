@@ -1,10 +1,9 @@
 """Every causal-LM family of the zoo against transformers on one device (the GPU check of the
-families: on CUDA, SDPA, flex attention and bf16 autocast take other kernels than the CPU tests).
+families: on CUDA, SDPA and bf16 autocast take other kernels than the CPU tests).
 
 For each causal case of tests/model_cases.py (tiny configs with every distinguishing feature on)
 it prints the max abs difference of the logits in fp32 and under bf16 autocast, of the loss and of
-the gradients (fp32), and a forward+backward time of both; then flex attention's soft-capped
-kernel (Gemma 2) against the explicit form at a real size, forward and backward.
+the gradients (fp32), and a forward+backward time of both.
 
     python benchmarks/bench_families.py --device cuda --out benchmarks/results/bench_families_....json
 """
@@ -23,7 +22,6 @@ from bench_common import run_meta, sync, write_json
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_cases import CASES, hf_checkpoint_grads, hf_named_grads, make_hf_model, make_inputs  # noqa: E402
 
-from libai_zoo.layers.attention import flex_softcapped_attention  # noqa: E402
 
 
 def _to(inputs: dict, device: str) -> dict:
@@ -65,48 +63,10 @@ def family(name: str, device: str) -> dict:
     return result
 
 
-def flex(device: str, seq: int, heads: int, kv_heads: int, head_dim: int) -> dict:
-    """Gemma 2's soft-capped attention: flex (compiled, fused) against the explicit form, bf16."""
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(2, heads, seq, head_dim, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
-    k, v = (torch.randn(2, kv_heads, seq, head_dim, device=device, dtype=torch.bfloat16, generator=g,
-                        requires_grad=True) for _ in range(2))
-    args = (q, k, v, None, 50.0, head_dim ** -0.5)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-    ours = flex_softcapped_attention(*args, causal=True)
-    # the explicit form in float32 is the reference (what the CPU tests compare transformers against)
-    qf, kf, vf = (t.detach().float() for t in (q, k, v))
-    kf, vf = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (kf, vf))
-    scores = 50.0 * torch.tanh(qf @ kf.transpose(-2, -1) * head_dim ** -0.5 / 50.0)
-    scores = scores.masked_fill(~causal, float("-inf"))
-    expected = torch.softmax(scores, -1) @ vf
-    result = {"max_abs_diff_vs_fp32": (ours.float() - expected).abs().max().item()}
-
-    def flex_step():
-        flex_softcapped_attention(*args, causal=True).sum().backward()
-
-    def explicit_step():
-        _explicit(q, k, v, causal, head_dim).sum().backward()
-
-    result["ms_flex"] = _timed(flex_step, device)
-    result["ms_explicit"] = _timed(explicit_step, device)
-    return result
-
-
-def _explicit(q, k, v, mask, head_dim):
-    """The explicit soft-capped attention (what runs where flex does not)."""
-    heads = q.shape[1]
-    k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
-    scores = 50.0 * torch.tanh(q @ k.transpose(-2, -1) * head_dim ** -0.5 / 50.0)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1, dtype=torch.float32).to(q.dtype)
-    return probs @ v
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--families", default=",".join(n for n, c in CASES.items() if c.generates))
-    parser.add_argument("--flex-seq", type=int, default=2048)
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
     results = {}
@@ -116,12 +76,6 @@ def main() -> None:
         except Exception as error:  # a family transformers of this machine lacks: say so, go on
             results[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
         print(name, {k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in results[name].items()}, flush=True)
-    if args.device == "cuda":
-        try:
-            results["flex_softcap"] = flex(args.device, args.flex_seq, 16, 8, 256)
-        except Exception as error:
-            results["flex_softcap"] = {"error": f"{type(error).__name__}: {error}"[:500]}
-        print("flex_softcap", results["flex_softcap"], flush=True)
     if args.out:
         write_json(args.out, run_meta(args.device, families=args.families.split(",")), results)
 

@@ -20,26 +20,21 @@ Granite's attention_multiplier), logit soft-capping (Gemma 2), cross-attention a
 generation. The kernel is `torch.nn.functional.scaled_dot_product_attention`; with no mask beyond
 causality it gets ``is_causal=True`` so the flash kernels apply.
 
-SDPA has no soft-cap. A capped layer (`softcapped_attention`) runs torch's flex attention with the
-cap as its score_mod where flex has a fused kernel and a backward: on CUDA, compiled, without
-dropout (flex has none) and without cached keys (each decoding step's new length would recompile
-it). Elsewhere it computes the scores explicitly (exact, O(S²) memory per head), because in torch
-2.13 flex on CPU has no backward at all ("does not support backward on CPU") and runs eagerly
-only as an unfused reference that materialises the scores as the explicit form does, and no
-faster (measured at S = 128 and 1024, 8 heads); compiled on CPU its forward is faster but off
-by up to 5e-6. Both forms give the same numbers as transformers' eager Gemma 2 attention (the
-flex form's score_mod and masks are checked against the explicit one on CPU, eagerly).
+SDPA has no soft-cap. A capped layer (`softcapped_attention`) computes its scores explicitly
+(exact, the softmax in float32 as transformers' eager Gemma 2 attention; O(S²) memory per head).
+Torch's flex attention was tried for it and is not used: on CPU (torch 2.13) it has no backward,
+and on an H200 (torch 2.11, compiled, 2026-11-26, `benchmarks/bench_families.py`) its Gemma 2
+logits were 0.56 off transformers' where the explicit form's are within 1e-6, and the standalone
+kernel failed to compile. It needs a GPU session at the floor torch before it can come back.
 """
 
 from __future__ import annotations
 
-import functools
 from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from libai_zoo.distributed import TensorParallel
 
@@ -251,12 +246,9 @@ class Attention(ParallelLayer, nn.Module):
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                          softcap: float, scale: float | None, dropout: float, *, causal: bool = False) -> torch.Tensor:
-    """SDPA with the scores capped at ±softcap (cap·tanh(s/cap), Gemma 2): q [B, H, S, d], k and v
-    [B, H_kv, S_k, d], mask boolean (True = attend) or additive, or `causal`. Flex attention where
-    it has a fused kernel (see the module docstring), else explicitly with the softmax in float32
-    as transformers' eager attention does."""
-    if q.is_cuda and not dropout and q.shape[2] == k.shape[2] and (mask is None or mask.dtype == torch.bool):
-        return flex_softcapped_attention(q, k, v, mask, softcap, scale, causal=causal)
+    """SDPA with the scores capped at ±softcap (cap·tanh(s/cap), Gemma 2), computed explicitly:
+    q [B, H, S, d], k and v [B, H_kv, S_k, d], mask boolean (True = attend) or additive, or
+    `causal`; the softmax in float32 as transformers' eager attention does."""
     if causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     if k.shape[1] != q.shape[1]:
@@ -267,37 +259,6 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(q.dtype)
     return F.dropout(probs, dropout) @ v if dropout else probs @ v
-
-
-def flex_softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                              softcap: float, scale: float | None, *, causal: bool = False,
-                              compiled: bool = True) -> torch.Tensor:
-    """`softcapped_attention` by torch's flex attention: the cap as its score_mod, the boolean
-    `mask` ([S, S_k] or [B or 1, 1, S, S_k]) or causality as its block mask. ``compiled=False``
-    runs flex's unfused reference (on CPU: forward only)."""
-
-    def cap(score, batch, head, q_index, k_index):
-        return softcap * torch.tanh(score / softcap)
-
-    q_len, k_len = q.shape[2], k.shape[2]
-    if causal:
-        block_mask = create_block_mask(lambda b, h, q_index, k_index: k_index <= q_index, None, None, q_len, k_len,
-                                       device=q.device)
-    elif mask is not None:
-        dense = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        batched = dense.shape[0] > 1
-        block_mask = create_block_mask(lambda b, h, q_index, k_index: dense[b if batched else 0, 0, q_index, k_index],
-                                       dense.shape[0] if batched else None, None, q_len, k_len, device=q.device)
-    else:
-        block_mask = None
-    attend = _compiled_flex_attention() if compiled else flex_attention
-    return attend(q, k, v, score_mod=cap, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-@functools.cache
-def _compiled_flex_attention():
-    """flex_attention compiled once per process: only compiled does it fuse (and not keep the scores)."""
-    return torch.compile(flex_attention)
 
 
 def packed_causal_mask(attention_mask: torch.Tensor | None,

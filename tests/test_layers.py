@@ -15,7 +15,6 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from libai_zoo import layers
-from libai_zoo.layers.attention import flex_softcapped_attention, softcapped_attention
 
 TWIN_TOL = 1e-6
 HF_TOL = 1e-5
@@ -229,26 +228,6 @@ def test_attention_kv_offset_and_additive_mask():
     additive[..., 0] = -1e4
     combined, _ = attn._mask(additive, q_len, k_len, "cpu")
     assert combined[0, 0, 0].tolist() == [-1e4, 0.0, 0.0, 0.0, float("-inf")]
-
-
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_softcapped_attention_equals_the_explicit_form():
-    """Soft-capped attention's flex form (the one CUDA runs) gives the explicit form's numbers: its
-    score_mod, scale, grouped heads and block masks (causal; a window; left padding, where a query
-    that sees nothing gets zeros in both; packed sequences). Run here eagerly and forward only:
-    flex has no backward on CPU."""
-    g = torch.Generator().manual_seed(0)
-    b, s = 2, 12
-    q, k, v = (torch.randn(b, heads, s, 16, generator=g) * 2 for heads in (4, 2, 2))
-    left_padding = torch.ones(b, s, dtype=torch.long)
-    left_padding[1, :3] = 0
-    packed = layers.packed_causal_mask(None, torch.cat((torch.arange(5), torch.arange(7))).expand(b, -1))
-    for window, given in ((None, None), (4, None), (4, left_padding), (None, packed)):
-        mask, causal = layers.Attention(64, 4, num_kv_heads=2, causal=True, sliding_window=window)._mask(given, s, s,
-                                                                                                         "cpu")
-        explicit = softcapped_attention(q, k, v, mask, 1.5, 0.125, 0.0, causal=causal)
-        flex = flex_softcapped_attention(q, k, v, mask, 1.5, 0.125, causal=causal, compiled=False)
-        assert (flex - explicit).abs().max().item() <= 1e-6
 
 
 def test_fused_layouts_round_trip():
