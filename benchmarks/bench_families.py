@@ -40,7 +40,10 @@ def _timed(fn, device: str, iters: int = 5) -> float:
 
 def family(name: str, device: str) -> dict:
     case = CASES[name]
-    hf = make_hf_model(case).to(device)
+    hf = make_hf_model(case)
+    if getattr(hf.config, "attn_logit_softcapping", None):  # transformers' SDPA path drops the cap (5.17)
+        hf.config._attn_implementation = "eager"
+    hf = hf.to(device)
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
         zoo = case.zoo_class.from_pretrained(tmp).to(device).eval()

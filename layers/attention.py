@@ -22,10 +22,11 @@ causality it gets ``is_causal=True`` so the flash kernels apply.
 
 SDPA has no soft-cap. A capped layer (`softcapped_attention`) computes its scores explicitly
 (exact, the softmax in float32 as transformers' eager Gemma 2 attention; O(S²) memory per head).
-Torch's flex attention was tried for it and is not used: on CPU (torch 2.13) it has no backward,
-and on an H200 (torch 2.11, compiled, 2026-11-26, `benchmarks/bench_families.py`) its Gemma 2
-logits were 0.56 off transformers' where the explicit form's are within 1e-6, and the standalone
-kernel failed to compile. It needs a GPU session at the floor torch before it can come back.
+Torch's flex attention (the cap as its score_mod) was tried for it and is not used: on CPU (torch
+2.13) it has no backward, and on an H200 (torch 2.11, 2026-11-26) compiled flex matched the
+explicit form on the tiny Gemma 2 but failed to compile at Gemma 2's own sizes (head_dim 256,
+S = 2048). The explicit form matches transformers' eager Gemma 2 there within 1.6e-6
+(`benchmarks/bench_families.py`). Flex can come back after a GPU check at the floor torch.
 """
 
 from __future__ import annotations
