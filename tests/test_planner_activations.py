@@ -1,14 +1,20 @@
-"""The planner's activation model (libai_zoo/plan/activations.py) against what autograd really keeps.
+"""The planner's measured activations (libai_zoo/plan/activations.py: fake tensors, no memory)
+against what autograd really keeps at the same shapes.
 
 Each case runs a micro-batch's training forward of real layers (built through the models, sharded
 under a fake process group of tp ranks in this one process: collectives return right-shaped
 garbage, which is all the count needs) and adds up the tensors saved for backward
-(`saved_tensors_hooks`: each storage once, the model's parameters left out). The prediction must be
-within 10% of it, per layer and for a whole model (embedding + L × layer + head).
+(`saved_tensors_hooks`: each storage once, the model's parameters left out). The planner's figure
+must be within 10% of it, per layer kind (a layer alone) and for the whole model (embedding +
+each layer + head). The families cover GPT-2 (learned positions, dropout), Llama (grouped-query
+attention, rotary), GPT-NeoX (parallel residual), Qwen3 (q/k norms) and a decoder the old analytic
+model never knew (sandwich norms, q/k norms, soft-capped attention, sliding windows on every
+other layer: two layer kinds); micro-batches past the three measured ones are extended linearly.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager, nullcontext
 
 import pytest
@@ -17,43 +23,60 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
 
-from libai_zoo import distributed, layers, models
+from libai_zoo import distributed, models
+from libai_zoo.models.decoder import DecoderForCausalLM
+from libai_zoo.models.llama import LlamaModel, llama_layer, llama_spec
 from libai_zoo.parallel import apply_activation_checkpointing
-from libai_zoo.plan.activations import (LayerShape, embedding_activation_bytes, head_activation_bytes,
-                                        layer_activation_bytes)
+from libai_zoo.plan.activations import SavedActivations, Shapes
 from libai_zoo.plan.fake_world import fake_world
+from libai_zoo.plan.layouts import Layout
+from libai_zoo.plan.memory import _rank_layer_kinds
+from libai_zoo.plan.model_table import ModelTable
 
 TOLERANCE = 0.10
 VOCAB = 512
 
 
-def gpt2(hidden: int = 64, layers_: int = 1, dropout: float = 0.1) -> models.GPT2LMHeadModel:
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers_, n_head=4, n_inner=4 * hidden,
+def gpt2(layers_: int, dropout: float = 0.1) -> models.GPT2LMHeadModel:
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers_, n_head=4, n_inner=256,
                                      n_positions=512, bos_token_id=1, eos_token_id=2, resid_pdrop=dropout,
                                      embd_pdrop=dropout, attn_pdrop=dropout)
     return models.GPT2LMHeadModel(config)
 
 
-def llama(hidden: int = 64, layers_: int = 1, attention_dropout: float = 0.0) -> models.LlamaForCausalLM:
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers_,
-                                      num_attention_heads=8, num_key_value_heads=4, intermediate_size=3 * hidden,
-                                      max_position_embeddings=512, attention_dropout=attention_dropout,
-                                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    return models.LlamaForCausalLM(config)
+def llama_config(layers_: int, attention_dropout: float = 0.0, cls=transformers.LlamaConfig, **extra):
+    return cls(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers_, num_attention_heads=8,
+               num_key_value_heads=4, intermediate_size=192, max_position_embeddings=512,
+               attention_dropout=attention_dropout, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **extra)
+
+
+def sandwich_layer(config, index: int) -> dict:
+    """Gemma-2-like options on a Llama: sandwich norms, per-head q/k norms, capped scores, and a
+    window of 32 on even layers."""
+    return llama_layer(config, index, norm_position="sandwich", sliding_window=32 if index % 2 == 0 else None,
+                       attention=dict(qk_norm="head", softcap=30.0))
+
+
+class SandwichModel(LlamaModel):
+    describe = staticmethod(functools.partial(llama_spec, layer=sandwich_layer))
+
+
+class SandwichForCausalLM(DecoderForCausalLM):
+    body_class = SandwichModel
 
 
 MODELS = {
     "gpt2": gpt2,
-    "gpt2_nodrop": lambda **kw: gpt2(dropout=0.0, **kw),
-    "llama": llama,
-    "llama_attn_dropout": lambda **kw: llama(attention_dropout=0.1, **kw),
-}
-
-# The other arrangements of `TransformerLayer`, built directly: GPT-J's parallel block, BERT's post-norm.
-LAYERS = {
-    "parallel_block": lambda: layers.TransformerLayer(64, 4, 256, parallel_block=True, hidden_dropout=0.1,
-                                                      causal=True),
-    "post_norm": lambda: layers.TransformerLayer(64, 4, 256, norm_position="post", hidden_dropout=0.1, causal=True),
+    "gpt2_nodrop": lambda layers_: gpt2(layers_, dropout=0.0),
+    "llama": lambda layers_: models.LlamaForCausalLM(llama_config(layers_)),
+    "llama_attn_dropout": lambda layers_: models.LlamaForCausalLM(llama_config(layers_, attention_dropout=0.1)),
+    "gpt_neox": lambda layers_: models.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers_, num_attention_heads=4, intermediate_size=256,
+        max_position_embeddings=512, rotary_pct=0.5, use_parallel_residual=True, hidden_dropout=0.1,
+        bos_token_id=1, eos_token_id=2)),
+    "qwen3": lambda layers_: models.Qwen3ForCausalLM(llama_config(layers_, cls=transformers.Qwen3Config,
+                                                                 head_dim=16)),
+    "sandwich": lambda layers_: SandwichForCausalLM(llama_config(layers_)),
 }
 
 
@@ -98,8 +121,8 @@ def autocast(amp):
 
 def check(measured: int, predicted: int, what: str) -> None:
     error = abs(predicted - measured) / measured
-    print(f"{what}: measured {measured}, predicted {predicted}, error {error:.3f}")
-    assert error <= TOLERANCE, f"{what}: measured {measured} B, predicted {predicted} B, relative error {error:.3f}"
+    print(f"{what}: real {measured}, planner {predicted}, error {error:.3f}")
+    assert error <= TOLERANCE, f"{what}: real {measured} B, planner {predicted} B, relative error {error:.3f}"
 
 
 @pytest.fixture(autouse=True)
@@ -109,107 +132,91 @@ def no_process_group_left():
     assert not dist.is_initialized(), "a fake world was left initialized"
 
 
-LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
-SIZES = [(1, 64), (2, 128), (4, 64), (1, 256)]  # (micro-batch, sequence), cycled over the cases
-LAYER_CASES = [(kind, tp, sp, ckpt, amp)
-               for kind in [*MODELS, *LAYERS] for tp, sp in LAYOUTS for ckpt in (False, True)
-               for amp in (None, torch.bfloat16)]
-
-
-@pytest.mark.parametrize("case", range(len(LAYER_CASES)),
-                         ids=[f"{k}-tp{tp}{'-sp' if sp else ''}{'-ckpt' if c else ''}-{'bf16' if a else 'fp32'}"
-                              for k, tp, sp, c, a in LAYER_CASES])
-def test_layer(case):
-    kind, tp, sp, ckpt, amp = LAYER_CASES[case]
-    batch, seq = SIZES[case % len(SIZES)]
-    torch.manual_seed(0)
-    if kind in MODELS:
-        model = MODELS[kind]()
-        layer = models.get_layer_stack(model)[0]
-    else:
-        model = layer = LAYERS[kind]()
-    shape = LayerShape.of(layer)
-    hidden = shape.hidden_size
-    model.train()
-    with parallel(model, tp, sp):
-        if ckpt:
-            apply_activation_checkpointing([layer])
-        x = torch.randn(batch, seq // tp if sp else seq, hidden, requires_grad=True)
-        with autocast(amp):
-            measured, out = saved_bytes(lambda: layer(x), model)
-        out.float().sum().backward()  # the graph is whole: backward runs (on garbage values)
-    predicted = layer_activation_bytes(shape, batch, seq, tp=tp, sequence_parallel=sp, checkpointed=ckpt,
-                                       amp_dtype=amp, device="cpu")
-    check(measured, predicted, f"{kind} layer B={batch} S={seq} tp={tp} sp={sp} ckpt={ckpt} amp={amp}")
-
-
-MODEL_CASES = [  # (kind, layers, hidden, batch, seq, tp, sp, ckpt, amp, chunk_bytes)
-    ("gpt2", 2, 128, 2, 128, 1, False, False, None, None),
-    ("gpt2", 2, 128, 2, 128, 1, False, False, torch.bfloat16, None),
-    ("gpt2", 2, 64, 4, 64, 2, True, False, torch.bfloat16, None),
-    ("gpt2", 3, 64, 2, 128, 4, True, True, None, None),
-    ("gpt2", 2, 64, 2, 128, 2, False, False, None, 64 * 1024),  # the loss in chunks
-    ("gpt2", 2, 64, 1, 256, 2, True, False, None, None),
-    ("gpt2_nodrop", 2, 128, 2, 128, 1, False, False, None, None),
-    ("gpt2_nodrop", 2, 128, 1, 256, 4, True, False, torch.bfloat16, None),
-    ("llama", 2, 128, 2, 128, 1, False, False, None, None),
-    ("llama", 2, 128, 2, 128, 1, False, False, torch.bfloat16, None),
-    ("llama", 2, 128, 2, 128, 2, True, False, torch.bfloat16, None),
-    ("llama", 3, 64, 4, 64, 4, True, True, torch.bfloat16, None),
-    ("llama", 2, 128, 1, 256, 2, True, False, torch.bfloat16, None),
-    ("llama_attn_dropout", 2, 64, 1, 128, 1, False, False, torch.bfloat16, None),
-    ("llama", 2, 128, 1, 256, 4, False, False, None, 32 * 1024),  # the loss in chunks
+BF16 = torch.bfloat16
+CASES = [  # (kind, layers, batch, seq, tp, sp, ckpt, amp, chunk_bytes)
+    ("gpt2", 2, 2, 128, 1, False, False, None, None),
+    ("gpt2", 2, 2, 128, 1, False, False, BF16, None),
+    ("gpt2", 2, 4, 64, 2, True, False, BF16, None),
+    ("gpt2", 3, 2, 128, 4, True, True, None, None),
+    ("gpt2", 2, 2, 128, 2, False, False, None, 64 * 1024),  # the loss in chunks
+    ("gpt2", 2, 1, 256, 2, True, False, None, None),  # the first layer keeps the whole embedding
+    ("gpt2", 2, 5, 64, 2, False, False, BF16, None),  # five samples: extended from two and three
+    ("gpt2_nodrop", 2, 1, 256, 4, True, False, BF16, None),
+    ("llama", 2, 2, 128, 1, False, False, None, None),
+    ("llama", 2, 2, 128, 1, False, False, BF16, None),
+    ("llama", 2, 2, 128, 2, True, False, BF16, None),
+    ("llama", 3, 4, 64, 4, True, True, BF16, None),
+    ("llama", 2, 1, 256, 2, True, False, BF16, None),
+    ("llama", 2, 1, 256, 4, False, False, None, 32 * 1024),  # the loss in chunks
+    ("llama", 2, 6, 64, 2, False, False, BF16, 96 * 1024),  # chunked at six samples, not at three
+    ("llama_attn_dropout", 2, 1, 128, 1, False, False, BF16, None),  # CPU's math attention: S×S saved
+    ("gpt_neox", 2, 2, 128, 1, False, False, None, None),
+    ("gpt_neox", 2, 2, 128, 2, True, False, BF16, None),
+    ("qwen3", 2, 2, 128, 2, True, False, BF16, None),
+    ("qwen3", 2, 5, 64, 1, False, True, None, None),
+    ("sandwich", 2, 2, 128, 1, False, False, BF16, None),
+    ("sandwich", 2, 2, 128, 2, True, False, None, None),
+    ("sandwich", 2, 4, 64, 2, False, True, BF16, None),
 ]
 
 
-@pytest.mark.parametrize("case", MODEL_CASES,
-                         ids=[f"{c[0]}-L{c[1]}-h{c[2]}-B{c[3]}-S{c[4]}-tp{c[5]}{'-sp' if c[6] else ''}"
-                              f"{'-ckpt' if c[7] else ''}-{'bf16' if c[8] else 'fp32'}{'-chunked' if c[9] else ''}"
-                              for c in MODEL_CASES])
-def test_whole_model(case):
-    kind, num_layers, hidden, batch, seq, tp, sp, ckpt, amp, chunk_bytes = case
+@pytest.mark.parametrize("case", CASES,
+                         ids=[f"{c[0]}-L{c[1]}-B{c[2]}-S{c[3]}-tp{c[4]}{'-sp' if c[5] else ''}{'-ckpt' if c[6] else ''}"
+                              f"-{'bf16' if c[7] else 'fp32'}{'-chunked' if c[8] else ''}" for c in CASES])
+def test_measured_equals_real(case):
+    """Each layer kind alone (a fresh input) and the whole model's loss, real against the planner."""
+    kind, num_layers, batch, seq, tp, sp, ckpt, amp, chunk_bytes = case
     torch.manual_seed(0)
-    model = MODELS[kind](hidden=hidden, layers_=num_layers).train()
+    with torch.device("meta"):
+        meta = MODELS[kind](num_layers)
+    model = MODELS[kind](num_layers).train()
     if chunk_bytes is not None:
-        model.lm_head.chunk_bytes = chunk_bytes
-    shape = LayerShape.of(models.get_layer_stack(model)[0])
+        meta.lm_head.chunk_bytes = model.lm_head.chunk_bytes = chunk_bytes
+    planner = SavedActivations(meta)
+    shapes = Shapes(batch, seq, tp, sp, amp, "cpu")
+    stack = models.get_layer_stack(model)
+    kinds = planner.layer_kinds
+    assert len(set(kinds)) == (2 if kind == "sandwich" else 1)
+    # the planner first: it forms a fake world of its own
+    layer_bytes = {k: planner.layer(k, shapes, checkpointed=ckpt) for k in set(kinds)}
+    predicted = planner.embedding(shapes) + planner.head(shapes) + sum(layer_bytes[k] for k in kinds)
     ids = torch.randint(3, VOCAB, (batch, seq))
     with parallel(model, tp, sp):
         if ckpt:
-            apply_activation_checkpointing(models.get_layer_stack(model))
+            apply_activation_checkpointing(stack)
+        for k in sorted(set(kinds)):
+            layer = stack[kinds.index(k)]
+            x = torch.randn(batch, seq // tp if sp else seq, 64, requires_grad=True)
+            with autocast(amp):
+                measured, out = saved_bytes(lambda: layer(x), model)
+            out.float().sum().backward()  # the graph is whole: backward runs (on garbage values)
+            check(measured, layer_bytes[k], f"{kind} layer kind {k}")
         with autocast(amp):
             measured, out = saved_bytes(lambda: model(input_ids=ids, labels=ids, return_logits=False).loss, model)
         out.backward()
-    common = dict(tp=tp, sequence_parallel=sp, amp_dtype=amp, device="cpu")
-    gpt = kind.startswith("gpt2")
-    dropout = model.config.embd_pdrop if gpt else 0.0
-    predicted = (embedding_activation_bytes(hidden, batch, seq, dropout=dropout, position_embedding=gpt, **common)
-                 + num_layers * layer_activation_bytes(shape, batch, seq, checkpointed=ckpt, **common)
-                 + head_activation_bytes(hidden, VOCAB, batch, seq, norm=shape.norm, chunk_bytes=chunk_bytes,
-                                         **common))
-    check(measured, predicted, f"{kind} model L={num_layers} h={hidden} B={batch} S={seq} tp={tp} sp={sp} "
-                               f"ckpt={ckpt} amp={amp} chunk_bytes={chunk_bytes}")
-
-
-def test_shape_of_meta_layer():
-    """LayerShape reads an unsharded layer built on the meta device (what the planner has)."""
-    with torch.device("meta"):
-        gpt, lla = gpt2(), llama()
-    assert LayerShape.of(models.get_layer_stack(gpt)[0]) == LayerShape(
-        hidden_size=64, num_heads=4, num_kv_heads=4, head_dim=16, ffn_hidden_size=256, gated_mlp=False,
-        norm="layernorm", attention_dropout=0.1, hidden_dropout=0.1, parallel_block=False, pre_norm=True,
-        rotary=False, row_bias=True)
-    assert LayerShape.of(models.get_layer_stack(lla)[0]) == LayerShape(
-        hidden_size=64, num_heads=8, num_kv_heads=4, head_dim=8, ffn_hidden_size=192, gated_mlp=True,
-        norm="rmsnorm", attention_dropout=0.0, hidden_dropout=0.0, parallel_block=False, pre_norm=True,
-        rotary=True, row_bias=False)
+    check(measured, predicted, f"{kind} model")
 
 
 def test_attention_memory_on_cuda_is_linear_in_sequence():
-    """Predicted for CUDA (no GPU needed), attention dropout runs inside the fused kernels: the
-    bytes depend on the tokens B·S only, where CPU's math path keeps S×S probabilities."""
-    shape = LayerShape.of(models.get_layer_stack(gpt2())[0])
+    """Measured for CUDA (no GPU needed), attention dropout runs inside the fused kernels and
+    dropout keeps bool masks: the bytes depend on the tokens B·S only, where CPU's math path keeps
+    S×S probabilities; and CUDA keeps less than CPU's float masks."""
+    with torch.device("meta"):
+        planner = SavedActivations(gpt2(1))
     for device, linear in (("cuda", True), ("cpu", False)):
-        short, long = (layer_activation_bytes(shape, batch, seq, amp_dtype=torch.bfloat16, device=device)
-                       for batch, seq in ((4, 128), (1, 512)))
+        short, long = (planner.layer(0, Shapes(batch, seq, amp_dtype=BF16, device=device))
+                       for batch, seq in ((2, 128), (1, 256)))
         assert (short == long) == linear, (device, short, long)
+    cuda, cpu = (planner.embedding(Shapes(2, 128, device=device)) for device in ("cuda", "cpu"))
+    assert cpu - cuda == 2 * 128 * 64 * (4 - 1)  # the embedding's dropout mask: float32 on CPU, bool on CUDA
+
+
+def test_identical_layers_share_one_kind():
+    """Layers built alike are one kind, measured once; a window on every other layer makes two,
+    and the memory model counts each pipeline rank's layers by kind."""
+    with torch.device("meta"):
+        assert SavedActivations(models.LlamaForCausalLM(llama_config(4))).layer_kinds == (0, 0, 0, 0)
+        table = ModelTable(SandwichForCausalLM(llama_config(6)))
+    assert table.activations.layer_kinds == (0, 1, 0, 1, 0, 1)
+    pipeline = Layout(1, 1, 2, schedule="1f1b")  # layers 0-2 and 3-5
+    assert [_rank_layer_kinds(table, pipeline, rank) for rank in (0, 1)] == [((0, 2), (1, 1)), ((0, 1), (1, 2))]

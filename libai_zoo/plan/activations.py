@@ -1,119 +1,61 @@
-"""Analytic model of the activation memory of training: the bytes one rank saves for backward.
+"""The activation memory of training, measured: the bytes one rank saves for backward.
 
-Every number here is a sum of tensors that autograd really keeps between a micro-batch's forward
-and its backward in this repository's layers (read from `libai_zoo.layers` and checked with
-`torch.autograd.graph.saved_tensors_hooks`, one count per storage, parameters excluded:
-tests/test_planner_activations.py). Sizes per rank, per micro-batch:
+Nothing here restates what a layer keeps. The model (built on the meta device, its layer stack
+cut to one layer of each distinct kind) is split over a fake tp group of the layout's size
+(`fake_world`), its tensors made fake CPU tensors (`FakeTensorMode`: shapes, dtypes and storages,
+no memory), and one micro-batch at the rank's local shapes runs its training forward through the
+model contract (embed, the layers, final norm and head_loss) under autocast and
+`torch.autograd.graph.saved_tensors_hooks`. Each storage saved is counted once, parameters left
+out, and charged to the part that saved it first. So a new layer option or family is measured as
+it runs, with no planner change.
 
-    B micro-batch, S sequence, h hidden, t = tp
-    T  = B·S            tokens a column-parallel linear sees (the whole sequence, gathered under SP)
-    Tr = B·S/t under SP, else T: tokens of the residual stream (norms, residual dropout, residual adds)
-    n, k = heads/t, KV heads/t; d head_dim; f = ffn/t
-    a  = bytes of the compute dtype (4, or 2 under bf16/fp16 autocast); p = 4 (float32 parameters
-         and residual stream: embeddings and residual adds stay float32 under autocast)
+- The first layer's input is the embedding's output: where it is a view of a larger storage (at
+  one sample under sequence parallelism, GPT-2's whole-sequence embedding), what the first layer
+  keeps beyond its input is charged to the embedding, so a layer's figure is any layer's.
+- ``low_precision_weights`` (FSDP2's bf16 parameters under bf16 autocast): the autocast copies
+  of parameters, recorded as the casts happen, are left out.
+- ``checkpointed``: a checkpointed layer (non-reentrant `torch.utils.checkpoint`) keeps the
+  tensors it is called with: the storage of its input hidden states.
+- Micro-batches of 1 and 2 samples are measured; larger ones are extended linearly from them when
+  every storage saved at two samples is twice or once its size at one (per sample, or shared),
+  else from 2 and 3 measured (at one sample a view may keep a larger storage). An LM head's loss
+  runs in chunks above `LMHead.chunk_bytes` of logits: its two points are then taken on the same
+  side of that threshold as the micro-batch asked.
 
-What this repository's layers do that a textbook (Megatron-LM's 34·sbh + 5·as²b) formula misses:
+The device a run is planned for need not be here. Fake CPU tensors run what CPU runs (its SDPA
+kernel choice, its dropout). For CUDA the kernels whose saved tensors differ are swapped (a
+`TorchFunctionMode`): dropout runs as `native_dropout` (a bool mask, as CUDA's fused dropout) and
+SDPA runs the kernel `sdpa_backend` names for CUDA, a fused one measured as CPU's flash kernel
+(q, k, v, output and a float32 logsumexp: what flash, memory-efficient and cuDNN attention keep;
+their RNG state is a few bytes), the math path as torch's math decomposition (as on CPU: in
+float32, a float dropout mask). Autocast is CPU's: its lower-precision list holds the matmuls and
+SDPA, as CUDA's does; the float32 lists differ in ops these layers already run in float32.
 
-- Under sequence parallelism the all-gathered input of the column-parallel linears is saved whole
-  (T·h, `gather_from_sp` keeps nothing, the matmul saves its gathered input); Megatron saves the
-  local shard and gathers again in backward. Norms, dropout and residuals are divided by t.
-- Under autocast each linear saves its own low-precision copy of its input (a copy per call: the
-  gated MLP's gate and up each keep one) and of its weight (2 bytes per parameter of the layer,
-  per micro-batch: autocast caches the cast of a leaf parameter only within one autocast region,
-  and a tp-sharded weight's local tensor is no leaf, so it is cast at every use).
-- RMSNorm computes in float32 and keeps its float32 normalized output beside its input.
-- Rotary attention keeps new q and k (and a contiguous v): the same bytes as the fused qkv output
-  that SDPA would otherwise keep, plus the cos/sin tables.
-- Dropout keeps a mask of the input's dtype on CPU (a multiply by a float mask) and a bool mask on
-  CUDA (`native_dropout`). Under tp (or in a parallel block) the row-parallel bias is added after
-  the reduction in float32, so under autocast the residual-dropout input, hence its CPU mask, is float32.
-
-Attention (`F.scaled_dot_product_attention`, causal, no padding mask) is modelled after the kernel
-SDPA picks (`sdpa_backend`): the fused kernels (flash / memory-efficient / cuDNN on CUDA; CPU's
-flash kernel) save q, k, v, the output and a float32 logsumexp, O(S); the math path saves the
-S×S probabilities (and with dropout the mask and the dropped probabilities), O(S²). On CPU (torch
-2.13) the flash kernel runs when attention dropout is 0 and the math path when it is not, and the
-math path computes a bf16/fp16 input in float32 (its saved tensors are float32). On CUDA dropout
-runs inside the fused kernels (only the RNG state is saved). For a device present on this machine
-the choice is asked of torch; for one that is not (planning a GPU run on a laptop) CUDA is assumed
-to run a fused kernel, which holds for bf16/fp16 (fp32 with grouped-query attention falls back to
-math on CUDA, not modelled without a GPU).
-
-Not modelled: padding/custom attention masks, cross-attention, KV caches (inference), activations
-other than those that save their input (gelu, silu; relu saves its output, one tensor fewer),
-position_ids given per sample (the rotary tables are then B times larger), and the transient
-memory of backward itself (gradients, a recomputed checkpoint or loss chunk).
+Not measured: padding/custom attention masks, KV caches (inference), the transient memory of
+backward itself (gradients, a recomputed checkpoint or loss chunk).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from libai_zoo.layers import LMHead, RMSNorm
+from libai_zoo import distributed
+from libai_zoo.distributed import local
+from libai_zoo.layers import LMHead
+from libai_zoo.models import get_layer_stack
 
-#: Bytes per element of the parameters and of the residual stream (float32 in this repository).
-PARAM_BYTES = 4
-#: Bytes of an index (int64 token ids, targets) and of a bool mask.
-INDEX_BYTES, BOOL_BYTES = 8, 1
-#: Bytes of a float32 statistic (norm mean/rstd, softmax logsumexp).
-STAT_BYTES = 4
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """What a TransformerLayer's saved activations depend on.
-
-    ``row_bias``: the row-parallel projections (attention out, MLP down) have biases; it changes
-    only the dtype of the residual-dropout mask on CPU under autocast (see the module docstring)."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    gated_mlp: bool
-    norm: str  # "layernorm" | "rmsnorm"
-    attention_dropout: float
-    hidden_dropout: float
-    parallel_block: bool
-    pre_norm: bool
-    rotary: bool
-    row_bias: bool = True
-
-    @classmethod
-    def of(cls, layer: nn.Module) -> LayerShape:
-        """Read from an (unsharded, possibly meta) `libai_zoo.layers.TransformerLayer`."""
-        attn, mlp = layer.attn, layer.mlp
-        return cls(hidden_size=layer.attn_norm.normalized_shape[-1], num_heads=attn.num_heads,
-                   num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, ffn_hidden_size=mlp.ffn_hidden_size,
-                   gated_mlp=mlp.gate is not None,
-                   norm="rmsnorm" if isinstance(layer.attn_norm, RMSNorm) else "layernorm",
-                   attention_dropout=float(attn.dropout), hidden_dropout=float(layer.dropout.p),
-                   parallel_block=bool(layer.parallel_block), pre_norm=layer.norm_position != "post",
-                   rotary=attn.rotary is not None,
-                   row_bias=attn.out.bias is not None or mlp.down.bias is not None)
-
-
-def _device_type(device: str | torch.device | None) -> str:
-    """The device type the prediction is for: the given one, else this machine's (CUDA if present)."""
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
-
-
-def _compute_bytes(amp_dtype: torch.dtype | None) -> int:
-    """Bytes per element of what the matmuls compute in: the autocast dtype, else float32."""
-    return PARAM_BYTES if amp_dtype is None else amp_dtype.itemsize
-
-
-def _mask_bytes(device_type: str, input_bytes: int) -> int:
-    """Bytes per element of a dropout mask: bool from CUDA's fused dropout, the input's dtype on CPU."""
-    return BOOL_BYTES if device_type == "cuda" else input_bytes
-
+from .fake_world import fake_world
 
 def _asked_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                    dropout: float) -> str | None:
@@ -136,7 +78,8 @@ def sdpa_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_he
 
     Asked of torch (`torch._fused_sdp_choice` on tiny tensors) when `device_type` is present on
     this machine; otherwise the rule of torch 2.13: CPU runs its flash kernel unless there is
-    dropout, CUDA runs a fused kernel."""
+    dropout, CUDA runs a fused kernel (fp32 with grouped-query attention, which falls back to
+    math on CUDA, is not told apart without a GPU)."""
     present = device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
     asked = _asked_backend(device_type, dtype, num_heads, num_kv_heads, head_dim, dropout) if present else None
     if asked is not None:
@@ -146,135 +89,277 @@ def sdpa_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_he
     return "fused"
 
 
-def layer_activation_bytes(shape: LayerShape, micro_batch: int, seq_len: int, *, tp: int = 1,
-                           sequence_parallel: bool = False, checkpointed: bool = False,
-                           amp_dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                           low_precision_weights: bool = False) -> int:
-    """Bytes one rank's copy of the layer saves for backward for one micro-batch (checkpointed: only
-    what the checkpoint keeps, i.e. its input). ``low_precision_weights``: the parameters are
-    already in the autocast dtype (FSDP2's bf16 ``param_dtype``, ZeRO 1-3 under bf16 AMP), so no
-    matmul keeps a cast copy of its weight.
+@dataclass(frozen=True)
+class Shapes:
+    """What one rank's micro-batch looks like: the key of a measurement."""
 
-    Training mode (dropout on when its p > 0), causal self-attention without a padding mask.
-    ``device`` (default: CUDA if this machine has it, else CPU) picks the attention kernel and the
-    dropout-mask dtype (module docstring); predict a GPU run with ``device="cuda"``."""
-    dev = _device_type(device)
-    sp = sequence_parallel and tp > 1
-    if seq_len % tp and sp:
-        raise ValueError(f"sequence parallelism needs seq_len ({seq_len}) divisible by tp ({tp})")
-    h, p, a = shape.hidden_size, PARAM_BYTES, _compute_bytes(amp_dtype)
-    T = micro_batch * seq_len
-    Tr = micro_batch * (seq_len // tp) if sp else T
-    if checkpointed:
-        return Tr * h * p  # the checkpoint's input: the residual stream entering the layer
-    n, k, d, f = shape.num_heads // tp, shape.num_kv_heads // tp, shape.head_dim, shape.ffn_hidden_size // tp
-    mlp_inputs = 2 if shape.gated_mlp else 1  # column-parallel linears reading the MLP's input
-    blocks = 1 if shape.parallel_block else 2  # (norm, column input, residual dropout) groups
+    micro_batch: int
+    seq_len: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    amp_dtype: torch.dtype | None = None
+    device: str = "cuda"  # "cuda" or "cpu": the device the run is planned for
 
-    total = 0
-    # Norms (one per block): the norm's input, the residual stream (float32), and its statistics.
-    # Post-norm saves the same: the residual sum each norm reads, and the layer input as column input.
-    if shape.norm == "layernorm":
-        total += blocks * (Tr * h * p + 2 * Tr * STAT_BYTES)  # input; mean and rstd
-    else:
-        total += blocks * (Tr * h * p + Tr * STAT_BYTES + Tr * h * 4)  # input; rstd; float32 normalized x
-    # Column-parallel inputs (whole sequence: gathered under SP): float32, one tensor shared by the
-    # linears of a block; under autocast a low-precision copy per linear.
-    col_linears = 1 + mlp_inputs  # qkv, up [, gate]
-    total += blocks * T * h * p if a == p else col_linears * T * h * a
-    # Low-precision weight copies kept by each matmul under autocast (this rank's slices).
-    if a != p and not low_precision_weights:
-        total += a * h * ((n + 2 * k) * d + n * d + (mlp_inputs + 1) * f)  # qkv, out, gate/up, down
-    # Attention.
-    backend = sdpa_backend(dev, torch.float32 if amp_dtype is None else amp_dtype, shape.num_heads,
-                           shape.num_kv_heads, d, shape.attention_dropout)
-    if backend == "fused":
-        total += T * (n + 2 * k) * d * a  # q, k, v (views of the qkv output, or rotary's new q, k and v)
-        total += T * n * d * a  # attention output, which is also the out projection's input
-        total += micro_batch * n * seq_len * STAT_BYTES  # logsumexp (float32)
-    else:
-        m = 4 if dev == "cpu" else a  # CPU's math path computes bf16/fp16 in float32
-        total += 2 * T * n * d * m  # scaled q and k (k expanded to every head)
-        if micro_batch == 1 and n == k and m == a and not shape.rotary:
-            total += T * (n + 2 * k) * d * a  # v: at B=1 a view of the fused qkv output, which it keeps whole
+    def __post_init__(self):
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device {self.device!r}: activations are measured for 'cuda' or 'cpu'")
+        if self.sequence_parallel and self.tp > 1 and self.seq_len % self.tp:
+            raise ValueError(f"sequence parallelism needs seq_len ({self.seq_len}) divisible by tp ({self.tp})")
+
+
+def module_signature(module: nn.Module) -> tuple:
+    """What tells two modules apart for the saved activations: every submodule's type, its plain
+    attributes (sizes, options, dropout rates), its absent children and its parameters' shapes."""
+    plain = (bool, int, float, str, type(None))
+
+    def value(v):
+        if isinstance(v, (tuple, list)):
+            return tuple(value(x) for x in v) if all(isinstance(x, plain) for x in v) else None
+        if isinstance(v, dict):
+            return tuple(sorted((k, repr(x)) for k, x in v.items()))
+        return v if isinstance(v, plain) else None
+
+    signature = []
+    for name, sub in module.named_modules():
+        attrs = tuple(sorted((k, value(v)) for k, v in vars(sub).items()
+                             if not k.startswith("_") and k != "training" and (v is None or value(v) is not None)))
+        absent = tuple(sorted(k for k, v in sub._modules.items() if v is None))
+        params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in sub.named_parameters(recurse=False))
+        signature.append((name, type(sub).__qualname__, attrs, absent, params))
+    return tuple(signature)
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of a tensor's storage (meta and fake storages have no address: their impl's)."""
+    storage = tensor.untyped_storage()
+    return storage._cdata, storage.nbytes()
+
+
+class _ParameterCasts(TorchDispatchMode):
+    """Records the storages of the copies autocast makes of parameters (`_to_copy` of one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parameters: set[int] = set()
+        self.casts: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and _storage(args[0])[0] in self.parameters:
+            self.casts.add(_storage(out)[0])
+        return out
+
+
+class _TargetKernels(TorchFunctionMode):
+    """On fake CPU tensors, run dropout and SDPA as CUDA would (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            return self._dropout(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _dropout(x, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0:
+            return x
+        return torch.native_dropout(x, p, True)[0]
+
+    @staticmethod
+    def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if torch.is_autocast_enabled("cpu"):  # what autocast would do to SDPA's inputs
+            dtype = torch.get_autocast_dtype("cpu")
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(dtype)
+        backend = sdpa_backend("cuda", q.dtype, q.shape[1], k.shape[1], q.shape[-1], float(dropout_p))
+        if backend == "fused":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+
+class _SavedCounter:
+    """Charges each storage saved for backward to the part running when it was first saved."""
+
+    def __init__(self, parameters: set[int], casts: set[int]):
+        self.parameters, self.casts = parameters, casts
+        self.owner: dict[int, object] = {}  # storage -> the part it is charged to
+        self.sizes: list[tuple[int, int]] = []  # (storage, the saved view) bytes of each charged, in order
+        self.total: dict[object, int] = {}
+        self.cast: dict[object, int] = {}
+        self.part: object = None
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key, size = _storage(tensor)
+        if key not in self.parameters and key not in self.owner:
+            self.owner[key] = self.part
+            self.sizes.append((size, tensor.numel() * tensor.element_size()))
+            self.total[self.part] += size
+            if key in self.casts:
+                self.cast[self.part] = self.cast.get(self.part, 0) + size
+        return tensor
+
+    @contextmanager
+    def charging(self, part: object) -> Iterator[None]:
+        self.part = part
+        self.total.setdefault(part, 0)
+        yield
+
+    def move(self, key: int, size: int, source: object, target: object) -> None:
+        """Charge `size` bytes of storage `key` to `target` instead, if `source` saved it."""
+        if self.owner.get(key) == source:
+            self.total[source] -= size
+            self.total[target] += size
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """One micro-batch's saved bytes of every part; `cast`: those that are parameters' autocast copies."""
+
+    embedding: int
+    embedding_cast: int
+    layers: tuple[int, ...]  # per layer kind
+    layers_cast: tuple[int, ...]
+    layers_input: tuple[int, ...]  # each kind's input hidden states: what a checkpointed layer keeps
+    head: int
+    head_cast: int
+    sizes: tuple[tuple[int, int], ...]  # (storage, view) bytes of every storage saved, in order
+
+    def scales_from(self, one: _Measured) -> bool:
+        """Whether this measurement of two samples is `one`'s (of one sample) with each storage
+        and the view of it saved either per sample (twice the size) or shared (the same): then
+        every size is linear in the samples from one on."""
+        pairs = zip(one.sizes, self.sizes)
+        return len(self.sizes) == len(one.sizes) and all(b in (a, (2 * a[0], 2 * a[1])) for a, b in pairs)
+
+
+class SavedActivations:
+    """The saved-for-backward bytes of a model's parts at a rank's local shapes, measured on fake
+    tensors (module docstring) and cached; `layer_kinds[i]` is the kind of layer i (identical
+    layers share one measurement). Measuring needs a process without a process group (it forms
+    a fake one), as `dry_run` does."""
+
+    def __init__(self, model: nn.Module):
+        stack = get_layer_stack(model)
+        signatures = [module_signature(layer) for layer in stack]
+        kinds = list(dict.fromkeys(signatures))
+        self.layer_kinds: tuple[int, ...] = tuple(kinds.index(s) for s in signatures)
+        # the model with one layer of each kind, copied without the others
+        parent, _, name = model.layer_stack.rpartition(".")
+        holder = model.get_submodule(parent) if parent else model
+        setattr(holder, name, nn.ModuleList(stack[signatures.index(s)] for s in kinds))
+        try:
+            self._probe = copy.deepcopy(model)
+        finally:
+            setattr(holder, name, stack)
+        self._key = (type(model).__qualname__, module_signature(self._probe), repr(getattr(model, "config", None)))
+        heads = [m for m in self._probe.modules() if isinstance(m, LMHead)]
+        self._lm_head = heads[0] if heads else None
+
+    def layer(self, kind: int, shapes: Shapes, *, checkpointed: bool = False,
+              low_precision_weights: bool = False) -> int:
+        """Bytes one layer of this kind saves for one micro-batch (checkpointed: what the checkpoint keeps)."""
+        def pick(m: _Measured) -> int:
+            if checkpointed:
+                return m.layers_input[kind]
+            return m.layers[kind] - (m.layers_cast[kind] if low_precision_weights else 0)
+        return self._extended(pick, shapes, part="layer")
+
+    def embedding(self, shapes: Shapes, *, low_precision_weights: bool = False) -> int:
+        """Bytes the first stage's own modules save (the first layer's input is that layer's)."""
+        return self._extended(lambda m: m.embedding - (m.embedding_cast if low_precision_weights else 0), shapes,
+                              part="embedding")
+
+    def head(self, shapes: Shapes, *, low_precision_weights: bool = False) -> int:
+        """Bytes the final norm, head and loss save."""
+        return self._extended(lambda m: m.head - (m.head_cast if low_precision_weights else 0), shapes, part="head")
+
+    def _extended(self, pick, shapes: Shapes, part: str) -> int:
+        """`pick` of the measurement at `shapes`, or extended linearly in the micro-batch size."""
+        batch = shapes.micro_batch
+        if batch <= 2:
+            return pick(self._measured(shapes, (batch,))[batch])
+        if part == "head" and self._chunked(shapes, 2) != self._chunked(shapes, batch):
+            low = self._chunk_tokens(shapes) // shapes.seq_len + 1  # the first size that chunks
+            if low + 1 >= batch:
+                return pick(self._measured(shapes, (batch,))[batch])
         else:
-            total += T * n * d * m  # v, copied to [B·n, S, d] (expanded to every head)
-        scores = micro_batch * n * seq_len * seq_len
-        total += scores * m  # softmax probabilities [B, n, S, S]
-        if shape.attention_dropout > 0:
-            total += scores * (_mask_bytes(dev, m) + m)  # dropout mask; dropped probabilities (P·V's input)
-        total += T * n * d * a  # the output transposed to [B, S, n·d]: the out projection's input
-    if shape.rotary:  # cos/sin tables [1, S, d]: float32 as computed, or cast per use for q and k
-        total += 2 * seq_len * d * 4 if a == 4 else 4 * seq_len * d * a
-    # MLP: the activation's input and output (gated: gate output, its activation, up output, product).
-    total += (4 if shape.gated_mlp else 2) * T * f * a
-    # Residual dropout masks (one per block), on this rank's tokens.
-    if shape.hidden_dropout > 0:
-        bias_after_reduce = shape.row_bias and (tp > 1 or shape.parallel_block)
-        total += blocks * Tr * h * _mask_bytes(dev, p if bias_after_reduce else a)
-    return total
+            points = self._measured(shapes, (1, 2))
+            low = 1 if points[2].scales_from(points[1]) else 2
+            if batch == 3 and low == 2:
+                return pick(self._measured(shapes, (3,))[3])
+        points = self._measured(shapes, (low, low + 1))
+        a, b = pick(points[low]), pick(points[low + 1])
+        return b + (batch - low - 1) * (b - a)
+
+    def _chunk_tokens(self, shapes: Shapes) -> int:
+        head = self._lm_head
+        return max(1, head.chunk_bytes // (4 * (head.out_features // shapes.tp)))
+
+    def _chunked(self, shapes: Shapes, batch: int) -> bool:
+        return self._lm_head is not None and batch * shapes.seq_len > self._chunk_tokens(shapes)
+
+    def _measured(self, shapes: Shapes, batches: tuple[int, ...]) -> dict[int, _Measured]:
+        """The measurements at `shapes` with each micro-batch size of `batches` (those missing from
+        the cache measured on one fake model)."""
+        keys = {batch: (self._key, replace(shapes, micro_batch=batch)) for batch in batches}
+        missing = tuple(batch for batch, key in keys.items() if key not in _CACHE)
+        if missing:
+            for batch, measured in self._measure(shapes, missing).items():
+                _CACHE[keys[batch]] = measured
+        return {batch: _CACHE[key] for batch, key in keys.items()}
+
+    def _measure(self, shapes: Shapes, batches: tuple[int, ...]) -> dict[int, _Measured]:
+        """Micro-batches of each size in `batches` through embed, the layer kinds and the head, on a
+        fake model split as `shapes` says."""
+        with fake_world(shapes.tp, 0, tp=shapes.tp, sequence_parallel=shapes.sequence_parallel) as ctx:
+            model = copy.deepcopy(self._probe)
+            distributed.shard(model, ctx)
+            casts = _ParameterCasts()
+            with (FakeTensorMode(allow_non_fake_inputs=True), casts if shapes.amp_dtype else nullcontext(),
+                  _TargetKernels() if shapes.device == "cuda" else nullcontext()):
+                model.to_empty(device="cpu")
+                model.init_buffers()
+                model.train()
+                casts.parameters = {_storage(local(p))[0] for p in model.parameters()}
+                return {batch: self._run(model, batch, shapes, casts) for batch in batches}
+
+    @staticmethod
+    def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _ParameterCasts) -> _Measured:
+        counter = _SavedCounter(casts.parameters, casts.casts)
+        ids = torch.zeros(batch, shapes.seq_len, dtype=torch.long)
+        labels = ids if model.loss_unit == "token" else torch.zeros(batch, dtype=torch.long)
+        inputs, targets = model.split_batch({"input_ids": ids, "labels": labels})
+        layer_inputs = model.layer_inputs(inputs)
+        stack = get_layer_stack(model)
+        inputs_bytes = []
+        amp = shapes.amp_dtype
+        with (torch.autocast("cpu", dtype=amp, enabled=amp is not None),
+              torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor)):
+            with counter.charging("embedding"):
+                hidden = model.embed(inputs)
+            key, size = _storage(hidden)
+            own = hidden.numel() * hidden.element_size()
+            for kind, layer in enumerate(stack):
+                inputs_bytes.append(hidden.numel() * hidden.element_size())
+                with counter.charging(kind):
+                    hidden = layer(hidden, **layer_inputs)
+            # the first layer's input is the embedding's output: of a larger storage it is a view of
+            # (one sample under sequence parallelism), what exceeds the input is the embedding's
+            counter.move(key, size - own, 0, "embedding")
+            with counter.charging("head"):
+                model.head_loss(model.final_norm(hidden), targets)
+        total, cast = counter.total, counter.cast
+        kinds = range(len(stack))
+        return _Measured(total["embedding"], cast.get("embedding", 0), tuple(total[k] for k in kinds),
+                         tuple(cast.get(k, 0) for k in kinds), tuple(inputs_bytes), total["head"],
+                         cast.get("head", 0), tuple(counter.sizes))
 
 
-def embedding_activation_bytes(hidden_size: int, micro_batch: int, seq_len: int, *, tp: int,
-                               sequence_parallel: bool, amp_dtype: torch.dtype | None, dropout: float,
-                               position_embedding: bool = False, device: str | torch.device | None = None) -> int:
-    """Bytes the first stage (token embedding [+ learned positions], dropout) saves for backward,
-    per rank and micro-batch. Its output, the first layer's input, is counted with that layer.
-
-    ``position_embedding``: GPT-2's arrangement, a learned position table (it keeps its [1, S]
-    position ids) added before dropout and the sequence split (`SequenceScatter`); without it,
-    Llama's: the vocabulary embedding's reduce-scatter splits the sequence.
-    Embeddings are not autocast: their output, and the dropout mask on it, are float32. GPT-2
-    applies dropout before splitting the sequence (SP), so the mask covers the whole sequence."""
-    dev = _device_type(device)
-    T = micro_batch * seq_len
-    total = T * INDEX_BYTES  # the token ids the lookup's backward scatters by (tp: this rank's local ids)
-    if tp > 1:
-        total += T * BOOL_BYTES  # ids outside this rank's vocabulary slice (masked_fill_ keeps the mask)
-    if position_embedding:
-        total += seq_len * INDEX_BYTES  # position ids [1, S]
-    if dropout > 0:
-        total += T * hidden_size * _mask_bytes(dev, PARAM_BYTES)
-    if position_embedding and sequence_parallel and tp > 1 and micro_batch == 1:
-        # At B=1 the sequence split is a view (nothing to make contiguous): the first layer's input
-        # keeps the whole-sequence embedding alive, not its 1/tp (which the layer counts).
-        total += (T - T // tp) * hidden_size * PARAM_BYTES
-    return total
-
-
-def head_activation_bytes(hidden_size: int, vocab_size: int, micro_batch: int, seq_len: int, *, tp: int,
-                          sequence_parallel: bool, amp_dtype: torch.dtype | None, norm: str,
-                          chunk_bytes: int | None = None, device: str | torch.device | None = None,
-                          low_precision_weights: bool = False) -> int:
-    """final norm + LM head + vocab-parallel cross entropy, as models/causal_lm.py's head_loss runs
-    it (chunked when large); ``low_precision_weights`` as in `layer_activation_bytes`.
-
-    Per rank and micro-batch. ``chunk_bytes`` defaults to `LMHead.chunk_bytes`: above it (this
-    rank's float32 logits) the loss runs in checkpointed chunks, which keep only their inputs (the
-    normed hidden states and the targets); one chunk's logits and softmax are then recomputed in
-    backward, transient memory not counted here."""
-    if chunk_bytes is None:
-        chunk_bytes = LMHead.chunk_bytes
-    sp = sequence_parallel and tp > 1
-    h, p, a = hidden_size, PARAM_BYTES, _compute_bytes(amp_dtype)
-    T = micro_batch * seq_len
-    Tr = micro_batch * (seq_len // tp) if sp else T
-    V = vocab_size // tp
-    total = Tr * h * p  # the final norm's input (last layer's output)
-    if norm == "layernorm":
-        total += 2 * Tr * STAT_BYTES  # mean and rstd
-    else:
-        total += Tr * STAT_BYTES + Tr * h * 4  # rstd; float32 normalized x
-    total += T * INDEX_BYTES  # the targets (shifted labels; tp: this rank's local ids), kept by the loss
-    chunked = T > max(1, chunk_bytes // (4 * V))
-    # the mean's denominator: the count of targets (int64 scalar), or F.cross_entropy's total weight
-    total += INDEX_BYTES if chunked or tp > 1 else STAT_BYTES
-    if chunked:
-        return total + T * h * p  # each chunk's checkpoint keeps its slice of the normed hidden states
-    total += T * h * a  # the head's input: the normed hidden states (gathered under SP), or their autocast copy
-    if a != p and not low_precision_weights:
-        total += V * h * a  # the head weight's autocast copy
-    total += T * V * 4  # float32 log-softmax (tp=1) or softmax (vocab-parallel) over this rank's vocabulary
-    if tp > 1:
-        total += 2 * T * BOOL_BYTES  # target in this rank's slice; target not ignored
-    return total
+#: Measurements by (model, shapes): the planner asks the same shapes of thousands of layouts, and
+#: plans of one model (each with its own `ModelTable`) share them.
+_CACHE: dict[tuple, _Measured] = {}

@@ -144,12 +144,11 @@ def roofline_compute(table: ModelTable, device: Device, *, tp: int, micro_batch:
     peak = device.peak_flops[dtype] * device.matmul_efficiency
     element = torch.tensor([], dtype=dtype).element_size()
     tokens = micro_batch * seq_len
-    shape = table.layer
     matmul = 2 * tokens * table.layer_parameters / tp
-    attention = 2 * tokens * seq_len * shape.num_heads * shape.head_dim / tp  # causal: half of 4·t·s·width
-    traffic = 16 * tokens * shape.hidden_size * element / device.memory_bandwidth
+    attention = 2 * tokens * seq_len * table.attention_width / tp  # causal: half of 4·t·s·width
+    traffic = 16 * tokens * table.hidden_size * element / device.memory_bandwidth
     forward = (matmul + attention) / peak + traffic
-    head = 2 * tokens * shape.hidden_size * table.vocab_size / tp / peak
+    head = 2 * tokens * table.hidden_size * table.vocab_size / tp / peak
     return ComputeTimes(forward, 2 * forward, traffic / 8, 3 * head + traffic)
 
 
@@ -175,7 +174,7 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
     m = layout.num_micro_batches(global_batch_size)
     tp, dp, pp = layout.tp, layout.dp, layout.pp
     act_bytes = (torch.tensor([], dtype=amp_dtype).element_size() if amp_dtype else 4) \
-        * layout.micro_batch_size * seq_len * table.layer.hidden_size
+        * layout.micro_batch_size * seq_len * table.hidden_size
     tp_link = fabric.link(tp)
     dp_link = fabric.link(tp * dp)
     pp_link = fabric.link(tp * dp * pp)
@@ -185,7 +184,7 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
     # runs the recompute for the input and again for the weight gradients
     split = layout.pp > 1 and splits_backward(layout.schedule)
     recomputes = (2 if split else 1) if layout.activation_checkpoint else 0
-    syncs = 1 if table.layer.parallel_block else 2
+    syncs = 1 if table.parallel_block else 2
     layer_tp = (2 + recomputes) * syncs * tp_link.all_reduce(act_bytes, tp)
     worst = None
     for pp_rank in range(pp):

@@ -20,7 +20,7 @@ Transient terms, at the step's peak:
                  the two largest layers at ZeRO 3 (the one computing and the one prefetched),
                  everything under a zero-bubble schedule (kept gathered); at ZeRO 1 with more than one
                  micro-batch also the unsharded gradients it accumulates
-    activations  what each layer saves for backward (`activations.py`) × the micro-batches in
+    activations  what each layer saves for backward (measured: `activations.py`) × the micro-batches in
                  flight on this rank (gpipe: all; 1F1B: pp − rank; interleaved 1F1B: torch's
                  warm-up count + 1, in chunks of 1/v; zero bubble: the first rank's count on every
                  rank, a chunk being held until its weight gradients; ZBV: the chunks run before
@@ -48,7 +48,7 @@ from libai_zoo.optim import build_optimizer
 from libai_zoo.parallel import fsdp_param_dtype, split_layers, stage_ranks
 from libai_zoo.utils import TensorMemoryPeak
 
-from .activations import embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
+from .activations import Shapes
 from .layouts import Layout
 from .model_table import ModelTable, ParameterInfo
 
@@ -148,12 +148,20 @@ def rank_stages(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[
 @lru_cache(maxsize=65536)
 def _rank_stages(num_layers: int, pp: int, schedule: str | None, virtual_stages: int,
                  pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
+    return tuple((len(layers), first, last)
+                 for layers, first, last in _rank_stage_layers(num_layers, pp, schedule, virtual_stages, pp_rank))
+
+
+@lru_cache(maxsize=65536)
+def _rank_stage_layers(num_layers: int, pp: int, schedule: str | None, virtual_stages: int,
+                       pp_rank: int) -> tuple[tuple[range, bool, bool], ...]:
+    """(indices of its layers, holds the first stage's modules, holds the last's) of each stage `pp_rank` runs."""
     if pp == 1:
-        return ((num_layers, True, True),)
+        return ((range(num_layers), True, True),)
     num_stages = pp * virtual_stages
     ranges = split_layers(num_layers, num_stages)
     owners = stage_ranks(pp, schedule, virtual_stages)
-    return tuple((len(ranges[s]), s == 0, s == num_stages - 1) for s in range(num_stages) if owners[s] == pp_rank)
+    return tuple((ranges[s], s == 0, s == num_stages - 1) for s in range(num_stages) if owners[s] == pp_rank)
 
 
 def _group(table: ModelTable, first: bool | None, last: bool = False) -> list[ParameterInfo]:
@@ -261,42 +269,51 @@ def micro_batches_in_flight(layout: Layout, pp_rank: int, num_micro_batches: int
 
 
 @lru_cache(maxsize=65536)
-def _activations(table: ModelTable, part: str, micro_batch: int, seq_len: int, tp: int, sp: bool,
-                 checkpointed: bool, amp_dtype: torch.dtype | None, device: str, low_precision_weights: bool) -> int:
-    """One micro-batch's saved bytes of a "layer", the "embedding" or the "head" (cached: the
-    planner asks the same shapes of thousands of layouts)."""
-    common = dict(tp=tp, sequence_parallel=sp, amp_dtype=amp_dtype, device=device)
+def _rank_layer_kinds(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int, int], ...]:
+    """(layer kind, how many of the layers `pp_rank` runs are of it) for each kind it runs."""
+    kinds = table.activations.layer_kinds
+    counts: dict[int, int] = {}
+    for layers, _, _ in _rank_stage_layers(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages,
+                                           pp_rank):
+        for index in layers:
+            counts[kinds[index]] = counts.get(kinds[index], 0) + 1
+    return tuple(sorted(counts.items()))
+
+
+@lru_cache(maxsize=65536)
+def _activations(table: ModelTable, part: str, shapes: Shapes, kind: int, checkpointed: bool,
+                 low_precision_weights: bool) -> int:
+    """One micro-batch's saved bytes of a layer of `kind`, the "embedding" or the "head" (cached:
+    the planner asks the same shapes of thousands of layouts)."""
+    saved = table.activations
     if part == "layer":
-        return layer_activation_bytes(table.layer, micro_batch, seq_len, checkpointed=checkpointed,
-                                      low_precision_weights=low_precision_weights, **common)
+        return saved.layer(kind, shapes, checkpointed=checkpointed, low_precision_weights=low_precision_weights)
     if part == "embedding":
-        return embedding_activation_bytes(table.layer.hidden_size, micro_batch, seq_len,
-                                          dropout=table.embedding_dropout,
-                                          position_embedding=table.learned_positions, **common)
-    return head_activation_bytes(table.layer.hidden_size, table.vocab_size, micro_batch, seq_len,
-                                 norm=table.layer.norm, low_precision_weights=low_precision_weights, **common)
+        return saved.embedding(shapes, low_precision_weights=low_precision_weights)
+    return saved.head(shapes, low_precision_weights=low_precision_weights)
 
 
 def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: int, num_micro_batches: int,
                      amp_dtype: torch.dtype | None, device: str = "cuda") -> tuple[int, int]:
     """(activations of the layers and embedding, logits and loss of the head) held at the peak, on
     a "cuda" or "cpu" device (their attention kernels and dropout masks differ)."""
-    shapes = (layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel)
+    shapes = Shapes(layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, device)
     # FSDP2 hands the layers bf16 parameters under bf16 autocast at ZeRO 1-3: no matmul keeps a cast copy
     low = layout.dp > 1 and fsdp_param_dtype(amp_dtype, layout.zero_stage) is not None
     in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
     stages = rank_stages(table, layout, pp_rank)
-    layers = sum(count for count, _, _ in stages)
-    held = layers * _activations(table, "layer", *shapes, layout.activation_checkpoint, amp_dtype, device, low)
+    kinds = _rank_layer_kinds(table, layout, pp_rank)
+    held = sum(count * _activations(table, "layer", shapes, kind, layout.activation_checkpoint, low)
+               for kind, count in kinds)
     if any(first for _, first, _ in stages):
-        held += _activations(table, "embedding", *shapes, False, amp_dtype, device, low)
-    whole_layer = _activations(table, "layer", *shapes, False, amp_dtype, device, low)
+        held += _activations(table, "embedding", shapes, 0, False, low)
     # a layer's backward makes gradients of about the size of what it saved; under checkpointing it
     # first recomputes the layer whole
+    whole_layer = max((_activations(table, "layer", shapes, kind, False, low) for kind, _ in kinds), default=0)
     total = int(in_flight * held) + whole_layer * (1 + layout.activation_checkpoint)
     logits = 0
     if any(last for _, _, last in stages):
-        head = _activations(table, "head", *shapes, False, amp_dtype, device, low)
+        head = _activations(table, "head", shapes, 0, False, low)
         # backward makes the float32 logits' gradient (one chunk's when the loss runs in chunks)
         head += min(layout.micro_batch_size * seq_len * table.vocab_size // layout.tp * 4, LMHead.chunk_bytes)
         logits = head * (num_micro_batches if layout.schedule == "gpipe" else 1)

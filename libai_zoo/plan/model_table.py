@@ -1,6 +1,7 @@
 """What the planner knows of a model, read once from it built on the meta device: every parameter
 with its shape, the dimension tensor parallelism splits and where the pipeline puts it, plus the
-sizes the activation and time models need. No process group and no memory."""
+sizes the time model needs, and the measured activations (`activations.SavedActivations`). No process
+group and no memory."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from torch import nn
 from libai_zoo import distributed
 from libai_zoo.config import instantiate
 from libai_zoo.hf import apply_lora_config
+from libai_zoo.layers import Attention
 from libai_zoo.models import check_trainable, get_layer_stack
 
-from .activations import LayerShape
+from .activations import SavedActivations
 
 
 @dataclass(frozen=True)
@@ -88,12 +90,15 @@ class ModelTable:
         self.config = model.config
         stack = get_layer_stack(model)
         self.num_layers = len(stack)
-        self.layer = LayerShape.of(stack[0])
-        limits = model.input_limits()
-        self.vocab_size: int = limits["vocab_size"]
-        self.learned_positions = limits["max_positions"] is not None
+        attention = [m for m in stack[0].modules() if isinstance(m, Attention)]
+        #: the time model's sizes: the residual stream's width, the attention width (heads × head_dim)
+        #: of one layer, and whether its attention and MLP share one tp sync (a parallel block)
+        self.hidden_size: int = attention[0].out.out_features
+        self.attention_width: int = sum(m.num_heads * m.head_dim for m in attention)
+        self.parallel_block = bool(getattr(stack[0], "parallel_block", False))
+        self.vocab_size: int = model.input_limits()["vocab_size"]
         self.flops_per_token = model.flops_per_token
-        self.embedding_dropout = float(getattr(model.config, "embd_pdrop", 0.0) or 0.0)
+        self.activations = SavedActivations(model)
         self._unsharded = copy.deepcopy(model)  # the recorder below marks the model's layers as split
         self._tp_problems: dict[int, list[str]] = {}
         self._whole: dict[int, frozenset[int]] = {}
