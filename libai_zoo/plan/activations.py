@@ -48,7 +48,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from libai_zoo import distributed
 from libai_zoo.distributed import local
@@ -135,16 +134,17 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     return storage._cdata, storage.nbytes()
 
 
-class _ParameterCasts(TorchDispatchMode):
-    """Records the storages of the copies autocast makes of parameters (`_to_copy` of one)."""
+class _FakeMode(FakeTensorMode):
+    """Fake tensors that also record the storages of the copies autocast makes of `parameters`
+    (a `_to_copy` of one)."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(allow_non_fake_inputs=True)
         self.parameters: set[int] = set()
         self.casts: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         if func is torch.ops.aten._to_copy.default and _storage(args[0])[0] in self.parameters:
             self.casts.add(_storage(out)[0])
         return out
@@ -319,9 +319,8 @@ class SavedActivations:
         with fake_world(shapes.tp, 0, tp=shapes.tp, sequence_parallel=shapes.sequence_parallel) as ctx:
             model = copy.deepcopy(self._probe)
             distributed.shard(model, ctx)
-            casts = _ParameterCasts()
-            with (FakeTensorMode(allow_non_fake_inputs=True), casts if shapes.amp_dtype else nullcontext(),
-                  _TargetKernels() if shapes.device == "cuda" else nullcontext()):
+            casts = _FakeMode()
+            with casts, _TargetKernels() if shapes.device == "cuda" else nullcontext():
                 model.to_empty(device="cpu")
                 model.init_buffers()
                 model.train()
@@ -329,7 +328,7 @@ class SavedActivations:
                 return {batch: self._run(model, batch, shapes, casts) for batch in batches}
 
     @staticmethod
-    def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _ParameterCasts) -> _Measured:
+    def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _FakeMode) -> _Measured:
         counter = _SavedCounter(casts.parameters, casts.casts)
         ids = torch.zeros(batch, shapes.seq_len, dtype=torch.long)
         labels = ids if model.loss_unit == "token" else torch.zeros(batch, dtype=torch.long)
