@@ -129,7 +129,8 @@ def module_signature(module: nn.Module) -> tuple:
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
-    """(identity, bytes) of a tensor's storage (meta and fake storages have no address: their impl's)."""
+    """(identity, bytes) of a tensor's storage (a fake storage has no address: its impl's, unique
+    while the storage lives)."""
     storage = tensor.untyped_storage()
     return storage._cdata, storage.nbytes()
 
@@ -141,12 +142,12 @@ class _FakeMode(FakeTensorMode):
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
         self.parameters: set[int] = set()
-        self.casts: set[int] = set()
+        self.casts: dict[int, torch.Tensor] = {}  # kept alive, so that no other storage takes their identity
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func is torch.ops.aten._to_copy.default and _storage(args[0])[0] in self.parameters:
-            self.casts.add(_storage(out)[0])
+            self.casts[_storage(out)[0]] = out
         return out
 
 
@@ -185,19 +186,21 @@ class _TargetKernels(TorchFunctionMode):
 class _SavedCounter:
     """Charges each storage saved for backward to the part running when it was first saved."""
 
-    def __init__(self, parameters: set[int], casts: set[int]):
+    def __init__(self, parameters: set[int], casts: dict[int, torch.Tensor]):
         self.parameters, self.casts = parameters, casts
+        self.kept: list[torch.Tensor] = []  # every tensor saved, alive until the count is done
         self.owner: dict[int, object] = {}  # storage -> the part it is charged to
-        self.sizes: list[tuple[int, int]] = []  # (storage, the saved view) bytes of each charged, in order
+        self.sizes: list[tuple[bool, int, int]] = []  # (by the head, storage bytes, view bytes) of each, in order
         self.total: dict[object, int] = {}
         self.cast: dict[object, int] = {}
         self.part: object = None
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key, size = _storage(tensor)
+        self.kept.append(tensor)
         if key not in self.parameters and key not in self.owner:
             self.owner[key] = self.part
-            self.sizes.append((size, tensor.numel() * tensor.element_size()))
+            self.sizes.append((self.part == "head", size, tensor.numel() * tensor.element_size()))
             self.total[self.part] += size
             if key in self.casts:
                 self.cast[self.part] = self.cast.get(self.part, 0) + size
@@ -227,14 +230,14 @@ class _Measured:
     layers_input: tuple[int, ...]  # each kind's input hidden states: what a checkpointed layer keeps
     head: int
     head_cast: int
-    sizes: tuple[tuple[int, int], ...]  # (storage, view) bytes of every storage saved, in order
+    sizes: tuple[tuple[bool, int, int], ...]  # (by the head, storage, view) bytes of every storage saved, in order
 
-    def scales_from(self, one: _Measured) -> bool:
+    def scales_from(self, one: _Measured, head: bool) -> bool:
         """Whether this measurement of two samples is `one`'s (of one sample) with each storage
-        and the view of it saved either per sample (twice the size) or shared (the same): then
-        every size is linear in the samples from one on."""
-        pairs = zip(one.sizes, self.sizes)
-        return len(self.sizes) == len(one.sizes) and all(b in (a, (2 * a[0], 2 * a[1])) for a, b in pairs)
+        the head (or the rest) saved, and the view of it, either per sample (twice the size) or
+        shared (the same): then its figures are linear in the samples from one on."""
+        mine, ones = ([size[1:] for size in m.sizes if size[0] == head] for m in (self, one))
+        return len(mine) == len(ones) and all(b in (a, (2 * a[0], 2 * a[1])) for a, b in zip(ones, mine))
 
 
 class SavedActivations:
@@ -281,18 +284,19 @@ class SavedActivations:
     def _extended(self, pick, shapes: Shapes, part: str) -> int:
         """`pick` of the measurement at `shapes`, or extended linearly in the micro-batch size."""
         batch = shapes.micro_batch
+        head = part == "head"
         if batch <= 2:
-            return pick(self._measured(shapes, (batch,))[batch])
-        if part == "head" and self._chunked(shapes, 2) != self._chunked(shapes, batch):
+            return pick(self._measured(shapes, (batch,), head)[batch])
+        if head and self._chunked(shapes, 2) != self._chunked(shapes, batch):
             low = self._chunk_tokens(shapes) // shapes.seq_len + 1  # the first size that chunks
             if low + 1 >= batch:
-                return pick(self._measured(shapes, (batch,))[batch])
+                return pick(self._measured(shapes, (batch,), head)[batch])
         else:
-            points = self._measured(shapes, (1, 2))
-            low = 1 if points[2].scales_from(points[1]) else 2
+            points = self._measured(shapes, (1, 2), head)
+            low = 1 if points[2].scales_from(points[1], head) else 2
             if batch == 3 and low == 2:
-                return pick(self._measured(shapes, (3,))[3])
-        points = self._measured(shapes, (low, low + 1))
+                return pick(self._measured(shapes, (3,), head)[3])
+        points = self._measured(shapes, (low, low + 1), head)
         a, b = pick(points[low]), pick(points[low + 1])
         return b + (batch - low - 1) * (b - a)
 
@@ -303,19 +307,24 @@ class SavedActivations:
     def _chunked(self, shapes: Shapes, batch: int) -> bool:
         return self._lm_head is not None and batch * shapes.seq_len > self._chunk_tokens(shapes)
 
-    def _measured(self, shapes: Shapes, batches: tuple[int, ...]) -> dict[int, _Measured]:
+    def _measured(self, shapes: Shapes, batches: tuple[int, ...], head_only: bool) -> dict[int, _Measured]:
         """The measurements at `shapes` with each micro-batch size of `batches` (those missing from
-        the cache measured on one fake model)."""
-        keys = {batch: (self._key, replace(shapes, micro_batch=batch)) for batch in batches}
-        missing = tuple(batch for batch, key in keys.items() if key not in _CACHE)
+        the cache measured on one fake model); ``head_only``: only the head's figures are read."""
+        found = {}
+        for batch in batches:
+            full = (self._key, replace(shapes, micro_batch=batch), False)
+            key = full if full in _CACHE or not head_only else full[:2] + (True,)
+            if key in _CACHE:
+                found[batch] = _CACHE[key]
+        missing = tuple(batch for batch in batches if batch not in found)
         if missing:
-            for batch, measured in self._measure(shapes, missing).items():
-                _CACHE[keys[batch]] = measured
-        return {batch: _CACHE[key] for batch, key in keys.items()}
+            for batch, measured in self._measure(shapes, missing, head_only).items():
+                found[batch] = _CACHE[self._key, replace(shapes, micro_batch=batch), head_only] = measured
+        return found
 
-    def _measure(self, shapes: Shapes, batches: tuple[int, ...]) -> dict[int, _Measured]:
-        """Micro-batches of each size in `batches` through embed, the layer kinds and the head, on a
-        fake model split as `shapes` says."""
+    def _measure(self, shapes: Shapes, batches: tuple[int, ...], head_only: bool) -> dict[int, _Measured]:
+        """Micro-batches of each size in `batches` through embed, the layer kinds (unless
+        ``head_only``) and the head, on a fake model split as `shapes` says."""
         with fake_world(shapes.tp, 0, tp=shapes.tp, sequence_parallel=shapes.sequence_parallel) as ctx:
             model = copy.deepcopy(self._probe)
             distributed.shard(model, ctx)
@@ -325,24 +334,25 @@ class SavedActivations:
                 model.init_buffers()
                 model.train()
                 casts.parameters = {_storage(local(p))[0] for p in model.parameters()}
-                return {batch: self._run(model, batch, shapes, casts) for batch in batches}
+                return {batch: self._run(model, batch, shapes, casts, head_only) for batch in batches}
 
     @staticmethod
-    def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _FakeMode) -> _Measured:
+    def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _FakeMode, head_only: bool) -> _Measured:
         counter = _SavedCounter(casts.parameters, casts.casts)
         ids = torch.zeros(batch, shapes.seq_len, dtype=torch.long)
         labels = ids if model.loss_unit == "token" else torch.zeros(batch, dtype=torch.long)
         inputs, targets = model.split_batch({"input_ids": ids, "labels": labels})
         layer_inputs = model.layer_inputs(inputs)
-        stack = get_layer_stack(model)
+        stack = [] if head_only else get_layer_stack(model)
         inputs_bytes = []
         amp = shapes.amp_dtype
         with (torch.autocast("cpu", dtype=amp, enabled=amp is not None),
               torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor)):
             with counter.charging("embedding"):
                 hidden = model.embed(inputs)
-            key, size = _storage(hidden)
-            own = hidden.numel() * hidden.element_size()
+            embedded = hidden  # alive while its storage's identity is used below
+            key, size = _storage(embedded)
+            own = embedded.numel() * embedded.element_size()
             for kind, layer in enumerate(stack):
                 inputs_bytes.append(hidden.numel() * hidden.element_size())
                 with counter.charging(kind):
@@ -350,6 +360,8 @@ class SavedActivations:
             # the first layer's input is the embedding's output: of a larger storage it is a view of
             # (one sample under sequence parallelism), what exceeds the input is the embedding's
             counter.move(key, size - own, 0, "embedding")
+            if head_only:
+                hidden = hidden.clone()  # a fresh storage, as the last layer's output is
             with counter.charging("head"):
                 model.head_loss(model.final_norm(hidden), targets)
         total, cast = counter.total, counter.cast
