@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from bench_common import run_meta, sync, write_json
+from bench_common import run_meta, time_steps, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_cases import CASES, hf_checkpoint_grads, hf_named_grads, make_hf_model, make_inputs  # noqa: E402
@@ -28,14 +27,10 @@ def _to(inputs: dict, device: str) -> dict:
     return {k: v.to(device) for k, v in inputs.items()}
 
 
-def _timed(fn, device: str, iters: int = 5) -> float:
-    fn()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    return (time.perf_counter() - start) / iters * 1e3
+def _timed(step, device: str, iters: int = 5) -> float:
+    """ms per call after one warm-up call."""
+    step()
+    return time_steps(step, iters, device)
 
 
 def family(name: str, device: str) -> dict:
