@@ -320,3 +320,15 @@ def hf_named_grads(zoo_model) -> dict[str, torch.Tensor]:
             grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
             pieces += rule.save(grad).items()
     return joined(pieces)
+
+
+def zoo_model(name: str, **changes) -> torch.nn.Module:
+    """Case `name`'s libai_zoo model, freshly initialised, its config changed by `changes` (the
+    trainer's tests give it the tokenizer's vocabulary and enough layers for their pipelines); the
+    config's per-layer lists (`layer_types`, ...) repeat to a new `num_hidden_layers`."""
+    case = CASES[name]
+    config = case.make_config()
+    values, layers = config.to_dict(), changes.get("num_hidden_layers", config.num_hidden_layers)
+    values.update({key: (value * layers)[:layers] for key, value in values.items()
+                   if isinstance(value, list) and len(value) == config.num_hidden_layers})
+    return case.zoo_class(type(config)(**{**values, **changes}))

@@ -13,19 +13,22 @@ def test_every_layout_trains_and_every_name_is_registered():
     base = set(test_parallel_training.GPT2_LAYOUTS)
     lora = {layout for _, layout, _ in test_lora_parallel.RUNS_AT}
     chat = {layout for _, layout in test_chat_sft.RUNS_AT.values()}
-    used = base | lora | chat | set(test_parallel_training.LLAMA_LAYOUTS) | set(test_parallel_training.RESUME_AT)
+    trained = {layout for layouts in test_parallel_training.TRAINED.values() for layout in layouts}
+    used = base | lora | chat | trained | set(test_parallel_training.RESUME_AT)
     assert used <= set(LAYOUTS)
     assert base | lora == set(LAYOUTS) - {"one"}
 
 
 def test_each_model_and_feature_covers_the_axes_it_changes():
     parallel = {"dp", "tp", "sp", "pp", "zero3", "world2", "world4"}
-    llama = covered(test_parallel_training.LLAMA_LAYOUTS)
+    llama = covered(test_parallel_training.LLAMA_SHAPED_LAYOUTS)
     assert parallel | {"zero0", "ac", "accumulation", "1f1b", "interleaved_1f1b", "zero_bubble", "virtual"} <= llama
     lora = covered(layout for _, layout, _ in test_lora_parallel.RUNS_AT) | axes("tp2_sp")  # + test_chat_sft's
     assert parallel | {"zero0", "zero1", "zero2", "1f1b", "zero_bubble", "interleaved_1f1b", "virtual"} <= lora
     assert {"dp", "sp", "pp"} <= covered(layout for _, layout in test_chat_sft.RUNS_AT.values())
     assert {"dp", "pp"} <= covered(test_parallel_training.INDEXED_LAYOUTS)
+    for family, layouts in test_parallel_training.FAMILY_LAYOUTS.items():
+        assert {"pp", "zero3"} <= covered(layouts), family
     assert {"tp", "pp", "zero1", "zero3", "virtual", "world1", "world4", "world8"} <= covered(
         test_parallel_training.RESUME_AT)
 

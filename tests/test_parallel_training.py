@@ -1,8 +1,9 @@
 """3-D parallel training equals one process: the same config, global batch and data trained for
 10 steps under data, tensor and pipeline parallelism and ZeRO 1-3 logs the one-process loss at
-every step (≤ 1e-5 relative), for a tiny GPT-2 and a tiny Llama (and one with a single KV head);
-a checkpoint written at dp2×tp2 with ZeRO-3 resumes at other layouts; bad layouts fail before
-the first step.
+every step (≤ 1e-5 relative), for a tiny GPT-2, a tiny Llama (and one with a single KV head) and
+each other family's tiny model (tests/model_cases.py, its distinguishing features on) at a pipeline
+under ZeRO-3; a checkpoint written at dp2×tp2 with ZeRO-3 resumes at other layouts; bad layouts
+fail before the first step.
 
 Each run is a case (tests/cases.py): computed when a selected test asks for it, the cases of one
 world size in one group of forked gloo processes, the one-process references once in the parent.
@@ -37,6 +38,7 @@ CONFIG = '''
 from libai_zoo.config import LazyCall, get_config
 from libai_zoo.data import build_gpt_dataset
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from model_cases import zoo_model
 
 train = get_config("common/train.py").train
 dist = get_config("common/train.py").dist
@@ -51,6 +53,7 @@ models = dict(
     mqa=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
         vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
+    **{{family: LazyCall(zoo_model)(name=family, vocab_size=8192, num_hidden_layers=4) for family in {families!r}}},
 )
 model = models["gpt2"]
 dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
@@ -59,7 +62,6 @@ dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenize
                                                    cache_dir="{cache}"))
 '''
 
-MODELS = ("gpt2", "llama", "mqa")
 
 
 def train(config_file: str, output_dir: str, model: str, overrides: list[str], *, resume: bool = False,
@@ -135,7 +137,7 @@ def write_config(root: Path) -> tuple[Path, list[str]]:
     (root / "text.txt").write_text("\n\n".join(documents))
     config_file = root / "config.py"
     config_file.write_text(CONFIG.format(text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
-                                         cache=root / "cache"))
+                                         cache=root / "cache", families=tuple(FAMILY_LAYOUTS)))
     return config_file, documents
 
 
@@ -151,7 +153,7 @@ def setup(root: Path) -> None:
     indexed_data = f'LazyCall(build_indexed_gpt_dataset)(prefixes=["{root}/corpus_text_document"], seq_len=16,'
     indexed = CONFIG.replace(text_data, indexed_data).replace(
         "import build_gpt_dataset", "import build_gpt_dataset, build_indexed_gpt_dataset")
-    (root / "config_indexed.py").write_text(indexed.format(cache=root / "cache"))
+    (root / "config_indexed.py").write_text(indexed.format(cache=root / "cache", families=tuple(FAMILY_LAYOUTS)))
 
 
 def _run(root: str, name: str, model: str, layout: str, config: str = "config.py", extra: tuple = ()) -> dict:
@@ -213,14 +215,25 @@ def _optimizer_bytes_dp4_zero1(root: str) -> tuple[list[int], int]:
 # tp4, rotary, RMSNorm and the gated MLP under sequence parallelism, an untied head on the last
 # pipeline stage, no biases under ZeRO-3, recomputed rotary under activation checkpointing) at the
 # layouts that split, shard or recompute those parts; a Llama with one kv head (multi-query, as
-# Gemma 3 270M) where its replicated kv head meets ZeRO-3, gradient accumulation and recomputation.
+# Gemma 3 270M) where its replicated kv head meets ZeRO-3, gradient accumulation and recomputation;
+# the Llama-shaped Qwen3 and Mistral (the same layers) take Llama's pipelines under ZeRO-3.
 GPT2_LAYOUTS = [name for name in LAYOUTS if name != "one" and name not in (
     "dp2_tp2_zero1", "tp2_pp2_interleaved", "dp2_pp2_zero2")]  # those three are LoRA's (test_lora_parallel)
-LLAMA_LAYOUTS = ["tp2", "tp2_sp", "tp4", "dp2_zero3", "pp2_1f1b", "pp2_interleaved", "dp2_tp2_zero3_accum_ac",
-                 "dp2_pp2_zero3_zero_bubble"]
-INDEXED_LAYOUTS = ["dp2", "pp2_1f1b"]  # Megatron-format data: windows of 17 tokens as 16 inputs + 16 shift_labels
+LLAMA_LAYOUTS = ["tp2", "tp2_sp", "tp4", "pp2_1f1b", "dp2_tp2_zero3_accum_ac"]
 MQA_LAYOUTS = ["dp2_tp2_zero3_accum_ac"]
-TRAINED = (("gpt2", GPT2_LAYOUTS), ("llama", LLAMA_LAYOUTS), ("mqa", MQA_LAYOUTS))
+# Every other family trains its tests/model_cases.py case (each distinguishing feature on: Qwen3's
+# q/k norms, head_dim and a window of 4 of the 16 positions on every other layer; Mistral's window;
+# Pythia's parallel residual) with the tokenizer's vocabulary and 4 layers, on one layout that
+# pipelines it and shards it with ZeRO-3 (its one-process reference is a run too). A family is one line.
+FAMILY_LAYOUTS = {
+    "qwen3": ["dp2_pp2_zero3_zero_bubble"],
+    "mistral": ["dp2_pp2_zero3_interleaved"],
+    "pythia": ["dp2_pp2_zero3_interleaved"],
+}
+LLAMA_SHAPED_LAYOUTS = LLAMA_LAYOUTS + FAMILY_LAYOUTS["qwen3"] + FAMILY_LAYOUTS["mistral"]
+TRAINED = {"gpt2": GPT2_LAYOUTS, "llama": LLAMA_LAYOUTS, "mqa": MQA_LAYOUTS, **FAMILY_LAYOUTS}
+MODEL_OF = {f"{model}_{layout}": model for model, layouts in TRAINED.items() for layout in layouts}  # case -> model
+INDEXED_LAYOUTS = ["dp2", "pp2_1f1b"]  # Megatron-format data: windows of 17 tokens as 16 inputs + 16 shift_labels
 RESUME_AT = ["tp4", "tp2_pp2", "dp2_pp2_zero1_1f1b", "dp2_tp2_pp2_zero3_interleaved", "one"]
 EXTRA = {"dp2_pp2_zero2_zbv": ("dataloader.test=null",)}  # zbv cannot evaluate
 
@@ -230,11 +243,11 @@ def _world(layout: str) -> int:
 
 
 CASES = {
-    **{f"{model}_one": Case(1, _run, (f"{model}_one", model, "one")) for model in MODELS},
+    **{f"{model}_one": Case(1, _run, (f"{model}_one", model, "one")) for model in TRAINED},
     "indexed_one": Case(1, _run, ("indexed_one", "gpt2", "one", "config_indexed.py")),
     **{f"{model}_{layout}": Case(_world(layout), _run, (f"{model}_{layout}", model, layout, "config.py",
                                                          EXTRA.get(layout, ())), needs=(f"{model}_one",))
-       for model, layouts in TRAINED for layout in layouts},
+       for model, layouts in TRAINED.items() for layout in layouts},
     **{f"indexed_{layout}": Case(_world(layout), _run, (f"indexed_{layout}", "gpt2", layout, "config_indexed.py"),
                                  needs=("indexed_one",)) for layout in INDEXED_LAYOUTS},
     "ckpt": Case(4, _checkpoint, needs=("gpt2_one",)),
@@ -260,10 +273,9 @@ def _assert_same(losses: dict[int, float], reference: dict[int, float], steps) -
     assert worst <= TOL, (worst, losses, reference)
 
 
-@pytest.mark.parametrize("case", _params(f"{model}_{layout}" for model, layouts in TRAINED for layout in layouts))
+@pytest.mark.parametrize("case", _params(MODEL_OF))
 def test_layout_equals_one_process(runs, case):
-    model = case.split("_")[0]
-    _assert_same(runs(case)["losses"], runs(f"{model}_one")["losses"], range(1, STEPS + 1))
+    _assert_same(runs(case)["losses"], runs(f"{MODEL_OF[case]}_one")["losses"], range(1, STEPS + 1))
 
 
 # Layouts whose one evaluation batch holds the same 8 sequences as the one-process run's
@@ -271,11 +283,11 @@ def test_layout_equals_one_process(runs, case):
 SAME_EVAL_BATCH = ["tp2", "tp4", "pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble", "pp4_gpipe", "tp2_pp2"]
 
 
-@pytest.mark.parametrize("case", [f"{model}_{layout}" for model, layouts in TRAINED for layout in layouts
+@pytest.mark.parametrize("case", [f"{model}_{layout}" for model, layouts in TRAINED.items() for layout in layouts
                                   if layout in SAME_EVAL_BATCH])
 def test_evaluation_equals_one_process(runs, case):
     """Evaluation after the last step, pipelined (forward-only schedule) or not."""
-    ours, theirs = runs(case)["eval"], runs(f"{case.split('_')[0]}_one")["eval"]
+    ours, theirs = runs(case)["eval"], runs(f"{MODEL_OF[case]}_one")["eval"]
     assert ours is not None and abs(ours - theirs) / theirs <= TOL, (ours, theirs)
 
 
