@@ -1,5 +1,6 @@
 """LoRA in one process: the adapted layer's arithmetic, what is frozen, PEFT's adapter format both
-ways (checked with peft itself), the merged export that transformers loads, and a LoRA run of the
+ways for every family (checked with peft itself, under each family's Hugging Face module names),
+the merged export that transformers loads, and a LoRA run of the
 trainer (frozen base, exact resume, continuing from an exported adapter). Layouts: test_lora_parallel.py."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from libai_zoo.hf import apply_lora_config, load_peft_adapter, read_peft_adapter
 from libai_zoo.layers import Linear, apply_lora, merge_lora
 from libai_zoo.models import Gemma3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, Phi3ForCausalLM, RobertaForMaskedLM
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes
-from model_cases import gemma3_text_config
+from model_cases import CASES, gemma3_text_config, make_hf_model
 from test_convert import cli
 from trainer_runs import losses, run_trainer
 
@@ -115,14 +116,44 @@ def _randomised_adapters(model: nn.Module) -> None:
             param.data = torch.randn(param.shape, generator=generator) * 0.1
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+LLAMA_NAMES = ["o_proj", "q_proj", "k_proj", "v_proj", "down_proj"]  # every Llama-shaped family's
+# Each family: the modules a PEFT-trained adapter targets (Hugging Face's names; the first, the
+# attention's output, at another rank and alpha), the rank our fused qkv takes from their r=2
+# adapters (3 × 2 from q, k and v; 2 from a packed qkv) and how many Linear layers of a layer the
+# default targets adapt (attention qkv and out, the MLP's). A tests/model_cases.py family is one line.
+LORA_FAMILIES = {
+    "llama": (LLAMA_NAMES, 6, 5),
+    "gemma3": (LLAMA_NAMES, 6, 5),
+    "gpt2": (["c_proj", "c_attn", "c_fc"], 2, 4),  # GPT-2's c_attn is one module in PEFT too
+    "roberta": (["attention.output.dense", "query", "key", "value", "intermediate.dense"], 6, 4),
+    "phi3": (["o_proj", "qkv_proj", "gate_up_proj", "down_proj"], 2, 5),  # qkv_proj: one module in PEFT too
+    "qwen3": (LLAMA_NAMES, 6, 5),
+    "mistral": (LLAMA_NAMES, 6, 5),
+    "pythia": (["dense", "query_key_value", "dense_4h_to_h"], 2, 4),
+}
+
+
+def family_hf(family: str, path: Path) -> tuple[Path, type, type]:
+    """A tiny transformers checkpoint of `family` written at `path` (FAMILIES', or a
+    tests/model_cases.py case's model, its norms' weights drawn away from 1), the libai_zoo class
+    that loads it and the transformers class that does."""
+    if family in FAMILIES:
+        make_hf, cls, hf_class = FAMILIES[family]
+        return make_hf(path), cls, hf_class
+    case = CASES[family]
+    make_hf_model(case).save_pretrained(path)
+    return path, case.zoo_class, case.hf_class
+
+
+@pytest.mark.parametrize("family", LORA_FAMILIES)
 def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_path):
     """Phi-3's gate_up_proj holds the adapters of our gate and up joined (rank 2r): back here each
     takes the whole A and its rows of B, the same update."""
-    make_hf, cls, hf_auto = FAMILIES[family]
-    hf_dir = make_hf(tmp_path / "hf")
+    hf_dir, cls, hf_class = family_hf(family, tmp_path / "hf")
     model = cls.from_pretrained(hf_dir)
-    apply_lora(model, 4, 8.0)
+    adapted = apply_lora(model, 4, 8.0)
+    assert len(adapted) == model.config.num_hidden_layers * LORA_FAMILIES[family][2]
+    assert not [name for name in adapted if "norm" in name]  # Qwen3's q_norm and k_norm stay as they are
     _randomised_adapters(model)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
     expected = model(ids).logits
@@ -131,7 +162,7 @@ def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_pa
     save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(hf_dir))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["fan_in_fan_out"]) == (4, 8.0, family == "gpt2")
-    base = hf_auto.from_pretrained(hf_dir).eval()
+    base = hf_class.from_pretrained(hf_dir).eval()
     with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     assert (with_adapter(ids).logits - expected).abs().max() <= 1e-5
 
@@ -140,28 +171,22 @@ def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_pa
     load_peft_adapter(reloaded, tmp_path / "adapter")
     assert (reloaded(ids).logits - expected).abs().max() == 0
 
-    assert merge_lora(model) == 2 * (5 if family in ("llama", "gemma3", "phi3") else 4)
+    assert merge_lora(model) == len(adapted)
     model.save_pretrained(tmp_path / "merged")
-    merged = hf_auto.from_pretrained(tmp_path / "merged").eval()
+    merged = hf_class.from_pretrained(tmp_path / "merged").eval()
     assert (merged(ids).logits - expected).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", LORA_FAMILIES)
 def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, tmp_path):
     """PEFT trains separate A's for q, k and v: our fused qkv takes them stacked (rank 3r); Phi-3's
     gate_up_proj gives our gate and up its A and each its rows of B."""
-    make_hf, cls, hf_auto = FAMILIES[family]
-    hf_dir = make_hf(tmp_path / "hf")
-    out = {"llama": "o_proj", "gemma3": "o_proj", "gpt2": "o_proj", "roberta": "attention.output.dense",
-           "phi3": "o_proj"}[family]
-    llama_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
-    targets = {"llama": llama_targets, "gemma3": llama_targets, "gpt2": ["c_attn", "c_fc"],
-               "roberta": ["query", "key", "value", out, "intermediate.dense"],
-               "phi3": ["qkv_proj", out, "gate_up_proj", "down_proj"]}[family]
-    base = hf_auto.from_pretrained(hf_dir).eval()
-    trained = peft.get_peft_model(hf_auto.from_pretrained(hf_dir),
+    hf_dir, cls, hf_class = family_hf(family, tmp_path / "hf")
+    targets, fused_rank, _ = LORA_FAMILIES[family]
+    base = hf_class.from_pretrained(hf_dir).eval()
+    trained = peft.get_peft_model(hf_class.from_pretrained(hf_dir),
                                   peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets,
-                                                  rank_pattern={out: 3}, alpha_pattern={out: 9}))
+                                                  rank_pattern={targets[0]: 3}, alpha_pattern={targets[0]: 9}))
     _randomised_adapters(trained)
     trained.save_pretrained(tmp_path / "adapter")
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -170,9 +195,8 @@ def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, t
     model = cls.from_pretrained(hf_dir)
     layers = apply_lora_config(model, {"adapter": str(tmp_path / "adapter")})
     qkv = next(name for name in layers if name.endswith("attn.qkv"))
-    assert layers[qkv][0] == (2 if family in ("gpt2", "phi3") else 6)  # c_attn, qkv_proj: one module in PEFT too
-    if family != "gpt2":  # the rank and alpha patterns reach the output projection
-        assert layers[next(name for name in layers if name.endswith("attn.out"))] == (3, 9.0)
+    assert layers[qkv][0] == fused_rank
+    assert layers[next(name for name in layers if name.endswith("attn.out"))] == (3, 9.0)  # the patterns reach it
     load_peft_adapter(model, tmp_path / "adapter")
     assert (model(ids).logits - expected).abs().max() <= 1e-5
 
