@@ -6,7 +6,8 @@ own `parallelize` under torch's fake process group on the meta device, for Llama
 and 512 ranks under a spread of layouts (ZeRO 0-3, tp 1-8, pp 1-8 with 1F1B, interleaved 1F1B
 and ZBV), for a Llama with one KV head that tp replicates (its fused qkv whole on every rank), and
 for a small GPT-2 whose head is tied to its embedding (a copy at each pipeline end; both copies on
-one rank under ZBV's V placement) at ZeRO 3 over a dp that does not divide the rows.
+one rank under ZBV's V placement) at ZeRO 3 over a dp that does not divide the rows. Every
+family's tiny model (tests/model_cases.py) is counted exactly and agrees with its dry run at tp2×pp2.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from libai_zoo.plan.dry_run import dry_run, dry_run_rank
 from libai_zoo.plan.layouts import Layout
 from libai_zoo.plan.memory import OptimizerState, rank_stages, state_bytes
 from libai_zoo.plan.model_table import ModelTable
+from model_cases import zoo_model
 
 MODELS = {
     "llama7b": LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
@@ -36,6 +38,10 @@ MODELS = {
     "gpt2_tied": LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
         vocab_size=1000, n_positions=64, n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0)),
 }
+
+# tests/model_cases.py cases, one per family (tied and untied heads): a family is one name here
+FAMILIES = ("gpt2", "llama_tied_bias", "qwen3", "qwen3_tied", "mistral", "pythia")
+MODELS.update({family: LazyCall(zoo_model)(name=family) for family in FAMILIES})
 
 L = Layout
 # (model, layout): world sizes 64 and 512 for the Llamas
@@ -159,3 +165,18 @@ def test_lora_state_bytes_equal_the_dry_run(case, optim):
     full = state_bytes(ModelTable.from_config(MODELS[model]), layout, 0, 0, optimizer)
     lora = state_bytes(table, layout, 0, 0, optimizer)
     assert lora.params > full.params and lora.optimizer < full.optimizer / 3 and lora.grads < full.grads / 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_is_counted_exactly_and_its_dry_run_agrees(family, tables, optim):
+    """The planner's table holds the real model's parameters (each tied one once) and bytes; at
+    tp2×pp2 each stage's state bytes equal its dry run's."""
+    table = tables(family)
+    params = list(zoo_model(family).parameters())  # each shared parameter once
+    assert table.total_parameters == sum(p.numel() for p in params)
+    assert state_bytes(table, L(1, 1, 1, 0)).params == sum(p.numel() * p.element_size() for p in params)
+    optim_cfg, optimizer = optim
+    layout = L(1, 2, 2, 0, schedule="1f1b")
+    ranks = dry_run(_cfg(family, layout, optim_cfg), layout)
+    assert {r.pp_rank for r in ranks} == {0, 1}
+    _check(table, layout, ranks, optimizer)
