@@ -40,7 +40,8 @@ MODELS = {
 }
 
 # tests/model_cases.py cases, one per family (tied and untied heads): a family is one name here
-FAMILIES = ("gpt2", "llama_tied_bias", "qwen3", "qwen3_tied", "mistral", "pythia")
+FAMILIES = ("gpt2", "llama_tied_bias", "qwen3", "qwen3_tied", "mistral", "pythia", "roberta_mlm",
+            "vit_cls")
 MODELS.update({family: LazyCall(zoo_model)(name=family) for family in FAMILIES})
 
 L = Layout
