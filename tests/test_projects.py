@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,9 +23,9 @@ def load_tool(name: str):
 def workdir(tmp_path_factory):
     """Stand-in Hugging Face directories for the fine-tuning recipes, and a shared data cache."""
     root = tmp_path_factory.mktemp("projects")
-    for kind in ("bert", "llama"):
-        subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_hf_model.py"), kind, str(root / kind)],
-                       check=True, capture_output=True)
+    make_tiny_hf_model = load_tool("make_tiny_hf_model")
+    for kind in ("bert", "llama", "qwen3"):
+        make_tiny_hf_model.main([kind, str(root / kind)])
     return root
 
 
@@ -41,6 +39,9 @@ RECIPES = {
                        "dataloader.test.cache_dir={cache}"],
     "bert_finetune": ["model.path={root}/bert"],
     "llama_sft": ["model.path={root}/llama", "dataloader.train.cache_dir={cache}", "dataloader.test.cache_dir={cache}"],
+    "qwen3_finetune": ["model.path={root}/qwen3", "dataloader.train.cache_dir={cache}",
+                       "dataloader.test.cache_dir={cache}"],
+    "qwen3_sft": ["model.path={root}/qwen3", "dataloader.train.cache_dir={cache}", "dataloader.test.cache_dir={cache}"],
     "vit_classification": [],
 }
 

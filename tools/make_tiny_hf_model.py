@@ -6,6 +6,7 @@ recipes start from one of these; with a real checkpoint, point the recipe at it 
     python tools/make_tiny_hf_model.py bert output/tiny_bert       # or roberta, and fine-tune it with
                                                                    # projects/bert_finetune model.path=...
     python tools/make_tiny_hf_model.py llama output/tiny_llama --hidden 256 --layers 4
+    python tools/make_tiny_hf_model.py qwen3 output/tiny_qwen3
 """
 
 from __future__ import annotations
@@ -29,17 +30,21 @@ def make_config(kind: str, hidden: int, layers: int, heads: int) -> transformers
     if kind == "llama":
         return transformers.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=max(1, heads // 2), bos_token_id=0,
                                         eos_token_id=0, max_position_embeddings=2048, **common)
+    if kind == "qwen3":  # as Qwen3-0.6B: head_dim twice hidden / heads, a tied head (q/k norms are its own)
+        return transformers.Qwen3Config(vocab_size=VOCAB, num_key_value_heads=max(1, heads // 2),
+                                        head_dim=2 * hidden // heads, tie_word_embeddings=True, bos_token_id=0,
+                                        eos_token_id=0, max_position_embeddings=2048, **common)
     if kind == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads,
                                        bos_token_id=0, eos_token_id=0)
     return transformers.ViTConfig(image_size=8, patch_size=2, num_channels=1, num_labels=10, **common)
 
 
-MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel",
-          "vit": "ViTForImageClassification"}
+MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "llama": "LlamaForCausalLM",
+          "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "vit": "ViTForImageClassification"}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=sorted(MODELS), help="which model family")
     parser.add_argument("output_dir", help="where to write config.json and model.safetensors")
@@ -47,7 +52,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     config = make_config(args.kind, args.hidden, args.layers, args.heads)
     getattr(transformers, MODELS[args.kind])(config).save_pretrained(args.output_dir)
