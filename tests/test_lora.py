@@ -130,6 +130,11 @@ LORA_FAMILIES = {
     "qwen3": (LLAMA_NAMES, 6, 5),
     "mistral": (LLAMA_NAMES, 6, 5),
     "pythia": (["dense", "query_key_value", "dense_4h_to_h"], 2, 4),
+    "gemma": (LLAMA_NAMES, 6, 5),
+    "gemma2": (LLAMA_NAMES, 6, 5),
+    "granite": (LLAMA_NAMES, 6, 5),
+    "smollm3": (LLAMA_NAMES, 6, 5),
+    "olmo2": (LLAMA_NAMES, 6, 5),
 }
 
 

@@ -229,6 +229,13 @@ FAMILY_LAYOUTS = {
     "qwen3": ["dp2_pp2_zero3_zero_bubble"],
     "mistral": ["dp2_pp2_zero3_interleaved"],
     "pythia": ["dp2_pp2_zero3_interleaved"],
+    "gemma": ["dp2_pp2_zero3_zero_bubble"],
+    "gemma2": ["dp2_pp2_zero3_interleaved"],
+    "gemma3": ["dp2_pp2_zero3_zero_bubble"],
+    "phi3": ["dp2_pp2_zero3_interleaved"],
+    "granite": ["dp2_pp2_zero3_zero_bubble"],
+    "smollm3": ["dp2_pp2_zero3_interleaved"],
+    "olmo2": ["dp2_pp2_zero3_zero_bubble"],
 }
 LLAMA_SHAPED_LAYOUTS = LLAMA_LAYOUTS + FAMILY_LAYOUTS["qwen3"] + FAMILY_LAYOUTS["mistral"]
 TRAINED = {"gpt2": GPT2_LAYOUTS, "llama": LLAMA_LAYOUTS, "mqa": MQA_LAYOUTS, **FAMILY_LAYOUTS}

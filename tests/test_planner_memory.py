@@ -40,8 +40,9 @@ MODELS = {
 }
 
 # tests/model_cases.py cases, one per family (tied and untied heads): a family is one name here
-FAMILIES = ("gpt2", "llama_tied_bias", "qwen3", "qwen3_tied", "mistral", "pythia", "roberta_mlm",
-            "vit_cls")
+# (OLMo 2 once plan/activations.py reads a layer with output norms only: LayerShape.of wants attn_norm)
+FAMILIES = ("gpt2", "llama_tied_bias", "qwen3", "qwen3_tied", "mistral", "pythia", "gemma", "gemma2", "gemma3",
+            "phi3", "granite", "smollm3", "roberta_mlm", "vit_cls")
 MODELS.update({family: LazyCall(zoo_model)(name=family) for family in FAMILIES})
 
 L = Layout
