@@ -40,9 +40,8 @@ MODELS = {
 }
 
 # tests/model_cases.py cases, one per family (tied and untied heads): a family is one name here
-# (OLMo 2 once plan/activations.py reads a layer with output norms only: LayerShape.of wants attn_norm)
 FAMILIES = ("gpt2", "llama_tied_bias", "qwen3", "qwen3_tied", "mistral", "pythia", "gemma", "gemma2", "gemma3",
-            "phi3", "granite", "smollm3", "roberta_mlm", "vit_cls")
+            "phi3", "granite", "smollm3", "roberta_mlm", "vit_cls", "olmo2")
 MODELS.update({family: LazyCall(zoo_model)(name=family) for family in FAMILIES})
 
 L = Layout
