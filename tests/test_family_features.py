@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from libai_zoo import layers
+from libai_zoo import layers, models
 from libai_zoo.hf import rules
 from libai_zoo.models.decoder import DecoderSpec
 from model_cases import CASES, GEMMA3_GLOBAL_BASE, make_hf_model, make_inputs
@@ -109,6 +109,10 @@ FEATURES = {
     ("granite", "attention multiplier"): (layers.Attention, _without_kwarg(layers.Attention, "softmax_scale")),
     ("granite", "logits scaling"): (layers.LMHead, _without_kwarg(layers.LMHead, "logit_scale", 1.0)),
     ("smollm3", "NoPE layers"): (layers.Attention, _rotary_everywhere(layers.Attention)),
+    ("roberta_mlm", "positions counted after the padding"): (
+        models.bert.BertEmbeddings, ("position_ids", lambda self, ids: torch.arange(ids.shape[1])[None] + 2)),
+    ("roberta_mlm", "GELU in the MLM head whatever hidden_act says"): (models.RobertaForMaskedLM,
+                                                                       ("mlm_activation", None)),
 }
 
 

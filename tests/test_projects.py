@@ -24,7 +24,7 @@ def workdir(tmp_path_factory):
     """Stand-in Hugging Face directories for the fine-tuning recipes, and a shared data cache."""
     root = tmp_path_factory.mktemp("projects")
     make_tiny_hf_model = load_tool("make_tiny_hf_model")
-    for kind in ("bert", "llama", "qwen3"):
+    for kind in ("bert", "llama", "qwen3", "gemma3"):
         make_tiny_hf_model.main([kind, str(root / kind)])
     return root
 
@@ -41,6 +41,8 @@ RECIPES = {
     "llama_sft": ["model.path={root}/llama", "dataloader.train.cache_dir={cache}", "dataloader.test.cache_dir={cache}"],
     "qwen3_finetune": ["model.path={root}/qwen3", "dataloader.train.cache_dir={cache}",
                        "dataloader.test.cache_dir={cache}"],
+    "gemma3_finetune": ["model.path={root}/gemma3", "dataloader.train.cache_dir={cache}",
+                        "dataloader.test.cache_dir={cache}"],
     "qwen3_sft": ["model.path={root}/qwen3", "dataloader.train.cache_dir={cache}", "dataloader.test.cache_dir={cache}"],
     "vit_classification": [],
 }

@@ -7,6 +7,7 @@ recipes start from one of these; with a real checkpoint, point the recipe at it 
                                                                    # projects/bert_finetune model.path=...
     python tools/make_tiny_hf_model.py llama output/tiny_llama --hidden 256 --layers 4
     python tools/make_tiny_hf_model.py qwen3 output/tiny_qwen3
+    python tools/make_tiny_hf_model.py gemma3 output/tiny_gemma3 --layers 6
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def make_config(kind: str, hidden: int, layers: int, heads: int) -> transformers
         return transformers.Qwen3Config(vocab_size=VOCAB, num_key_value_heads=max(1, heads // 2),
                                         head_dim=2 * hidden // heads, tie_word_embeddings=True, bos_token_id=0,
                                         eos_token_id=0, max_position_embeddings=2048, **common)
+    if kind == "gemma3":  # as Gemma 3 270M: one KV head, head_dim twice hidden / heads, 5 sliding layers to 1 full
+        return transformers.Gemma3TextConfig(vocab_size=VOCAB, num_key_value_heads=1, head_dim=2 * hidden // heads,
+                                             query_pre_attn_scalar=2 * hidden // heads, sliding_window=64,
+                                             bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                             max_position_embeddings=2048, **common)
     if kind == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads,
                                        bos_token_id=0, eos_token_id=0)
@@ -41,7 +47,7 @@ def make_config(kind: str, hidden: int, layers: int, heads: int) -> transformers
 
 
 MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "llama": "LlamaForCausalLM",
-          "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "vit": "ViTForImageClassification"}
+          "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel", "vit": "ViTForImageClassification"}
 
 
 def main(argv: list[str] | None = None) -> None:
