@@ -211,6 +211,22 @@ def test_attention_memory_on_cuda_is_linear_in_sequence():
     assert cpu - cuda == 2 * 128 * 64 * (4 - 1)  # the embedding's dropout mask: float32 on CPU, bool on CUDA
 
 
+def test_a_window_costs_cuda_its_additive_mask():
+    """CUDA's SDPA turns a boolean mask (a sliding window) into an additive one in q's dtype and
+    the kernel keeps it for backward, as CPU's does: S×S elements of 4 bytes (fp32) or 2 (bf16)
+    more than a layer without a window, not bool's 1."""
+    def mistral(window):
+        with torch.device("meta"):
+            return SavedActivations(models.MistralForCausalLM(transformers.MistralConfig(
+                vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, sliding_window=window)))
+    windowed, full = mistral(4), mistral(None)
+    for amp, element in ((None, 4), (BF16, 2)):
+        for device in ("cuda", "cpu"):
+            shapes = Shapes(2, 32, amp_dtype=amp, device=device)
+            assert windowed.layer(0, shapes) - full.layer(0, shapes) == 32 * 32 * element, (amp, device)
+
+
 def test_identical_layers_share_one_kind():
     """Layers built alike are one kind, measured once; a window on every other layer makes two,
     and the memory model counts each pipeline rank's layers by kind."""

@@ -175,6 +175,8 @@ class _TargetKernels(TorchFunctionMode):
             q, k, v = (t.to(dtype) for t in (q, k, v))
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = attn_mask.to(dtype)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # CUDA's SDPA turns it into an additive mask
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
         backend = sdpa_backend("cuda", q.dtype, q.shape[1], k.shape[1], q.shape[-1], float(dropout_p))
         if backend == "fused":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
