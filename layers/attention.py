@@ -87,7 +87,7 @@ class Attention(ParallelLayer, nn.Module):
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm {qk_norm!r} is not one of {QK_NORMS}")
         if qk_norm and cross_attention:
-            raise ValueError("qk_norm is for self-attention")
+            raise ValueError("qk_norm is for self-attention: build the cross-attention without it")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.kv_replicas = 1  # tp ranks sharing each KV head (set by shard_ when tp > num_kv_heads)
         self.causal, self.cross_attention = causal, cross_attention

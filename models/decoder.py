@@ -113,7 +113,8 @@ class DecoderModel(PreTrainedModel):
             x = x + getattr(self, self.names.positions)(position_ids)
         if token_type_ids is not None:
             if not spec.token_types:
-                raise ValueError(f"{type(self).__name__} takes no token_type_ids")
+                raise ValueError(f"{type(self).__name__} takes no token_type_ids: leave them out of the batch "
+                                 f"(a tokenizer's return_token_type_ids=False)")
             x = x + table(token_type_ids)
         if spec.embedding_multiplier != 1.0:
             multiplier = spec.embedding_multiplier

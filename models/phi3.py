@@ -26,7 +26,7 @@ class Phi3Config(transformers.Phi3Config):
 
 
 def phi3_layer(config: Phi3Config, index: int) -> dict:
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return llama_layer(config, index, rotary_dim=int(head_dim * rotary_fraction(config)),
                        hidden_dropout=config.resid_pdrop)
 
