@@ -16,11 +16,11 @@ from .linear import Linear
 from .lm_head import LMHead
 from .lora import LoRA, apply_lora, is_adapter_parameter, lora_layers, merge_lora
 from .mlp import MLP
-from .norm import LayerNorm, RMSNorm
+from .norm import NORMS, LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
 from .rotary import RotaryEmbedding, apply_rotary
 from .sequence_parallel import SequenceGather, SequenceScatter
-from .transformer_layer import NORMS, TransformerLayer
+from .transformer_layer import TransformerLayer
 
 __all__ = ["Attention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCache", "MLP", "LayerNorm", "RMSNorm",
            "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",

@@ -41,7 +41,7 @@ from libai_zoo.distributed import TensorParallel
 
 from .kv_cache import KVCache
 from .linear import Linear
-from .norm import RMSNorm
+from .norm import NORMS
 from .parallel_layer import ParallelLayer, indivisible
 from .rotary import RotaryEmbedding, apply_rotary
 
@@ -59,7 +59,8 @@ class Attention(ParallelLayer, nn.Module):
     earlier ones when causal). ``rope_theta`` turns on rotary positions on the first
     ``rotary_dim`` channels of each head (default all), ``rope_scaling`` rescales them
     (`RotaryEmbedding`). ``qk_norm``: RMSNorm on q and k before rotary, over each head ("head")
-    or over the whole projection ("projection"), (1 + w) in float32 with ``qk_norm_unit_offset``.
+    or over the whole projection ("projection"), of kind ``qk_norm_kind`` (an RMSNorm of `norm.NORMS`: Gemma 3's "rmsnorm_1p", OLMo 2's
+    "rmsnorm_fp32_weight").
     ``softmax_scale`` replaces 1/sqrt(head_dim); ``softcap`` caps the scores at ±softcap
     (cap·tanh(s/cap)). ``sync_input``/``reduce_output`` as in `Linear`.
     """
@@ -70,7 +71,7 @@ class Attention(ParallelLayer, nn.Module):
                  dropout: float = 0.0, rope_theta: float | None = None, rope_scaling: dict | None = None,
                  rotary_dim: int | None = None, sliding_window: int | None = None,
                  softmax_scale: float | None = None, softcap: float | None = None,
-                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, qk_norm_unit_offset: bool = False,
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, qk_norm_kind: str = "rmsnorm",
                  sync_input: bool = True,
                  reduce_output: bool = True, sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__()
@@ -86,6 +87,9 @@ class Attention(ParallelLayer, nn.Module):
             raise ValueError(f"sliding_window = {sliding_window} must be a positive number of positions")
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm {qk_norm!r} is not one of {QK_NORMS}")
+        if qk_norm and not qk_norm_kind.startswith("rmsnorm"):
+            raise ValueError(f"qk_norm_kind {qk_norm_kind!r}: q/k norms are RMSNorms (one of "
+                             f"{sorted(k for k in NORMS if k.startswith('rmsnorm'))})")
         if qk_norm and cross_attention:
             raise ValueError("qk_norm is for self-attention: build the cross-attention without it")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -110,10 +114,10 @@ class Attention(ParallelLayer, nn.Module):
         self.qk_norm = qk_norm
         if qk_norm:  # q and k come out of the column-parallel qkv: whole sequence, this rank's heads
             per_head = qk_norm == "head"
-            norm = dict(eps=qk_norm_eps, unit_offset=qk_norm_unit_offset, split_input=per_head, split_dim=not per_head,
+            norm = dict(eps=qk_norm_eps, split_input=per_head, split_dim=not per_head,
                         sequence_parallel=False, device=device, dtype=dtype)
-            self.q_norm = RMSNorm(head_dim if per_head else num_heads * head_dim, **norm)
-            self.k_norm = RMSNorm(head_dim if per_head else num_kv_heads * head_dim, **norm)
+            self.q_norm = NORMS[qk_norm_kind](head_dim if per_head else num_heads * head_dim, **norm)
+            self.k_norm = NORMS[qk_norm_kind](head_dim if per_head else num_kv_heads * head_dim, **norm)
 
     def tp_problems(self, tp_size: int) -> list[str]:
         problems = indivisible(self.num_heads, tp_size, "num_heads", "choose a tp that divides the number of heads")

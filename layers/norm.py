@@ -2,14 +2,16 @@
 sequence parallelism (each rank normalizes its own tokens; weight gradients are then partial
 and summed over tp by `libai_zoo.distributed.finalize_grads`).
 
-RMSNorm also covers what today's decoders add: Gemma's (1 + w) weight computed in float32
-(``unit_offset``), a norm over each rank's own heads (q/k norms of Qwen3 and Gemma 3:
+RMSNorm also covers what today's decoders add: the weight applied in float32 before the cast
+back (OLMo 2: ``float32_weight``), Gemma's (1 + w) weight so applied (``unit_offset``), a norm over each rank's own heads (q/k norms of Qwen3 and Gemma 3:
 ``split_input``, the weight's gradient is partial under any tp) and a norm over a dimension tp
 splits (OLMo 2's q/k norm over the whole projection: ``split_dim``, the weight is split with it
 and the mean square is summed over tp; q and k are never gathered).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -40,16 +42,19 @@ class LayerNorm(ParallelLayer, nn.LayerNorm):
 class RMSNorm(ParallelLayer, nn.RMSNorm):
     """`nn.RMSNorm` over the last dimension, computed in float32 and cast back as Llama does.
 
-    ``unit_offset``: Gemma's weight, applied as (1 + w) in float32 before the cast (it starts at 0).
+    ``float32_weight``: the weight multiplies the float32 normalized values, then the cast (OLMo 2);
+    Llama casts first. ``unit_offset``: Gemma's weight, (1 + w) so applied (it starts at 0).
     ``split_input``: the input is a per-rank part of the data under any tp (each rank's heads).
     ``split_dim``: the normalized dimension itself is split over tp (see the module docstring).
     """
 
     def __init__(self, hidden_size: int, eps: float | None = None, elementwise_affine: bool = True,
-                 *, unit_offset: bool = False, split_input: bool = False, split_dim: bool = False,
+                 *, float32_weight: bool = False, unit_offset: bool = False, split_input: bool = False,
+                 split_dim: bool = False,
                  sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__(hidden_size, eps, elementwise_affine, device=device, dtype=dtype)
-        self.unit_offset, self.split_input, self.split_dim = unit_offset, split_input, split_dim
+        self.float32_weight, self.unit_offset = float32_weight or unit_offset, unit_offset
+        self.split_input, self.split_dim = split_input, split_dim
         self.sequence_parallel = sequence_parallel
 
     def tp_problems(self, tp_size: int) -> list[str]:
@@ -70,8 +75,8 @@ class RMSNorm(ParallelLayer, nn.RMSNorm):
             normed = self._split_rms(x.float())
         else:
             normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + weight.float())).to(x.dtype)
+        if self.float32_weight and weight is not None:
+            return (normed * (1.0 + weight.float() if self.unit_offset else weight.float())).to(x.dtype)
         normed = normed.to(x.dtype)
         return normed if weight is None else weight * normed
 
@@ -82,5 +87,11 @@ class RMSNorm(ParallelLayer, nn.RMSNorm):
         return x * torch.rsqrt(square_sum / self.normalized_shape[0] + eps)
 
     def extra_repr(self) -> str:
-        kinds = [k for k in ("unit_offset", "split_input", "split_dim") if getattr(self, k)]
+        kinds = [k for k in ("float32_weight", "unit_offset", "split_input", "split_dim") if getattr(self, k)]
         return super().extra_repr() + "".join(f", {k}" for k in kinds) + self.parallel_repr()
+
+
+#: Norm kinds by name, for `TransformerLayer`, q/k norms and a decoder's final norm: "rmsnorm_1p" is
+#: Gemma's (1 + w) RMSNorm, "rmsnorm_fp32_weight" OLMo 2's (the weight applied before the cast).
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_1p": functools.partial(RMSNorm, unit_offset=True),
+         "rmsnorm_fp32_weight": functools.partial(RMSNorm, float32_weight=True)}

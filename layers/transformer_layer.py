@@ -17,8 +17,6 @@ this rank's part of the sequence.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -27,11 +25,9 @@ from libai_zoo.distributed.collectives import column_input, row_output
 from .attention import Attention
 from .kv_cache import KVCache
 from .mlp import MLP
-from .norm import LayerNorm, RMSNorm
+from .norm import NORMS
 from .parallel_layer import ParallelLayer
 
-#: Norm kinds by name; "rmsnorm_1p" is Gemma's (1 + w) RMSNorm computed in float32.
-NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_1p": functools.partial(RMSNorm, unit_offset=True)}
 NORM_POSITIONS = ("pre", "post", "sandwich", "output")
 
 

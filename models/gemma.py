@@ -56,7 +56,7 @@ def gemma3_layer(config, index: int) -> dict:
     """Gemma 2's layer with per-head q/k norms and the rotary table of its layer type."""
     theta, scaling = rope_settings(config, config.rope_parameters[config.layer_types[index]])
     layer = gemma2_layer(config, index, rope_theta=theta, rope_scaling=scaling)
-    layer["attention"].update(qk_norm="head", qk_norm_eps=config.rms_norm_eps, qk_norm_unit_offset=True)
+    layer["attention"].update(qk_norm="head", qk_norm_eps=config.rms_norm_eps, qk_norm_kind="rmsnorm_1p")
     return layer
 
 

@@ -25,14 +25,16 @@ class Olmo2Config(transformers.Olmo2Config):
 
 
 def olmo2_layer(config: Olmo2Config, index: int) -> dict:
-    return llama_layer(config, index, norm_position="output",
-                       attention=dict(qk_norm="projection", qk_norm_eps=config.rms_norm_eps))
+    """OLMo 2's RMSNorms apply their weight before the cast back (it matters under bf16)."""
+    return llama_layer(config, index, norm_position="output", norm="rmsnorm_fp32_weight",
+                       attention=dict(qk_norm="projection", qk_norm_eps=config.rms_norm_eps,
+                                      qk_norm_kind="rmsnorm_fp32_weight"))
 
 
 class Olmo2Model(DecoderModel):
     config_class = Olmo2Config
     base_model_prefix = "model"
-    describe = staticmethod(functools.partial(llama_spec, layer=olmo2_layer))
+    describe = staticmethod(functools.partial(llama_spec, layer=olmo2_layer, final_norm="rmsnorm_fp32_weight"))
     weight_map = llama_weight_map
 
 

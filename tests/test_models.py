@@ -206,6 +206,21 @@ def test_gemma_bf16_rounds_as_transformers(tmp_path):
         assert max_diff(zoo(**inputs).logits.float(), hf(**inputs).logits.float(), mask) <= 1e-2
 
 
+def test_olmo2_bf16_norms_round_as_transformers(tmp_path):
+    """OLMo 2's RMSNorms (the branch outputs', the final one, q/k over the whole projection) apply
+    their weight in float32 before the cast back, Llama's after it: in bf16 the two differ in a
+    quarter of the elements; ours equal transformers' bit for bit."""
+    hf = make_hf_model(CASES["olmo2"]).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    zoo = models.Olmo2ForCausalLM.from_pretrained(tmp_path)
+    x = torch.randn(2, SEQ, HIDDEN, generator=torch.Generator().manual_seed(0)).bfloat16() * 3
+    with torch.no_grad():
+        assert torch.equal(zoo.model.norm(x), hf.model.norm(x))
+        assert torch.equal(zoo.model.layers[0].mlp_out_norm(x), hf.model.layers[0].post_feedforward_layernorm(x))
+        q = torch.randn(2, SEQ, zoo.model.layers[0].attn.q_norm.normalized_shape[0]).bfloat16()
+        assert torch.equal(zoo.model.layers[0].attn.q_norm(q), hf.model.layers[0].self_attn.q_norm(q))
+
+
 def test_new_head_needs_strict_false(hf_dirs):
     _, path, _ = hf_dirs["bert_mlm"]
     with pytest.raises(ValueError, match=r"(?s)missing tensor\(s\): bert\.pooler\.dense\.weight.*strict=False"):

@@ -489,15 +489,16 @@ def _attention_args(spec: DecoderSpec, layer: dict, attention: dict, problems: l
         if layer["norm"] != "rmsnorm" or attention["qk_norm_eps"] != layer["norm_eps"]:
             problems.append(f"RMSNorm q/k norms (eps {attention['qk_norm_eps']}) with {layer['norm']} layers (eps "
                             f"{layer['norm_eps']}): Megatron-Core's --qk-layernorm is the layers' norm")
-        if attention["qk_norm_unit_offset"]:
-            problems.append("(1 + w) q/k norms (Gemma 3): Megatron-Core's q/k norms weigh by w")
+        if attention["qk_norm_kind"] != "rmsnorm":
+            problems.append(f"{attention['qk_norm_kind']} q/k norms (Gemma 3's (1 + w)): Megatron-Core's q/k norms "
+                            f"are the layers' RMSNorm")
     elif qk is not None:
         problems.append(f"q/k norm {qk!r} (over the whole projection: OLMo 2): Megatron-Core's --qk-layernorm "
                         f"normalizes each head")
     unconverted = {"softmax_scale": "a softmax scale of its own (Gemma 2's query_pre_attn_scalar, Granite's "
                                     "attention_multiplier): not converted",
                    "softcap": "attention logit soft-capping (Gemma 2): Megatron-Core has none"}
-    known = NOT_ARCHITECTURE | {"qk_norm_eps", "qk_norm_unit_offset"}
+    known = NOT_ARCHITECTURE | {"qk_norm_eps", "qk_norm_kind"}
     problems += [f"attention {name} = {value!r}: " + unconverted.get(name, "no Megatron-Core form here")
                  for name, value in attention.items() if name not in known and value != ATTENTION_DEFAULTS.get(name)]
     windows = [each.get("sliding_window") for each in spec.layers]
