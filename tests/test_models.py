@@ -4,6 +4,7 @@ checkpoints load with equal outputs, losses and gradients; our checkpoints load 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -246,8 +247,7 @@ def test_pytorch_model_bin_loads(hf_dirs, tmp_path):
 
 def test_dtype_auto_and_explicit(hf_dirs, tmp_path):
     hf, _, _ = hf_dirs["gpt2"]
-    hf.to(torch.bfloat16).save_pretrained(tmp_path)
-    hf.float()
+    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(tmp_path)  # the shared model keeps its float32 weights
     assert models.GPT2LMHeadModel.from_pretrained(tmp_path).lm_head.weight.dtype == torch.bfloat16
     assert models.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float32).lm_head.weight.dtype == torch.float32
 
