@@ -33,6 +33,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, GLOBAL_BATCH, TOL = 10, 8, 1e-5
+FAMILY_STEPS = 4  # a family's layers, not the schedule, are what its runs check: a few steps show them
 
 CONFIG = '''
 from libai_zoo.config import LazyCall, get_config
@@ -157,7 +158,8 @@ def setup(root: Path) -> None:
 
 
 def _run(root: str, name: str, model: str, layout: str, config: str = "config.py", extra: tuple = ()) -> dict:
-    """Train `model` at `layout` for STEPS steps: the losses and the final evaluation loss rank 0 logged."""
+    """Train `model` at `layout` (STEPS steps; a family FAMILY_STEPS): the losses and the final evaluation loss
+    rank 0 logged."""
     out = f"{root}/{name}"
     return {"losses": train(f"{root}/{config}", out, model, [*overrides(layout), *extra]),
             "eval": final_eval_loss(out)}
@@ -249,11 +251,20 @@ def _world(layout: str) -> int:
     return LAYOUTS[layout].world_size
 
 
+def _steps(model: str) -> int:
+    return FAMILY_STEPS if model in FAMILY_LAYOUTS else STEPS
+
+
+def _extra(model: str, layout: str) -> tuple:
+    return (*EXTRA.get(layout, ()), *((f"train.max_iter={FAMILY_STEPS}",) if model in FAMILY_LAYOUTS else ()))
+
+
 CASES = {
-    **{f"{model}_one": Case(1, _run, (f"{model}_one", model, "one")) for model in TRAINED},
+    **{f"{model}_one": Case(1, _run, (f"{model}_one", model, "one", "config.py", _extra(model, "one")))
+       for model in TRAINED},
     "indexed_one": Case(1, _run, ("indexed_one", "gpt2", "one", "config_indexed.py")),
     **{f"{model}_{layout}": Case(_world(layout), _run, (f"{model}_{layout}", model, layout, "config.py",
-                                                         EXTRA.get(layout, ())), needs=(f"{model}_one",))
+                                                         _extra(model, layout)), needs=(f"{model}_one",))
        for model, layouts in TRAINED.items() for layout in layouts},
     **{f"indexed_{layout}": Case(_world(layout), _run, (f"indexed_{layout}", "gpt2", layout, "config_indexed.py"),
                                  needs=("indexed_one",)) for layout in INDEXED_LAYOUTS},
@@ -282,7 +293,8 @@ def _assert_same(losses: dict[int, float], reference: dict[int, float], steps) -
 
 @pytest.mark.parametrize("case", _params(MODEL_OF))
 def test_layout_equals_one_process(runs, case):
-    _assert_same(runs(case)["losses"], runs(f"{MODEL_OF[case]}_one")["losses"], range(1, STEPS + 1))
+    model = MODEL_OF[case]
+    _assert_same(runs(case)["losses"], runs(f"{model}_one")["losses"], range(1, _steps(model) + 1))
 
 
 # Layouts whose one evaluation batch holds the same 8 sequences as the one-process run's
