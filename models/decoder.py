@@ -17,6 +17,7 @@ file declares these in two small classes:
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -74,15 +75,15 @@ class DecoderModel(PreTrainedModel):
 
     names: ClassVar[DecoderNames] = DecoderNames()
 
-    @classmethod
-    def describe(cls, config) -> DecoderSpec:
+    @staticmethod
+    @abstractmethod
+    def describe(config) -> DecoderSpec:
         """The family's config as a `DecoderSpec`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def weight_map(self, prefix: str, lm_head: bool) -> WeightMap:
         """The rules between this body's parameters (names after `prefix`) and the checkpoint's,
         and the untied ``lm_head`` when asked."""
-        raise NotImplementedError
 
     def __init__(self, config):
         super().__init__(config)
