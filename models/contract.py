@@ -12,6 +12,9 @@ under data, tensor and pipeline parallelism like the zoo's. How one step uses th
       every stage   hidden = layer(hidden, **model.layer_inputs(inputs))  for its layers of the stack
       last stage    model.head_loss(model.final_norm(hidden), targets, reduction="sum")
                     (= model.loss(model.head(hidden), ...), summed over the targets)
+    routed experts  stats = model.router_stats(inputs) (None without MoE layers) travels with the
+                    hidden states: ``hidden, stats = layer(hidden, ..., router_stats=stats)``; the
+                    last stage adds model.aux_loss_weight × model.aux_loss(stats) per micro-batch
     step weighting  model.num_loss_targets(targets): how many targets the batch scores
     data check      model.input_limits(): the vocabulary and position limits the data must fit
     fresh weights   model.init_parameter(name, module, full_tensor, generator): one parameter's
@@ -56,6 +59,10 @@ class TrainableModel(ABC):
     #: What the loss averages over: "token" (language models; evaluation reports perplexity) or
     #: "sample" (classifiers; evaluation reports accuracy).
     loss_unit: str
+    #: The weight of the auxiliary (load-balancing) loss that ``forward``'s loss includes: a
+    #: Mixture of Experts' ``router_aux_loss_coef`` when its config's ``output_router_logits`` is on
+    #: (transformers' switch); 0 for a model without one.
+    aux_loss_weight: float = 0.0
 
     def split_batch(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """(model inputs, targets aligned with the head's outputs): here the batch's "labels" (as
@@ -89,6 +96,17 @@ class TrainableModel(ABC):
         """``loss(head(hidden), targets, reduction)``; a model with a large head overrides it to
         never hold all of the head's outputs (a causal LM computes it in chunks of tokens)."""
         return self.loss(self.head(hidden), targets, reduction)
+
+    def router_stats(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """First stage: the tensor the stack's Mixture-of-Experts layers add their routing statistics
+        to (each layer then returns ``(hidden, stats)``), from the model inputs; None for a model
+        without such layers (default)."""
+        return None
+
+    def aux_loss(self, stats: torch.Tensor) -> torch.Tensor:
+        """Last stage: the auxiliary loss of one micro-batch from the statistics of all the stack's
+        layers (unweighted; the step adds ``aux_loss_weight`` times it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no Mixture-of-Experts layers: router_stats is None")
 
     def init_parameter(self, name: str, module: nn.Module, tensor: torch.Tensor,
                        generator: torch.Generator | None) -> None:

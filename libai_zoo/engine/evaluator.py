@@ -32,7 +32,11 @@ class Evaluator:
         _, targets = model.split_batch(batch)
         count = int(model.num_loss_targets(targets))
         self._language_model = model.loss_unit == "token"
-        self._loss_sum += outputs.loss.float().item() * count
+        loss = outputs.loss.float()
+        aux = getattr(outputs, "aux_loss", None)
+        if aux is not None and model.aux_loss_weight:  # the model's own loss, as training logs it
+            loss = loss - model.aux_loss_weight * aux.float()
+        self._loss_sum += loss.item() * count
         self._targets += count
         logits = getattr(outputs, "logits", None)
         if logits is not None and targets.dim() == 1 and logits.dim() == 2 and not targets.is_floating_point():

@@ -27,7 +27,7 @@ logger = logging.getLogger("libai_zoo")
 class StepResult:
     """What one optimizer step did; the same on every rank except `sync_wait_s`."""
 
-    #: The mean loss over every target of the global batch.
+    #: The mean loss over every target of the global batch (without a Mixture of Experts' auxiliary loss).
     loss: float
     #: The global gradient norm before clipping.
     grad_norm: float
@@ -43,6 +43,9 @@ class StepResult:
     sync_wait_s: float
     #: fp16's loss scale after the step; None in other modes.
     loss_scale: float | None = None
+    #: The auxiliary (load-balancing) loss of a Mixture of Experts, unweighted, averaged over the
+    #: micro-batches of the global batch; None for a model without one.
+    aux_loss: float | None = None
 
     def scalars(self) -> dict[str, float]:
         """The fields as the scalars a run records (metrics.json, the console)."""
@@ -52,6 +55,8 @@ class StepResult:
             scalars["tokens"] = self.tokens
         if self.loss_scale is not None:
             scalars["loss_scale"] = self.loss_scale
+        if self.aux_loss is not None:
+            scalars["aux_loss"] = self.aux_loss
         return scalars
 
 
@@ -109,25 +114,37 @@ class TrainStep:
         counts = [float(self.model.num_loss_targets(targets)) for _, targets in split]
         total = self._total(counts)
         loss = torch.zeros((), device=self.device)
+        aux = None  # the mean auxiliary loss of this rank's micro-batches (a Mixture of Experts')
         if self.pipeline is not None:
             inputs = {key: torch.cat([batch_inputs[key] for batch_inputs, _ in split]) for key in split[0][0]}
             targets = torch.cat([batch_targets for _, batch_targets in split])
             with self._autocast():
                 summed = self.pipeline.step(inputs, targets, loss_scale=self.dp / total)
             loss += self.pipeline.broadcast_loss(summed) / self.dp
+            if self.model.aux_loss_weight:
+                aux = torch.tensor(self.pipeline.broadcast_loss(self.pipeline.aux_loss), device=self.device)
             self.pipeline.sync_tied_grads()
         else:
+            weight = self.model.aux_loss_weight
             for i, (batch, count) in enumerate(zip(batches, counts)):
                 context = self.data_parallel.micro_batch(last=i == len(batches) - 1) \
                     if self.data_parallel is not None else nullcontext()
                 with context:
                     with self._autocast():
-                        micro_loss = self.model(**batch, return_logits=False).loss
+                        output = self.model(**batch, return_logits=False)
                     # Each rank's share of the global mean; the dp reduction averages, hence × dp.
-                    self.scaler.scale(micro_loss * (count * self.dp / total)).backward()
+                    micro_loss = output.loss
+                    objective = micro_loss * (count * self.dp / total)
+                    if weight:  # the auxiliary loss is a mean over micro-batches, not over targets
+                        micro_loss = micro_loss - weight * output.aux_loss
+                        objective = micro_loss * (count * self.dp / total) + output.aux_loss * (weight / len(batches))
+                        aux = output.aux_loss.detach().float() / len(batches) + (0 if aux is None else aux)
+                    self.scaler.scale(objective).backward()
                 loss += micro_loss.detach().float() * (count / total)
         if self.data_parallel is not None:
             self.data_parallel.all_reduce_sum(loss)
+            if aux is not None:
+                aux = self.data_parallel.all_reduce_sum(aux) / self.dp
         for part in self.model_parts:
             distributed.finalize_grads(part)
         self.scaler.unscale_(self.optimizer)
@@ -156,7 +173,8 @@ class TrainStep:
             if all("input_ids" in b for b in batches) else None
         return StepResult(loss=loss_value, grad_norm=grad_norm.item(), samples=sum(_batch_size(b) for b in batches) * self.dp,
                           tokens=tokens, skipped=skipped, diverged=diverged, sync_wait_s=self.sync_wait_s,
-                          loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None)
+                          loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
+                          aux_loss=None if aux is None else aux.item())
 
     def _nonfinite_grads(self, limit: int = 5) -> list[str]:
         """The first `limit` parameters (by name) whose gradient shard on this rank is not finite."""

@@ -206,7 +206,9 @@ class PipelineStageModule(nn.Module):
     forward(x, **inputs): the first stage embeds the main input x (with the other inputs); then the
     stage's layers; the last stage returns the micro-batch's loss, summed over its targets
     (``inputs[TARGETS]``) and times `loss_scale`: the head runs inside the stage, where FSDP has
-    gathered its weights, and a causal LM never holds all its logits.
+    gathered its weights, and a causal LM never holds all its logits. A Mixture of Experts' routing
+    statistics travel between stages beside x (forward(x, stats, **inputs)), so the last stage adds
+    the auxiliary loss of all the layers, as one process computes it.
     """
 
     def __init__(self, model: nn.Module, stage_index: int, num_stages: int, layer_range: range):
@@ -214,6 +216,10 @@ class PipelineStageModule(nn.Module):
         self.model = model
         self.stage_index, self.num_stages, self.layer_range = stage_index, num_stages, layer_range
         self.loss_scale = 1.0
+        #: The weight of each micro-batch's auxiliary loss (1 / micro-batches: their mean), and the
+        #: auxiliary losses (unweighted) the last stage added in this step.
+        self.aux_scale = 1.0
+        self.aux_losses: list[torch.Tensor] = []
 
     @property
     def is_first(self) -> bool:
@@ -223,17 +229,31 @@ class PipelineStageModule(nn.Module):
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    def forward(self, x: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor,
+                **inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         model = self.model
         targets = inputs.pop(TARGETS)
         if self.is_first:
+            stats = model.router_stats(inputs)
+            if stats is not None:  # a leaf that asks for a gradient, so every stage sends one back
+                stats.requires_grad_(True)
             x = model.embed({model.main_input_name: x, **inputs})
+        else:
+            stats = carried[0] if carried else None
         layer_inputs = model.layer_inputs(inputs)
         for layer in get_layer_stack(model):
-            x = layer(x, **layer_inputs)
-        if self.is_last:
-            return model.head_loss(model.final_norm(x), targets, reduction="sum") * self.loss_scale
-        return x
+            if stats is None:
+                x = layer(x, **layer_inputs)
+            else:
+                x, stats = layer(x, **layer_inputs, router_stats=stats)
+        if not self.is_last:
+            return x if stats is None else (x, stats)
+        loss = model.head_loss(model.final_norm(x), targets, reduction="sum") * self.loss_scale
+        if stats is not None and self.training and model.aux_loss_weight:
+            aux = model.aux_loss(stats)
+            self.aux_losses.append(aux.detach())
+            loss = loss + aux * (model.aux_loss_weight * self.aux_scale)
+        return loss
 
     def extra_repr(self) -> str:
         return (f"stage {self.stage_index} of {self.num_stages}, layers {self.layer_range.start}.."
@@ -358,6 +378,8 @@ class Pipeline:
         self.last_stage_rank = self.stage_ranks[-1]
         self.main_input_name = model.main_input_name
         self._last_part = next((s.model for s in self.stages if s.is_last), None)
+        #: The step's mean auxiliary loss (unweighted) on the rank of the last stage; None without one.
+        self.aux_loss: torch.Tensor | None = None
 
         # Parameters tied between the end stages (an embedding and its LM head): each end holds a copy.
         self.tied = _tied_names(model) if self.num_stages > 1 else []
@@ -458,7 +480,8 @@ class Pipeline:
         shapes = tuple((key, tuple(value.shape)) for key, value in sorted(inputs.items()))
         schedule = self._schedule_for(train, shapes)
         for stage in self.stages:
-            stage.loss_scale = float(loss_scale)
+            stage.loss_scale, stage.aux_scale = float(loss_scale), 1.0 / self.num_micro_batches
+            stage.aux_losses.clear()
         device = self.ctx.device
         args = (main.to(device),) if self.has_first else ()
         others = {key: value.to(device) for key, value in inputs.items() if key != self.main_input_name}
@@ -471,7 +494,14 @@ class Pipeline:
             schedule.eval(*args, target=target, losses=losses, return_outputs=False, **others)
         if not self.has_last:
             return None
-        return torch.stack([loss.detach() for loss in losses]).sum()
+        summed = torch.stack([loss.detach() for loss in losses]).sum()
+        aux = [a for stage in self.stages for a in stage.aux_losses]
+        if not aux:
+            self.aux_loss = None
+            return summed
+        # the step's mean auxiliary loss, and the losses without it
+        self.aux_loss = torch.stack(aux).mean()
+        return summed - self.aux_loss * self._last_part.aux_loss_weight
 
     def step(self, inputs: dict[str, torch.Tensor], targets: torch.Tensor, loss_scale: float) -> torch.Tensor | None:
         """Forward and backward of this rank's stages over the local batch, split into
