@@ -21,6 +21,7 @@ from .gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXModel
 from .granite import GraniteConfig, GraniteForCausalLM, GraniteModel
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .mistral import MistralConfig, MistralForCausalLM, MistralModel
+from .mixtral import MixtralConfig, MixtralForCausalLM, MixtralModel
 from .olmo2 import Olmo2Config, Olmo2ForCausalLM, Olmo2Model
 from .phi3 import Phi3Config, Phi3ForCausalLM, Phi3Model
 from .pretrained import PreTrainedModel
@@ -39,4 +40,5 @@ __all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_st
            "RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "AutoConfig",
            "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
            "AutoModelForImageClassification", "Phi3Config", "Phi3Model", "Phi3ForCausalLM", "GraniteConfig",
-           "GraniteModel", "GraniteForCausalLM", "SmolLM3Config", "SmolLM3Model", "SmolLM3ForCausalLM"]
+           "GraniteModel", "GraniteForCausalLM", "SmolLM3Config", "SmolLM3Model", "SmolLM3ForCausalLM",
+           "MixtralConfig", "MixtralModel", "MixtralForCausalLM"]

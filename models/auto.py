@@ -31,6 +31,7 @@ MODELS: dict[str, dict[str, str]] = {
     "qwen2": {"base": "LlamaModel", "causal_lm": "LlamaForCausalLM"},
     "qwen3": {"base": "Qwen3Model", "causal_lm": "Qwen3ForCausalLM"},
     "mistral": {"base": "MistralModel", "causal_lm": "MistralForCausalLM"},
+    "mixtral": {"base": "MixtralModel", "causal_lm": "MixtralForCausalLM"},
     "olmo2": {"base": "Olmo2Model", "causal_lm": "Olmo2ForCausalLM"},
     "gemma": {"base": "GemmaModel", "causal_lm": "GemmaForCausalLM"},
     "gemma2": {"base": "Gemma2Model", "causal_lm": "Gemma2ForCausalLM"},

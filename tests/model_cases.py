@@ -77,6 +77,16 @@ def olmo2_config(**kw):
                     num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=64, pad_token_id=0,
                     bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     return transformers.Olmo2Config(**{**defaults, **kw})
+
+
+def mixtral_config(**kw):
+    """4 experts of 16 neurons, top 2, a window of 4 (of 12), head_dim 16; the loss includes the
+    auxiliary loss × 0.1 (output_router_logits)."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=16, num_local_experts=4,
+                    num_experts_per_tok=2, max_position_embeddings=64, sliding_window=4, output_router_logits=True,
+                    router_aux_loss_coef=0.1, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.MixtralConfig(**{**defaults, **kw})
 def phi3_config(**kw):
     """LongRoPE with an original context of 8 (of the 12 positions: the long factors apply) and its
     cos/sin multiplier (sqrt(1 + ln 8 / ln 8)), 3/4 of each head's 8 channels rotating, grouped
@@ -226,6 +236,7 @@ CASES = {
                               lambda: qwen3_config(num_key_value_heads=1), "causal"),
     "mistral": Case(transformers.MistralForCausalLM, models.MistralForCausalLM, mistral_config, "causal"),
     "olmo2": Case(transformers.Olmo2ForCausalLM, models.Olmo2ForCausalLM, olmo2_config, "causal"),
+    "mixtral": Case(transformers.MixtralForCausalLM, models.MixtralForCausalLM, mixtral_config, "causal"),
     "gemma": Case(transformers.GemmaForCausalLM, models.GemmaForCausalLM, gemma_config, "causal"),
     "gemma2": Case(transformers.Gemma2ForCausalLM, models.Gemma2ForCausalLM, gemma2_config, "causal"),
     "gemma3": Case(transformers.Gemma3ForCausalLM, models.Gemma3ForCausalLM, gemma3_text_config, "causal"),
