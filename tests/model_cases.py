@@ -301,6 +301,14 @@ def make_inputs(case: Case, seed: int = 1, batch: int = 2) -> tuple[dict, torch.
     return inputs, mask.bool()
 
 
+def hf_generate(hf_model, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """transformers' greedy generation (its MoE models asked for no auxiliary loss: theirs fails
+    while generating, its mask covering the cached positions too)."""
+    if getattr(hf_model.config, "output_router_logits", False):
+        kwargs["output_router_logits"] = False
+    return hf_model.generate(ids, do_sample=False, eos_token_id=None, **kwargs)
+
+
 def main_output(out) -> torch.Tensor:
     """The tensor to compare: logits of a task model, last hidden state of a body."""
     return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
