@@ -259,13 +259,17 @@ class MoE(ParallelLayer, nn.Module):
         stats = self._stats(routing, None if token_mask is None else token_mask.reshape(-1))
         y = self._routed(tokens, routing).view_as(x)
         if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            y = y + shared
+            y = y + self._shared(x)
         if self.sp:
             stats = reduce_from_tp(stats, self.tp)
         return y, stats
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, × sigmoid(gate(x)) with a gate."""
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is None:
+            return shared
+        return torch.sigmoid(self.shared_expert_gate(x)) * shared
 
     def _stats(self, routing: Routing, mask: torch.Tensor | None) -> torch.Tensor:
         """[3, E]: tokens per expert, summed loss probabilities, [tokens, summed z-loss, 0...]."""

@@ -6,8 +6,8 @@ over tp = 2), the matching libai_zoo class, and a padded batch with labels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -87,6 +87,38 @@ def mixtral_config(**kw):
                     num_experts_per_tok=2, max_position_embeddings=64, sliding_window=4, output_router_logits=True,
                     router_aux_loss_coef=0.1, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     return transformers.MixtralConfig(**{**defaults, **kw})
+
+
+def qwen2_moe_config(**kw):
+    """Layer 0 MoE (4 experts of 16 neurons, top 2 not renormalised, a shared expert of 32 behind
+    its sigmoid gate), layer 1 dense (mlp_only_layers); biases on q, k, v; aux loss × 0.1 in the loss."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, intermediate_size=FFN, moe_intermediate_size=16,
+                    shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                    max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1,
+                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.Qwen2MoeConfig(**{**defaults, **kw})
+
+
+def qwen3_moe_config(**kw):
+    """Every 2nd layer MoE (decoder_sparse_step: layer 1; 4 experts of 16 neurons, top 2
+    renormalised), per-head q/k norms, head_dim 16; aux loss × 0.1 in the loss."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=FFN, moe_intermediate_size=16,
+                    num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
+                    max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1,
+                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.Qwen3MoeConfig(**{**defaults, **kw})
+
+
+def olmoe_config(**kw):
+    """8 experts of 16 neurons in every layer, top 2 not renormalised; q/k norms over the whole
+    projection; aux loss × 0.1 in the loss."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                    max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.OlmoeConfig(**{**defaults, **kw})
 def phi3_config(**kw):
     """LongRoPE with an original context of 8 (of the 12 positions: the long factors apply) and its
     cos/sin multiplier (sqrt(1 + ln 8 / ln 8)), 3/4 of each head's 8 channels rotating, grouped
@@ -237,6 +269,9 @@ CASES = {
     "mistral": Case(transformers.MistralForCausalLM, models.MistralForCausalLM, mistral_config, "causal"),
     "olmo2": Case(transformers.Olmo2ForCausalLM, models.Olmo2ForCausalLM, olmo2_config, "causal"),
     "mixtral": Case(transformers.MixtralForCausalLM, models.MixtralForCausalLM, mixtral_config, "causal"),
+    "qwen2_moe": Case(transformers.Qwen2MoeForCausalLM, models.Qwen2MoeForCausalLM, qwen2_moe_config, "causal"),
+    "qwen3_moe": Case(transformers.Qwen3MoeForCausalLM, models.Qwen3MoeForCausalLM, qwen3_moe_config, "causal"),
+    "olmoe": Case(transformers.OlmoeForCausalLM, models.OlmoeForCausalLM, olmoe_config, "causal"),
     "gemma": Case(transformers.GemmaForCausalLM, models.GemmaForCausalLM, gemma_config, "causal"),
     "gemma2": Case(transformers.Gemma2ForCausalLM, models.Gemma2ForCausalLM, gemma2_config, "causal"),
     "gemma3": Case(transformers.Gemma3ForCausalLM, models.Gemma3ForCausalLM, gemma3_text_config, "causal"),

@@ -110,6 +110,14 @@ FEATURES = {
     ("granite", "logits scaling"): (layers.LMHead, _without_kwarg(layers.LMHead, "logit_scale", 1.0)),
     ("mixtral", "top-k weights renormalised"): (layers.MoE, _without_kwarg(layers.MoE, "norm_topk_prob", False)),
     ("mixtral", "top-2 routing"): (layers.MoE, _without_kwarg(layers.MoE, "top_k", 1)),
+    ("qwen2_moe", "shared expert"): (layers.MoE, ("_shared", lambda self, x: 0)),
+    ("qwen2_moe", "shared expert gate"): (layers.MoE, ("_shared", lambda self, x: self.shared_expert(x))),
+    ("qwen2_moe", "top-k weights not renormalised"): (layers.MoE,
+                                                       _without_kwarg(layers.MoE, "norm_topk_prob", True)),
+    ("qwen3_moe", "top-k weights renormalised"): (layers.MoE, _without_kwarg(layers.MoE, "norm_topk_prob", False)),
+    ("qwen3_moe", "per-head q/k norms"): (layers.Attention, ("_norm_qk", lambda self, q, k: (q, k))),
+    ("olmoe", "q/k norms over the whole projection"): (layers.Attention, ("_norm_qk", _norm_qk_per_head)),
+    ("olmoe", "top-k weights not renormalised"): (layers.MoE, _without_kwarg(layers.MoE, "norm_topk_prob", True)),
     ("smollm3", "NoPE layers"): (layers.Attention, _rotary_everywhere(layers.Attention)),
     ("roberta_mlm", "positions counted after the padding"): (
         models.bert.BertEmbeddings, ("position_ids", lambda self, ids: torch.arange(ids.shape[1])[None] + 2)),
@@ -132,7 +140,7 @@ def test_dropping_the_feature_changes_the_logits(case, feature, tmp_path, monkey
 
 
 #: MoE cases whose loss includes the auxiliary loss (output_router_logits)
-AUX_LOSS_CASES = ("mixtral",)
+AUX_LOSS_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 @pytest.mark.parametrize("case", AUX_LOSS_CASES)
