@@ -16,6 +16,7 @@ from .linear import Linear
 from .lm_head import LMHead
 from .lora import LoRA, apply_lora, is_adapter_parameter, lora_layers, merge_lora
 from .mlp import MLP
+from .moe import MoE, Experts, Router, Routing, load_balancing_loss, router_z_loss
 from .norm import NORMS, LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
 from .rotary import RotaryEmbedding, apply_rotary
@@ -26,4 +27,5 @@ __all__ = ["Attention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCa
            "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
            "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_layers",
            "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv",
-           "packed_causal_mask", "NORMS"]
+           "packed_causal_mask", "NORMS", "MoE", "Router", "Routing", "Experts", "load_balancing_loss",
+           "router_z_loss"]

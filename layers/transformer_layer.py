@@ -8,6 +8,9 @@
               (Pythia, GPT-NeoX-20B): x = x + attn(norm1(x)) + mlp(norm2(x))      two norms
 
 Each branch's output may be scaled before the residual add (``residual_multiplier``, Granite).
+With ``moe`` the MLP is a Mixture of Experts (`MoE`); called with ``router_stats`` (a [3, E]
+tensor) such a layer returns (x, router_stats + its own statistics), a dense layer (x,
+router_stats): the statistics travel with the hidden states through the layers and pipeline stages.
 At tp>1 the sequential arrangements cost Megatron-LM's two all-reduces forward and two backward;
 the parallel block shares one input sync and one output reduction between attention and MLP
 (with two norms, their outputs travel side by side through the one sync), so it costs one each
@@ -25,6 +28,7 @@ from libai_zoo.distributed.collectives import column_input, row_output
 from .attention import Attention
 from .kv_cache import KVCache
 from .mlp import MLP
+from .moe import MoE
 from .norm import NORMS
 from .parallel_layer import ParallelLayer
 
@@ -41,7 +45,8 @@ class TransformerLayer(ParallelLayer, nn.Module):
     ``parallel_norms=2``, and applies ``hidden_dropout`` once to their sum. ``bias`` sets every
     bias; ``qkv_bias``, ``attention_out_bias`` and ``mlp_bias`` override it per part (Qwen2:
     biases on q, k, v only). ``attention`` passes further `Attention` options (q/k norms, softmax
-    scale, soft-capping).
+    scale, soft-capping). ``moe`` makes the MLP an `MoE` of these arguments (hidden size and
+    factory arguments added, ``activation`` unless it gives one).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
@@ -53,7 +58,8 @@ class TransformerLayer(ParallelLayer, nn.Module):
                  causal: bool = False, rope_theta: float | None = None,
                  rope_scaling: dict | None = None, rotary_dim: int | None = None,
                  sliding_window: int | None = None, attention: dict | None = None, cross_attention: bool = False,
-                 encoder_hidden_size: int | None = None, sequence_parallel: bool = True, device=None, dtype=None):
+                 encoder_hidden_size: int | None = None, moe: dict | None = None, sequence_parallel: bool = True,
+                 device=None, dtype=None):
         super().__init__()
         if norm not in NORMS:
             raise ValueError(f"norm {norm!r} is not one of {sorted(NORMS)}")
@@ -62,6 +68,9 @@ class TransformerLayer(ParallelLayer, nn.Module):
         if parallel_block and (cross_attention or norm_position != "pre"):
             raise ValueError("parallel_block=True is a pre-norm self-attention layer: "
                              "it does not combine with cross_attention or another norm_position")
+        if parallel_block and moe is not None:
+            raise ValueError("parallel_block=True shares one sync between attention and a dense MLP: "
+                             "an MoE layer is sequential (parallel_block=False)")
         if parallel_norms not in (1, 2):
             raise ValueError(f"parallel_norms = {parallel_norms}: a parallel block has one norm or two")
         qkv_bias = bias if qkv_bias is None else qkv_bias
@@ -92,8 +101,11 @@ class TransformerLayer(ParallelLayer, nn.Module):
         else:
             self.cross_attn = None
         self.mlp_norm = make_norm(inputs_normed and (not parallel_block or parallel_norms == 2))
-        self.mlp = MLP(hidden_size, ffn_hidden_size, activation=activation, gated=gated_mlp, bias=mlp_bias,
-                       sync_input=fused_comm, reduce_output=fused_comm, **factory)
+        if moe is None:
+            self.mlp = MLP(hidden_size, ffn_hidden_size, activation=activation, gated=gated_mlp, bias=mlp_bias,
+                           sync_input=fused_comm, reduce_output=fused_comm, **factory)
+        else:
+            self.mlp = MoE(hidden_size, **{"activation": activation, **moe}, **factory)
         self.mlp_out_norm = make_norm(outputs_normed)
         self.dropout = nn.Dropout(hidden_dropout)
 
@@ -114,22 +126,41 @@ class TransformerLayer(ParallelLayer, nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
-                encoder_attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        x = hidden_states
+                encoder_attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                router_stats: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x, stats = self._layer(hidden_states, attention_mask, position_ids, encoder_hidden_states,
+                               encoder_attention_mask, kv_cache)
+        if router_stats is None:
+            return x
+        return x, router_stats if stats is None else router_stats + stats
+
+    def _layer(self, x: torch.Tensor, attention_mask, position_ids, encoder_hidden_states, encoder_attention_mask,
+               kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the layer's output, its router statistics or None)."""
         if self.parallel_block:
-            return self._residual(x, self._parallel_branches(x, attention_mask, position_ids, kv_cache), None)
+            return self._residual(x, self._parallel_branches(x, attention_mask, position_ids, kv_cache), None), None
+        # a 2-D mask of the tokens' padding (not while generating: it then covers the cached positions too)
+        token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 and kv_cache is None \
+            else None
         cross = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask)
         if self.norm_position == "post":
             x = self.attn_norm(x + self._dropout(self.attn(x, attention_mask, position_ids, kv_cache=kv_cache)))
             if self.cross_attn is not None:
                 x = self.cross_attn_norm(x + self._dropout(self.cross_attn(x, **cross)))
-            return self.mlp_norm(x + self._dropout(self.mlp(x)))
+            y, stats = self._mlp(x, token_mask)
+            return self.mlp_norm(x + self._dropout(y)), stats
         h = x if self.attn_norm is None else self.attn_norm(x)
         x = self._residual(x, self.attn(h, attention_mask, position_ids, kv_cache=kv_cache), self.attn_out_norm)
         if self.cross_attn is not None:
             x = x + self._dropout(self.cross_attn(self.cross_attn_norm(x), **cross))
-        h = x if self.mlp_norm is None else self.mlp_norm(x)
-        return self._residual(x, self.mlp(h), self.mlp_out_norm)
+        y, stats = self._mlp(x if self.mlp_norm is None else self.mlp_norm(x), token_mask)
+        return self._residual(x, y, self.mlp_out_norm), stats
+
+    def _mlp(self, h: torch.Tensor, token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MLP's output, and its router statistics when it is an MoE."""
+        if isinstance(self.mlp, MoE):
+            return self.mlp(h, token_mask)
+        return self.mlp(h), None
 
     def _parallel_branches(self, x: torch.Tensor, attention_mask, position_ids, kv_cache) -> torch.Tensor:
         """attn(norm(x)) + mlp(norm(x)) (or mlp(norm2(x))) with one input sync and one output

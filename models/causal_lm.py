@@ -17,11 +17,15 @@ block-diagonal causal mask (`packed_causal_mask`), so no token sees another sequ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-
 from libai_zoo.layers import KVCache, packed_causal_mask
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+)
 
 from .contract import IGNORE_INDEX, TrainableModel
 from .generation import GenerationMixin
@@ -38,20 +42,39 @@ def pick_cache(cache: list[KVCache] | None, past_key_values: list[KVCache] | Non
     return past_key_values if cache is None else cache
 
 
-def body_output(hidden: torch.Tensor, cache: list[KVCache] | None) -> BaseModelOutputWithPast:
-    """A decoder body's output, its caches under the installed transformers' name."""
-    return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_NAME: cache})
+@dataclass
+class MoeBodyOutput(BaseModelOutputWithPast):
+    """A body with MoE layers: its output and the router statistics summed over its layers
+    (`layers.MoE`: [3, E])."""
+
+    router_stats: torch.Tensor | None = None
+
+
+def body_output(hidden: torch.Tensor, cache: list[KVCache] | None,
+                router_stats: torch.Tensor | None = None) -> BaseModelOutputWithPast:
+    """A decoder body's output, its caches under the installed transformers' name (and its router
+    statistics if it has MoE layers)."""
+    if router_stats is None:
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_NAME: cache})
+    return MoeBodyOutput(last_hidden_state=hidden, router_stats=router_stats, **{CACHE_NAME: cache})
 
 
 def run_decoder_layers(layers: torch.nn.ModuleList, x: torch.Tensor, attention_mask: torch.Tensor | None,
-                       position_ids: torch.Tensor | None, cache: list[KVCache] | None) -> torch.Tensor:
+                       position_ids: torch.Tensor | None, cache: list[KVCache] | None,
+                       router_stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The hidden states through a body's decoder layers, each with its KV cache when generating;
-    in training, packed samples attend within themselves (transformers' rule)."""
+    in training, packed samples attend within themselves (transformers' rule). With
+    ``router_stats`` (zeros [3, E]) the MoE layers add their router statistics to it: returns
+    (hidden states, router statistics or None)."""
     if cache is None:
         attention_mask = packed_causal_mask(attention_mask, position_ids)
     for i, layer in enumerate(layers):
-        x = layer(x, attention_mask, position_ids, kv_cache=None if cache is None else cache[i])
-    return x
+        kv_cache = None if cache is None else cache[i]
+        if router_stats is None:
+            x = layer(x, attention_mask, position_ids, kv_cache=kv_cache)
+        else:
+            x, router_stats = layer(x, attention_mask, position_ids, kv_cache=kv_cache, router_stats=router_stats)
+    return x, router_stats
 
 
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:

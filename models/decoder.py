@@ -22,14 +22,28 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from libai_zoo.layers import (
+    NORMS,
+    Embedding,
+    KVCache,
+    LMHead,
+    SequenceGather,
+    SequenceScatter,
+    TransformerLayer,
+    VocabEmbedding,
+    load_balancing_loss,
+    router_z_loss,
+)
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    MoeCausalLMOutputWithPast,
+)
 
 from libai_zoo.hf import WeightMap
-from libai_zoo.layers import (NORMS, Embedding, KVCache, LMHead, SequenceGather, SequenceScatter, TransformerLayer,
-                              VocabEmbedding)
 
-from .causal_lm import CausalLM, body_output, pick_cache, run_decoder_layers
+from .causal_lm import CACHE_NAME, CausalLM, body_output, pick_cache, run_decoder_layers
 from .pretrained import PreTrainedModel
 
 
@@ -41,6 +55,9 @@ class DecoderNames:
     layers: str = "layers"
     final_norm: str = "norm"
     positions: str | None = None  # a learned position table (GPT-2's wpe)
+    #: an MoE layer's MLP and its experts' three projections (gate, up, down), as the checkpoint names them
+    moe: str = "mlp"
+    experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -67,6 +84,13 @@ class DecoderSpec:
     #: logits × logit_scale (Granite: 1 / logits_scaling), then capped at ±logit_softcap (Gemma 2)
     logit_scale: float = 1.0
     logit_softcap: float | None = None
+    #: Mixture of Experts: the experts of each MoE layer (0: no MoE layer; layers with a ``moe`` dict
+    #: are MoE layers), and transformers' auxiliary loss: added × router_aux_loss_coef to the loss when
+    #: output_router_logits; the router z-loss (ST-MoE) added × router_z_loss_coef
+    num_experts: int = 0
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False
+    router_z_loss_coef: float = 0.0
 
 
 class DecoderModel(PreTrainedModel):
@@ -133,8 +157,9 @@ class DecoderModel(PreTrainedModel):
         cache = pick_cache(cache, past_key_values)
         past = 0 if cache is None else cache[0].length
         x = self.embed(input_ids, token_type_ids, position_ids, past)
-        x = run_decoder_layers(getattr(self, self.names.layers), x, attention_mask, position_ids, cache)
-        return body_output(self.final_norm(x), cache)
+        stats = x.new_zeros(3, self.spec.num_experts, dtype=torch.float32) if self.spec.num_experts else None
+        x, stats = run_decoder_layers(getattr(self, self.names.layers), x, attention_mask, position_ids, cache, stats)
+        return body_output(self.final_norm(x), cache, stats)
 
     def hf_weight_map(self) -> WeightMap:
         return self.weight_map(prefix="", lm_head=False)
@@ -185,14 +210,31 @@ class DecoderForCausalLM(PreTrainedModel, CausalLM):
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 cache: list[KVCache] | None = None, logits_to_keep: int = 0,
                 return_logits: bool = True, shift_labels: torch.Tensor | None = None, *,
-                token_type_ids: torch.Tensor | None = None,
-                past_key_values: list[KVCache] | None = None) -> CausalLMOutputWithPast:
+                token_type_ids: torch.Tensor | None = None, past_key_values: list[KVCache] | None = None,
+                output_router_logits: bool | None = None) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
         """labels [B, S] (shifted inside) or shift_labels (already aligned): see `causal_lm`; -100
-        is ignored. ``return_logits=False`` skips gathering the vocabulary-split logits (training)."""
+        is ignored. ``return_logits=False`` skips gathering the vocabulary-split logits (training).
+        With MoE layers, as transformers: ``aux_loss`` (and the loss + router_aux_loss_coef ×
+        aux_loss) when ``output_router_logits`` (default: the config's)."""
         cache = pick_cache(cache, past_key_values)
-        hidden = self.body(input_ids, attention_mask, position_ids, cache,
-                           token_type_ids=token_type_ids).last_hidden_state
-        return self.lm_output(hidden, labels, shift_labels, cache, logits_to_keep, return_logits)
+        body = self.body(input_ids, attention_mask, position_ids, cache, token_type_ids=token_type_ids)
+        out = self.lm_output(body.last_hidden_state, labels, shift_labels, cache, logits_to_keep, return_logits)
+        if not self.body.spec.num_experts:
+            return out
+        return self.moe_output(out, body.router_stats, output_router_logits)
+
+    def moe_output(self, out: CausalLMOutputWithPast, stats: torch.Tensor,
+                   output_router_logits: bool | None) -> MoeCausalLMOutputWithPast:
+        """The output with the auxiliary loss (and the z-loss) from the router statistics (`layers.MoE`)."""
+        spec, loss, aux_loss = self.body.spec, out.loss, None
+        if output_router_logits if output_router_logits is not None else spec.output_router_logits:
+            aux_loss = load_balancing_loss(stats, spec.num_experts)
+            if loss is not None:
+                loss = loss + spec.router_aux_loss_coef * aux_loss
+        if spec.router_z_loss_coef and loss is not None:
+            loss = loss + spec.router_z_loss_coef * router_z_loss(stats)
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=out.logits,
+                                         **{CACHE_NAME: getattr(out, CACHE_NAME)})
 
     def hf_weight_map(self) -> WeightMap:
         return self.body.weight_map(prefix=self.base_model_prefix + ".", lm_head=not self.config.tie_word_embeddings)

@@ -96,6 +96,17 @@ def llama_spec(config, layer=llama_layer, **changes) -> DecoderSpec:
     return DecoderSpec(**{**spec, **changes})
 
 
+def moe_spec(config, layer, **changes) -> DecoderSpec:
+    """A Llama-shaped Mixture-of-Experts `config` (its experts ``num_experts`` or Mixtral's
+    ``num_local_experts``) as a `DecoderSpec`, with transformers' auxiliary-loss settings."""
+    if getattr(config, "router_jitter_noise", 0.0):
+        raise ValueError(f"router_jitter_noise = {config.router_jitter_noise}: libai_zoo's routers add no noise; "
+                         f"set it to 0")
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    return llama_spec(config, layer, num_experts=experts, router_aux_loss_coef=config.router_aux_loss_coef,
+                      output_router_logits=config.output_router_logits, **changes)
+
+
 class LlamaModel(DecoderModel):
     """The Llama body: token embedding, decoder layers and the final RMSNorm."""
 

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import torch
 import transformers
+from libai_zoo.layers import Linear
 from torch import nn
 
-from libai_zoo.layers import Linear
-
-from .bert import BertConfig, BertForMaskedLM, BertModel, SequenceClassifier, classifier_dropout
+from .bert import (
+    BertConfig,
+    BertForMaskedLM,
+    BertModel,
+    SequenceClassifier,
+    classifier_dropout,
+)
 from .hf_maps.roberta import roberta_weight_map
 
 

@@ -6,8 +6,8 @@ over tp = 2), the matching libai_zoo class, and a padded batch with labels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -77,6 +77,48 @@ def olmo2_config(**kw):
                     num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=64, pad_token_id=0,
                     bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     return transformers.Olmo2Config(**{**defaults, **kw})
+
+
+def mixtral_config(**kw):
+    """4 experts of 16 neurons, top 2, a window of 4 (of 12), head_dim 16; the loss includes the
+    auxiliary loss × 0.1 (output_router_logits)."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=16, num_local_experts=4,
+                    num_experts_per_tok=2, max_position_embeddings=64, sliding_window=4, output_router_logits=True,
+                    router_aux_loss_coef=0.1, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.MixtralConfig(**{**defaults, **kw})
+
+
+def qwen2_moe_config(**kw):
+    """Layer 0 MoE (4 experts of 16 neurons, top 2 not renormalised, a shared expert of 32 behind
+    its sigmoid gate), layer 1 dense (mlp_only_layers); biases on q, k, v; aux loss × 0.1 in the loss."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, intermediate_size=FFN, moe_intermediate_size=16,
+                    shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                    max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1,
+                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.Qwen2MoeConfig(**{**defaults, **kw})
+
+
+def qwen3_moe_config(**kw):
+    """Every 2nd layer MoE (decoder_sparse_step: layer 1; 4 experts of 16 neurons, top 2
+    renormalised), per-head q/k norms, head_dim 16; aux loss × 0.1 in the loss."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=FFN, moe_intermediate_size=16,
+                    num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
+                    max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1,
+                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.Qwen3MoeConfig(**{**defaults, **kw})
+
+
+def olmoe_config(**kw):
+    """8 experts of 16 neurons in every layer, top 2 not renormalised; q/k norms over the whole
+    projection; aux loss × 0.1 in the loss."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                    max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.OlmoeConfig(**{**defaults, **kw})
 def phi3_config(**kw):
     """LongRoPE with an original context of 8 (of the 12 positions: the long factors apply) and its
     cos/sin multiplier (sqrt(1 + ln 8 / ln 8)), 3/4 of each head's 8 channels rotating, grouped
@@ -226,6 +268,10 @@ CASES = {
                               lambda: qwen3_config(num_key_value_heads=1), "causal"),
     "mistral": Case(transformers.MistralForCausalLM, models.MistralForCausalLM, mistral_config, "causal"),
     "olmo2": Case(transformers.Olmo2ForCausalLM, models.Olmo2ForCausalLM, olmo2_config, "causal"),
+    "mixtral": Case(transformers.MixtralForCausalLM, models.MixtralForCausalLM, mixtral_config, "causal"),
+    "qwen2_moe": Case(transformers.Qwen2MoeForCausalLM, models.Qwen2MoeForCausalLM, qwen2_moe_config, "causal"),
+    "qwen3_moe": Case(transformers.Qwen3MoeForCausalLM, models.Qwen3MoeForCausalLM, qwen3_moe_config, "causal"),
+    "olmoe": Case(transformers.OlmoeForCausalLM, models.OlmoeForCausalLM, olmoe_config, "causal"),
     "gemma": Case(transformers.GemmaForCausalLM, models.GemmaForCausalLM, gemma_config, "causal"),
     "gemma2": Case(transformers.Gemma2ForCausalLM, models.Gemma2ForCausalLM, gemma2_config, "causal"),
     "gemma3": Case(transformers.Gemma3ForCausalLM, models.Gemma3ForCausalLM, gemma3_text_config, "causal"),
@@ -288,6 +334,14 @@ def make_inputs(case: Case, seed: int = 1, batch: int = 2) -> tuple[dict, torch.
     if case.hf_class.__name__.startswith("Bert"):
         inputs["token_type_ids"] = (torch.arange(SEQ) >= SEQ // 2).long().expand(batch, -1).clone()
     return inputs, mask.bool()
+
+
+def hf_generate(hf_model, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """transformers' greedy generation (its MoE models asked for no auxiliary loss: theirs fails
+    while generating, its mask covering the cached positions too)."""
+    if getattr(hf_model.config, "output_router_logits", False):
+        kwargs["output_router_logits"] = False
+    return hf_model.generate(ids, do_sample=False, eos_token_id=None, **kwargs)
 
 
 def main_output(out) -> torch.Tensor:

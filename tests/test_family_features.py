@@ -108,6 +108,16 @@ FEATURES = {
                                          _without_kwarg(layers.TransformerLayer, "residual_multiplier", 1.0)),
     ("granite", "attention multiplier"): (layers.Attention, _without_kwarg(layers.Attention, "softmax_scale")),
     ("granite", "logits scaling"): (layers.LMHead, _without_kwarg(layers.LMHead, "logit_scale", 1.0)),
+    ("mixtral", "top-k weights renormalised"): (layers.MoE, _without_kwarg(layers.MoE, "norm_topk_prob", False)),
+    ("mixtral", "top-2 routing"): (layers.MoE, _without_kwarg(layers.MoE, "top_k", 1)),
+    ("qwen2_moe", "shared expert"): (layers.MoE, ("_shared", lambda self, x: 0)),
+    ("qwen2_moe", "shared expert gate"): (layers.MoE, ("_shared", lambda self, x: self.shared_expert(x))),
+    ("qwen2_moe", "top-k weights not renormalised"): (layers.MoE,
+                                                       _without_kwarg(layers.MoE, "norm_topk_prob", True)),
+    ("qwen3_moe", "top-k weights renormalised"): (layers.MoE, _without_kwarg(layers.MoE, "norm_topk_prob", False)),
+    ("qwen3_moe", "per-head q/k norms"): (layers.Attention, ("_norm_qk", lambda self, q, k: (q, k))),
+    ("olmoe", "q/k norms over the whole projection"): (layers.Attention, ("_norm_qk", _norm_qk_per_head)),
+    ("olmoe", "top-k weights not renormalised"): (layers.MoE, _without_kwarg(layers.MoE, "norm_topk_prob", True)),
     ("smollm3", "NoPE layers"): (layers.Attention, _rotary_everywhere(layers.Attention)),
     ("roberta_mlm", "positions counted after the padding"): (
         models.bert.BertEmbeddings, ("position_ids", lambda self, ids: torch.arange(ids.shape[1])[None] + 2)),
@@ -127,6 +137,28 @@ def test_dropping_the_feature_changes_the_logits(case, feature, tmp_path, monkey
     with torch.no_grad():
         effect = (zoo(**inputs).logits[mask] - hf(**inputs).logits[mask]).abs().max().item()
     assert effect > MIN_EFFECT, f"{case} without its {feature}: logits within {effect:.2e} of transformers'"
+
+
+#: MoE cases whose loss includes the auxiliary loss (output_router_logits)
+AUX_LOSS_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+@pytest.mark.parametrize("case", AUX_LOSS_CASES)
+def test_dropping_the_auxiliary_loss_changes_the_loss(case, tmp_path, monkeypatch):
+    """The loss equals transformers' with router_aux_loss_coef × the load-balancing loss; without
+    it (the loss function patched to 0) it does not."""
+    from libai_zoo.models import decoder
+
+    hf = make_hf_model(CASES[case])
+    hf.save_pretrained(tmp_path)
+    inputs, _ = make_inputs(CASES[case])
+    zoo = CASES[case].zoo_class.from_pretrained(tmp_path)
+    with torch.no_grad():
+        theirs = hf(**inputs)
+        assert abs(zoo(**inputs).loss.item() - theirs.loss.item()) <= 1e-5
+        monkeypatch.setattr(decoder, "load_balancing_loss", lambda stats, num_experts: stats.new_zeros(()))
+        effect = abs(zoo(**inputs).loss.item() - theirs.loss.item())
+    assert effect > MIN_EFFECT, f"{case} without its auxiliary loss: loss within {effect:.2e} of transformers'"
 
 
 def test_longrope_generation_recomputes_its_cache_past_the_original_context(tmp_path, monkeypatch):

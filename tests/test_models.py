@@ -13,8 +13,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from libai_zoo import models
-from model_cases import (CASES, HIDDEN, SEQ, Case, gemma3_multimodal_config, hf_checkpoint_grads, hf_named_grads,
-                         main_output, make_hf_model, make_inputs)
+from model_cases import (CASES, HIDDEN, SEQ, Case, gemma3_multimodal_config, hf_checkpoint_grads, hf_generate,
+                         hf_named_grads, main_output, make_hf_model, make_inputs)
 
 TOL = 1e-5
 #: Reading a sharded index is the loader's, not a family's: one model of each kind covers it.
@@ -103,7 +103,7 @@ def test_greedy_generate_equals_transformers(hf_dirs, name):
     ids = make_inputs(case)[0]["input_ids"]
     mask = torch.ones_like(ids)
     mask[-1, :3] = 0  # left padding, as generation wants it
-    theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    theirs = hf_generate(hf, ids, attention_mask=mask, max_new_tokens=20)
     ours = zoo.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
     assert ours.shape == (2, ids.shape[1] + 20)
     assert torch.equal(ours, theirs)

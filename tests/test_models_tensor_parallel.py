@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.optim import clip_grad_norm_
-from model_cases import (CASES, hf_checkpoint_grads, hf_named_grads, main_output, make_hf_model, make_inputs,
-                         qwen3_config)
+from model_cases import (CASES, hf_checkpoint_grads, hf_generate, hf_named_grads, main_output, make_hf_model,
+                         make_inputs, qwen3_config)
 
 pytestmark = pytest.mark.slow
 
@@ -117,8 +117,7 @@ def _reference(root: str, name: str) -> dict:
         mask = torch.ones_like(ids)
         mask[-1, :3] = 0
         ref["prompt"] = ids, mask
-        ref["generated"] = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                       eos_token_id=None)
+        ref["generated"] = hf_generate(hf, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     torch.save(ref, path / "ref.pt")
     return ref
 

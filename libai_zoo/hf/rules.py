@@ -256,6 +256,39 @@ class PackedQKV(Rule):
 
 
 @dataclass
+class Stacked(Rule):
+    """A stacked [E, ...] parameter (`layers.Experts`) from E checkpoint tensors, one per expert:
+    `name` with ``{}`` where the expert's index goes. A rank reads only the experts of its part of
+    dim 0 (`expert_range`: all of them in one process), each tensor in the rest of its block."""
+
+    zoo: str
+    name: str
+    count: int
+
+    @property
+    def hf(self) -> tuple[str, ...]:
+        return tuple(self.name.format(e) for e in range(self.count))
+
+    def load(self, read, shard, zoo_shape, rows=None):
+        block = _block(shard, zoo_shape, rows)
+        first, last = expert_range(block, zoo_shape)
+        inner = {dim - 1: span for dim, span in block.items() if dim}
+        experts = [read(self.name.format(e), inner) for e in range(first, last)]
+        if not experts:  # a ZeRO shard past the last expert
+            return torch.empty(0, *(end - start for start, end in (inner.get(d, (0, n)) for d, n in
+                                                                    enumerate(zoo_shape[1:]))))
+        return torch.stack(experts)
+
+    def save(self, tensor):
+        return {self.name.format(e): expert for e, expert in enumerate(tensor)}
+
+
+def expert_range(block: dict[int, tuple[int, int]], zoo_shape: torch.Size) -> tuple[int, int]:
+    """[first, last) of the experts (dim 0 of a stacked parameter) a rank's `block` holds."""
+    return block.get(0, (0, zoo_shape[0]))
+
+
+@dataclass
 class Adapter:
     """A LoRA adapter's factors, A [rank, in] and B [out, rank], and its scale (alpha / rank)."""
 

@@ -1,0 +1,327 @@
+"""Mixture of Experts: a router picks k of E expert MLPs per token, and their outputs, weighted by the
+router, replace the dense MLP's (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-oss).
+
+    x [T, h] -> router -> k (weight, expert) per token -> tokens sorted by expert
+             -> experts: one grouped GEMM per projection over the sorted tokens (counts per expert)
+             -> unsorted, × weights, summed over the k slots  (+ shared expert) -> [T, h]
+
+The computation of the experts on tokens sorted by expert is one method, `MoE._compute(tokens,
+counts)`: it runs the local `Experts` here, and is where expert parallelism exchanges the tokens
+with the ranks that hold their experts (all-to-all) and back.
+
+Each forward also returns the layer's router statistics, a float32 [3, E] tensor: row 0 the tokens
+routed to each expert (summed over the k slots; no gradient), row 1 the sum over tokens of the
+probabilities the load-balancing loss uses (differentiable), row 2 [tokens counted, sum over them of
+the router z-loss term logsumexp(logits)², 0, ...]. Padding tokens (`token_mask` 0) are not counted.
+Summed over layers they give transformers' auxiliary loss (`load_balancing_loss`) and the z-loss
+(`router_z_loss`).
+
+Under tensor parallelism (until the experts are split by expert parallelism) the router and the
+experts are replicated: each rank computes them on its tokens (the whole sequence, or its sequence
+shard under sequence parallelism, then with partial gradients and statistics summed over tp); the
+shared expert is an MLP split over tp like any other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libai_zoo.distributed import local
+from libai_zoo.distributed.collectives import reduce_from_tp
+
+from .linear import Linear
+from .mlp import ACTIVATIONS, MLP
+from .parallel_layer import ParallelLayer
+
+ROUTERS = ("softmax_topk", "sigmoid_group", "topk_softmax")
+
+
+@dataclass
+class Routing:
+    """A router's choice for T tokens."""
+
+    weights: torch.Tensor  # [T, k] float32: each chosen expert's weight
+    experts: torch.Tensor  # [T, k] int64: the chosen experts
+    probs: torch.Tensor  # [T, E] float32: the probabilities the load-balancing loss uses
+    logits: torch.Tensor  # [T, E] float32
+
+
+class Router(ParallelLayer, nn.Module):
+    """The router: a [E, h] linear map computed in float32, then one of ``ROUTERS``:
+
+    softmax_topk (Mixtral, Qwen, OLMoE): p = softmax(logits); the k largest p, renormalised to sum 1
+        when ``norm_topk_prob``.
+    topk_softmax (gpt-oss; ``bias``): the k largest logits, softmax over those k.
+    sigmoid_group (DeepSeek-V3): s = sigmoid(logits); experts chosen by s + e_score_correction_bias
+        (a buffer that only steers the choice) within the ``topk_group`` of ``n_group`` groups whose
+        two best scores sum highest; weights s of the chosen, normalised when ``norm_topk_prob``,
+        × ``routed_scaling_factor``. The loss's probabilities are s normalised over the experts.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, kind: str = "softmax_topk",
+                 norm_topk_prob: bool = True, bias: bool = False, n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0, score_correction_bias: bool = False,
+                 sequence_parallel: bool = True, device=None, dtype=None):
+        super().__init__()
+        if kind not in ROUTERS:
+            raise ValueError(f"router {kind!r} is not one of {ROUTERS}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k = {top_k} experts per token out of num_experts = {num_experts}: "
+                             f"choose 1 <= top_k <= num_experts")
+        if num_experts % n_group or not 0 < topk_group <= n_group:
+            raise ValueError(f"n_group = {n_group} must divide num_experts = {num_experts} and "
+                             f"1 <= topk_group = {topk_group} <= n_group")
+        self.kind, self.num_experts, self.top_k = kind, num_experts, top_k
+        self.norm_topk_prob, self.n_group, self.topk_group = norm_topk_prob, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(num_experts, device=device, dtype=dtype)) if bias else None
+        correction = torch.zeros(num_experts, device=device, dtype=torch.float32) if score_correction_bias else None
+        self.register_buffer("e_score_correction_bias", correction)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        bias = local(self.bias, partial_grad=self.sp)
+        logits = F.linear(x.float(), local(self.weight, partial_grad=self.sp).float(),
+                          None if bias is None else bias.float())
+        if self.kind == "softmax_topk":
+            probs = logits.softmax(-1)
+            weights, experts = probs.topk(self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+        elif self.kind == "topk_softmax":
+            top, experts = logits.topk(self.top_k, dim=-1)
+            weights, probs = top.softmax(-1), logits.softmax(-1)
+        else:
+            scores = logits.sigmoid()
+            experts = self._grouped_choice(scores.detach())
+            weights = scores.gather(1, experts)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            weights = weights * self.routed_scaling_factor
+            probs = scores / scores.sum(-1, keepdim=True)
+        return Routing(weights, experts, probs, logits)
+
+    def _grouped_choice(self, scores: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's choice: the top k of scores + correction bias within the best groups."""
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+        best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def extra_repr(self) -> str:
+        return (f"{self.kind}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"norm_topk_prob={self.norm_topk_prob}{self.parallel_repr()}")
+
+
+class Experts(ParallelLayer, nn.Module):
+    """E expert MLPs as stacked parameters: ``gate_proj``, ``up_proj`` [E, I, h] (``up_proj`` only
+    when not ``gated``), ``down_proj`` [E, h, I], biases ``gate_bias``/``up_bias`` [E, I] and
+    ``down_bias`` [E, h] with ``bias``. The activation is one of `ACTIVATIONS`, or with
+    ``swiglu_limit`` gpt-oss's clamped SwiGLU: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g),
+    g = min(gate, limit).
+
+    `forward(tokens, counts)` takes tokens sorted by expert (counts[e] rows for expert e, in order)
+    and computes each projection as one grouped GEMM (`torch._grouped_mm`, int32 offsets) where it
+    can run (float32/bf16/fp16, rows of 16-byte multiples), else expert by expert
+    (``grouped_mm=False`` always)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, activation: str = "silu",
+                 gated: bool = True, bias: bool = False, swiglu_limit: float | None = None,
+                 swiglu_alpha: float = 1.702, grouped_mm: bool = True, sequence_parallel: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+        if swiglu_limit is not None and not gated:
+            raise ValueError("the clamped SwiGLU (swiglu_limit) is a gated activation: pass gated=True")
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
+        self.activation_name, self.act = activation, ACTIVATIONS[activation]
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        self.grouped_mm, self.sequence_parallel = grouped_mm, sequence_parallel
+
+        def param(*shape, when: bool = True):
+            return nn.Parameter(torch.empty(num_experts, *shape, device=device, dtype=dtype)) if when else None
+
+        self.gate_proj = param(ffn_hidden_size, hidden_size, when=gated)
+        self.up_proj = param(ffn_hidden_size, hidden_size)
+        self.down_proj = param(hidden_size, ffn_hidden_size)
+        self.gate_bias = param(ffn_hidden_size, when=gated and bias)
+        self.up_bias = param(ffn_hidden_size, when=bias)
+        self.down_bias = param(hidden_size, when=bias)
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """tokens [N, h] sorted by expert, counts [E] (their sum N) -> [N, h]."""
+        weights = {name: local(getattr(self, name), partial_grad=self.sp)
+                   for name in ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")}
+        tokens = tokens.to(weights["up_proj"].dtype)
+        project = self._grouped if self.grouped_mm and self._groupable(tokens) else self._looped
+        return project(tokens, counts, weights)
+
+    def _groupable(self, tokens: torch.Tensor) -> bool:
+        """Whether torch._grouped_mm runs here: its dtypes, and every row a multiple of 16 bytes."""
+        size = tokens.element_size()
+        return (tokens.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and (self.hidden_size * size) % 16 == 0 and (self.ffn_hidden_size * size) % 16 == 0)
+
+    def _activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        if gate is None:
+            return self.act(up)
+        if self.swiglu_limit is None:
+            return self.act(gate) * up
+        gate = gate.clamp(max=self.swiglu_limit)
+        return (up.clamp(-self.swiglu_limit, self.swiglu_limit) + 1) * gate * torch.sigmoid(gate * self.swiglu_alpha)
+
+    def _grouped(self, tokens: torch.Tensor, counts: torch.Tensor, w: dict) -> torch.Tensor:
+        offsets = counts.cumsum(0).to(torch.int32)
+        owner = None if w["up_bias"] is None else torch.repeat_interleave(  # each row's expert, for its bias
+            torch.arange(len(counts), device=tokens.device), counts, output_size=len(tokens))
+
+        def linear(x, weight, bias):
+            y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+            return y if bias is None else y + bias[owner]
+
+        gate = None if w["gate_proj"] is None else linear(tokens, w["gate_proj"], w["gate_bias"])
+        hidden = self._activate(gate, linear(tokens, w["up_proj"], w["up_bias"]))
+        return linear(hidden, w["down_proj"], w["down_bias"])
+
+    def _looped(self, tokens: torch.Tensor, counts: torch.Tensor, w: dict) -> torch.Tensor:
+        outputs = []
+        for e, x in enumerate(tokens.split(counts.tolist())):
+            expert = {name: None if value is None else value[e] for name, value in w.items()}
+            gate = None if expert["gate_proj"] is None else F.linear(x, expert["gate_proj"], expert["gate_bias"])
+            hidden = self._activate(gate, F.linear(x, expert["up_proj"], expert["up_bias"]))
+            outputs.append(F.linear(hidden, expert["down_proj"], expert["down_bias"]))
+        return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.hidden_size)
+
+    def extra_repr(self) -> str:
+        activation = "clamped_swiglu" if self.swiglu_limit is not None else self.activation_name
+        return (f"num_experts={self.num_experts}, {self.hidden_size} -> {self.ffn_hidden_size}, activation={activation}, "
+                f"gated={self.gate_proj is not None}, grouped_mm={self.grouped_mm}{self.parallel_repr()}")
+
+
+class MoE(ParallelLayer, nn.Module):
+    """The MLP of a Mixture-of-Experts layer: `Router` (``router`` names its kind; ``norm_topk_prob``,
+    ``router_bias``, ``n_group``, ``topk_group``, ``routed_scaling_factor``,
+    ``score_correction_bias`` configure it), `Experts` of ``ffn_hidden_size`` neurons, and optionally
+    a ``shared_expert`` (an `MLP` of ``shared_expert_size`` neurons every token goes through) scaled
+    by sigmoid(``shared_expert_gate``(x)) (Qwen2-MoE).
+
+    Dropless by default; with ``capacity_factor`` each expert takes at most ceil(factor · T · k / E)
+    of a forward's T tokens (the first ones in token order), the others' slots are dropped (the
+    token keeps its residual and its other experts); ``dropped_tokens`` holds the last forward's
+    count. `forward(x, token_mask)` returns (y, stats): see the module docstring."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, ffn_hidden_size: int, *,
+                 router: str = "softmax_topk", norm_topk_prob: bool = True, router_bias: bool = False,
+                 n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
+                 score_correction_bias: bool = False, activation: str = "silu", gated: bool = True,
+                 bias: bool = False, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
+                 shared_expert_size: int | None = None, shared_expert_gate: bool = False,
+                 capacity_factor: float | None = None, grouped_mm: bool = True, sequence_parallel: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        if num_experts < 2:
+            raise ValueError(f"num_experts = {num_experts}: a Mixture of Experts has at least 2 (use an MLP)")
+        if shared_expert_gate and shared_expert_size is None:
+            raise ValueError("shared_expert_gate scales a shared expert: give shared_expert_size too")
+        factory = dict(sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.sequence_parallel = sequence_parallel
+        self.router = Router(hidden_size, num_experts, top_k, kind=router, norm_topk_prob=norm_topk_prob,
+                             bias=router_bias, n_group=n_group, topk_group=topk_group,
+                             routed_scaling_factor=routed_scaling_factor,
+                             score_correction_bias=score_correction_bias, **factory)
+        self.experts = Experts(num_experts, hidden_size, ffn_hidden_size, activation=activation, gated=gated,
+                               bias=bias, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
+                               grouped_mm=grouped_mm, **factory)
+        self.shared_expert = None if shared_expert_size is None else MLP(
+            hidden_size, shared_expert_size, activation=activation, gated=True, bias=False, **factory)
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False, **factory) if shared_expert_gate else None
+        self.dropped_tokens = torch.zeros((), dtype=torch.long)
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., h] (this rank's sequence shard under sequence parallelism), token_mask of x's
+        leading shape (of the whole sequence under sequence parallelism; 0 = padding, not counted
+        in the statistics) -> (y like x, stats [3, E])."""
+        if token_mask is not None and self.sp:
+            start, end = self.tp.local_range(token_mask.shape[1])
+            token_mask = token_mask[:, start:end]
+        tokens = x.reshape(-1, x.shape[-1])
+        routing = self.router(tokens)
+        stats = self._stats(routing, None if token_mask is None else token_mask.reshape(-1))
+        y = self._routed(tokens, routing).view_as(x)
+        if self.shared_expert is not None:
+            y = y + self._shared(x)
+        if self.sp:
+            stats = reduce_from_tp(stats, self.tp)
+        return y, stats
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, × sigmoid(gate(x)) with a gate."""
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is None:
+            return shared
+        return torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+    def _stats(self, routing: Routing, mask: torch.Tensor | None) -> torch.Tensor:
+        """[3, E]: tokens per expert, summed loss probabilities, [tokens, summed z-loss, 0...]."""
+        experts, probs = routing.experts, routing.probs
+        z = torch.logsumexp(routing.logits, dim=-1).square()
+        mask = probs.new_ones(len(probs)) if mask is None else mask.to(probs.dtype)
+        counts = probs.new_zeros(self.num_experts).scatter_add_(0, experts.reshape(-1),
+                                                                mask.repeat_interleave(experts.shape[1]))
+        totals = torch.stack([mask.sum(), (z * mask).sum()])
+        return torch.stack([counts, (probs * mask[:, None]).sum(0), F.pad(totals, (0, self.num_experts - 2))])
+
+    def _routed(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts' weighted outputs summed per token: slots sorted by expert (stable: token
+        order within an expert), over capacity dropped, computed, weighted and added back."""
+        slots = routing.experts.reshape(-1)
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=self.num_experts)
+        if self.capacity_factor is not None:
+            order, counts = self._drop_over_capacity(order, counts, len(tokens))
+        token_of = order // self.top_k
+        out = self._compute(tokens[token_of], counts)
+        out = (out * routing.weights.reshape(-1)[order, None]).to(tokens.dtype)
+        return torch.zeros_like(tokens).index_add_(0, token_of, out)
+
+    def _drop_over_capacity(self, order: torch.Tensor, counts: torch.Tensor,
+                            num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sorted slots without those past each expert's capacity, and the kept counts."""
+        capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+        starts = counts.cumsum(0) - counts
+        rank_in_expert = torch.arange(len(order), device=order.device) - starts.repeat_interleave(counts)
+        kept = counts.clamp(max=capacity)
+        self.dropped_tokens = (counts - kept).sum().detach()
+        return order[rank_in_expert < capacity], kept
+
+    def _compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts on `tokens` sorted by expert (counts [E] rows each) -> their outputs, in
+        the same order. Expert parallelism replaces this with its all-to-all exchange."""
+        return self.experts(tokens, counts)
+
+    def extra_repr(self) -> str:
+        capacity = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, {capacity}{self.parallel_repr()}"
+
+
+def load_balancing_loss(stats: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """transformers' auxiliary loss (Switch Transformer's) from router statistics summed over the
+    MoE layers: E · Σ_e (tokens to e / N) · (summed probability of e / N), N the tokens counted
+    (over all layers)."""
+    tokens = stats[2, 0]
+    return num_experts * torch.sum((stats[0] / tokens) * (stats[1] / tokens))
+
+
+def router_z_loss(stats: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss, the mean over the counted tokens of logsumexp(router logits)²."""
+    return stats[2, 1] / stats[2, 0]
