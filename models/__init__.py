@@ -10,27 +10,12 @@ if __name__ != "libai_zoo.models":  # `import models` from the repository root w
     raise ImportError(f"`models/` is installed as `libai_zoo.models`: write `from libai_zoo import models` or "
                       f"`import libai_zoo.models`, not `import models` (imported here as `{__name__}`)")
 
-from .auto import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForImageClassification,
-    AutoModelForMaskedLM,
-    AutoModelForSequenceClassification,
-)
+from .auto import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM,
+                   AutoModelForSequenceClassification)
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from .contract import TrainableModel, check_trainable, get_layer_stack
-from .gemma import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma2Model,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    Gemma3TextModel,
-    GemmaConfig,
-    GemmaForCausalLM,
-    GemmaModel,
-)
+from .gemma import (Gemma2Config, Gemma2ForCausalLM, Gemma2Model, Gemma3ForCausalLM, Gemma3TextConfig, Gemma3TextModel,
+                    GemmaConfig, GemmaForCausalLM, GemmaModel)
 from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
 from .gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXModel
 from .granite import GraniteConfig, GraniteForCausalLM, GraniteModel
@@ -44,12 +29,7 @@ from .pretrained import PreTrainedModel
 from .qwen2_moe import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen2MoeModel
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel
-from .roberta import (
-    RobertaConfig,
-    RobertaForMaskedLM,
-    RobertaForSequenceClassification,
-    RobertaModel,
-)
+from .roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
 from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM, SmolLM3Model
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 

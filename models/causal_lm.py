@@ -21,11 +21,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
 from libai_zoo.layers import KVCache, packed_causal_mask
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPast,
-    CausalLMOutputWithPast,
-)
 
 from .contract import IGNORE_INDEX, TrainableModel
 from .generation import GenerationMixin

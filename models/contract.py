@@ -30,8 +30,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-from libai_zoo.layers import Attention, LayerNorm, RMSNorm
 from torch import nn
+
+from libai_zoo.layers import Attention, LayerNorm, RMSNorm
 
 IGNORE_INDEX = -100  # a target the loss skips (transformers' convention)
 LOSS_UNITS = ("token", "sample")

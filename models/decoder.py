@@ -22,26 +22,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from libai_zoo.layers import (
-    NORMS,
-    Embedding,
-    KVCache,
-    LMHead,
-    SequenceGather,
-    SequenceScatter,
-    TransformerLayer,
-    VocabEmbedding,
-    load_balancing_loss,
-    router_z_loss,
-)
 from torch import nn
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPast,
-    CausalLMOutputWithPast,
-    MoeCausalLMOutputWithPast,
-)
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from libai_zoo.hf import WeightMap
+from libai_zoo.layers import (NORMS, Embedding, KVCache, LMHead, SequenceGather, SequenceScatter, TransformerLayer,
+                              VocabEmbedding, load_balancing_loss, router_z_loss)
 
 from .causal_lm import CACHE_NAME, CausalLM, body_output, pick_cache, run_decoder_layers
 from .pretrained import PreTrainedModel

@@ -11,6 +11,7 @@ sequence again with the long factors, as transformers' Phi-3 does.
 from __future__ import annotations
 
 import torch
+
 from libai_zoo.layers import KVCache, ParallelLayer, RotaryEmbedding
 
 

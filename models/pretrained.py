@@ -15,17 +15,11 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
-from libai_zoo.layers import Embedding, LayerNorm, RMSNorm, VocabEmbedding
 from torch import nn
 from transformers import PretrainedConfig
 
-from libai_zoo.hf import (
-    Container,
-    WeightMap,
-    load_pretrained,
-    read_config,
-    save_pretrained,
-)
+from libai_zoo.hf import Container, WeightMap, load_pretrained, read_config, save_pretrained
+from libai_zoo.layers import Embedding, LayerNorm, RMSNorm, VocabEmbedding
 
 
 class PreTrainedModel(nn.Module, ABC):

@@ -16,16 +16,11 @@ from __future__ import annotations
 
 import torch
 import transformers
-from libai_zoo.layers import Linear
 from torch import nn
 
-from .bert import (
-    BertConfig,
-    BertForMaskedLM,
-    BertModel,
-    SequenceClassifier,
-    classifier_dropout,
-)
+from libai_zoo.layers import Linear
+
+from .bert import BertConfig, BertForMaskedLM, BertModel, SequenceClassifier, classifier_dropout
 from .hf_maps.roberta import roberta_weight_map
 
 

@@ -12,19 +12,11 @@ from __future__ import annotations
 
 import torch
 import transformers
-from libai_zoo.layers import (
-    LayerNorm,
-    Linear,
-    SequenceGather,
-    SequenceScatter,
-    TransformerLayer,
-)
-from libai_zoo.layers.mlp import ACTIVATIONS
 from torch import nn
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPooling,
-    ImageClassifierOutput,
-)
+from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
+
+from libai_zoo.layers import LayerNorm, Linear, SequenceGather, SequenceScatter, TransformerLayer
+from libai_zoo.layers.mlp import ACTIVATIONS
 
 from .classifier import Classifier
 from .hf_maps.vit import vit_weight_map

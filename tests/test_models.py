@@ -12,9 +12,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from libai_zoo import models
 from model_cases import (CASES, HIDDEN, SEQ, Case, gemma3_multimodal_config, hf_checkpoint_grads, hf_generate,
                          hf_named_grads, main_output, make_hf_model, make_inputs)
+
+from libai_zoo import models
 
 TOL = 1e-5
 #: Reading a sharded index is the loader's, not a family's: one model of each kind covers it.

@@ -4,9 +4,8 @@ its tensors as Llama does: biases, q/k norms and where the norms sit are read of
 
 from __future__ import annotations
 
-from libai_zoo.layers import MoE
-
 from libai_zoo.hf.rules import Rule, Same, Stacked, WeightMap, linear, qkv
+from libai_zoo.layers import MoE
 
 #: norm_position -> the layer's norms (zoo name -> Hugging Face name)
 NORM_NAMES = {
