@@ -16,7 +16,7 @@ from .linear import Linear
 from .lm_head import LMHead
 from .lora import LoRA, apply_lora, is_adapter_parameter, lora_layers, merge_lora
 from .mlp import MLP
-from .moe import MoE, Experts, Router, Routing, load_balancing_loss, router_z_loss
+from .moe import Experts, MoE, Router, Routing, load_balancing_loss, router_z_loss, uncounted
 from .norm import NORMS, LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
 from .rotary import RotaryEmbedding, apply_rotary
@@ -28,4 +28,4 @@ __all__ = ["Attention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCa
            "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_layers",
            "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv",
            "packed_causal_mask", "NORMS", "MoE", "Router", "Routing", "Experts", "load_balancing_loss",
-           "router_z_loss"]
+           "router_z_loss", "uncounted"]

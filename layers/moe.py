@@ -25,6 +25,8 @@ shared expert is an MLP split over tp like any other.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -216,8 +218,8 @@ class MoE(ParallelLayer, nn.Module):
 
     Dropless by default; with ``capacity_factor`` each expert takes at most ceil(factor · T · k / E)
     of a forward's T tokens (the first ones in token order), the others' slots are dropped (the
-    token keeps its residual and its other experts); ``dropped_tokens`` holds the last forward's
-    count. `forward(x, token_mask)` returns (y, stats): see the module docstring."""
+    token keeps its residual and its other experts); ``dropped_tokens`` counts them over the training
+    forwards since `take_dropped_tokens`. `forward(x, token_mask)` returns (y, stats): see the module docstring."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, ffn_hidden_size: int, *,
                  router: str = "softmax_topk", norm_topk_prob: bool = True, router_bias: bool = False,
@@ -245,7 +247,10 @@ class MoE(ParallelLayer, nn.Module):
         self.shared_expert = None if shared_expert_size is None else MLP(
             hidden_size, shared_expert_size, activation=activation, gated=True, bias=False, **factory)
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False, **factory) if shared_expert_gate else None
-        self.dropped_tokens = torch.zeros((), dtype=torch.long)
+        self.routed_tokens: torch.Tensor | None = None  # [E] since take_routed_tokens, in training
+        self.count_routing = True  # off inside `uncounted`
+        #: slots dropped over capacity by the training forwards since `take_dropped_tokens`
+        self.dropped_tokens: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., h] (this rank's sequence shard under sequence parallelism), token_mask of x's
@@ -262,7 +267,28 @@ class MoE(ParallelLayer, nn.Module):
             y = y + self._shared(x)
         if self.sp:
             stats = reduce_from_tp(stats, self.tp)
+        # training forwards only: not activation checkpointing's recomputation (it runs inside backward)
+        if self._counting():
+            counted = stats[0].detach()
+            self.routed_tokens = counted if self.routed_tokens is None else self.routed_tokens + counted
         return y, stats
+
+    def _counting(self) -> bool:
+        return (self.count_routing and self.training and torch.is_grad_enabled()
+                and torch._C._current_graph_task_id() == -1)
+
+    def take_routed_tokens(self) -> torch.Tensor:
+        """The tokens routed to each expert [E] by this rank's training forwards since the last call
+        (padding not counted; alike on the tp ranks), and start counting again: what the step logs,
+        and what `Router.update_correction_bias` takes after each optimizer step."""
+        counts = self.routed_tokens if self.routed_tokens is not None else torch.zeros(self.num_experts)
+        self.routed_tokens = None
+        return counts
+
+    def take_dropped_tokens(self) -> torch.Tensor:
+        """The slots dropped over capacity by this rank's training forwards since the last call."""
+        dropped, self.dropped_tokens = self.dropped_tokens, None
+        return torch.zeros((), dtype=torch.long) if dropped is None else dropped
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's output, × sigmoid(gate(x)) with a gate."""
@@ -301,7 +327,9 @@ class MoE(ParallelLayer, nn.Module):
         starts = counts.cumsum(0) - counts
         rank_in_expert = torch.arange(len(order), device=order.device) - starts.repeat_interleave(counts)
         kept = counts.clamp(max=capacity)
-        self.dropped_tokens = (counts - kept).sum().detach()
+        if self._counting():
+            dropped = (counts - kept).sum().detach()
+            self.dropped_tokens = dropped if self.dropped_tokens is None else self.dropped_tokens + dropped
         return order[rank_in_expert < capacity], kept
 
     def _compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -312,6 +340,20 @@ class MoE(ParallelLayer, nn.Module):
     def extra_repr(self) -> str:
         capacity = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
         return f"num_experts={self.num_experts}, top_k={self.top_k}, {capacity}{self.parallel_repr()}"
+
+
+@contextmanager
+def uncounted(model: nn.Module) -> Iterator[None]:
+    """The MoE layers of `model` do not count their routing meanwhile (a forward that is not a
+    training step's: a pipeline's shape inference)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.count_routing = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.count_routing = True
 
 
 def load_balancing_loss(stats: torch.Tensor, num_experts: int) -> torch.Tensor:

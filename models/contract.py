@@ -14,7 +14,7 @@ under data, tensor and pipeline parallelism like the zoo's. How one step uses th
                     (= model.loss(model.head(hidden), ...), summed over the targets)
     routed experts  stats = model.router_stats(inputs) (None without MoE layers) travels with the
                     hidden states: ``hidden, stats = layer(hidden, ..., router_stats=stats)``; the
-                    last stage adds model.aux_loss_weight × model.aux_loss(stats) per micro-batch
+                    last stage adds model.aux_loss(stats) per micro-batch when model.has_aux_loss
     step weighting  model.num_loss_targets(targets): how many targets the batch scores
     data check      model.input_limits(): the vocabulary and position limits the data must fit
     fresh weights   model.init_parameter(name, module, full_tensor, generator): one parameter's
@@ -59,10 +59,10 @@ class TrainableModel(ABC):
     #: What the loss averages over: "token" (language models; evaluation reports perplexity) or
     #: "sample" (classifiers; evaluation reports accuracy).
     loss_unit: str
-    #: The weight of the auxiliary (load-balancing) loss that ``forward``'s loss includes: a
-    #: Mixture of Experts' ``router_aux_loss_coef`` when its config's ``output_router_logits`` is on
-    #: (transformers' switch); 0 for a model without one.
-    aux_loss_weight: float = 0.0
+    #: Whether ``forward``'s loss includes auxiliary terms computed from router statistics (a
+    #: Mixture of Experts' load-balancing loss when its config's ``output_router_logits`` is on, as
+    #: transformers' switch); False for a model without them.
+    has_aux_loss: bool = False
 
     def split_batch(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """(model inputs, targets aligned with the head's outputs): here the batch's "labels" (as
@@ -104,8 +104,9 @@ class TrainableModel(ABC):
         return None
 
     def aux_loss(self, stats: torch.Tensor) -> torch.Tensor:
-        """Last stage: the auxiliary loss of one micro-batch from the statistics of all the stack's
-        layers (unweighted; the step adds ``aux_loss_weight`` times it)."""
+        """The auxiliary terms (weighted) of one micro-batch's loss from the router statistics of all
+        the stack's layers: what ``forward``'s loss adds to the loss over the targets, whose output
+        then carries the statistics as ``router_stats``; the last pipeline stage adds it itself."""
         raise NotImplementedError(f"{type(self).__name__} has no Mixture-of-Experts layers: router_stats is None")
 
     def init_parameter(self, name: str, module: nn.Module, tensor: torch.Tensor,

@@ -79,6 +79,14 @@ class DecoderSpec:
     router_z_loss_coef: float = 0.0
 
 
+@dataclass
+class MoeCausalLMOutput(MoeCausalLMOutputWithPast):
+    """transformers' MoE output, with the router statistics summed over the layers (`layers.MoE`),
+    from which the train step tells the auxiliary terms (`aux_loss`) from the loss over the targets."""
+
+    router_stats: torch.Tensor | None = None
+
+
 class DecoderModel(PreTrainedModel):
     """A decoder-only body: embedding, the described layers and the final norm. A family sets
     `config_class`, `base_model_prefix`, `names`, and implements `describe` and `weight_map`."""
@@ -197,7 +205,7 @@ class DecoderForCausalLM(PreTrainedModel, CausalLM):
                 cache: list[KVCache] | None = None, logits_to_keep: int = 0,
                 return_logits: bool = True, shift_labels: torch.Tensor | None = None, *,
                 token_type_ids: torch.Tensor | None = None, past_key_values: list[KVCache] | None = None,
-                output_router_logits: bool | None = None) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
+                output_router_logits: bool | None = None) -> CausalLMOutputWithPast | MoeCausalLMOutput:
         """labels [B, S] (shifted inside) or shift_labels (already aligned): see `causal_lm`; -100
         is ignored. ``return_logits=False`` skips gathering the vocabulary-split logits (training).
         With MoE layers, as transformers: ``aux_loss`` (and the loss + router_aux_loss_coef ×
@@ -210,7 +218,7 @@ class DecoderForCausalLM(PreTrainedModel, CausalLM):
         return self.moe_output(out, body.router_stats, output_router_logits)
 
     def moe_output(self, out: CausalLMOutputWithPast, stats: torch.Tensor,
-                   output_router_logits: bool | None) -> MoeCausalLMOutputWithPast:
+                   output_router_logits: bool | None) -> MoeCausalLMOutput:
         """The output with the auxiliary loss (and the z-loss) from the router statistics (`layers.MoE`)."""
         spec, loss, aux_loss = self.body.spec, out.loss, None
         if output_router_logits if output_router_logits is not None else spec.output_router_logits:
@@ -219,8 +227,28 @@ class DecoderForCausalLM(PreTrainedModel, CausalLM):
                 loss = loss + spec.router_aux_loss_coef * aux_loss
         if spec.router_z_loss_coef and loss is not None:
             loss = loss + spec.router_z_loss_coef * router_z_loss(stats)
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=out.logits,
-                                         **{CACHE_NAME: getattr(out, CACHE_NAME)})
+        return MoeCausalLMOutput(loss=loss, aux_loss=aux_loss, logits=out.logits, router_stats=stats,
+                                 **{CACHE_NAME: getattr(out, CACHE_NAME)})
+
+    @property
+    def has_aux_loss(self) -> bool:
+        spec = self.body.spec
+        return bool(spec.num_experts) and (spec.output_router_logits or bool(spec.router_z_loss_coef))
+
+    def router_stats(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        spec = self.body.spec
+        return torch.zeros(3, spec.num_experts, device=inputs["input_ids"].device) if spec.num_experts else None
+
+    def aux_loss(self, stats: torch.Tensor) -> torch.Tensor:
+        """router_aux_loss_coef × the load-balancing loss (when the config's output_router_logits, as
+        transformers) + router_z_loss_coef × the z-loss: what forward adds to the loss."""
+        spec = self.body.spec
+        term = stats.new_zeros(())
+        if spec.output_router_logits:
+            term = term + spec.router_aux_loss_coef * load_balancing_loss(stats, spec.num_experts)
+        if spec.router_z_loss_coef:
+            term = term + spec.router_z_loss_coef * router_z_loss(stats)
+        return term
 
     def hf_weight_map(self) -> WeightMap:
         return self.body.weight_map(prefix=self.base_model_prefix + ".", lm_head=not self.config.tie_word_embeddings)

@@ -156,6 +156,9 @@ class TrainConfig(Section):
     best_metric: Optional[str] = None   # an eval metric (e.g. "accuracy") whose best checkpoint is kept; None: none
     best_mode: str = "max"              # "max" or "min": which way best_metric improves
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each step every router with an
+    # e_score_correction_bias moves it by this × sign(mean load - expert's load); 0: off (DeepSeek-V3: 0.001)
+    expert_bias_update_rate: float = 0.0
 
 
 # ------------------------------------------------------------------------------------------- dist

@@ -33,9 +33,9 @@ class Evaluator:
         count = int(model.num_loss_targets(targets))
         self._language_model = model.loss_unit == "token"
         loss = outputs.loss.float()
-        aux = getattr(outputs, "aux_loss", None)
-        if aux is not None and model.aux_loss_weight:  # the model's own loss, as training logs it
-            loss = loss - model.aux_loss_weight * aux.float()
+        stats = getattr(outputs, "router_stats", None)
+        if stats is not None and model.has_aux_loss:  # the loss over the targets, as training logs it
+            loss = loss - model.aux_loss(stats).float()
         self._loss_sum += loss.item() * count
         self._targets += count
         logits = getattr(outputs, "logits", None)

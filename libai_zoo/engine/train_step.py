@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from libai_zoo import distributed
+from libai_zoo.layers import MoE
 from libai_zoo.optim import clip_grad_norm_, unique_parameters
 from libai_zoo.parallel import DataParallel, Pipeline
 
@@ -43,9 +44,14 @@ class StepResult:
     sync_wait_s: float
     #: fp16's loss scale after the step; None in other modes.
     loss_scale: float | None = None
-    #: The auxiliary (load-balancing) loss of a Mixture of Experts, unweighted, averaged over the
-    #: micro-batches of the global batch; None for a model without one.
+    #: A Mixture of Experts' auxiliary terms as the loss includes them (router_aux_loss_coef × the
+    #: load-balancing loss, + the z-loss), averaged over the micro-batches of the global batch; None
+    #: for a model without them.
     aux_loss: float | None = None
+    #: A Mixture of Experts' routing over the global batch: the most loaded expert's tokens over the
+    #: mean per expert, in the worst layer (1: balanced), and the slots dropped over capacity.
+    expert_imbalance: float | None = None
+    dropped_tokens: float | None = None
 
     def scalars(self) -> dict[str, float]:
         """The fields as the scalars a run records (metrics.json, the console)."""
@@ -57,6 +63,9 @@ class StepResult:
             scalars["loss_scale"] = self.loss_scale
         if self.aux_loss is not None:
             scalars["aux_loss"] = self.aux_loss
+        if self.expert_imbalance is not None:
+            scalars["moe/imbalance"] = self.expert_imbalance
+            scalars["moe/dropped_tokens"] = self.dropped_tokens
         return scalars
 
 
@@ -74,7 +83,8 @@ class TrainStep:
 
     def __init__(self, model_parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer, *, device: torch.device,
                  amp_dtype: torch.dtype | None = None, clip_grad_norm: float | None = None,
-                 data_parallel: DataParallel | None = None, pipeline: Pipeline | None = None):
+                 data_parallel: DataParallel | None = None, pipeline: Pipeline | None = None,
+                 expert_bias_update_rate: float = 0.0):
         self.model_parts, self.optimizer, self.device = list(model_parts), optimizer, device
         self.model = self.model_parts[0]  # what the contract's batch methods are asked of
         self.params = unique_parameters(self.model_parts)
@@ -90,6 +100,19 @@ class TrainStep:
         if pipeline is not None and amp_dtype == torch.float16:
             raise ValueError("fp16 loss scaling is not available under pipeline parallelism: use train.amp.dtype=bf16")
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        self.moe_layers = [m for part in self.model_parts for m in part.modules() if isinstance(m, MoE)]
+        self.expert_bias_update_rate = expert_bias_update_rate
+        # Whether the model has MoE layers at all (a pipeline stage may hold none): every rank then
+        # takes part in the routing's reductions.
+        has_moe = torch.tensor(float(bool(self.moe_layers)), device=device)
+        if pipeline is not None:
+            dist.all_reduce(has_moe, op=dist.ReduceOp.MAX, group=pipeline.pp_group)
+        self.has_moe = bool(has_moe.item())
+        if expert_bias_update_rate and self.has_moe and not any(
+                m.router.e_score_correction_bias is not None for m in self.moe_layers):
+            raise ValueError(f"train.expert_bias_update_rate = {expert_bias_update_rate} moves the routers' "
+                             f"e_score_correction_bias (DeepSeek-V3's balancing), which this model's routers do not "
+                             f"have: set it to 0")
 
     def _total(self, counts: list[float]) -> float:
         """The targets of the whole global batch (summed over dp). Summed over every rank (the tp
@@ -121,11 +144,10 @@ class TrainStep:
             with self._autocast():
                 summed = self.pipeline.step(inputs, targets, loss_scale=self.dp / total)
             loss += self.pipeline.broadcast_loss(summed) / self.dp
-            if self.model.aux_loss_weight:
+            if self.model.has_aux_loss:
                 aux = torch.tensor(self.pipeline.broadcast_loss(self.pipeline.aux_loss), device=self.device)
             self.pipeline.sync_tied_grads()
         else:
-            weight = self.model.aux_loss_weight
             for i, (batch, count) in enumerate(zip(batches, counts)):
                 context = self.data_parallel.micro_batch(last=i == len(batches) - 1) \
                     if self.data_parallel is not None else nullcontext()
@@ -135,10 +157,11 @@ class TrainStep:
                     # Each rank's share of the global mean; the dp reduction averages, hence × dp.
                     micro_loss = output.loss
                     objective = micro_loss * (count * self.dp / total)
-                    if weight:  # the auxiliary loss is a mean over micro-batches, not over targets
-                        micro_loss = micro_loss - weight * output.aux_loss
-                        objective = micro_loss * (count * self.dp / total) + output.aux_loss * (weight / len(batches))
-                        aux = output.aux_loss.detach().float() / len(batches) + (0 if aux is None else aux)
+                    if self.model.has_aux_loss:  # a mean over micro-batches, not over targets
+                        term = self.model.aux_loss(output.router_stats)
+                        micro_loss = micro_loss - term
+                        objective = micro_loss * (count * self.dp / total) + term / len(batches)
+                        aux = term.detach().float() / len(batches) + (0 if aux is None else aux)
                     self.scaler.scale(objective).backward()
                 loss += micro_loss.detach().float() * (count / total)
         if self.data_parallel is not None:
@@ -169,12 +192,36 @@ class TrainStep:
             logger.warning("skipped the optimizer step: the loss is %s, the gradient norm %s", loss_value,
                            grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
+        imbalance, dropped = self._routing(update_bias=not skipped) if self.has_moe else (None, None)
         tokens = sum(b["input_ids"].numel() for b in batches) * self.dp \
             if all("input_ids" in b for b in batches) else None
         return StepResult(loss=loss_value, grad_norm=grad_norm.item(), samples=sum(_batch_size(b) for b in batches) * self.dp,
                           tokens=tokens, skipped=skipped, diverged=diverged, sync_wait_s=self.sync_wait_s,
                           loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
-                          aux_loss=None if aux is None else aux.item())
+                          aux_loss=None if aux is None else aux.item(), expert_imbalance=imbalance,
+                          dropped_tokens=dropped)
+
+    def _routing(self, update_bias: bool) -> tuple[float, float]:
+        """The step's routing over the global batch: (worst layer's max / mean tokens per expert,
+        slots dropped), from each MoE layer's counts summed over dp; then DeepSeek-V3's bias update
+        of every router that has a correction bias, at `expert_bias_update_rate`."""
+        imbalance = torch.zeros((), device=self.device)
+        dropped = torch.zeros((), device=self.device)
+        if self.moe_layers:
+            loads = torch.stack([m.take_routed_tokens().to(self.device) for m in self.moe_layers]).float()
+            dropped += sum(m.take_dropped_tokens().to(self.device) for m in self.moe_layers)
+            if self.data_parallel is not None:
+                self.data_parallel.all_reduce_sum(loads)
+                self.data_parallel.all_reduce_sum(dropped)
+            imbalance = (loads.max(1).values / loads.mean(1).clamp_min(1e-9)).max()
+            if update_bias and self.expert_bias_update_rate:
+                for layer, load in zip(self.moe_layers, loads):
+                    if layer.router.e_score_correction_bias is not None:
+                        layer.router.update_correction_bias(load, self.expert_bias_update_rate)
+        if self.pipeline is not None:  # the stages hold different layers
+            dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=self.pipeline.pp_group)
+            dist.all_reduce(dropped, group=self.pipeline.pp_group)
+        return imbalance.item(), dropped.item()
 
     def _nonfinite_grads(self, limit: int = 5) -> list[str]:
         """The first `limit` parameters (by name) whose gradient shard on this rank is not finite."""

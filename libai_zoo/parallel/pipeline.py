@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from libai_zoo.config import PipelineConfig
 from libai_zoo.distributed import ParallelContext, TensorParallel
+from libai_zoo.layers import uncounted
 from libai_zoo.models import check_trainable, get_layer_stack
 
 @dataclass(frozen=True)
@@ -217,9 +218,12 @@ class PipelineStageModule(nn.Module):
         self.stage_index, self.num_stages, self.layer_range = stage_index, num_stages, layer_range
         self.loss_scale = 1.0
         #: The weight of each micro-batch's auxiliary loss (1 / micro-batches: their mean), and the
-        #: auxiliary losses (unweighted) the last stage added in this step.
+        #: auxiliary losses the last stage added in this step.
         self.aux_scale = 1.0
         self.aux_losses: list[torch.Tensor] = []
+        #: The next forward is torch's shape inference for a new schedule (its first step runs one
+        #: extra forward per stage, on the first micro-batch or on empty tensors).
+        self.metadata_pass = False
 
     @property
     def is_first(self) -> bool:
@@ -231,13 +235,22 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor,
                 **inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.metadata_pass:  # torch's shape inference, on empty tensors: no routing to count
+            self.metadata_pass = False
+            with uncounted(self.model):
+                return self._forward(x, *carried, record=False, **inputs)
+        return self._forward(x, *carried, record=True, **inputs)
+
+    def _forward(self, x: torch.Tensor, *carried: torch.Tensor, record: bool,
+                 **inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         model = self.model
         targets = inputs.pop(TARGETS)
         if self.is_first:
-            stats = model.router_stats(inputs)
+            first_inputs = {model.main_input_name: x, **inputs}
+            stats = model.router_stats(first_inputs)
             if stats is not None:  # a leaf that asks for a gradient, so every stage sends one back
                 stats.requires_grad_(True)
-            x = model.embed({model.main_input_name: x, **inputs})
+            x = model.embed(first_inputs)
         else:
             stats = carried[0] if carried else None
         layer_inputs = model.layer_inputs(inputs)
@@ -249,10 +262,11 @@ class PipelineStageModule(nn.Module):
         if not self.is_last:
             return x if stats is None else (x, stats)
         loss = model.head_loss(model.final_norm(x), targets, reduction="sum") * self.loss_scale
-        if stats is not None and self.training and model.aux_loss_weight:
+        if stats is not None and self.training and model.has_aux_loss:
             aux = model.aux_loss(stats)
-            self.aux_losses.append(aux.detach())
-            loss = loss + aux * (model.aux_loss_weight * self.aux_scale)
+            if record:
+                self.aux_losses.append(aux.detach())
+            loss = loss + aux * self.aux_scale
         return loss
 
     def extra_repr(self) -> str:
@@ -378,7 +392,7 @@ class Pipeline:
         self.last_stage_rank = self.stage_ranks[-1]
         self.main_input_name = model.main_input_name
         self._last_part = next((s.model for s in self.stages if s.is_last), None)
-        #: The step's mean auxiliary loss (unweighted) on the rank of the last stage; None without one.
+        #: The step's mean auxiliary loss (`aux_loss`) on the rank of the last stage; None without one.
         self.aux_loss: torch.Tensor | None = None
 
         # Parameters tied between the end stages (an embedding and its LM head): each end holds a copy.
@@ -458,6 +472,8 @@ class Pipeline:
             device, group = self.ctx.device, self.pp_group
             stages = [PipelineStage(stage, stage.stage_index, self.num_stages, device, group=group)
                       for stage in self.stages]
+            for stage in self.stages:
+                stage.metadata_pass = train  # evaluation infers shapes without gradients: nothing is counted
             kwargs = dict(n_microbatches=self.num_micro_batches, loss_fn=self._loss, scale_grads=False)
             cls, multi = self.kind.cls, self.kind.multi
             if not train and self.kind.eval_cls is not None:  # one local stage: GPipe runs it forward only
@@ -501,7 +517,7 @@ class Pipeline:
             return summed
         # the step's mean auxiliary loss, and the losses without it
         self.aux_loss = torch.stack(aux).mean()
-        return summed - self.aux_loss * self._last_part.aux_loss_weight
+        return summed - self.aux_loss
 
     def step(self, inputs: dict[str, torch.Tensor], targets: torch.Tensor, loss_scale: float) -> torch.Tensor | None:
         """Forward and backward of this rank's stages over the local batch, split into
