@@ -1,0 +1,196 @@
+"""The Mixture-of-Experts layer (`layers.MoE`) in one process: its three routers and the clamped
+SwiGLU against transformers' modules, grouped GEMM against the per-expert loop, an uneven router
+(empty experts), capacity dropping, and the auxiliary loss against transformers'
+`load_balancing_loss_func` (padding masked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from libai_zoo.layers import MoE, load_balancing_loss, router_z_loss
+
+TOL = 1e-5
+H, I, E, K = 32, 16, 8, 2  # noqa: E741
+
+
+def _randomised(moe: MoE, seed: int = 0, std: float = 0.2) -> MoE:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * std)
+    return moe
+
+
+def _tokens(shape=(3, 7, H), seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _per_token(moe: MoE, x: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's routed output computed token by token and slot by slot (no sorting, no grouping);
+    `kept` [T, k] masks the slots that count."""
+    tokens = x.reshape(-1, x.shape[-1])
+    routing = moe.router(tokens)
+    ex = moe.experts
+    rows = []
+    for t, token in enumerate(tokens):
+        y = torch.zeros_like(token)
+        for slot in range(moe.top_k):
+            if kept is not None and not kept[t, slot]:
+                continue
+            e = routing.experts[t, slot]
+
+            def linear(v, weight, bias):
+                return v @ weight[e].T + (0 if bias is None else bias[e])
+
+            gate = None if ex.gate_proj is None else linear(token, ex.gate_proj, ex.gate_bias)
+            hidden = ex._activate(gate, linear(token, ex.up_proj, ex.up_bias))
+            y = y + routing.weights[t, slot] * linear(hidden, ex.down_proj, ex.down_bias)
+        rows.append(y)
+    return torch.stack(rows).view_as(x)
+
+
+def _grads(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.clone().requires_grad_()
+    y, stats = moe(x)
+    loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + load_balancing_loss(stats, moe.num_experts)
+    return y, torch.autograd.grad(loss, [x, *moe.parameters()])
+
+
+@pytest.mark.parametrize("variant", ["silu", "biases_clamped_swiglu", "plain_gelu"])
+def test_grouped_gemm_equals_the_per_expert_loop_and_the_per_token_sum(variant):
+    kwargs = {"silu": {}, "biases_clamped_swiglu": dict(bias=True, swiglu_limit=0.5),
+              "plain_gelu": dict(gated=False, activation="gelu")}[variant]
+    moe = _randomised(MoE(H, E, K, I, **kwargs))
+    x = _tokens()
+    assert moe.experts._groupable(x)
+    grouped, grouped_grads = _grads(moe, x)
+    moe.experts.grouped_mm = False
+    looped, looped_grads = _grads(moe, x)
+    assert (grouped - looped).abs().max() <= TOL
+    assert max((a - b).abs().max() for a, b in zip(grouped_grads, looped_grads)) <= TOL
+    with torch.no_grad():
+        assert (grouped - _per_token(moe, x)).abs().max() <= TOL
+
+
+def test_grouped_gemm_falls_back_to_the_loop_where_it_cannot_run():
+    """bf16 rows of 12 elements (24 bytes) are not 16-byte multiples: the loop runs instead."""
+    moe = _randomised(MoE(12, 4, 2, 8)).to(torch.bfloat16)
+    x = _tokens((2, 5, 12)).bfloat16()
+    assert not moe.experts._groupable(x)
+    y, _ = moe(x)
+    moe.experts.grouped_mm = False
+    assert torch.equal(y, moe(x)[0])
+
+
+def test_an_uneven_router_with_empty_experts():
+    """A router bias sends every token to expert 0 and most to expert 1: the other experts get no
+    token (zero-row groups), and outputs and gradients still equal the loop's and the per-token sum."""
+    moe = _randomised(MoE(H, E, K, I, router="topk_softmax", router_bias=True))
+    with torch.no_grad():
+        moe.router.bias.copy_(torch.tensor([8.0, 4.0] + [-8.0] * (E - 2)))
+    x = _tokens()
+    y, stats = moe(x)
+    counts = stats[0]
+    assert counts[0] == x.shape[0] * x.shape[1] and (counts[2:] == 0).sum() >= E - 3, counts
+    grouped, grouped_grads = _grads(moe, x)
+    moe.experts.grouped_mm = False
+    looped, looped_grads = _grads(moe, x)
+    assert max((a - b).abs().max() for a, b in zip(grouped_grads, looped_grads)) <= TOL
+    with torch.no_grad():
+        assert (grouped - _per_token(moe, x)).abs().max() <= TOL
+
+
+def test_capacity_factor_drops_the_slots_past_each_experts_capacity_and_counts_them():
+    moe = _randomised(MoE(H, 4, 2, I, capacity_factor=0.5))
+    moe.router.weight.data[0] += 1.0  # expert 0 overloaded
+    x = _tokens((2, 8, H))
+    y, stats = moe(x)
+    tokens, capacity = 16, 4  # ceil(0.5 · 16 · 2 / 4)
+    routing = moe.router(x.reshape(-1, H))
+    counts = torch.bincount(routing.experts.reshape(-1), minlength=4)
+    assert torch.equal(stats[0], counts.float())  # the statistics count the routed tokens, dropped or not
+    assert moe.dropped_tokens == (counts - counts.clamp(max=capacity)).sum() > 0
+    # kept: the first `capacity` slots of each expert in token order
+    seen, kept = torch.zeros(4, dtype=torch.long), torch.zeros(tokens, 2, dtype=torch.bool)
+    for t in range(tokens):
+        for slot in range(2):
+            e = routing.experts[t, slot]
+            kept[t, slot] = seen[e] < capacity
+            seen[e] += 1
+    with torch.no_grad():
+        assert (y - _per_token(moe, x, kept)).abs().max() <= TOL
+    moe.capacity_factor = None
+    assert (moe(x)[0] - y).abs().max() > 1e-3  # dropless differs
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_auxiliary_loss_equals_transformers(masked):
+    """Statistics of two MoE layers summed, as the decoder does, give transformers' loss over the
+    concatenation of both layers' router logits (padding excluded); the z-loss is the mean of
+    logsumexp²."""
+    layers = [_randomised(MoE(H, E, K, I), seed) for seed in (0, 1)]
+    x = _tokens((2, 6, H))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    if masked:
+        mask[1, 3:] = 0
+    stats = torch.zeros(3, E)
+    logits = []
+    for moe in layers:
+        stats = stats + moe(x, mask if masked else None)[1]
+        logits.append(moe.router(x.reshape(-1, H)).logits)
+    theirs = load_balancing_loss_func(tuple(logits), E, K, mask if masked else None)
+    assert abs(load_balancing_loss(stats, E) - theirs) <= 1e-6
+    counted = mask.reshape(-1).bool()
+    z = torch.cat([lg[counted].logsumexp(-1).square() for lg in logits]).mean()
+    assert abs(router_z_loss(stats) - z) <= 1e-5
+
+
+def test_sigmoid_group_router_equals_deepseek_v3():
+    """8 experts in 4 groups, the best 2 groups, top 3; a correction bias that changes the choice."""
+    config = transformers.DeepseekV3Config(hidden_size=H, n_routed_experts=E, num_experts_per_tok=3, n_group=4,
+                                           topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    theirs = DeepseekV3TopkRouter(config)
+    moe = _randomised(MoE(H, E, 3, I, router="sigmoid_group", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                          score_correction_bias=True), std=0.5)
+    with torch.no_grad():
+        moe.router.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, E))
+        theirs.weight.copy_(moe.router.weight)
+        theirs.e_score_correction_bias.copy_(moe.router.e_score_correction_bias)
+    x = _tokens((20, H))
+    _, their_weights, their_experts = theirs(x)
+    routing = moe.router(x)
+    ours_sorted, order = routing.experts.sort(-1)
+    theirs_sorted, their_order = their_experts.sort(-1)
+    assert torch.equal(ours_sorted, theirs_sorted)
+    assert (routing.weights.gather(1, order) - their_weights.gather(1, their_order)).abs().max() <= 1e-6
+    moe.router.e_score_correction_bias.zero_()
+    assert not torch.equal(moe.router(x).experts.sort(-1).values, ours_sorted)  # the bias did steer
+
+
+def test_topk_softmax_router_and_clamped_swiglu_equal_gpt_oss():
+    """gpt-oss: router with bias, softmax over the top k; experts with biases and the clamped SwiGLU
+    (its checkpoint's interleaved [E, h, 2I] gate_up_proj and [E, I, h] down_proj)."""
+    config = transformers.GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
+                                       swiglu_limit=0.5)
+    router, experts = GptOssTopKRouter(config), GptOssExperts(config)
+    moe = _randomised(MoE(H, E, K, I, router="topk_softmax", router_bias=True, bias=True, swiglu_limit=0.5,
+                          swiglu_alpha=config.swiglu_alpha), std=0.5)
+    ex = moe.experts
+    with torch.no_grad():
+        router.weight.copy_(moe.router.weight)
+        router.bias.copy_(moe.router.bias)
+        experts.gate_up_proj.copy_(torch.stack([ex.gate_proj, ex.up_proj], 2).flatten(1, 2).transpose(1, 2))
+        experts.gate_up_proj_bias.copy_(torch.stack([ex.gate_bias, ex.up_bias], -1).flatten(-2))
+        experts.down_proj.copy_(ex.down_proj.transpose(1, 2))
+        experts.down_proj_bias.copy_(ex.down_bias)
+        x = _tokens((2, 9, H))
+        _, scores, indices = router(x.reshape(-1, H))
+        theirs = experts(x.reshape(-1, H), indices, scores).view_as(x)
+        assert (moe(x)[0] - theirs).abs().max() <= TOL
+        ex.swiglu_limit = None  # a plain SwiGLU differs
+        assert (moe(x)[0] - theirs).abs().max() > 1e-3
