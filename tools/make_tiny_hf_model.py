@@ -7,6 +7,7 @@ recipes start from one of these; with a real checkpoint, point the recipe at it 
                                                                    # projects/bert_finetune model.path=...
     python tools/make_tiny_hf_model.py llama output/tiny_llama --hidden 256 --layers 4
     python tools/make_tiny_hf_model.py qwen3 output/tiny_qwen3
+    python tools/make_tiny_hf_model.py qwen3_moe output/tiny_qwen3_moe --experts 8
     python tools/make_tiny_hf_model.py gemma3 output/tiny_gemma3 --layers 6
 """
 
@@ -20,7 +21,7 @@ import transformers
 VOCAB = 8192  # data/tokenizer
 
 
-def make_config(kind: str, hidden: int, layers: int, heads: int) -> transformers.PretrainedConfig:
+def make_config(kind: str, hidden: int, layers: int, heads: int, experts: int = 8) -> transformers.PretrainedConfig:
     common = dict(num_hidden_layers=layers, num_attention_heads=heads, hidden_size=hidden,
                   intermediate_size=4 * hidden)
     if kind == "bert":
@@ -35,6 +36,13 @@ def make_config(kind: str, hidden: int, layers: int, heads: int) -> transformers
         return transformers.Qwen3Config(vocab_size=VOCAB, num_key_value_heads=max(1, heads // 2),
                                         head_dim=2 * hidden // heads, tie_word_embeddings=True, bos_token_id=0,
                                         eos_token_id=0, max_position_embeddings=2048, **common)
+    if kind == "qwen3_moe":  # as Qwen3-30B-A3B: experts of 3/8 hidden, top 1/16 of them (at least 2), renormalised
+        return transformers.Qwen3MoeConfig(vocab_size=VOCAB, num_key_value_heads=max(1, heads // 8),
+                                           head_dim=2 * hidden // heads, num_experts=experts,
+                                           num_experts_per_tok=max(2, experts // 16),
+                                           moe_intermediate_size=3 * hidden // 8, norm_topk_prob=True,
+                                           output_router_logits=True, bos_token_id=0, eos_token_id=0,
+                                           max_position_embeddings=2048, **common)
     if kind == "gemma3":  # as Gemma 3 270M: one KV head, head_dim twice hidden / heads, 5 sliding layers to 1 full
         return transformers.Gemma3TextConfig(vocab_size=VOCAB, num_key_value_heads=1, head_dim=2 * hidden // heads,
                                              query_pre_attn_scalar=2 * hidden // heads, sliding_window=64,
@@ -47,7 +55,7 @@ def make_config(kind: str, hidden: int, layers: int, heads: int) -> transformers
 
 
 MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "llama": "LlamaForCausalLM",
-          "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel", "vit": "ViTForImageClassification"}
+          "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel", "vit": "ViTForImageClassification"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,10 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer (qwen3_moe)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
-    config = make_config(args.kind, args.hidden, args.layers, args.heads)
+    config = make_config(args.kind, args.hidden, args.layers, args.heads, args.experts)
     getattr(transformers, MODELS[args.kind])(config).save_pretrained(args.output_dir)
     print(f"wrote a random {MODELS[args.kind]} to {args.output_dir}")
 
