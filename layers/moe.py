@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from libai_zoo.distributed import local
 from libai_zoo.distributed.collectives import reduce_from_tp
@@ -164,14 +165,23 @@ class Experts(ParallelLayer, nn.Module):
         weights = {name: local(getattr(self, name), partial_grad=self.sp)
                    for name in ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")}
         tokens = tokens.to(weights["up_proj"].dtype)
-        project = self._grouped if self.grouped_mm and self._groupable(tokens) else self._looped
-        return project(tokens, counts, weights)
+        grouped = self.grouped_mm and self._groupable([tokens, *(w for w in weights.values() if w is not None)])
+        return (self._grouped if grouped else self._looped)(tokens, counts, weights)
 
-    def _groupable(self, tokens: torch.Tensor) -> bool:
-        """Whether torch._grouped_mm runs here: its dtypes, and every row a multiple of 16 bytes."""
+    def _groupable(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether torch._grouped_mm runs on these tokens and weights: float32/bf16/fp16 (bf16 only
+        under torch.compile or on fake tensors: its meta kernel's rule), rows of 16-byte multiples
+        at 16-byte aligned addresses, a GPU of compute capability 8.0 or more."""
+        tokens = tensors[0]
         size = tokens.element_size()
-        return (tokens.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and (self.hidden_size * size) % 16 == 0 and (self.ffn_hidden_size * size) % 16 == 0)
+        if (tokens.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+                or (self.hidden_size * size) % 16 or (self.ffn_hidden_size * size) % 16):
+            return False
+        if torch.compiler.is_compiling() or tokens.device.type == "meta" or is_fake(tokens):
+            return tokens.dtype == torch.bfloat16
+        if tokens.device.type == "cuda" and torch.cuda.get_device_capability(tokens.device) < (8, 0):
+            return False
+        return all(t.data_ptr() % 16 == 0 for t in tensors)
 
     def _activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
         if gate is None:
@@ -312,7 +322,7 @@ class MoE(ParallelLayer, nn.Module):
         order within an expert), over capacity dropped, computed, weighted and added back."""
         slots = routing.experts.reshape(-1)
         order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots, minlength=self.num_experts)
+        counts = slots.new_zeros(self.num_experts).scatter_add_(0, slots, torch.ones_like(slots))  # no host sync
         if self.capacity_factor is not None:
             order, counts = self._drop_over_capacity(order, counts, len(tokens))
         token_of = order // self.top_k

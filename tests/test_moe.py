@@ -67,7 +67,7 @@ def test_grouped_gemm_equals_the_per_expert_loop_and_the_per_token_sum(variant):
               "plain_gelu": dict(gated=False, activation="gelu")}[variant]
     moe = _randomised(MoE(H, E, K, I, **kwargs))
     x = _tokens()
-    assert moe.experts._groupable(x)
+    assert moe.experts._groupable([x])
     grouped, grouped_grads = _grads(moe, x)
     moe.experts.grouped_mm = False
     looped, looped_grads = _grads(moe, x)
@@ -81,7 +81,7 @@ def test_grouped_gemm_falls_back_to_the_loop_where_it_cannot_run():
     """bf16 rows of 12 elements (24 bytes) are not 16-byte multiples: the loop runs instead."""
     moe = _randomised(MoE(12, 4, 2, 8)).to(torch.bfloat16)
     x = _tokens((2, 5, 12)).bfloat16()
-    assert not moe.experts._groupable(x)
+    assert not moe.experts._groupable([x])
     y, _ = moe(x)
     moe.experts.grouped_mm = False
     assert torch.equal(y, moe(x)[0])
