@@ -194,3 +194,31 @@ def test_topk_softmax_router_and_clamped_swiglu_equal_gpt_oss():
         assert (moe(x)[0] - theirs).abs().max() <= TOL
         ex.swiglu_limit = None  # a plain SwiGLU differs
         assert (moe(x)[0] - theirs).abs().max() > 1e-3
+
+
+def test_stacked_expert_rule_reads_only_a_ranks_experts():
+    """One checkpoint tensor per expert <-> a stacked [E, ...] parameter: a rank holding experts 4..7
+    of 8 (slice 1 of 2 along dim 0), and of them the rows 1..3 its ZeRO shard keeps, reads experts
+    5 and 6 only; saving writes one tensor per expert back."""
+    from libai_zoo.hf.rules import Stacked
+
+    full = torch.randn(E, I, H)
+    rule = Stacked("mlp.experts.up_proj", "mlp.experts.{}.up_proj.weight", E)
+    files = rule.save(full)
+    assert list(files) == [f"mlp.experts.{e}.up_proj.weight" for e in range(E)]
+    assert rule.hf_shapes(full.shape) == {name: torch.Size([I, H]) for name in files}
+    read_names = []
+
+    def read(name, ranges=None):
+        read_names.append(name)
+        block = files[name]
+        for dim, (start, end) in (ranges or {}).items():
+            block = block.narrow(dim, start, end - start)
+        return block
+
+    assert torch.equal(rule.load(read, None, full.shape), full)
+    read_names.clear()
+    assert torch.equal(rule.load(read, (0, 1, 2), full.shape, rows=(1, 3)), full[5:7])
+    assert read_names == ["mlp.experts.5.up_proj.weight", "mlp.experts.6.up_proj.weight"]
+    assert torch.equal(rule.load(read, (1, 1, 2), full.shape), full[:, I // 2:])  # a split of each expert
+    assert rule.load(read, (0, 1, 2), full.shape, rows=(4, 4)).shape == (0, I, H)  # a shard past the last expert
