@@ -227,8 +227,8 @@ def test_stacked_expert_rule_reads_only_a_ranks_experts():
 @pytest.mark.parametrize("family", ["qwen2_moe"])
 def test_the_contracts_stage_path_gives_the_forwards_loss(family):
     """What a pipeline runs (embed, each layer of the stack carrying router_stats, the head's loss plus
-    aux_loss_weight × aux_loss) equals forward's loss, padding excluded from the statistics in both;
-    a dense layer (Qwen2-MoE's mlp_only_layers) passes the statistics on."""
+    aux_loss, the weighted auxiliary terms) equals forward's loss, padding excluded from the
+    statistics in both; a dense layer (Qwen2-MoE's mlp_only_layers) passes the statistics on."""
     from libai_zoo.models import get_layer_stack
     from model_cases import CASES, make_inputs, zoo_model
 
@@ -238,6 +238,6 @@ def test_the_contracts_stage_path_gives_the_forwards_loss(family):
     x, stats, layer_inputs = model.embed(inputs), model.router_stats(inputs), model.layer_inputs(inputs)
     for layer in get_layer_stack(model):
         x, stats = layer(x, **layer_inputs, router_stats=stats)
-    loss = model.head_loss(model.final_norm(x), targets) + model.aux_loss_weight * model.aux_loss(stats)
-    assert model.aux_loss_weight == 0.1 and stats[2, 0] == batch["attention_mask"].sum()
+    loss = model.head_loss(model.final_norm(x), targets) + model.aux_loss(stats)
+    assert model.has_aux_loss and stats[2, 0] == batch["attention_mask"].sum()
     assert abs(loss.item() - model(**batch).loss.item()) <= TOL
