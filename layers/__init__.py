@@ -12,6 +12,7 @@ from .attention import Attention, fuse_kv, fuse_qkv, packed_causal_mask, split_k
 from .cross_entropy import ParallelCrossEntropy
 from .embedding import Embedding, VocabEmbedding
 from .kv_cache import KVCache
+from .latent_attention import LatentAttention
 from .linear import Linear
 from .lm_head import LMHead
 from .lora import LoRA, apply_lora, is_adapter_parameter, lora_layers, merge_lora
@@ -23,7 +24,7 @@ from .rotary import RotaryEmbedding, apply_rotary
 from .sequence_parallel import SequenceGather, SequenceScatter
 from .transformer_layer import TransformerLayer
 
-__all__ = ["Attention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCache", "MLP", "LayerNorm", "RMSNorm",
+__all__ = ["Attention", "LatentAttention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCache", "MLP", "LayerNorm", "RMSNorm",
            "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
            "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_layers",
            "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv",

@@ -176,16 +176,9 @@ class Attention(ParallelLayer, nn.Module):
             k, v = kv_cache.update(k, v)
         # [B, S, groups, heads per group, d] -> [B, heads, S, d]; a view when rotary made q contiguous
         q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
-        mask, is_causal = self._mask(attention_mask, q.shape[2], k.shape[2], q.device)
-        dropout = self.dropout if self.training else 0.0
-        # This rank's heads draw their own dropout masks (the tp rank's stream), as one process would.
-        with self.tp.rng.fork() if self.tp is not None and dropout else nullcontext():
-            if self.softcap is None:
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=self.softmax_scale,
-                    enable_gqa=q.shape[1] != k.shape[1])
-            else:
-                out = softcapped_attention(q, k, v, mask, self.softcap, self.softmax_scale, dropout, causal=is_causal)
+        mask, is_causal = sdpa_mask(attention_mask, q.shape[2], k.shape[2], q.device, causal=self.causal,
+                                     sliding_window=self.sliding_window)
+        out = attend(self, q, k, v, mask, is_causal, self.softmax_scale, self.softcap)
         return self.out(out.transpose(1, 2).flatten(2))
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,32 +204,6 @@ class Attention(ParallelLayer, nn.Module):
         qkv = self.qkv(x).unflatten(-1, (-1, per_group + 2, d))
         return qkv.split([per_group, 1, 1], dim=-2)
 
-    def _mask(self, attention_mask: torch.Tensor | None, q_len: int, k_len: int, device):
-        """(attn_mask, is_causal) for SDPA; queries are the last q_len of the k_len positions."""
-        if attention_mask is None and self.sliding_window is None:
-            if not self.causal:
-                return None, False
-            if q_len == k_len:
-                return None, True
-            if q_len == 1:  # one new token after cached ones sees them all
-                return None, False
-        q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
-        k_pos = torch.arange(k_len, device=device)[None, :]
-        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-        if self.causal:
-            allowed &= k_pos <= q_pos
-        if self.sliding_window is not None:
-            distance = q_pos - k_pos if self.causal else (q_pos - k_pos).abs()
-            allowed &= distance < self.sliding_window
-        if attention_mask is None:
-            return allowed, False
-        if attention_mask.dim() == 2:  # [B, S_k] padding mask, 1 = token
-            # A query that may see nothing (left padding) gets zeros from SDPA (torch >= 2.5), as in transformers.
-            return allowed & attention_mask[:, None, None, :].bool(), False
-        if attention_mask.dtype == torch.bool:
-            return allowed & attention_mask, False
-        return attention_mask.masked_fill(~allowed, float("-inf")), False
-
     def extra_repr(self) -> str:
         kinds = ["cross" if self.cross_attention else "self"] + (["causal"] if self.causal else [])
         if self.sliding_window:
@@ -247,6 +214,47 @@ class Attention(ParallelLayer, nn.Module):
             kinds.append(f"kv_replicas={self.kv_replicas}")
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"{', '.join(kinds)}{self.parallel_repr()}")
+
+
+def sdpa_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device, *, causal: bool,
+              sliding_window: int | None = None) -> tuple[torch.Tensor | None, bool]:
+    """(attn_mask, is_causal) for SDPA; queries are the last q_len of the k_len positions."""
+    if attention_mask is None and sliding_window is None:
+        if not causal:
+            return None, False
+        if q_len == k_len:
+            return None, True
+        if q_len == 1:  # one new token after cached ones sees them all
+            return None, False
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= k_pos <= q_pos
+    if sliding_window is not None:
+        distance = q_pos - k_pos if causal else (q_pos - k_pos).abs()
+        allowed &= distance < sliding_window
+    if attention_mask is None:
+        return allowed, False
+    if attention_mask.dim() == 2:  # [B, S_k] padding mask, 1 = token
+        # A query that may see nothing (left padding) gets zeros from SDPA (torch >= 2.5), as in transformers.
+        return allowed & attention_mask[:, None, None, :].bool(), False
+    if attention_mask.dtype == torch.bool:
+        return allowed & attention_mask, False
+    return attention_mask.masked_fill(~allowed, float("-inf")), False
+
+
+def attend(layer: ParallelLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           is_causal: bool, scale: float | None, softcap: float | None = None) -> torch.Tensor:
+    """The attention core of `layer` (its ``dropout``, training mode and tp): q [B, H, S, d], k [B, H_kv, S_k, d],
+    v [B, H_kv, S_k, d_v] -> [B, H, S, d_v]."""
+    dropout = layer.dropout if layer.training else 0.0
+    # This rank's heads draw their own dropout masks (the tp rank's stream), as one process would.
+    with layer.tp.rng.fork() if layer.tp is not None and dropout else nullcontext():
+        if softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                                  scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return softcapped_attention(q, k, v, mask, softcap, scale, dropout, causal=is_causal)
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -6,7 +6,15 @@ wavelength exceeds the original context / low_freq_factor, keeps those shorter t
 context / high_freq_factor, and blends linearly in between; "longrope" (Phi-3, Phi-4) divides each
 frequency by its own factor, the long ones once a position lies past the original context
 (``original_max_position_embeddings``) and the short ones before, and multiplies cos and sin by
-``attention_factor`` (which scales q·k on the rotated channels).
+``attention_factor`` (which scales q·k on the rotated channels); "yarn" (YaRN, Peng et al. 2023:
+DeepSeek-V3, Qwen's long contexts) keeps the frequencies that turn more than ``beta_fast`` times
+over the original context, divides by ``factor`` those turning fewer than ``beta_slow`` times, ramps
+linearly in between, and multiplies cos and sin by ``attention_factor`` (by default
+mscale(factor, mscale) / mscale(factor, mscale_all_dim), or mscale(factor): `yarn_mscale`).
+
+DeepSeek lays each head's rotary channels out in interleaved pairs (x0, x1), (x2, x3), ...:
+`deinterleave` reorders them to the half-split layout first, as transformers'
+``apply_rotary_pos_emb_interleave`` does (q and k alike, so q·k is unchanged).
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-SCALINGS = ("linear", "llama3", "longrope")
+SCALINGS = ("linear", "llama3", "longrope", "yarn")
 
 
 class RotaryEmbedding(nn.Module):
@@ -34,7 +42,11 @@ class RotaryEmbedding(nn.Module):
         longrope = scaling is not None and scaling["rope_type"] == "longrope"
         #: the length past which the frequencies change (longrope's original context), else None
         self.switch_length = scaling["original_max_position_embeddings"] if longrope else None
-        self.attention_factor = scaling["attention_factor"] if longrope else 1.0
+        self.attention_factor = 1.0
+        if longrope:
+            self.attention_factor = scaling["attention_factor"]
+        elif scaling is not None and scaling["rope_type"] == "yarn":
+            self.attention_factor = yarn_attention_factor(scaling)
 
     def inv_freq(self, position_ids: torch.Tensor) -> torch.Tensor:
         """The frequencies for a call on `position_ids` (longrope's depend on the last position)."""
@@ -52,11 +64,30 @@ class RotaryEmbedding(nn.Module):
         factor = self.scaling["factor"]
         if self.scaling["rope_type"] == "linear":
             return inv_freq / factor
+        if self.scaling["rope_type"] == "yarn":
+            return self._yarn(exponents, factor)
         context = self.scaling["original_max_position_embeddings"]
         low, high = self.scaling["low_freq_factor"], self.scaling["high_freq_factor"]
         wavelength = 2 * math.pi / inv_freq
         blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short ones
         return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+    def _yarn(self, exponents: torch.Tensor, factor: float) -> torch.Tensor:
+        """YaRN's frequencies: each pair of channels between kept (fast) and divided by factor (slow)."""
+        scaling, dim = self.scaling, self.dim
+        context = scaling["original_max_position_embeddings"]
+
+        def channel(rotations: float) -> float:  # the channel whose frequency turns `rotations` times over the context
+            return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(self.base))
+
+        low, high = channel(scaling.get("beta_fast") or 32), channel(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=exponents.device) - low)
+                / (high - low if high != low else 0.001)).clamp(0.0, 1.0)  # 0: kept, 1: divided by factor
+        periods = self.base ** exponents
+        return 1.0 / (factor * periods) * ramp + 1.0 / periods * (1 - ramp)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, S] -> cos, sin of shape [B, S, dim] (float32)."""
@@ -83,3 +114,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if rotated < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rotary channels in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek) -> the half-split
+    layout `apply_rotary` rotates: the even channels, then the odd ones."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times longer: 0.1 · mscale · ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """YaRN's cos/sin multiplier: ``attention_factor`` if given, else mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) when both are set (DeepSeek), else mscale(factor)."""
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)

@@ -27,12 +27,14 @@ from libai_zoo.distributed.collectives import column_input, row_output
 
 from .attention import Attention
 from .kv_cache import KVCache
+from .latent_attention import LatentAttention
 from .mlp import MLP
 from .moe import MoE
 from .norm import NORMS
 from .parallel_layer import ParallelLayer
 
 NORM_POSITIONS = ("pre", "post", "sandwich", "output")
+ATTENTION_KINDS = ("standard", "latent")
 
 
 class TransformerLayer(ParallelLayer, nn.Module):
@@ -45,8 +47,9 @@ class TransformerLayer(ParallelLayer, nn.Module):
     ``parallel_norms=2``, and applies ``hidden_dropout`` once to their sum. ``bias`` sets every
     bias; ``qkv_bias``, ``attention_out_bias`` and ``mlp_bias`` override it per part (Qwen2:
     biases on q, k, v only). ``attention`` passes further `Attention` options (q/k norms, softmax
-    scale, soft-capping). ``moe`` makes the MLP an `MoE` of these arguments (hidden size and
-    factory arguments added, ``activation`` unless it gives one).
+    scale, soft-capping), or with ``attention_kind="latent"`` those of `LatentAttention` (DeepSeek's
+    multi-head latent attention: its ranks and head widths). ``moe`` makes the MLP an `MoE` of these
+    arguments (hidden size and factory arguments added, ``activation`` unless it gives one).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
@@ -57,9 +60,9 @@ class TransformerLayer(ParallelLayer, nn.Module):
                  attention_dropout: float = 0.0, hidden_dropout: float = 0.0, residual_multiplier: float = 1.0,
                  causal: bool = False, rope_theta: float | None = None,
                  rope_scaling: dict | None = None, rotary_dim: int | None = None,
-                 sliding_window: int | None = None, attention: dict | None = None, cross_attention: bool = False,
-                 encoder_hidden_size: int | None = None, moe: dict | None = None, sequence_parallel: bool = True,
-                 device=None, dtype=None):
+                 sliding_window: int | None = None, attention: dict | None = None, attention_kind: str = "standard",
+                 cross_attention: bool = False, encoder_hidden_size: int | None = None, moe: dict | None = None,
+                 sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__()
         if norm not in NORMS:
             raise ValueError(f"norm {norm!r} is not one of {sorted(NORMS)}")
@@ -71,6 +74,8 @@ class TransformerLayer(ParallelLayer, nn.Module):
         if parallel_block and moe is not None:
             raise ValueError("parallel_block=True shares one sync between attention and a dense MLP: "
                              "an MoE layer is sequential (parallel_block=False)")
+        if attention_kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention_kind {attention_kind!r} is not one of {ATTENTION_KINDS}")
         if parallel_norms not in (1, 2):
             raise ValueError(f"parallel_norms = {parallel_norms}: a parallel block has one norm or two")
         qkv_bias = bias if qkv_bias is None else qkv_bias
@@ -90,9 +95,19 @@ class TransformerLayer(ParallelLayer, nn.Module):
         self.attn_norm = make_norm(inputs_normed)
         heads = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, bias=qkv_bias, out_bias=attention_out_bias,
                      dropout=attention_dropout)
-        self.attn = Attention(hidden_size, num_heads, causal=causal, rope_theta=rope_theta,
-                              rope_scaling=rope_scaling, rotary_dim=rotary_dim, sliding_window=sliding_window,
-                              sync_input=fused_comm, reduce_output=fused_comm, **(attention or {}), **heads, **factory)
+        if attention_kind == "latent":
+            if parallel_block or cross_attention or sliding_window or rotary_dim or head_dim or num_kv_heads:
+                raise ValueError("latent attention sets its own head widths (qk_nope_head_dim, qk_rope_head_dim, "
+                                 "v_head_dim in `attention`) and is a sequential self-attention: build it without "
+                                 "num_kv_heads, head_dim, rotary_dim, sliding_window, cross_attention, parallel_block")
+            self.attn = LatentAttention(hidden_size, num_heads, causal=causal, rope_theta=rope_theta,
+                                        rope_scaling=rope_scaling, bias=qkv_bias, out_bias=attention_out_bias,
+                                        dropout=attention_dropout, **(attention or {}), **factory)
+        else:
+            self.attn = Attention(hidden_size, num_heads, causal=causal, rope_theta=rope_theta,
+                                  rope_scaling=rope_scaling, rotary_dim=rotary_dim, sliding_window=sliding_window,
+                                  sync_input=fused_comm, reduce_output=fused_comm, **(attention or {}), **heads,
+                                  **factory)
         self.attn_out_norm = make_norm(outputs_normed)
         if cross_attention:
             self.cross_attn_norm = make_norm()

@@ -28,7 +28,8 @@ class LlamaConfig(transformers.LlamaConfig):
 def rope_settings(config, params: dict | None = None) -> tuple[float, dict | None]:
     """(base, scaling) of RoPE, from ``params`` or the config's ``rope_parameters`` (transformers 5)
     or ``rope_theta`` and ``rope_scaling`` (4.x). Scalings: none, "linear", "llama3" (Llama 3.1
-    and later) and "longrope" (Phi-3, Phi-4: `longrope_scaling`)."""
+    and later), "longrope" (Phi-3, Phi-4: `longrope_scaling`) and "yarn" (Qwen's long contexts,
+    DeepSeek-V3)."""
     if params is None:
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
@@ -36,11 +37,13 @@ def rope_settings(config, params: dict | None = None) -> tuple[float, dict | Non
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("linear", "llama3", "longrope"):
+    if rope_type not in ("linear", "llama3", "longrope", "yarn"):
         raise ValueError(f"rope_type {rope_type!r} is not supported by libai_zoo's {config.model_type} "
-                         f"(supported: default, linear, llama3, longrope)")
+                         f"(supported: default, linear, llama3, longrope, yarn)")
     if rope_type == "longrope":
         return theta, longrope_scaling(config, params)
+    if rope_type == "yarn" and params.get("factor") is None:  # transformers: the context's growth
+        params["factor"] = config.max_position_embeddings / params["original_max_position_embeddings"]
     return theta, {**params, "rope_type": rope_type}
 
 

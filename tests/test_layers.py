@@ -15,6 +15,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from libai_zoo import layers
+from libai_zoo.layers.attention import sdpa_mask
 
 TWIN_TOL = 1e-6
 HF_TOL = 1e-5
@@ -220,13 +221,12 @@ def test_attention_matches_reference(case):
 def test_attention_kv_offset_and_additive_mask():
     """Queries that are the last positions of a longer key sequence (as with a KV cache), and a 4-D
     additive mask, follow the same rules."""
-    attn = layers.Attention(16, 4, causal=True)
     q_len, k_len = 2, 5
-    allowed, causal = attn._mask(None, q_len, k_len, "cpu")
+    allowed, causal = sdpa_mask(None, q_len, k_len, "cpu", causal=True)
     assert not causal and allowed.tolist() == [[True, True, True, True, False], [True] * 5]
     additive = torch.zeros(1, 1, q_len, k_len)
     additive[..., 0] = -1e4
-    combined, _ = attn._mask(additive, q_len, k_len, "cpu")
+    combined, _ = sdpa_mask(additive, q_len, k_len, "cpu", causal=True)
     assert combined[0, 0, 0].tolist() == [-1e4, 0.0, 0.0, 0.0, float("-inf")]
 
 
@@ -354,6 +354,69 @@ def test_longrope_tables_are_phi3s():
         theirs = Phi3RotaryEmbedding(config)(torch.zeros(1), positions)
         assert all(torch.equal(a, b) for a, b in zip(ours(positions), theirs)), last
     assert ours.attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(16)))
+
+
+@pytest.mark.parametrize("mscales", [{}, {"mscale": 0.707, "mscale_all_dim": 1.0}])
+def test_yarn_tables_are_transformers(mscales):
+    """YaRN's frequencies (kept, divided and ramped channels: beta_fast 32 and beta_slow 1 over an
+    original context of 64 put channel pairs 0-1 / 2-4 / 5-7 of 16 on each side) and its cos/sin
+    multiplier equal transformers' tables: mscale(factor) plain (Qwen), the mscale ratio (DeepSeek)."""
+    from libai_zoo.models.llama import rope_settings
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 64, **mscales})
+    theta, scaling = rope_settings(config)
+    ours = layers.RotaryEmbedding(16, theta, scaling)
+    positions = torch.arange(100)[None]
+    theirs = LlamaRotaryEmbedding(config)(torch.zeros(1), positions)
+    assert all(max_diff(a, b) <= 1e-6 for a, b in zip(ours(positions), theirs))
+    ramp = ours.inv_freq(positions) / layers.RotaryEmbedding(16, theta).inv_freq(positions)
+    assert ramp[0] == 1 and ramp[-1] == 0.25 and ((ramp > 0.25) & (ramp < 1)).any()  # all three kinds
+    expected = 0.1 * 0.707 * math.log(4) + 1 if mscales else 0.1 * math.log(4) + 1
+    expected /= 0.1 * math.log(4) + 1 if mscales else 1
+    assert ours.attention_factor == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_latent_attention_is_deepseek_v3_attention(q_lora_rank):
+    """Multi-head latent attention equals transformers' DeepSeek-V3 attention (low-rank q with its
+    norm, or q_proj; the kv latent and its norm, one rotary key for all heads in DeepSeek's
+    interleaved layout, yarn with its mscale² softmax correction, v narrower than q·k) in outputs and
+    input and parameter gradients, with padding and positions that do not start at 0."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention,
+                                                                      DeepseekV3RotaryEmbedding)
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+            "mscale": 0.707, "mscale_all_dim": 1.0}
+    config = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
+                              kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+                              rope_parameters=rope, max_position_embeddings=32, attn_implementation="sdpa")
+
+    class Reference(nn.Module):  # its parameters in the order of ours
+        def __init__(self):
+            super().__init__()
+            self.attn, self.rotary = DeepseekV3Attention(config, 0), DeepseekV3RotaryEmbedding(config)
+
+        def forward(self, x, mask, positions):
+            causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+            return self.attn(x, self.rotary(x, positions), causal & mask[:, None, None, :].bool())[0]
+
+    ref = Reference()
+    for p in ref.parameters():  # norms start at one; make them matter
+        nn.init.normal_(p, std=0.3)
+    scale = (12 + 8) ** -0.5 * (0.1 * math.log(4) + 1) ** 2
+    ours = layers.TransformerLayer(64, 4, 8, norm="rmsnorm", bias=False, causal=True, rope_theta=10000.0,
+                                   rope_scaling=rope, attention_kind="latent",
+                                   attention=dict(q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=12,
+                                                  qk_rope_head_dim=8, v_head_dim=10, softmax_scale=scale)).attn
+    ours.load_state_dict({k.replace("o_proj", "out"): v for k, v in ref.attn.state_dict().items()})
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    positions = torch.arange(6).repeat(2, 1) + torch.tensor([[0], [9]])
+    out, grad_in, grad_params = run_both(ours, ref, torch.randn(2, 6, 64), mask, positions)
+    assert max(out, grad_in, grad_params) <= HF_TOL
 
 
 def test_parallel_block_is_attention_plus_mlp():

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 H, HEADS, KV_HEADS, FFN, VOCAB, B, S, ENC_S, ENC_H = 32, 8, 4, 64, 64, 2, 8, 4, 24
 TOL = 1e-5
+LATENT_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
 
 
 def _padding_mask() -> torch.Tensor:
@@ -72,6 +73,17 @@ CASES = {
         layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, cross_attention=True, kv_input_size=ENC_H),
         [_x(B, S, H), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), None, _x(B, ENC_S, ENC_H)],
         [1 if sp else None, None, None, None], 1 if sp else None),
+    # multi-head latent attention: replicated down-projections on this rank's tokens, their latents synced once
+    "attention_latent": lambda sp: (
+        layers.LatentAttention(H, HEADS, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                               v_head_dim=6, rope_scaling=LATENT_YARN),
+        [_x(B, S, H), _padding_mask(), torch.arange(S).repeat(B, 1) + 2], [1 if sp else None, None, None],
+        1 if sp else None),
+    "layer_latent_q_proj": lambda sp: (
+        layers.TransformerLayer(H, HEADS, FFN, norm="rmsnorm", gated_mlp=True, activation="silu", bias=False,
+                                causal=True, rope_theta=10000.0, attention_kind="latent",
+                                attention=dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)),
+        [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
     "layer_gpt2": lambda sp: (layers.TransformerLayer(H, HEADS, FFN, activation="gelu_new", causal=True),
                               [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
     "layer_bert_post_norm": lambda sp: (
