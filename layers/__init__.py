@@ -20,7 +20,7 @@ from .mlp import MLP
 from .moe import Experts, MoE, Router, Routing, load_balancing_loss, router_z_loss, uncounted
 from .norm import NORMS, LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
-from .rotary import RotaryEmbedding, apply_rotary
+from .rotary import RotaryEmbedding, apply_rotary, yarn_mscale
 from .sequence_parallel import SequenceGather, SequenceScatter
 from .transformer_layer import TransformerLayer
 
@@ -29,4 +29,4 @@ __all__ = ["Attention", "LatentAttention", "Linear", "VocabEmbedding", "Embeddin
            "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_layers",
            "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv",
            "packed_causal_mask", "NORMS", "MoE", "Router", "Routing", "Experts", "load_balancing_loss",
-           "router_z_loss", "uncounted"]
+           "router_z_loss", "uncounted", "yarn_mscale"]

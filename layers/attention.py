@@ -119,6 +119,11 @@ class Attention(ParallelLayer, nn.Module):
             self.q_norm = NORMS[qk_norm_kind](head_dim if per_head else num_heads * head_dim, **norm)
             self.k_norm = NORMS[qk_norm_kind](head_dim if per_head else num_kv_heads * head_dim, **norm)
 
+    @property
+    def attention_width(self) -> int:
+        """heads × head width: one token's scores and weighted values cost 4 × it × the keys' FLOPs."""
+        return self.num_heads * self.head_dim
+
     def tp_problems(self, tp_size: int) -> list[str]:
         problems = indivisible(self.num_heads, tp_size, "num_heads", "choose a tp that divides the number of heads")
         kv = self.num_kv_heads

@@ -71,6 +71,11 @@ class LatentAttention(ParallelLayer, nn.Module):
                           reduce_output=reduce_output, **factory)
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, rope_scaling)
 
+    @property
+    def attention_width(self) -> float:
+        """heads × the mean of the q·k and v head widths, as `Attention.attention_width` counts FLOPs."""
+        return self.num_heads * (self.qk_head_dim + self.v_head_dim) / 2
+
     def tp_problems(self, tp_size: int) -> list[str]:
         return indivisible(self.num_heads, tp_size, "num_heads", "choose a tp that divides the number of heads")
 

@@ -110,6 +110,24 @@ class Router(ParallelLayer, nn.Module):
             probs = scores / scores.sum(-1, keepdim=True)
         return Routing(weights, experts, probs, logits)
 
+    def init_buffers(self) -> None:
+        """The selection bias starts at 0 (a model built on the meta device; a checkpoint then fills it)."""
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
+
+    @torch.no_grad()
+    def update_correction_bias(self, counts: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: each expert that took
+        fewer than the mean of the step's routed tokens gains selection bias, each that took more
+        loses it, b_e += rate · sign(mean(counts) − counts_e) (DeepSeek-V3's rate: 0.001). `counts` [E]:
+        the tokens routed to each expert in the step, alike on every rank (`MoE.take_routed_tokens`
+        summed over the data-parallel ranks)."""
+        if self.e_score_correction_bias is None:
+            raise ValueError("this router has no e_score_correction_bias to update: build it with "
+                             "score_correction_bias=True (DeepSeek-V3's sigmoid_group router)")
+        counts = counts.to(self.e_score_correction_bias)
+        self.e_score_correction_bias += rate * torch.sign(counts.mean() - counts)
+
     def _grouped_choice(self, scores: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V3's choice: the top k of scores + correction bias within the best groups."""
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias

@@ -14,6 +14,7 @@ from .auto import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImag
                    AutoModelForSequenceClassification)
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from .contract import TrainableModel, check_trainable, get_layer_stack
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model
 from .gemma import (Gemma2Config, Gemma2ForCausalLM, Gemma2Model, Gemma3ForCausalLM, Gemma3TextConfig, Gemma3TextModel,
                     GemmaConfig, GemmaForCausalLM, GemmaModel)
 from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
@@ -46,4 +47,5 @@ __all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_st
            "GraniteModel", "GraniteForCausalLM", "SmolLM3Config", "SmolLM3Model", "SmolLM3ForCausalLM",
            "MixtralConfig", "MixtralModel", "MixtralForCausalLM", "Qwen2MoeConfig", "Qwen2MoeModel",
            "Qwen2MoeForCausalLM", "Qwen3MoeConfig", "Qwen3MoeModel", "Qwen3MoeForCausalLM", "OlmoeConfig",
-           "OlmoeModel", "OlmoeForCausalLM"]
+           "OlmoeModel", "OlmoeForCausalLM",
+           "DeepseekV3Config", "DeepseekV3Model", "DeepseekV3ForCausalLM"]

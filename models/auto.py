@@ -43,6 +43,8 @@ MODELS: dict[str, dict[str, str]] = {
     "phi3": {"base": "Phi3Model", "causal_lm": "Phi3ForCausalLM"},
     "granite": {"base": "GraniteModel", "causal_lm": "GraniteForCausalLM"},
     "smollm3": {"base": "SmolLM3Model", "causal_lm": "SmolLM3ForCausalLM"},
+    "deepseek_v3": {"base": "DeepseekV3Model", "causal_lm": "DeepseekV3ForCausalLM"},
+    "kimi_k2": {"base": "DeepseekV3Model", "causal_lm": "DeepseekV3ForCausalLM"},  # DeepSeek-V3's architecture
     "bert": {"base": "BertModel", "masked_lm": "BertForMaskedLM", "sequence_classification": "BertForSequenceClassification"},
     "roberta": {"base": "RobertaModel", "masked_lm": "RobertaForMaskedLM",
                 "sequence_classification": "RobertaForSequenceClassification"},

@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from libai_zoo.layers import Attention, LayerNorm, RMSNorm
+from libai_zoo.layers import Attention, LatentAttention, LayerNorm, RMSNorm
 
 IGNORE_INDEX = -100  # a target the loss skips (transformers' convention)
 LOSS_UNITS = ("token", "sample")
@@ -123,9 +123,15 @@ class TrainableModel(ABC):
 
     def init_buffers(self) -> None:
         """Give the buffers their values once the trainer has allocated a model built on the meta
-        device (where they had none). Default: the model must hold no buffer (the zoo's compute
-        rotary tables and masks in forward); a model that registers buffers computes them here."""
-        buffers = [name for name, _ in self.named_buffers()]
+        device (where they had none). Default: the layers that hold buffers set them (their own
+        ``init_buffers``: an MoE router's selection bias starts at 0, a checkpoint then fills it);
+        the model must hold no other buffer (the zoo's compute rotary tables and masks in forward);
+        a model that registers buffers computes them here."""
+        owners = [m for m in self.modules() if m is not self and callable(getattr(m, "init_buffers", None))]
+        for owner in owners:
+            owner.init_buffers()
+        owned = {id(b) for owner in owners for b in owner.buffers()}
+        buffers = [name for name, b in self.named_buffers() if id(b) not in owned]
         if buffers:
             raise TypeError(f"{type(self).__name__} holds buffers {buffers}, which a model built on the meta device "
                             f"has no values for: implement init_buffers() to compute them, or compute them in "
@@ -161,8 +167,8 @@ class TrainableModel(ABC):
         looked_up = {id(p) for path in self.first_stage_modules for m in self.get_submodule(path).modules()
                      if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)} - last
         multiplied = sum(p.numel() for p in self.parameters() if id(p) not in looked_up)
-        attention = sum(12 * m.num_heads * m.head_dim * seq_len for m in get_layer_stack(self).modules()
-                        if isinstance(m, Attention))
+        attention = sum(12 * m.attention_width * seq_len for m in get_layer_stack(self).modules()
+                        if isinstance(m, (Attention, LatentAttention)))
         return 6 * multiplied + attention
 
 

@@ -41,9 +41,11 @@ class DecoderNames:
     layers: str = "layers"
     final_norm: str = "norm"
     positions: str | None = None  # a learned position table (GPT-2's wpe)
-    #: an MoE layer's MLP and its experts' three projections (gate, up, down), as the checkpoint names them
+    #: an MoE layer's MLP, its experts' three projections (gate, up, down) and its shared expert, as the
+    #: checkpoint names them
     moe: str = "mlp"
     experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_expert: str = "shared_expert"
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,27 @@ def olmoe_config(**kw):
                     max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1,
                     pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     return transformers.OlmoeConfig(**{**defaults, **kw})
+
+
+#: DeepSeek-V3's yarn: an original context of 8 stretched 4× (the 12 positions pass it), mscale 0.707
+#: against mscale_all_dim 1, so that both the cos/sin multiplier and the softmax's mscale² are ≠ 1
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                 "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+
+
+def deepseek_v3_config(**kw):
+    """Multi-head latent attention (q latent 16, kv latent 12; per head 8 channels without positions,
+    4 interleaved rotary ones shared by all heads' keys, values 6 wide) with yarn; layer 0 dense,
+    layer 1 an MoE of 8 experts of 16 neurons in 4 groups (top 2 of the 2 best groups, weights
+    normalised × 2.5) plus 2 shared experts (32 neurons); weights drawn 5× wider than the default, so
+    that q·k is not near zero and the sigmoid scores spread. make_hf_model draws the correction bias."""
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=HEADS, intermediate_size=FFN, moe_intermediate_size=16, q_lora_rank=16,
+                    kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8,
+                    num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5,
+                    first_k_dense_replace=1, max_position_embeddings=32, rope_parameters=DEEPSEEK_YARN,
+                    initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    return transformers.DeepseekV3Config(**{**defaults, **kw})
 def phi3_config(**kw):
     """LongRoPE with an original context of 8 (of the 12 positions: the long factors apply) and its
     cos/sin multiplier (sqrt(1 + ln 8 / ln 8)), 3/4 of each head's 8 channels rotating, grouped
@@ -272,6 +293,8 @@ CASES = {
     "qwen2_moe": Case(transformers.Qwen2MoeForCausalLM, models.Qwen2MoeForCausalLM, qwen2_moe_config, "causal"),
     "qwen3_moe": Case(transformers.Qwen3MoeForCausalLM, models.Qwen3MoeForCausalLM, qwen3_moe_config, "causal"),
     "olmoe": Case(transformers.OlmoeForCausalLM, models.OlmoeForCausalLM, olmoe_config, "causal"),
+    "deepseek_v3": Case(transformers.DeepseekV3ForCausalLM, models.DeepseekV3ForCausalLM, deepseek_v3_config,
+                        "causal"),
     "gemma": Case(transformers.GemmaForCausalLM, models.GemmaForCausalLM, gemma_config, "causal"),
     "gemma2": Case(transformers.Gemma2ForCausalLM, models.Gemma2ForCausalLM, gemma2_config, "causal"),
     "gemma3": Case(transformers.Gemma3ForCausalLM, models.Gemma3ForCausalLM, gemma3_text_config, "causal"),
@@ -298,13 +321,17 @@ CASES = {
 
 def make_hf_model(case: Case, seed: int = 0):
     """The transformers model, its norm weights drawn away from their initial value (1, or 0 for
-    Gemma's (1 + w)): a norm the zoo applied without its weight, or not at all, would then show."""
+    Gemma's (1 + w)): a norm the zoo applied without its weight, or not at all, would then show; so
+    are a router's selection biases (0)."""
     torch.manual_seed(seed)
     model = case.hf_class(case.make_config()).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name.lower() and name.endswith("weight"):
                 param.add_(torch.randn_like(param) * 0.2)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's starts at 0: make it steer the routing
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     return model
 
 
@@ -351,7 +378,7 @@ def main_output(out) -> torch.Tensor:
 
 def hf_checkpoint_grads(hf_model, directory) -> dict[str, torch.Tensor]:
     """The transformers model's gradients under its checkpoint names (transformers 5 may name its
-    modules differently from the files it writes): saved as if they were the weights."""
+    modules differently from the files it writes): saved as if they were the weights, buffers left out."""
     import copy
 
     from safetensors.torch import load_file
@@ -361,7 +388,8 @@ def hf_checkpoint_grads(hf_model, directory) -> dict[str, torch.Tensor]:
         for param, original in zip(grads.parameters(), hf_model.parameters()):
             param.copy_(original.grad)
     grads.save_pretrained(directory)
-    return load_file(f"{directory}/model.safetensors")
+    buffers = {name for name, _ in hf_model.named_buffers()}  # they have no gradient (a router's selection bias)
+    return {name: t for name, t in load_file(f"{directory}/model.safetensors").items() if name not in buffers}
 
 
 def hf_named_grads(zoo_model) -> dict[str, torch.Tensor]:
@@ -369,6 +397,8 @@ def hf_named_grads(zoo_model) -> dict[str, torch.Tensor]:
     params = dict(zoo_model.named_parameters())
     pieces = []
     for rule in zoo_model.hf_weight_map().rules:
+        if rule.zoo not in params:  # a buffer (DeepSeek-V3's e_score_correction_bias)
+            continue
         grad = params[rule.zoo].grad
         if grad is not None:
             grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad

@@ -33,6 +33,40 @@ def _without_kwarg(cls, key: str, value=None):
     return "__init__", patched
 
 
+def _with_kwargs(cls, **values):
+    """cls.__init__ with the keywords `values` names forced to their values (a feature off)."""
+    init = cls.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, **{key: value for key, value in values.items() if key in kwargs}})
+    return "__init__", patched
+
+
+def _child_forward(cls, child: str, forward):
+    """cls.__init__ that makes its `child` module (when it has one) compute `forward` instead."""
+    init = cls.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if getattr(self, child, None) is not None:
+            getattr(self, child).forward = forward
+    return "__init__", patched
+
+
+def _choice_without_bias():
+    """Router._grouped_choice with the selection bias at 0 (DeepSeek-V3's correction bias off)."""
+    choose = layers.Router._grouped_choice
+
+    def patched(self, scores):
+        bias = self.e_score_correction_bias
+        self.e_score_correction_bias = torch.zeros_like(bias)
+        try:
+            return choose(self, scores)
+        finally:
+            self.e_score_correction_bias = bias
+    return "_grouped_choice", patched
+
+
 def _norm_qk_per_head(self, q, k):
     """q and k [B, S, groups, heads, d] normalised over each head, with the projection norm's weights."""
     def norm(x, layer):
@@ -119,6 +153,22 @@ FEATURES = {
     ("qwen3_moe", "per-head q/k norms"): (layers.Attention, ("_norm_qk", lambda self, q, k: (q, k))),
     ("olmoe", "q/k norms over the whole projection"): (layers.Attention, ("_norm_qk", _norm_qk_per_head)),
     ("olmoe", "top-k weights not renormalised"): (layers.MoE, _without_kwarg(layers.MoE, "norm_topk_prob", True)),
+    ("deepseek_v3", "q latent norm"): (layers.LatentAttention,
+                                       _child_forward(layers.LatentAttention, "q_a_layernorm", lambda x: x)),
+    ("deepseek_v3", "kv latent norm"): (layers.LatentAttention,
+                                        _child_forward(layers.LatentAttention, "kv_a_layernorm", lambda x: x)),
+    ("deepseek_v3", "interleaved rotary channels"): (
+        layers.LatentAttention, _without_kwarg(layers.LatentAttention, "rope_interleave", False)),
+    ("deepseek_v3", "yarn frequencies"): (layers.RotaryEmbedding,
+                                          ("_yarn", lambda self, exponents, factor: 1.0 / self.base ** exponents)),
+    ("deepseek_v3", "yarn cos/sin multiplier"): (layers.RotaryEmbedding, _with_scaling(attention_factor=lambda s: 1.0)),
+    ("deepseek_v3", "yarn mscale² softmax scale"): (layers.LatentAttention,
+                                                    _without_kwarg(layers.LatentAttention, "softmax_scale")),
+    ("deepseek_v3", "group-limited routing"): (layers.MoE, _with_kwargs(layers.MoE, n_group=1, topk_group=1)),
+    ("deepseek_v3", "correction bias"): (layers.Router, _choice_without_bias()),
+    ("deepseek_v3", "routed scaling factor"): (layers.MoE,
+                                               _without_kwarg(layers.MoE, "routed_scaling_factor", 1.0)),
+    ("deepseek_v3", "shared experts"): (layers.MoE, ("_shared", lambda self, x: 0)),
     ("smollm3", "NoPE layers"): (layers.Attention, _rotary_everywhere(layers.Attention)),
     ("roberta_mlm", "positions counted after the padding"): (
         models.bert.BertEmbeddings, ("position_ids", lambda self, ids: torch.arange(ids.shape[1])[None] + 2)),
@@ -138,6 +188,15 @@ def test_dropping_the_feature_changes_the_logits(case, feature, tmp_path, monkey
     with torch.no_grad():
         effect = (zoo(**inputs).logits[mask] - hf(**inputs).logits[mask]).abs().max().item()
     assert effect > MIN_EFFECT, f"{case} without its {feature}: logits within {effect:.2e} of transformers'"
+
+
+def test_deepseek_v3_first_layers_are_dense(tmp_path):
+    """DeepSeek-V3's first first_k_dense_replace layers have a dense MLP: read as an MoE layer, the
+    checkpoint's layer 0 does not fit (its experts missing, its MLP unexpected), loudly."""
+    make_hf_model(CASES["deepseek_v3"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"(?s)missing.*model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight.*"
+                                         r"unexpected.*model\.layers\.0\.mlp\.gate_proj\.weight"):
+        models.DeepseekV3ForCausalLM.from_pretrained(tmp_path, first_k_dense_replace=0)
 
 
 #: MoE cases whose loss includes the auxiliary loss (output_router_logits)

@@ -419,6 +419,35 @@ def test_latent_attention_is_deepseek_v3_attention(q_lora_rank):
     assert max(out, grad_in, grad_params) <= HF_TOL
 
 
+def test_correction_bias_moves_against_the_load_of_a_step():
+    """DeepSeek-V3's auxiliary-loss-free balancing: an MoE counts the tokens its training forwards
+    route to each expert (not evaluation nor forwards without gradients, not activation
+    checkpointing's recomputation), and the router's selection bias moves by rate toward the experts
+    below the step's mean load."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe = layers.MoE(16, 8, 2, 8, router="sigmoid_group", n_group=4, topk_group=2, score_correction_bias=True)
+    for p in moe.parameters():
+        nn.init.normal_(p, std=0.5)
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        moe.eval()
+        moe(x)
+        moe.train()
+        counts = moe(x)[1][0]
+    assert moe.take_routed_tokens().sum() == 0
+    moe(x)[0].sum().backward()
+    checkpoint(lambda t: moe(t)[0], x, use_reentrant=False).sum().backward()
+    step = moe.take_routed_tokens()
+    assert step.tolist() == (2 * counts).tolist() and moe.take_routed_tokens().sum() == 0
+    before = moe.router.e_score_correction_bias.clone()
+    moe.router.update_correction_bias(step, rate=1e-3)
+    moved = moe.router.e_score_correction_bias - before
+    assert moved.tolist() == (1e-3 * torch.sign(step.mean() - step)).tolist() and (moved != 0).any()
+    with pytest.raises(ValueError, match="score_correction_bias=True"):
+        layers.Router(16, 8, 2).update_correction_bias(step, rate=1e-3)
+
+
 def test_parallel_block_is_attention_plus_mlp():
     layer = layers.TransformerLayer(32, 4, 64, parallel_block=True, causal=True, rope_theta=10000.0)
     x = torch.randn(2, 6, 32)

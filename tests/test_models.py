@@ -12,8 +12,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from model_cases import (CASES, HIDDEN, SEQ, Case, gemma3_multimodal_config, hf_checkpoint_grads, hf_generate,
-                         hf_named_grads, main_output, make_hf_model, make_inputs)
+from model_cases import (CASES, HIDDEN, SEQ, Case, deepseek_v3_config, gemma3_multimodal_config, hf_checkpoint_grads,
+                         hf_generate, hf_named_grads, main_output, make_hf_model, make_inputs)
 
 from libai_zoo import models
 
@@ -192,6 +192,33 @@ def test_gemma3_text_model_loads_from_a_multimodal_checkpoint(tied, tmp_path, ca
                     mask) <= TOL
 
 
+def test_kimi_k2_directory_loads_as_deepseek_v3(tmp_path):
+    """Kimi K2 is DeepSeek-V3's architecture under model_type kimi_k2 (its hub config.json names its
+    own code, 4.x keys: rope_scaling, rope_theta): AutoModelForCausalLM reads one as
+    DeepseekV3ForCausalLM, with experts in one group and one shared expert (Kimi's shape), and skips
+    the multi-token-prediction layer stored after the last one, as DeepSeek-V3's files hold it."""
+    case = CASES["deepseek_v3"]
+    kimi = Case(case.hf_class, case.zoo_class, lambda: deepseek_v3_config(n_group=1, topk_group=1, n_shared_experts=1),
+                "causal")
+    hf = make_hf_model(kimi)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"},
+                  rope_theta=rope.pop("rope_theta"), rope_scaling={**rope, "type": rope.pop("rope_type")},
+                  num_nextn_predict_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.2.eh_proj.weight"] = torch.zeros(HIDDEN, 2 * HIDDEN)  # the MTP layer
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    zoo, info = models.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(zoo) is models.DeepseekV3ForCausalLM and zoo.config.model_type == "kimi_k2"
+    assert info["missing_keys"] == [] and info["unexpected_keys"] == []
+    inputs, mask = make_inputs(kimi)
+    ours, theirs = zoo(**inputs), hf(**inputs)
+    assert max_diff(ours.logits, theirs.logits, mask) <= TOL and abs(ours.loss.item() - theirs.loss.item()) <= TOL
+
+
 def test_gemma_bf16_rounds_as_transformers(tmp_path):
     """Under bf16 Gemma scales the embeddings by sqrt(hidden) rounded to bf16, and normalises in
     float32 with its (1 + w) before the cast: both equal transformers' bit for bit (each differs
@@ -318,9 +345,9 @@ def test_missing_weight_file_of_an_index(hf_dirs, tmp_path):
 def test_unsupported_config_options_fail_clearly():
     with pytest.raises(ValueError, match="reorder_and_upcast_attn"):
         models.GPT2Model(transformers.GPT2Config(reorder_and_upcast_attn=True))
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
         models.LlamaModel(CASES["llama"].make_config().__class__(
-            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))
     with pytest.raises(ValueError, match="position_embedding_type"):
         models.BertModel(transformers.BertConfig(position_embedding_type="relative_key"))
 

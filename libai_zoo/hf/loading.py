@@ -120,8 +120,7 @@ def check_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool =
     alike. Returns (params by rule name, the rules of the held parameters, model name ->
     checkpoint name, missing, unexpected)."""
     weight_map = model.hf_weight_map()
-    # LoRA adapters are not part of a Hugging Face model (a PEFT adapter directory holds them)
-    params = {name: param for name, param in model.named_parameters() if not is_adapter_parameter(name)}
+    params = checkpoint_tensors(model)
     for own, aliased in (aliases or {}).items():
         if own in params:
             params[aliased] = params.pop(own)
@@ -142,6 +141,18 @@ def check_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool =
     if mismatched or (strict and (missing or unexpected)):
         raise ValueError(_load_error(type(model).__name__, reader.path, missing, unexpected, mismatched, strict))
     return params, held, available, missing, unexpected
+
+
+def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of `model` a Hugging Face checkpoint holds, by name: its parameters (LoRA adapters
+    aside: a PEFT adapter directory holds them) and its persistent buffers (DeepSeek-V3's
+    e_score_correction_bias), as transformers' state dicts do."""
+    tensors = {name: param for name, param in model.named_parameters() if not is_adapter_parameter(name)}
+    for name, buffer in model.named_buffers():
+        owner, _, attribute = name.rpartition(".")
+        if attribute not in model.get_submodule(owner)._non_persistent_buffers_set:
+            tensors[name] = buffer
+    return tensors
 
 
 def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:

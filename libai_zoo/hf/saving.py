@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from libai_zoo import distributed
 from libai_zoo.layers import is_adapter_parameter
 
+from .loading import checkpoint_tensors
 from .rules import joined
 
 
@@ -27,13 +28,13 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
     """Write `model` (a libai_zoo PreTrainedModel, whole or split over tp) to `path`; under a
     process group every rank must call it."""
     path = Path(path)
-    params = dict(model.named_parameters())
-    if any(is_adapter_parameter(name) for name in params):
+    if any(is_adapter_parameter(name) for name, _ in model.named_parameters()):
         raise ValueError(f"{type(model).__name__} holds LoRA adapters, which a Hugging Face model has no place for: "
                          f"merge them first (libai_zoo.layers.merge_lora) or write them as a PEFT adapter "
                          f"(libai_zoo.hf.save_peft_adapter)")
     group = distributed.run_group()
     is_writer = group is None or dist.get_rank(group) == 0
+    params = checkpoint_tensors(model)
     pieces: list[tuple[str, torch.Tensor]] = []
     for rule in model.hf_weight_map().rules:
         param = params[rule.zoo]

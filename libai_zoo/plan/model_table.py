@@ -19,7 +19,7 @@ from torch import nn
 from libai_zoo import distributed
 from libai_zoo.config import instantiate
 from libai_zoo.hf import apply_lora_config
-from libai_zoo.layers import Attention
+from libai_zoo.layers import Attention, LatentAttention
 from libai_zoo.models import check_trainable, get_layer_stack
 
 from .activations import SavedActivations
@@ -90,11 +90,11 @@ class ModelTable:
         self.config = model.config
         stack = get_layer_stack(model)
         self.num_layers = len(stack)
-        attention = [m for m in stack[0].modules() if isinstance(m, Attention)]
+        attention = [m for m in stack[0].modules() if isinstance(m, (Attention, LatentAttention))]
         #: the time model's sizes: the residual stream's width, the attention width (heads × head_dim)
         #: of one layer, and whether its attention and MLP share one tp sync (a parallel block)
         self.hidden_size: int = attention[0].out.out_features
-        self.attention_width: int = sum(m.num_heads * m.head_dim for m in attention)
+        self.attention_width: float = sum(m.attention_width for m in attention)
         self.parallel_block = bool(getattr(stack[0], "parallel_block", False))
         self.vocab_size: int = model.input_limits()["vocab_size"]
         self.flops_per_token = model.flops_per_token

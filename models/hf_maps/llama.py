@@ -1,11 +1,15 @@
-"""The Llama naming (Llama, Qwen2/3, Mistral, Gemma 1-3, SmolLM3, Granite, OLMo 2): libai_zoo names
-<- Hugging Face names. The rules follow the built body, so one map serves every family that names
-its tensors as Llama does: biases, q/k norms and where the norms sit are read off its layers."""
+"""The Llama naming (Llama, Qwen2/3, Mistral, Gemma 1-3, SmolLM3, Granite, OLMo 2, DeepSeek-V3): libai_zoo
+names <- Hugging Face names. The rules follow the built body, so one map serves every family that names
+its tensors as Llama does: biases, q/k norms, latent attention and where the norms sit are read off
+its layers. Layers a checkpoint holds past the config's last (DeepSeek-V3's multi-token prediction
+modules, ``num_nextn_predict_layers``) are skipped, as transformers skips them."""
 
 from __future__ import annotations
 
+import re
+
 from libai_zoo.hf.rules import Rule, Same, Stacked, WeightMap, linear, qkv
-from libai_zoo.layers import MoE
+from libai_zoo.layers import LatentAttention, MoE
 
 #: norm_position -> the layer's norms (zoo name -> Hugging Face name)
 NORM_NAMES = {
@@ -27,21 +31,31 @@ def mlp_rules(mlp, z: str, h: str) -> list[Rule]:
             *linear(z + "down", h + "down_proj", bias=has_bias(mlp.down))]
 
 
-def moe_rules(moe: MoE, z: str, h: str, experts: tuple[str, str, str]) -> list[Rule]:
-    """A `layers.MoE` under `z` from Hugging Face's under `h`: the router ``gate``, one tensor per
-    expert and projection (``experts.{e}.<gate|up|down name>.weight``), and the ``shared_expert``
-    MLP with its ``shared_expert_gate``."""
-    gate, up, down = experts
+def moe_rules(moe: MoE, z: str, h: str, names) -> list[Rule]:
+    """A `layers.MoE` under `z` from Hugging Face's under `h` (`names`: the body's `DecoderNames`): the
+    router ``gate`` (and DeepSeek-V3's ``gate.e_score_correction_bias``), one tensor per expert and
+    projection (``experts.{e}.<gate|up|down name>.weight``), and the shared expert MLP (Qwen2-MoE's
+    ``shared_expert``, DeepSeek-V3's ``shared_experts``) with its ``shared_expert_gate``."""
+    gate, up, down = names.experts
     count = moe.num_experts
     rules = [*linear(z + "router", h + "gate", bias=moe.router.bias is not None),
              Stacked(z + "experts.gate_proj", h + f"experts.{{}}.{gate}.weight", count),
              Stacked(z + "experts.up_proj", h + f"experts.{{}}.{up}.weight", count),
              Stacked(z + "experts.down_proj", h + f"experts.{{}}.{down}.weight", count)]
+    if moe.router.e_score_correction_bias is not None:
+        rules.append(Same(z + "router.e_score_correction_bias", h + "gate.e_score_correction_bias"))
     if moe.shared_expert is not None:
-        rules += mlp_rules(moe.shared_expert, z + "shared_expert.", h + "shared_expert.")
+        rules += mlp_rules(moe.shared_expert, z + "shared_expert.", h + names.shared_expert + ".")
     if moe.shared_expert_gate is not None:
         rules += linear(z + "shared_expert_gate", h + "shared_expert_gate", bias=False)
     return rules
+
+
+def latent_attention_rules(attn: LatentAttention, z: str, a: str) -> list[Rule]:
+    """A `LatentAttention`'s projections and latent norms under `z`, named as Hugging Face's under `a`."""
+    names = ("q_proj",) if attn.q_lora_rank is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
+    return [rule for name in (*names, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")
+            for rule in linear(z + name, a + name, bias=getattr(getattr(attn, name), "bias", None) is not None)]
 
 
 def llama_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
@@ -53,18 +67,25 @@ def llama_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
         a, attn, mlp = h + "self_attn.", layer.attn, layer.mlp
         for zoo, hf in NORM_NAMES[layer.norm_position].items():
             rules += linear(z + zoo, h + hf, bias=False)
-        rules += qkv(z + "attn.qkv", a + "q_proj", a + "k_proj", a + "v_proj", attn.num_heads, attn.num_kv_heads,
-                     bias=has_bias(attn.qkv))
-        if attn.qk_norm:
-            rules += [*linear(z + "attn.q_norm", a + "q_norm", bias=False),
-                      *linear(z + "attn.k_norm", a + "k_norm", bias=False)]
+        if isinstance(attn, LatentAttention):
+            rules += latent_attention_rules(attn, z + "attn.", a)
+        else:
+            rules += qkv(z + "attn.qkv", a + "q_proj", a + "k_proj", a + "v_proj", attn.num_heads,
+                         attn.num_kv_heads, bias=has_bias(attn.qkv))
+            if attn.qk_norm:
+                rules += [*linear(z + "attn.q_norm", a + "q_norm", bias=False),
+                          *linear(z + "attn.k_norm", a + "k_norm", bias=False)]
         rules += linear(z + "attn.out", a + "o_proj", bias=has_bias(attn.out))
         if isinstance(mlp, MoE):
-            rules += moe_rules(mlp, z + "mlp.", h + body.names.moe + ".", body.names.experts)
+            rules += moe_rules(mlp, z + "mlp.", h + body.names.moe + ".", body.names)
         else:
             rules += mlp_rules(mlp, z + "mlp.", h + "mlp.")
     rules += linear(f"{p}norm", f"{p}norm", bias=False)
     if lm_head:
         rules.append(Same("lm_head.weight", "lm_head.weight"))
     # Old checkpoints store the rotary inverse frequencies; tied ones may repeat the embedding.
-    return WeightMap(rules, ignore=(r".*\.rotary_emb\.inv_freq", "lm_head.weight"))
+    config = body.config  # DeepSeek-V3's multi-token prediction layers come after the last
+    past_last = range(config.num_hidden_layers,
+                      config.num_hidden_layers + getattr(config, "num_nextn_predict_layers", 0))
+    return WeightMap(rules, ignore=(r".*\.rotary_emb\.inv_freq", "lm_head.weight",
+                                    *(rf"{re.escape(p)}layers\.{i}\..*" for i in past_last)))
