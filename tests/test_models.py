@@ -348,6 +348,8 @@ def test_unsupported_config_options_fail_clearly():
     with pytest.raises(ValueError, match="rope_type 'dynamic'"):
         models.LlamaModel(CASES["llama"].make_config().__class__(
             rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))
+    with pytest.raises(ValueError, match="quantization_config.*fp8.*dequantize"):
+        models.DeepseekV3Model(deepseek_v3_config(quantization_config={"quant_method": "fp8"}))
     with pytest.raises(ValueError, match="position_embedding_type"):
         models.BertModel(transformers.BertConfig(position_embedding_type="relative_key"))
 
