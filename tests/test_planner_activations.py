@@ -32,6 +32,7 @@ from libai_zoo.plan.fake_world import fake_world
 from libai_zoo.plan.layouts import Layout
 from libai_zoo.plan.memory import _rank_layer_kinds
 from libai_zoo.plan.model_table import ModelTable
+from model_cases import deepseek_v3_config
 
 TOLERANCE = 0.10
 VOCAB = 512
@@ -209,6 +210,17 @@ def test_attention_memory_on_cuda_is_linear_in_sequence():
         assert (short == long) == linear, (device, short, long)
     cuda, cpu = (planner.embedding(Shapes(2, 128, device=device)) for device in ("cuda", "cpu"))
     assert cpu - cuda == 2 * 128 * 64 * (4 - 1)  # the embedding's dropout mask: float32 on CPU, bool on CUDA
+
+
+def test_latent_attention_on_cuda_keeps_no_scores():
+    """DeepSeek-V3's latent attention (values narrower than q·k: flash cannot run it) is measured for
+    CUDA as the memory-efficient kernel it runs there: linear in the sequence, where CPU's math path
+    keeps S×S probabilities."""
+    with torch.device("meta"):
+        planner = SavedActivations(models.DeepseekV3ForCausalLM(deepseek_v3_config(first_k_dense_replace=2)))
+    for device, linear in (("cuda", True), ("cpu", False)):
+        one, two, four = (planner.layer(0, Shapes(1, seq, amp_dtype=BF16, device=device)) for seq in (32, 64, 128))
+        assert (four - two == 2 * (two - one)) == linear, (device, one, two, four)
 
 
 def test_a_window_costs_cuda_its_additive_mask():

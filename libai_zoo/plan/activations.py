@@ -27,7 +27,8 @@ kernel choice, its dropout). For CUDA the kernels whose saved tensors differ are
 `TorchFunctionMode`): dropout runs as `native_dropout` (a bool mask, as CUDA's fused dropout) and
 SDPA runs the kernel `sdpa_backend` names for CUDA, a fused one measured as CPU's flash kernel
 (q, k, v, output and a float32 logsumexp: what flash, memory-efficient and cuDNN attention keep;
-their RNG state is a few bytes), the math path as torch's math decomposition (as on CPU: in
+their RNG state is a few bytes), or with values narrower than the keys (latent attention, which
+flash cannot run) as the memory-efficient kernel CUDA then runs, the math path as torch's math decomposition (as on CPU: in
 float32, a float dropout mask). Autocast is CPU's: its lower-precision list holds the matmuls and
 SDPA, as CUDA's does; the float32 lists differ in ops these layers already run in float32.
 
@@ -178,6 +179,9 @@ class _TargetKernels(TorchFunctionMode):
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # CUDA's SDPA turns it into an additive mask
             attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
         backend = sdpa_backend("cuda", q.dtype, q.shape[1], k.shape[1], q.shape[-1], float(dropout_p))
+        if backend == "fused" and v.shape[-1] != q.shape[-1]:
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
         if backend == "fused":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
