@@ -214,13 +214,13 @@ def test_attention_memory_on_cuda_is_linear_in_sequence():
 
 def test_latent_attention_on_cuda_keeps_no_scores():
     """DeepSeek-V3's latent attention (values narrower than q·k: flash cannot run it) is measured for
-    CUDA as the memory-efficient kernel it runs there: linear in the sequence, where CPU's math path
-    keeps S×S probabilities."""
+    CUDA as the memory-efficient kernel it runs there: linear in the sequence (CPU's math path keeps
+    S×S probabilities: test_attention_memory_on_cuda_is_linear_in_sequence)."""
     with torch.device("meta"):
         planner = SavedActivations(models.DeepseekV3ForCausalLM(deepseek_v3_config(first_k_dense_replace=2)))
-    for device, linear in (("cuda", True), ("cpu", False)):
-        one, two, four = (planner.layer(0, Shapes(1, seq, amp_dtype=BF16, device=device)) for seq in (32, 64, 128))
-        assert (four - two == 2 * (two - one)) == linear, (device, one, two, four)
+    # (the kernel's logsumexp is padded to 32 positions)
+    one, two, three = (planner.layer(0, Shapes(1, seq, amp_dtype=BF16, device="cuda")) for seq in (32, 64, 96))
+    assert three - two == two - one, (one, two, three)
 
 
 def test_a_window_costs_cuda_its_additive_mask():
