@@ -19,6 +19,7 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer, StepResult, TrainStep
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel
 from libai_zoo.parallel import apply_activation_checkpointing
+from model_cases import zoo_model
 from trainer_runs import losses, records, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,6 +243,23 @@ def test_fp16_scaler_skips_overflowed_step_and_lowers_scale():
     metrics = step([batch(4, seed=5)])
     assert not metrics.skipped and metrics.loss_scale == 2.0**15
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_expert_bias_update_moves_deepseek_v3_routers_against_the_step_load():
+    """train.expert_bias_update_rate (DeepSeek-V3's auxiliary-loss-free balancing): after the step, its
+    MoE layer's correction bias has moved by rate · sign(mean − load) of the tokens the layer routed
+    over the step's micro-batches (counted on a copy run alike), and nothing else moved it."""
+    torch.manual_seed(0)
+    model = zoo_model("deepseek_v3")
+    micro = [batch(2, seed=6), batch(2, seed=7)]
+    alike = copy.deepcopy(model).train()
+    for mb in micro:
+        alike(**mb).loss.backward()
+    load = alike.model.layers[1].mlp.take_routed_tokens()
+    bias = model.model.layers[1].mlp.router.e_score_correction_bias
+    before = bias.clone()
+    sgd_step(model.train(), micro, expert_bias_update_rate=1e-3)
+    assert load.sum() == 2 * 2 * 2 * 16 and (bias - before).tolist() == (1e-3 * torch.sign(load.mean() - load)).tolist()
 
 
 def test_best_checkpoint_and_max_to_keep(config_file, tmp_path):
