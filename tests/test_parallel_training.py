@@ -238,7 +238,11 @@ FAMILY_LAYOUTS = {
     "granite": ["dp2_pp2_zero3_zero_bubble"],
     "smollm3": ["dp2_pp2_zero3_interleaved"],
     "olmo2": ["dp2_pp2_zero3_zero_bubble"],
+    "deepseek_v3": ["dp2_pp2_zero3_interleaved"],
 }
+# A family's own training options, in its one-process reference too: DeepSeek-V3's bias update (the
+# correction biases then move alike at every layout only if each step's routed tokens are summed over dp)
+FAMILY_OPTIONS = {"deepseek_v3": ("train.expert_bias_update_rate=0.001",)}
 LLAMA_SHAPED_LAYOUTS = LLAMA_LAYOUTS + FAMILY_LAYOUTS["qwen3"] + FAMILY_LAYOUTS["mistral"]
 TRAINED = {"gpt2": GPT2_LAYOUTS, "llama": LLAMA_LAYOUTS, "mqa": MQA_LAYOUTS, **FAMILY_LAYOUTS}
 MODEL_OF = {f"{model}_{layout}": model for model, layouts in TRAINED.items() for layout in layouts}  # case -> model
@@ -256,7 +260,8 @@ def _steps(model: str) -> int:
 
 
 def _extra(model: str, layout: str) -> tuple:
-    return (*EXTRA.get(layout, ()), *((f"train.max_iter={FAMILY_STEPS}",) if model in FAMILY_LAYOUTS else ()))
+    return (*EXTRA.get(layout, ()), *((f"train.max_iter={FAMILY_STEPS}",) if model in FAMILY_LAYOUTS else ()),
+            *FAMILY_OPTIONS.get(model, ()))
 
 
 CASES = {
