@@ -14,7 +14,7 @@ Hugging Face's `DeepseekV3Config` describes it; weights load from and save to it
 (one tensor per expert, `hf_maps/llama.py`); the multi-token-prediction layers after the last
 one (``num_nextn_predict_layers``) are skipped as transformers skips them. transformers' DeepSeek-V3
 computes no auxiliary loss, and neither does this; the auxiliary-loss-free balancing moves the
-correction bias after each step (`layers.MoE.update_correction_bias`). Kimi K2 directories
+correction bias after each step (`layers.Router.update_correction_bias`, `train.expert_bias_update_rate`). Kimi K2 directories
 (``model_type: kimi_k2``) load as DeepSeek-V3.
 """
 
