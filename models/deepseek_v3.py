@@ -33,25 +33,22 @@ class DeepseekV3Config(transformers.DeepseekV3Config):
     """Hugging Face's DeepseekV3Config: reads a DeepSeek-V3 (or Kimi K2) config.json and writes it back."""
 
 
-def softmax_scale(config) -> float:
-    """qk_head_dim^-0.5, × mscale(factor, mscale_all_dim)² under a scaled rotary with mscale_all_dim
+def softmax_scale(config, scaling: dict | None) -> float:
+    """qk_head_dim^-0.5, × mscale(factor, mscale_all_dim)² under a rotary `scaling` with mscale_all_dim
     (as transformers' DeepSeek-V3 attention)."""
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-    params = getattr(config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
-        scale *= yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    if scaling and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
     return scale
 
 
 def deepseek_v3_layer(config, index: int) -> dict:
     """Layer `index` as `TransformerLayer` arguments: latent attention, a dense or an MoE MLP."""
-    theta, scaling = rope_settings(config)
     latent = dict(q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
                   qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
                   v_head_dim=config.v_head_dim, rope_interleave=config.rope_interleave,
-                  softmax_scale=softmax_scale(config))
-    layer = llama_layer(config, index, num_kv_heads=None, head_dim=None, sliding_window=None, rope_theta=theta,
-                        rope_scaling=scaling, attention_kind="latent", attention=latent)
+                  softmax_scale=softmax_scale(config, rope_settings(config)[1]))
+    layer = llama_layer(config, index, num_kv_heads=None, head_dim=None, attention_kind="latent", attention=latent)
     if index < config.first_k_dense_replace:
         return layer
     moe = dict(num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
