@@ -241,3 +241,71 @@ def test_the_contracts_stage_path_gives_the_forwards_loss(family):
     loss = model.head_loss(model.final_norm(x), targets) + model.aux_loss(stats)
     assert model.has_aux_loss and stats[2, 0] == batch["attention_mask"].sum()
     assert abs(loss.item() - model(**batch).loss.item()) <= TOL
+
+
+def test_fused_expert_rule_reads_only_a_ranks_block_of_transformers_fused_tensor():
+    """transformers 5's stacked gate_up_proj [E, 2I, H] ([gate; up] per expert): the gate and up
+    parameters each read their half, a rank holding experts 4..7 of 8 with ZeRO rows 1..3 only the
+    block of experts 5 and 6 (and of a split expert its part of the half); the per-expert hub form
+    is read where the files hold it, and always written."""
+    from libai_zoo.hf.rules import Either, Part, Stacked
+
+    gate, up = torch.randn(E, I, H), torch.randn(E, I, H)
+    files = {"experts.gate_up_proj": torch.cat([gate, up], dim=1)}
+    rules = {name: Either(Stacked(f"experts.{name}_proj", f"experts.{{}}.{name}_proj.weight", E),
+                          Part(f"experts.{name}_proj", "experts.gate_up_proj", index, 2, dim=1))
+             for index, name in enumerate(("gate", "up"))}
+    reads = []
+
+    def read(name, ranges=None):
+        reads.append(ranges)
+        block = files[name]
+        for dim, (start, end) in (ranges or {}).items():
+            block = block.narrow(dim, start, end - start)
+        return block
+
+    up_rule = rules["up"].reading(files)
+    assert up_rule is rules["up"].alternative and up_rule.hf_shapes(up.shape) == {"experts.gate_up_proj": (E, 2 * I, H)}
+    assert torch.equal(rules["gate"].reading(files).load(read, None, gate.shape), gate)
+    assert torch.equal(up_rule.load(read, None, up.shape), up)
+    reads.clear()
+    assert torch.equal(up_rule.load(read, (0, 1, 2), up.shape, rows=(1, 3)), up[5:7])
+    assert torch.equal(up_rule.load(read, (1, 1, 2), up.shape), up[:, I // 2:])
+    assert reads == [{0: (5, 7), 1: (I, 2 * I)}, {1: (I + I // 2, 2 * I)}]
+    hub = rules["up"].save(up)
+    assert list(hub) == [f"experts.{e}.up_proj.weight" for e in range(E)]
+    assert rules["up"].reading({**files, **hub}) is rules["up"].rule
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_from_pretrained_reads_transformers_in_memory_expert_names(family, tmp_path):
+    """A directory of transformers 5's in-memory names (its raw state_dict: ``mlp.gate``, stacked
+    ``mlp.experts.gate_up_proj`` and ``down_proj``; Mixtral's ``block_sparse_moe`` is ``mlp`` there)
+    loads to the logits of the hub's per-expert form (what save_pretrained writes, transformers' and
+    ours) and of transformers; a directory with neither names what it lacks in both forms."""
+    from safetensors.torch import load_file, save_file
+
+    from model_cases import CASES, make_hf_model, make_inputs
+
+    case = CASES[family]
+    hf_model = make_hf_model(case)
+    state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+    hf_model.save_pretrained(tmp_path / "hub")
+    for name, tensors in (("fused", state), ("neither", {n: t for n, t in state.items() if ".experts." not in n})):
+        hf_model.config.save_pretrained(tmp_path / name)
+        save_file(tensors, tmp_path / name / "model.safetensors")
+    batch, _ = make_inputs(case)
+    batch.pop("labels")
+    expected = hf_model(**batch).logits
+    for form in ("hub", "fused"):
+        model = case.zoo_class.from_pretrained(tmp_path / form)
+        assert (model(**batch).logits - expected).abs().max() <= TOL
+    model.save_pretrained(tmp_path / "saved")
+    assert set(load_file(tmp_path / "saved" / "model.safetensors")) == set(load_file(tmp_path / "hub" / "model.safetensors"))
+    with pytest.raises(ValueError) as error:
+        case.zoo_class.from_pretrained(tmp_path / "neither")
+    layer = 0 if family == "mixtral" else 1  # Qwen3-MoE's layer 1 is its MoE layer (decoder_sparse_step 2)
+    hub_name = {"mixtral": "block_sparse_moe.experts.0.w1", "qwen3_moe": "mlp.experts.0.gate_proj"}[family]
+    assert f"model.layers.{layer}.{hub_name}.weight" in str(error.value)
+    assert f"model.layers.{layer}.mlp.experts.gate_up_proj" in str(error.value)

@@ -27,6 +27,7 @@ from libai_zoo import distributed
 from libai_zoo.layers import is_adapter_parameter
 
 from .reader import Container, HFWeightReader
+from .rules import Either
 
 logger = logging.getLogger(__name__)
 
@@ -127,19 +128,24 @@ def check_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool =
     uncovered = set(params) - {rule.zoo for rule in weight_map.rules}
     if uncovered:
         raise RuntimeError(f"{type(model).__name__}.hf_weight_map has no rule for {sorted(uncovered)}")
-    held = [rule for rule in weight_map.rules if rule.zoo in params]
     available = checkpoint_names(model, reader.keys())
+    rules = [rule.reading(available) for rule in weight_map.rules]  # the form the files hold (`rules.Either`)
+    held = [rule for rule in rules if rule.zoo in params]
     expected: dict[str, torch.Size] = {}
     for rule in held:
         expected.update(rule.hf_shapes(params[rule.zoo].shape))
-    known = {name for rule in weight_map.rules for name in rule.hf}
+    known = {name for rule in rules for name in rule.hf}
     missing = [name for name in expected if name not in available]
     unexpected = [name for name in available if name not in known and not weight_map.ignored(name)]
     mismatched = [f"{name}: checkpoint {tuple(reader.shape(available[name]))}, model {tuple(shape)}"
                   for name, shape in expected.items()
                   if name in available and tuple(reader.shape(available[name])) != tuple(shape)]
     if mismatched or (strict and (missing or unexpected)):
-        raise ValueError(_load_error(type(model).__name__, reader.path, missing, unexpected, mismatched, strict))
+        # the other form of the missing tensors (transformers 5's fused experts) would do as well
+        instead = list(dict.fromkeys(name for rule in weight_map.rules if isinstance(rule, Either)
+                                     and any(name in missing for name in rule.hf) for name in rule.alternative.hf))
+        raise ValueError(_load_error(type(model).__name__, reader.path, missing, unexpected, mismatched, strict,
+                                     instead))
     return params, held, available, missing, unexpected
 
 
@@ -192,11 +198,14 @@ def resolve_dtype(dtype: torch.dtype | str | None, config) -> torch.dtype:
 
 
 def _load_error(model: str, path: Path, missing: list[str], unexpected: list[str], mismatched: list[str],
-                strict: bool) -> str:
+                strict: bool, instead: list[str]) -> str:
     lines = [f"{path} does not fit {model}:"]
     for title, names in (("missing", missing), ("unexpected", unexpected), ("misshaped", mismatched)):
         if names and (strict or title == "misshaped"):
             lines.append(f"  {len(names)} {title} tensor(s): " + ", ".join(names))
+            if title == "missing" and instead:
+                lines.append(f"  (or, in transformers 5's in-memory form, {len(instead)} tensor(s): "
+                             + ", ".join(instead) + ")")
     if strict and (missing or unexpected) and not mismatched:
         lines.append("  Check that the directory holds this model type and size; pass strict=False to "
                      "initialise the missing tensors and skip the unexpected ones (e.g. a new task head).")

@@ -15,7 +15,7 @@ slice and keeps its rows).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +56,11 @@ class Rule:
     def load_adapter(self, adapters: dict[str, Adapter]) -> Adapter:
         """The inverse of `save_adapter`: this layer's adapter from its Hugging Face modules' ones."""
         raise ValueError(f"{self.zoo} cannot carry a LoRA adapter in Hugging Face form")
+
+    def reading(self, names: Collection[str]) -> Rule:
+        """The rule that reads this parameter from a checkpoint holding `names`: this one (`Either`
+        picks one of its forms)."""
+        return self
 
 
 @dataclass
@@ -117,22 +122,32 @@ class Reshaped(Same):
 
 @dataclass
 class Part(Same):
-    """Block `index` of `count` equal blocks along dim 0 of one checkpoint tensor, which several
-    parameters share (Megatron's `linear_fc1` and Phi-3's `gate_up_proj` = [gate; up]). `save`
-    gives this block only (`save_adapter` this block's adapter): `joined` puts the blocks of one
-    name together in rule order."""
+    """Block `index` of `count` equal blocks along `dim` of one checkpoint tensor, which several
+    parameters share (Megatron's `linear_fc1` and Phi-3's `gate_up_proj` = [gate; up] along dim 0;
+    transformers 5's stacked experts' `gate_up_proj` [E, 2I, H] along dim 1). `save` gives this
+    block only (`save_adapter` this block's adapter): `joined` puts the blocks of one name together
+    along dim 0 in rule order, so a block along another dim is read only (`Either`'s alternative)."""
 
     index: int = 0
     count: int = 1
+    dim: int = 0
 
     def load(self, read, shard, zoo_shape, rows=None):
         block = _block(shard, zoo_shape, rows)
-        start, end = block.get(0, (0, zoo_shape[0]))
-        block[0] = (self.index * zoo_shape[0] + start, self.index * zoo_shape[0] + end)
+        start, end = block.get(self.dim, (0, zoo_shape[self.dim]))
+        offset = self.index * zoo_shape[self.dim]
+        block[self.dim] = (offset + start, offset + end)
         return read(self.name, block)
 
+    def save(self, tensor):
+        if self.dim:
+            raise ValueError(f"{self.zoo}: its block along dim {self.dim} of {self.name} is read, never written")
+        return super().save(tensor)
+
     def hf_shapes(self, zoo_shape):
-        return {self.name: torch.Size([self.count * zoo_shape[0], *zoo_shape[1:]])}
+        shape = list(zoo_shape)
+        shape[self.dim] *= self.count
+        return {self.name: torch.Size(shape)}
 
     def load_adapter(self, adapters):
         # the module's adapter (its B's rows are the blocks') with this block's rows of B
@@ -281,6 +296,38 @@ class Stacked(Rule):
 
     def save(self, tensor):
         return {self.name.format(e): expert for e, expert in enumerate(tensor)}
+
+
+@dataclass
+class Either(Rule):
+    """A parameter checkpoints hold in one of two forms: `rule`'s, which saving writes (the hub's),
+    or `alternative`'s, read instead where the files hold its names and not `rule`'s (transformers
+    5's fused experts, as a raw ``state_dict()`` saved with safetensors holds them). The loader
+    asks `reading` which one reads a checkpoint."""
+
+    rule: Rule
+    alternative: Rule
+
+    def __post_init__(self):
+        self.zoo = self.rule.zoo
+
+    def reading(self, names: Collection[str]) -> Rule:
+        """The form that reads a checkpoint holding `names`."""
+        hub, alternative = (all(name in names for name in r.hf) for r in (self.rule, self.alternative))
+        return self.alternative if alternative and not hub else self.rule
+
+    @property
+    def hf(self) -> tuple[str, ...]:
+        return self.rule.hf
+
+    def load(self, read, shard, zoo_shape, rows=None):
+        return self.rule.load(read, shard, zoo_shape, rows)
+
+    def save(self, tensor):
+        return self.rule.save(tensor)
+
+    def hf_shapes(self, zoo_shape):
+        return self.rule.hf_shapes(zoo_shape)
 
 
 def expert_range(block: dict[int, tuple[int, int]], zoo_shape: torch.Size) -> tuple[int, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from libai_zoo.hf.rules import Rule, Same, Stacked, WeightMap, linear, qkv
+from libai_zoo.hf.rules import Either, Part, Rule, Same, Stacked, WeightMap, linear, qkv
 from libai_zoo.layers import LatentAttention, MoE
 
 #: norm_position -> the layer's norms (zoo name -> Hugging Face name)
@@ -32,22 +32,32 @@ def mlp_rules(mlp, z: str, h: str) -> list[Rule]:
 
 
 def moe_rules(moe: MoE, z: str, h: str, names) -> list[Rule]:
-    """A `layers.MoE` under `z` from Hugging Face's under `h` (`names`: the body's `DecoderNames`): the
-    router ``gate`` (and DeepSeek-V3's ``gate.e_score_correction_bias``), one tensor per expert and
-    projection (``experts.{e}.<gate|up|down name>.weight``), and the shared expert MLP (Qwen2-MoE's
-    ``shared_expert``, DeepSeek-V3's ``shared_experts``) with its ``shared_expert_gate``."""
+    """A `layers.MoE` under `z` from Hugging Face's under layer prefix `h` (`names`: the body's
+    `DecoderNames`; its MLP ``names.moe``): the router ``gate`` (and DeepSeek-V3's
+    ``gate.e_score_correction_bias``), one tensor per expert and projection
+    (``experts.{e}.<gate|up|down name>.weight``, as the hub holds them, which saving writes), and the
+    shared expert MLP (Qwen2-MoE's ``shared_expert``, DeepSeek-V3's ``shared_experts``) with its
+    ``shared_expert_gate``. A checkpoint of transformers 5's in-memory names (``mlp.gate``, stacked
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] = [gate; up] per expert and ``mlp.experts.down_proj``
+    [E, H, I]) reads as well, each rank its experts."""
     gate, up, down = names.experts
-    count = moe.num_experts
-    rules = [*linear(z + "router", h + "gate", bias=moe.router.bias is not None),
-             Stacked(z + "experts.gate_proj", h + f"experts.{{}}.{gate}.weight", count),
-             Stacked(z + "experts.up_proj", h + f"experts.{{}}.{up}.weight", count),
-             Stacked(z + "experts.down_proj", h + f"experts.{{}}.{down}.weight", count)]
+    count, m, fused = moe.num_experts, h + names.moe + ".", h + "mlp."
+    router = linear(z + "router", m + "gate", bias=moe.router.bias is not None)
+    if m != fused:  # Mixtral's block_sparse_moe is transformers 5's mlp
+        router = [Either(rule, Same(rule.zoo, fused + rule.name.removeprefix(m))) for rule in router]
+    rules = [*router,
+             Either(Stacked(z + "experts.gate_proj", m + f"experts.{{}}.{gate}.weight", count),
+                    Part(z + "experts.gate_proj", fused + "experts.gate_up_proj", 0, 2, dim=1)),
+             Either(Stacked(z + "experts.up_proj", m + f"experts.{{}}.{up}.weight", count),
+                    Part(z + "experts.up_proj", fused + "experts.gate_up_proj", 1, 2, dim=1)),
+             Either(Stacked(z + "experts.down_proj", m + f"experts.{{}}.{down}.weight", count),
+                    Same(z + "experts.down_proj", fused + "experts.down_proj"))]
     if moe.router.e_score_correction_bias is not None:
-        rules.append(Same(z + "router.e_score_correction_bias", h + "gate.e_score_correction_bias"))
+        rules.append(Same(z + "router.e_score_correction_bias", m + "gate.e_score_correction_bias"))
     if moe.shared_expert is not None:
-        rules += mlp_rules(moe.shared_expert, z + "shared_expert.", h + names.shared_expert + ".")
+        rules += mlp_rules(moe.shared_expert, z + "shared_expert.", m + names.shared_expert + ".")
     if moe.shared_expert_gate is not None:
-        rules += linear(z + "shared_expert_gate", h + "shared_expert_gate", bias=False)
+        rules += linear(z + "shared_expert_gate", m + "shared_expert_gate", bias=False)
     return rules
 
 
@@ -77,7 +87,7 @@ def llama_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
                           *linear(z + "attn.k_norm", a + "k_norm", bias=False)]
         rules += linear(z + "attn.out", a + "o_proj", bias=has_bias(attn.out))
         if isinstance(mlp, MoE):
-            rules += moe_rules(mlp, z + "mlp.", h + body.names.moe + ".", body.names)
+            rules += moe_rules(mlp, z + "mlp.", h, body.names)
         else:
             rules += mlp_rules(mlp, z + "mlp.", h + "mlp.")
     rules += linear(f"{p}norm", f"{p}norm", bias=False)
