@@ -17,7 +17,9 @@ file declares these in two small classes:
 
 from __future__ import annotations
 
+import contextlib
 from abc import abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,8 +28,8 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from libai_zoo.hf import WeightMap
-from libai_zoo.layers import (NORMS, Embedding, KVCache, LMHead, SequenceGather, SequenceScatter, TransformerLayer,
-                              VocabEmbedding, load_balancing_loss, router_z_loss)
+from libai_zoo.layers import (NORMS, Embedding, KVCache, LMHead, Router, SequenceGather, SequenceScatter,
+                              TransformerLayer, VocabEmbedding, load_balancing_loss, router_z_loss)
 
 from .causal_lm import CACHE_NAME, CausalLM, body_output, pick_cache, run_decoder_layers
 from .pretrained import PreTrainedModel
@@ -211,25 +213,51 @@ class DecoderForCausalLM(PreTrainedModel, CausalLM):
         """labels [B, S] (shifted inside) or shift_labels (already aligned): see `causal_lm`; -100
         is ignored. ``return_logits=False`` skips gathering the vocabulary-split logits (training).
         With MoE layers, as transformers: ``aux_loss`` (and the loss + router_aux_loss_coef ×
-        aux_loss) when ``output_router_logits`` (default: the config's)."""
+        aux_loss) and ``router_logits`` when ``output_router_logits`` (default: the config's)."""
         cache = pick_cache(cache, past_key_values)
-        body = self.body(input_ids, attention_mask, position_ids, cache, token_type_ids=token_type_ids)
+        spec = self.body.spec
+        asked = bool(spec.num_experts) and (output_router_logits if output_router_logits is not None
+                                            else spec.output_router_logits)
+        with self._recording_router_logits(input_ids.shape[0], asked) as router_logits:
+            body = self.body(input_ids, attention_mask, position_ids, cache, token_type_ids=token_type_ids)
         out = self.lm_output(body.last_hidden_state, labels, shift_labels, cache, logits_to_keep, return_logits)
-        if not self.body.spec.num_experts:
+        if not spec.num_experts:
             return out
-        return self.moe_output(out, body.router_stats, output_router_logits)
+        return self.moe_output(out, body.router_stats, router_logits)
+
+    @contextlib.contextmanager
+    def _recording_router_logits(self, batch: int, asked: bool) -> Iterator[list[torch.Tensor] | None]:
+        """While the body runs, each MoE layer's router logits [tokens, E] (float32; the whole
+        sequence under sequence parallelism), in layer order, when `asked`: recorded by forward
+        hooks on the routers, as transformers records its router_logits."""
+        if not asked:
+            yield None
+            return
+        logits = []
+
+        def record(router, args, routing):
+            logits.append(self.body.gather(routing.logits.view(batch, -1, router.num_experts)).flatten(0, 1))
+
+        handles = [module.register_forward_hook(record) for module in self.body.modules() if isinstance(module, Router)]
+        try:
+            yield logits
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def moe_output(self, out: CausalLMOutputWithPast, stats: torch.Tensor,
-                   output_router_logits: bool | None) -> MoeCausalLMOutput:
-        """The output with the auxiliary loss (and the z-loss) from the router statistics (`layers.MoE`)."""
+                   router_logits: list[torch.Tensor] | None) -> MoeCausalLMOutput:
+        """The output with the auxiliary loss (and the z-loss) from the router statistics
+        (`layers.MoE`), and the router logits when recorded (output_router_logits)."""
         spec, loss, aux_loss = self.body.spec, out.loss, None
-        if output_router_logits if output_router_logits is not None else spec.output_router_logits:
+        if router_logits is not None:
             aux_loss = load_balancing_loss(stats, spec.num_experts)
             if loss is not None:
                 loss = loss + spec.router_aux_loss_coef * aux_loss
         if spec.router_z_loss_coef and loss is not None:
             loss = loss + spec.router_z_loss_coef * router_z_loss(stats)
         return MoeCausalLMOutput(loss=loss, aux_loss=aux_loss, logits=out.logits, router_stats=stats,
+                                 router_logits=None if router_logits is None else tuple(router_logits),
                                  **{CACHE_NAME: getattr(out, CACHE_NAME)})
 
     @property

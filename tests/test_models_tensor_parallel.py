@@ -47,6 +47,9 @@ def _run_case(model, case, ref) -> dict:
     inputs, mask = make_inputs(case)
     out = model(**inputs)
     result = {"output": _diff(main_output(out), ref["output"], mask)}
+    if "router_logits" in ref:  # each MoE layer's [tokens, E], of the whole sequence under SP too
+        result["router_logits"] = max((ours - theirs).abs().max().item()
+                                      for ours, theirs in zip(out.router_logits, ref["router_logits"], strict=True))
     if "loss" in ref:
         result["loss"] = abs(out.loss.item() - ref["loss"])
         out.loss.backward()
@@ -108,6 +111,8 @@ def _reference(root: str, name: str) -> dict:
     out = hf(**inputs)
     stored = load_file(path / "single" / "model.safetensors").values()
     ref = {"output": main_output(out).detach(), "model_bytes": sum(t.numel() * t.element_size() for t in stored)}
+    if getattr(out, "router_logits", None):
+        ref["router_logits"] = [logits.detach() for logits in out.router_logits]
     if "labels" in inputs:
         out.loss.backward()
         ref["loss"] = out.loss.item()
@@ -143,7 +148,7 @@ def test_tp2_equals_transformers(tp_results, name, how):
     ref = tp_results(f"ref_{name}")
     for rank_results in tp_results.ranks(name):
         r = rank_results[how]
-        assert r["output"] <= TOL
+        assert r["output"] <= TOL and r.get("router_logits", 0) <= TOL
         if "loss" in ref:
             assert r["loss"] <= TOL and r["grad_names"] and r["grads"] <= TOL
             assert r["grad_norm"] <= 1e-5 * ref["grad_norm"]  # the global norm over shards, counted once
@@ -154,7 +159,7 @@ def test_tp2_sequence_parallel_equals_transformers(tp_results, name):
     ref = tp_results(f"ref_{name}")
     for rank_results in tp_results.ranks(name):
         r = rank_results["sequence_parallel"]
-        assert r["output"] <= TOL and r["loss"] <= TOL and r["grads"] <= TOL
+        assert r["output"] <= TOL and r["loss"] <= TOL and r["grads"] <= TOL and r.get("router_logits", 0) <= TOL
         assert r["grad_norm"] <= 1e-5 * ref["grad_norm"]
 
 

@@ -310,3 +310,21 @@ def test_from_pretrained_reads_transformers_in_memory_expert_names(family, tmp_p
     hub_name = fused_name.replace("mlp.experts.gate_up_proj", "block_sparse_moe.experts.0.w1.weight"
                                   if family == "mixtral" else "mlp.experts.0.gate_proj.weight")
     assert hub_name in str(error.value) and fused_name in str(error.value)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_router_logits_equal_transformers(family, tmp_path):
+    """output_router_logits: each MoE layer's router logits [tokens, E], as transformers returns them
+    (Qwen2-MoE's dense layer has none); not asked, none."""
+    from model_cases import CASES, make_hf_model, make_inputs
+
+    case = CASES[family]
+    hf_model = make_hf_model(case)
+    hf_model.save_pretrained(tmp_path)
+    model = case.zoo_class.from_pretrained(tmp_path)
+    batch, _ = make_inputs(case)
+    theirs, ours = hf_model(**batch, output_router_logits=True), model(**batch, output_router_logits=True)
+    assert len(ours.router_logits) == len(theirs.router_logits) == (2 if family == "mixtral" else 1)
+    for mine, reference in zip(ours.router_logits, theirs.router_logits):
+        assert mine.shape == reference.shape and (mine - reference).abs().max() <= TOL
+    assert model(**batch, output_router_logits=False).router_logits is None
