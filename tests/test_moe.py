@@ -196,6 +196,20 @@ def test_topk_softmax_router_and_clamped_swiglu_equal_gpt_oss():
         assert (moe(x)[0] - theirs).abs().max() > 1e-3
 
 
+def _reader(files: dict[str, torch.Tensor]) -> tuple:
+    """A rule's `read` over the tensors `files`, and the list of the (name, ranges) it was asked."""
+    reads = []
+
+    def read(name, ranges=None):
+        reads.append((name, ranges))
+        block = files[name]
+        for dim, (start, end) in (ranges or {}).items():
+            block = block.narrow(dim, start, end - start)
+        return block
+
+    return read, reads
+
+
 def test_stacked_expert_rule_reads_only_a_ranks_experts():
     """One checkpoint tensor per expert <-> a stacked [E, ...] parameter: a rank holding experts 4..7
     of 8 (slice 1 of 2 along dim 0), and of them the rows 1..3 its ZeRO shard keeps, reads experts
@@ -207,19 +221,11 @@ def test_stacked_expert_rule_reads_only_a_ranks_experts():
     files = rule.save(full)
     assert list(files) == [f"mlp.experts.{e}.up_proj.weight" for e in range(E)]
     assert rule.hf_shapes(full.shape) == {name: torch.Size([I, H]) for name in files}
-    read_names = []
-
-    def read(name, ranges=None):
-        read_names.append(name)
-        block = files[name]
-        for dim, (start, end) in (ranges or {}).items():
-            block = block.narrow(dim, start, end - start)
-        return block
-
+    read, reads = _reader(files)
     assert torch.equal(rule.load(read, None, full.shape), full)
-    read_names.clear()
+    reads.clear()
     assert torch.equal(rule.load(read, (0, 1, 2), full.shape, rows=(1, 3)), full[5:7])
-    assert read_names == ["mlp.experts.5.up_proj.weight", "mlp.experts.6.up_proj.weight"]
+    assert [name for name, _ in reads] == ["mlp.experts.5.up_proj.weight", "mlp.experts.6.up_proj.weight"]
     assert torch.equal(rule.load(read, (1, 1, 2), full.shape), full[:, I // 2:])  # a split of each expert
     assert rule.load(read, (0, 1, 2), full.shape, rows=(4, 4)).shape == (0, I, H)  # a shard past the last expert
 
@@ -255,15 +261,7 @@ def test_fused_expert_rule_reads_only_a_ranks_block_of_transformers_fused_tensor
     rules = {name: Either(Stacked(f"experts.{name}_proj", f"experts.{{}}.{name}_proj.weight", E),
                           Part(f"experts.{name}_proj", "experts.gate_up_proj", index, 2, dim=1))
              for index, name in enumerate(("gate", "up"))}
-    reads = []
-
-    def read(name, ranges=None):
-        reads.append(ranges)
-        block = files[name]
-        for dim, (start, end) in (ranges or {}).items():
-            block = block.narrow(dim, start, end - start)
-        return block
-
+    read, reads = _reader(files)
     up_rule = rules["up"].reading(files)
     assert up_rule is rules["up"].alternative and up_rule.hf_shapes(up.shape) == {"experts.gate_up_proj": (E, 2 * I, H)}
     assert torch.equal(rules["gate"].reading(files).load(read, None, gate.shape), gate)
@@ -271,7 +269,7 @@ def test_fused_expert_rule_reads_only_a_ranks_block_of_transformers_fused_tensor
     reads.clear()
     assert torch.equal(up_rule.load(read, (0, 1, 2), up.shape, rows=(1, 3)), up[5:7])
     assert torch.equal(up_rule.load(read, (1, 1, 2), up.shape), up[:, I // 2:])
-    assert reads == [{0: (5, 7), 1: (I, 2 * I)}, {1: (I + I // 2, 2 * I)}]
+    assert [ranges for _, ranges in reads] == [{0: (5, 7), 1: (I, 2 * I)}, {1: (I + I // 2, 2 * I)}]
     hub = rules["up"].save(up)
     assert list(hub) == [f"experts.{e}.up_proj.weight" for e in range(E)]
     assert rules["up"].reading({**files, **hub}) is rules["up"].rule
