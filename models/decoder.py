@@ -218,12 +218,13 @@ class DecoderForCausalLM(PreTrainedModel, CausalLM):
         spec = self.body.spec
         asked = bool(spec.num_experts) and (output_router_logits if output_router_logits is not None
                                             else spec.output_router_logits)
-        with self._recording_router_logits(input_ids.shape[0], asked) as router_logits:
+        # training (return_logits=False) needs the statistics only: no logits recorded or gathered
+        with self._recording_router_logits(input_ids.shape[0], asked and return_logits) as router_logits:
             body = self.body(input_ids, attention_mask, position_ids, cache, token_type_ids=token_type_ids)
         out = self.lm_output(body.last_hidden_state, labels, shift_labels, cache, logits_to_keep, return_logits)
         if not spec.num_experts:
             return out
-        return self.moe_output(out, body.router_stats, router_logits)
+        return self.moe_output(out, body.router_stats, asked, router_logits)
 
     @contextlib.contextmanager
     def _recording_router_logits(self, batch: int, asked: bool) -> Iterator[list[torch.Tensor] | None]:
@@ -245,12 +246,12 @@ class DecoderForCausalLM(PreTrainedModel, CausalLM):
             for handle in handles:
                 handle.remove()
 
-    def moe_output(self, out: CausalLMOutputWithPast, stats: torch.Tensor,
+    def moe_output(self, out: CausalLMOutputWithPast, stats: torch.Tensor, with_aux: bool,
                    router_logits: list[torch.Tensor] | None) -> MoeCausalLMOutput:
-        """The output with the auxiliary loss (and the z-loss) from the router statistics
-        (`layers.MoE`), and the router logits when recorded (output_router_logits)."""
+        """The output with the auxiliary loss (`with_aux`: output_router_logits) and the z-loss from
+        the router statistics (`layers.MoE`), and the router logits when recorded."""
         spec, loss, aux_loss = self.body.spec, out.loss, None
-        if router_logits is not None:
+        if with_aux:
             aux_loss = load_balancing_loss(stats, spec.num_experts)
             if loss is not None:
                 loss = loss + spec.router_aux_loss_coef * aux_loss
