@@ -230,6 +230,40 @@ def test_stacked_expert_rule_reads_only_a_ranks_experts():
     assert rule.load(read, (0, 1, 2), full.shape, rows=(4, 4)).shape == (0, I, H)  # a shard past the last expert
 
 
+def test_strided_expert_rules_read_only_a_ranks_experts():
+    """gpt-oss's fused expert tensors <-> the stacked parameters: gate and up from the even and odd
+    columns of gate_up_proj [E, h, 2I] (and its bias), down from down_proj [E, I, h] transposed; a
+    rank holding experts 4..7 of 8, and of them the rows 1..3 its ZeRO shard keeps, reads experts 5
+    and 6 only; saving joins them back bit for bit."""
+    from libai_zoo.hf.rules import Same, Strided, joined
+
+    files = {"gate_up_proj": torch.randn(E, H, 2 * I), "gate_up_proj_bias": torch.randn(E, 2 * I),
+             "down_proj": torch.randn(E, I, H), "down_proj_bias": torch.randn(E, H)}
+    rules = [Strided("gate_proj", "gate_up_proj", 0, 2, transposed=True),
+             Strided("up_proj", "gate_up_proj", 1, 2, transposed=True), Strided("gate_bias", "gate_up_proj_bias", 0, 2),
+             Strided("up_bias", "gate_up_proj_bias", 1, 2), Strided("down_proj", "down_proj", transposed=True),
+             Same("down_bias", "down_proj_bias")]
+    gate_up = files["gate_up_proj"].transpose(1, 2)
+    zoo = {"gate_proj": gate_up[:, 0::2], "up_proj": gate_up[:, 1::2],
+           "gate_bias": files["gate_up_proj_bias"][:, 0::2], "up_bias": files["gate_up_proj_bias"][:, 1::2],
+           "down_proj": files["down_proj"].transpose(1, 2), "down_bias": files["down_proj_bias"]}
+    blocks = []
+
+    def read(name, ranges=None):
+        blocks.append(ranges[0])
+        block = files[name]
+        for dim, (start, end) in ranges.items():
+            block = block.narrow(dim, start, end - start)
+        return block
+
+    for rule in rules:
+        assert torch.equal(rule.load(read, (0, 1, 2), zoo[rule.zoo].shape, rows=(1, 3)), zoo[rule.zoo][5:7])
+        assert rule.hf_shapes(zoo[rule.zoo].shape) == {rule.name: files[rule.name].shape}
+    assert blocks == [(5, 7)] * len(rules)
+    saved = joined([piece for rule in rules for piece in rule.save(zoo[rule.zoo]).items()])
+    assert saved.keys() == files.keys() and all(torch.equal(saved[name], files[name]) for name in files)
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe"])
 def test_the_contracts_stage_path_gives_the_forwards_loss(family):
     """What a pipeline runs (embed, each layer of the stack carrying router_stats, the head's loss plus
