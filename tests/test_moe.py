@@ -264,11 +264,12 @@ def test_strided_expert_rules_read_only_a_ranks_experts():
     assert saved.keys() == files.keys() and all(torch.equal(saved[name], files[name]) for name in files)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 def test_the_contracts_stage_path_gives_the_forwards_loss(family):
     """What a pipeline runs (embed, each layer of the stack carrying router_stats, the head's loss plus
     aux_loss, the weighted auxiliary terms) equals forward's loss, padding excluded from the
-    statistics in both; a dense layer (Qwen2-MoE's mlp_only_layers) passes the statistics on."""
+    statistics in both; a dense layer (Qwen2-MoE's mlp_only_layers) passes the statistics on;
+    gpt-oss (two MoE layers, attention sinks) alike."""
     from libai_zoo.models import get_layer_stack
     from model_cases import CASES, make_inputs, zoo_model
 
@@ -279,7 +280,8 @@ def test_the_contracts_stage_path_gives_the_forwards_loss(family):
     for layer in get_layer_stack(model):
         x, stats = layer(x, **layer_inputs, router_stats=stats)
     loss = model.head_loss(model.final_norm(x), targets) + model.aux_loss(stats)
-    assert model.has_aux_loss and stats[2, 0] == batch["attention_mask"].sum()
+    moe_layers = sum(isinstance(layer.mlp, MoE) for layer in get_layer_stack(model))
+    assert model.has_aux_loss and stats[2, 0] == moe_layers * batch["attention_mask"].sum()
     assert abs(loss.item() - model(**batch).loss.item()) <= TOL
 
 
