@@ -23,7 +23,7 @@ from torch import nn
 
 from .decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
 from .hf_maps.gpt_oss import gpt_oss_weight_map
-from .llama import llama_layer, moe_spec
+from .llama import llama_layer, moe_spec, refuse_quantized
 
 
 class GptOssConfig(transformers.GptOssConfig):
@@ -38,13 +38,9 @@ def gpt_oss_layer(config: GptOssConfig, index: int) -> dict:
 
 
 def gpt_oss_spec(config: GptOssConfig) -> DecoderSpec:
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"this gpt-oss checkpoint is quantized ({method}: its experts stored as blocks and scales), "
-                         f"which libai_zoo does not read: dequantize it first, e.g. transformers' "
-                         f"GptOssForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True)) "
-                         f"then save_pretrained (and drop quantization_config from its config.json if it remains)")
+    refuse_quantized(config, "dequantize the checkpoint first (transformers' GptOssForCausalLM.from_pretrained("
+                             "path, quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained) and drop "
+                             "quantization_config from its config.json if it remains")
     return moe_spec(config, gpt_oss_layer)
 
 
