@@ -247,19 +247,11 @@ def test_strided_expert_rules_read_only_a_ranks_experts():
     zoo = {"gate_proj": gate_up[:, 0::2], "up_proj": gate_up[:, 1::2],
            "gate_bias": files["gate_up_proj_bias"][:, 0::2], "up_bias": files["gate_up_proj_bias"][:, 1::2],
            "down_proj": files["down_proj"].transpose(1, 2), "down_bias": files["down_proj_bias"]}
-    blocks = []
-
-    def read(name, ranges=None):
-        blocks.append(ranges[0])
-        block = files[name]
-        for dim, (start, end) in ranges.items():
-            block = block.narrow(dim, start, end - start)
-        return block
-
+    read, reads = _reader(files)
     for rule in rules:
         assert torch.equal(rule.load(read, (0, 1, 2), zoo[rule.zoo].shape, rows=(1, 3)), zoo[rule.zoo][5:7])
         assert rule.hf_shapes(zoo[rule.zoo].shape) == {rule.name: files[rule.name].shape}
-    assert blocks == [(5, 7)] * len(rules)
+    assert [ranges[0] for _, ranges in reads] == [(5, 7)] * len(rules)
     saved = joined([piece for rule in rules for piece in rule.save(zoo[rule.zoo]).items()])
     assert saved.keys() == files.keys() and all(torch.equal(saved[name], files[name]) for name in files)
 
@@ -346,10 +338,10 @@ def test_from_pretrained_reads_transformers_in_memory_expert_names(family, tmp_p
     assert hub_name in str(error.value) and fused_name in str(error.value)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_router_logits_equal_transformers(family, tmp_path):
     """output_router_logits: each MoE layer's router logits [tokens, E], as transformers returns them
-    (Qwen2-MoE's dense layer has none); not asked, none."""
+    (Qwen2-MoE's dense layer has none; gpt-oss's with its router bias); not asked, none."""
     from model_cases import CASES, make_hf_model, make_inputs
 
     case = CASES[family]
@@ -358,7 +350,7 @@ def test_router_logits_equal_transformers(family, tmp_path):
     model = case.zoo_class.from_pretrained(tmp_path)
     batch, _ = make_inputs(case)
     theirs, ours = hf_model(**batch, output_router_logits=True), model(**batch, output_router_logits=True)
-    assert len(ours.router_logits) == len(theirs.router_logits) == (2 if family == "mixtral" else 1)
+    assert len(ours.router_logits) == len(theirs.router_logits) == (1 if family == "qwen2_moe" else 2)
     for mine, reference in zip(ours.router_logits, theirs.router_logits):
         assert mine.shape == reference.shape and (mine - reference).abs().max() <= TOL
     assert model(**batch, output_router_logits=False).router_logits is None
