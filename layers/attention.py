@@ -20,8 +20,12 @@ Granite's attention_multiplier), logit soft-capping (Gemma 2), cross-attention a
 generation. The kernel is `torch.nn.functional.scaled_dot_product_attention`; with no mask beyond
 causality it gets ``is_causal=True`` so the flash kernels apply.
 
-SDPA has no soft-cap. A capped layer (`softcapped_attention`) computes its scores explicitly
-(exact, the softmax in float32 as transformers' eager Gemma 2 attention; O(S²) memory per head).
+SDPA has no soft-cap and no attention sinks (gpt-oss: a learned logit per head that joins each
+query's softmax denominator, so a query may give its keys less than all of its attention). A layer
+with a cap or sinks (`explicit_attention`) computes its scores explicitly (exact, the softmax in
+float32 as transformers' eager Gemma 2 and gpt-oss attention; O(S²) memory per head). The sinks are split
+over tp with the q heads (a rank's q heads are one contiguous block in every layout, replicated KV
+heads included).
 Torch's flex attention (the cap as its score_mod) was tried for it and is not used: on CPU (torch
 2.13) it has no backward, and on an H200 (torch 2.11, 2026-11-26) compiled flex matched the
 explicit form on the tiny Gemma 2 but failed to compile at Gemma 2's own sizes (head_dim 256,
@@ -37,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.distributed import TensorParallel
+from libai_zoo.distributed import TensorParallel, local
 
 from .kv_cache import KVCache
 from .linear import Linear
@@ -62,7 +66,9 @@ class Attention(ParallelLayer, nn.Module):
     or over the whole projection ("projection"), of kind ``qk_norm_kind`` (an RMSNorm of `norm.NORMS`: Gemma 3's "rmsnorm_1p", OLMo 2's
     "rmsnorm_fp32_weight").
     ``softmax_scale`` replaces 1/sqrt(head_dim); ``softcap`` caps the scores at ±softcap
-    (cap·tanh(s/cap)). ``sync_input``/``reduce_output`` as in `Linear`.
+    (cap·tanh(s/cap)); ``sinks=True`` gives each head a learned logit `sinks` [num_heads] that
+    joins every query's softmax and is then dropped (gpt-oss). ``sync_input``/``reduce_output`` as
+    in `Linear`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int | None = None,
@@ -70,7 +76,7 @@ class Attention(ParallelLayer, nn.Module):
                  causal: bool = False, cross_attention: bool = False, kv_input_size: int | None = None,
                  dropout: float = 0.0, rope_theta: float | None = None, rope_scaling: dict | None = None,
                  rotary_dim: int | None = None, sliding_window: int | None = None,
-                 softmax_scale: float | None = None, softcap: float | None = None,
+                 softmax_scale: float | None = None, softcap: float | None = None, sinks: bool = False,
                  qk_norm: str | None = None, qk_norm_eps: float = 1e-6, qk_norm_kind: str = "rmsnorm",
                  sync_input: bool = True,
                  reduce_output: bool = True, sequence_parallel: bool = True, device=None, dtype=None):
@@ -97,6 +103,7 @@ class Attention(ParallelLayer, nn.Module):
         self.causal, self.cross_attention = causal, cross_attention
         self.dropout, self.sliding_window, self.softmax_scale = dropout, sliding_window, softmax_scale
         self.softcap = softcap
+        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if sinks else None
         self.sequence_parallel = sequence_parallel
         col = dict(parallel="col", sync_input=sync_input, sequence_parallel=sequence_parallel,
                    device=device, dtype=dtype)
@@ -148,6 +155,7 @@ class Attention(ParallelLayer, nn.Module):
         if not self.cross_attention and self.num_kv_heads % tp.size:
             self.kv_replicas = tp.size // self.num_kv_heads
             self.qkv.replicate_rows_(self._qkv_rows(tp.rank))
+        tp.shard_parameter(self, "sinks", 0)  # this rank's q heads: rows [rank, rank + 1) · num_heads / tp
         super().shard_(tp)
 
     def _qkv_rows(self, rank: int) -> list[tuple[int, int]]:
@@ -183,7 +191,7 @@ class Attention(ParallelLayer, nn.Module):
         q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
         mask, is_causal = sdpa_mask(attention_mask, q.shape[2], k.shape[2], q.device, causal=self.causal,
                                      sliding_window=self.sliding_window)
-        out = attend(self, q, k, v, mask, is_causal, self.softmax_scale, self.softcap)
+        out = attend(self, q, k, v, mask, is_causal, self.softmax_scale, self.softcap, local(self.sinks))
         return self.out(out.transpose(1, 2).flatten(2))
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +223,8 @@ class Attention(ParallelLayer, nn.Module):
             kinds.append(f"window={self.sliding_window}")
         if self.softcap:
             kinds.append(f"softcap={self.softcap}")
+        if self.sinks is not None:
+            kinds.append("sinks")
         if self.kv_replicas > 1:
             kinds.append(f"kv_replicas={self.kv_replicas}")
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
@@ -250,32 +260,41 @@ def sdpa_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, devic
 
 
 def attend(layer: ParallelLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           is_causal: bool, scale: float | None, softcap: float | None = None) -> torch.Tensor:
+           is_causal: bool, scale: float | None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The attention core of `layer` (its ``dropout``, training mode and tp): q [B, H, S, d], k [B, H_kv, S_k, d],
-    v [B, H_kv, S_k, d_v] -> [B, H, S, d_v]."""
+    v [B, H_kv, S_k, d_v] -> [B, H, S, d_v]; SDPA, or `explicit_attention` for a soft-cap or sinks."""
     dropout = layer.dropout if layer.training else 0.0
     # This rank's heads draw their own dropout masks (the tp rank's stream), as one process would.
     with layer.tp.rng.fork() if layer.tp is not None and dropout else nullcontext():
-        if softcap is None:
+        if softcap is None and sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                                   scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        return softcapped_attention(q, k, v, mask, softcap, scale, dropout, causal=is_causal)
+        return explicit_attention(q, k, v, mask, scale, dropout, causal=is_causal, softcap=softcap, sinks=sinks)
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         softcap: float, scale: float | None, dropout: float, *, causal: bool = False) -> torch.Tensor:
-    """SDPA with the scores capped at ±softcap (cap·tanh(s/cap), Gemma 2), computed explicitly:
-    q [B, H, S, d], k and v [B, H_kv, S_k, d], mask boolean (True = attend) or additive, or
-    `causal`; the softmax in float32 as transformers' eager attention does."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float | None, dropout: float, *, causal: bool = False, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA computed explicitly, for what SDPA cannot do: q [B, H, S, d], k and v [B, H_kv, S_k, d],
+    mask boolean (True = attend) or additive, or `causal`. ``softcap`` caps the scores at ±softcap
+    (cap·tanh(s/cap), Gemma 2); ``sinks`` [H] is one more logit per head in each query's softmax,
+    dropped after it (gpt-oss: a query that sees nothing gives its keys zero weight). The softmax
+    in float32 as transformers' eager attention does."""
     if causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(q.dtype)
+    else:
+        sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     return F.dropout(probs, dropout) @ v if dropout else probs @ v
 
 

@@ -19,6 +19,7 @@ from .gemma import (Gemma2Config, Gemma2ForCausalLM, Gemma2Model, Gemma3ForCausa
                     GemmaConfig, GemmaForCausalLM, GemmaModel)
 from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
 from .gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXModel
+from .gpt_oss import GptOssConfig, GptOssForCausalLM, GptOssModel
 from .granite import GraniteConfig, GraniteForCausalLM, GraniteModel
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .mistral import MistralConfig, MistralForCausalLM, MistralModel
@@ -48,4 +49,5 @@ __all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_st
            "MixtralConfig", "MixtralModel", "MixtralForCausalLM", "Qwen2MoeConfig", "Qwen2MoeModel",
            "Qwen2MoeForCausalLM", "Qwen3MoeConfig", "Qwen3MoeModel", "Qwen3MoeForCausalLM", "OlmoeConfig",
            "OlmoeModel", "OlmoeForCausalLM",
-           "DeepseekV3Config", "DeepseekV3Model", "DeepseekV3ForCausalLM"]
+           "DeepseekV3Config", "DeepseekV3Model", "DeepseekV3ForCausalLM",
+           "GptOssConfig", "GptOssModel", "GptOssForCausalLM"]

@@ -35,6 +35,7 @@ MODELS: dict[str, dict[str, str]] = {
     "qwen2_moe": {"base": "Qwen2MoeModel", "causal_lm": "Qwen2MoeForCausalLM"},
     "qwen3_moe": {"base": "Qwen3MoeModel", "causal_lm": "Qwen3MoeForCausalLM"},
     "olmoe": {"base": "OlmoeModel", "causal_lm": "OlmoeForCausalLM"},
+    "gpt_oss": {"base": "GptOssModel", "causal_lm": "GptOssForCausalLM"},
     "olmo2": {"base": "Olmo2Model", "causal_lm": "Olmo2ForCausalLM"},
     "gemma": {"base": "GemmaModel", "causal_lm": "GemmaForCausalLM"},
     "gemma2": {"base": "Gemma2Model", "causal_lm": "Gemma2ForCausalLM"},

@@ -26,7 +26,7 @@ from libai_zoo.layers import yarn_mscale
 
 from .decoder import DecoderForCausalLM, DecoderModel, DecoderNames, DecoderSpec
 from .hf_maps.llama import llama_weight_map
-from .llama import llama_layer, llama_spec, rope_settings
+from .llama import llama_layer, llama_spec, refuse_quantized, rope_settings
 
 
 class DeepseekV3Config(transformers.DeepseekV3Config):
@@ -62,12 +62,8 @@ def deepseek_v3_layer(config, index: int) -> dict:
 
 def deepseek_v3_spec(config) -> DecoderSpec:
     """The model as a `DecoderSpec`: its layers, and its experts with no auxiliary loss."""
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:  # the hub's DeepSeek-V3 and Kimi K2 files are FP8 blocks with scales
-        raise ValueError(f"this {config.model_type} config has quantization_config "
-                         f"({quantization.get('quant_method')}): libai_zoo reads unquantized weights; dequantize "
-                         f"the checkpoint to bf16 first (DeepSeek-V3's inference/fp8_cast_bf16.py) and drop "
-                         f"quantization_config from its config.json")
+    refuse_quantized(config, "dequantize the checkpoint to bf16 first (DeepSeek-V3's inference/fp8_cast_bf16.py) "
+                             "and drop quantization_config from its config.json")
     return llama_spec(config, deepseek_v3_layer, num_experts=config.n_routed_experts)
 
 

@@ -47,6 +47,16 @@ def rope_settings(config, params: dict | None = None) -> tuple[float, dict | Non
     return theta, {**params, "rope_type": rope_type}
 
 
+def refuse_quantized(config, fix: str) -> None:
+    """Refuse a config whose weights are quantized (its ``quantization_config``: the hub's gpt-oss
+    MXFP4 and DeepSeek-V3 FP8 files), which libai_zoo does not read, saying how to `fix` it."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"this {config.model_type} config has quantization_config ({method}): libai_zoo reads "
+                         f"unquantized weights; {fix}")
+
+
 def longrope_scaling(config, params: dict) -> dict:
     """LongRoPE's scaling with its defaults filled in as transformers fills them: the original
     context from the config, and the cos/sin multiplier sqrt(1 + ln(factor) / ln(original context))

@@ -28,6 +28,9 @@ class Case:
     #: padding positions hold the config's pad token and the first row is left-padded (RoBERTa
     #: counts its positions over the non-padding tokens)
     pad_tokens: bool = False
+    #: parameters (name suffixes) transformers starts at zero, drawn from N(0, 0.2) by make_hf_model so
+    #: that a zoo model leaving them out shows
+    drawn: tuple[str, ...] = ()
 
     @property
     def generates(self) -> bool:
@@ -140,6 +143,23 @@ def deepseek_v3_config(**kw):
                     first_k_dense_replace=1, max_position_embeddings=32, rope_parameters=DEEPSEEK_YARN,
                     initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=None)
     return transformers.DeepseekV3Config(**{**defaults, **kw})
+
+
+def gpt_oss_config(**kw):
+    """4 experts of 16 neurons, top 2 (softmax over the two router logits, router bias), biases and
+    the clamped SwiGLU (limit 0.5: weights drawn 5× wider than the default, so that the clamp
+    bites), attention sinks, a window of 4 (of 12) on layer 0 (layer_types: sliding, full), YaRN
+    with an original context of 16 (factor 4 = 64 / 16); aux loss × 0.1 in the loss."""
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 16}
+    defaults = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=4,
+                    num_experts_per_tok=2, max_position_embeddings=64, sliding_window=4, rope_parameters=rope,
+                    swiglu_limit=0.5, initializer_range=0.1, output_router_logits=True, router_aux_loss_coef=0.1,
+                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return transformers.GptOssConfig(**{**defaults, **kw})
+
+
 def phi3_config(**kw):
     """LongRoPE with an original context of 8 (of the 12 positions: the long factors apply) and its
     cos/sin multiplier (sqrt(1 + ln 8 / ln 8)), 3/4 of each head's 8 channels rotating, grouped
@@ -295,6 +315,8 @@ CASES = {
     "olmoe": Case(transformers.OlmoeForCausalLM, models.OlmoeForCausalLM, olmoe_config, "causal"),
     "deepseek_v3": Case(transformers.DeepseekV3ForCausalLM, models.DeepseekV3ForCausalLM, deepseek_v3_config,
                         "causal"),
+    "gpt_oss": Case(transformers.GptOssForCausalLM, models.GptOssForCausalLM, gpt_oss_config, "causal",
+                    drawn=("gate_up_proj_bias", "down_proj_bias")),
     "gemma": Case(transformers.GemmaForCausalLM, models.GemmaForCausalLM, gemma_config, "causal"),
     "gemma2": Case(transformers.Gemma2ForCausalLM, models.Gemma2ForCausalLM, gemma2_config, "causal"),
     "gemma3": Case(transformers.Gemma3ForCausalLM, models.Gemma3ForCausalLM, gemma3_text_config, "causal"),
@@ -322,12 +344,12 @@ CASES = {
 def make_hf_model(case: Case, seed: int = 0):
     """The transformers model, its norm weights drawn away from their initial value (1, or 0 for
     Gemma's (1 + w)): a norm the zoo applied without its weight, or not at all, would then show; so
-    are a router's selection biases (0)."""
+    are a router's selection biases (0), and the case's `drawn` parameters."""
     torch.manual_seed(seed)
     model = case.hf_class(case.make_config()).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name.lower() and name.endswith("weight"):
+            if "norm" in name.lower() and name.endswith("weight") or name.endswith(case.drawn):
                 param.add_(torch.randn_like(param) * 0.2)
         for name, buffer in model.named_buffers():  # DeepSeek-V3's starts at 0: make it steer the routing
             if name.endswith("e_score_correction_bias"):

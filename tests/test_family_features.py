@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from model_cases import CASES, GEMMA3_GLOBAL_BASE, make_hf_model, make_inputs
 
 from libai_zoo import layers, models
+from libai_zoo.layers import attention
 from libai_zoo.hf import rules
 from libai_zoo.models.decoder import DecoderSpec
 
@@ -105,6 +106,29 @@ def _rotary_everywhere(cls, theta: float = 10000.0):
     return "__init__", patched
 
 
+def _zeroed(cls, *names: str):
+    """cls.forward with its parameters `names` read as zeros (a feature held in parameters off)."""
+    forward = cls.forward
+
+    @torch.no_grad()
+    def patched(self, *args, **kwargs):
+        kept = {name: getattr(self, name).clone() for name in names}
+        for name in names:
+            getattr(self, name).zero_()
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            for name, value in kept.items():
+                getattr(self, name).copy_(value)
+    return "forward", patched
+
+
+def _without_sinks():
+    """explicit_attention ignoring the sinks it is given (attention sinks off)."""
+    explicit = attention.explicit_attention
+    return "explicit_attention", lambda *args, sinks=None, **kwargs: explicit(*args, **kwargs)
+
+
 FEATURES = {
     ("qwen3", "per-head q/k norms"): (layers.Attention, ("_norm_qk", lambda self, q, k: (q, k))),
     ("qwen3", "sliding window on layer 2"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
@@ -169,6 +193,12 @@ FEATURES = {
     ("deepseek_v3", "routed scaling factor"): (layers.MoE,
                                                _without_kwarg(layers.MoE, "routed_scaling_factor", 1.0)),
     ("deepseek_v3", "shared experts"): (layers.MoE, ("_shared", lambda self, x: 0)),
+    ("gpt_oss", "attention sinks"): (attention, _without_sinks()),
+    ("gpt_oss", "router bias"): (layers.Router, _zeroed(layers.Router, "bias")),
+    ("gpt_oss", "expert biases"): (layers.Experts, _zeroed(layers.Experts, "gate_bias", "up_bias", "down_bias")),
+    ("gpt_oss", "SwiGLU clamp limit"): (layers.Experts, _without_kwarg(layers.Experts, "swiglu_limit", float("inf"))),
+    ("gpt_oss", "sliding window on layer 0"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
+    ("gpt_oss", "YaRN"): (layers.TransformerLayer, _without_kwarg(layers.TransformerLayer, "rope_scaling")),
     ("smollm3", "NoPE layers"): (layers.Attention, _rotary_everywhere(layers.Attention)),
     ("roberta_mlm", "positions counted after the padding"): (
         models.bert.BertEmbeddings, ("position_ids", lambda self, ids: torch.arange(ids.shape[1])[None] + 2)),
@@ -200,7 +230,7 @@ def test_deepseek_v3_first_layers_are_dense(tmp_path):
 
 
 #: MoE cases whose loss includes the auxiliary loss (output_router_logits)
-AUX_LOSS_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+AUX_LOSS_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 
 
 @pytest.mark.parametrize("case", AUX_LOSS_CASES)

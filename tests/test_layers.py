@@ -230,6 +230,59 @@ def test_attention_kv_offset_and_additive_mask():
     assert combined[0, 0, 0].tolist() == [-1e4, 0.0, 0.0, 0.0, float("-inf")]
 
 
+def _gpt_oss_attention(layer_idx: int):
+    """transformers' eager gpt-oss attention (sinks, biases, GQA; layer 0 slides a window of 3,
+    layer 1 sees everything) and ours with its weights, the sinks made large enough to matter."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
+
+    config = GptOssConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          num_hidden_layers=2, sliding_window=3, attn_implementation="eager",
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf = GptOssAttention(config, layer_idx).eval()
+    for p in hf.parameters():
+        nn.init.normal_(p, std=0.3)
+    nn.init.normal_(hf.sinks, std=2.0)
+    ours = layers.Attention(32, 4, num_kv_heads=2, head_dim=8, causal=True, rope_theta=10000.0, sinks=True,
+                            sliding_window=hf.sliding_window)
+    sd = hf.state_dict()
+    load(ours, {"sinks": sd["sinks"], "out.weight": sd["o_proj.weight"], "out.bias": sd["o_proj.bias"],
+                **{f"qkv.{kind}": layers.fuse_qkv(*(sd[f"{n}_proj.{kind}"] for n in "qkv"), 2)
+                   for kind in ("weight", "bias")}})
+    return ours, hf, GptOssRotaryEmbedding(config)
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1], ids=["sliding", "full"])
+def test_attention_sinks_are_gpt_oss_eager(layer_idx):
+    """Attention sinks equal transformers' eager gpt-oss attention: outputs, input and parameter
+    gradients (the sinks' included), with left padding (a query that sees no key gives zeros);
+    and the KV cache gives the same last positions, one token at a time."""
+    ours, hf, rotary = _gpt_oss_attention(layer_idx)
+    b, s = 2, 7
+    x, weights = torch.randn(b, s, 32), torch.randn(b, s, 32)
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1, :2] = 0
+    positions = torch.arange(s).repeat(b, 1)
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    allowed = (j <= i) & ((i - j) < (hf.sliding_window or s)) & mask[:, None, None, :].bool()
+    hf_mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = ours(xs[0], mask, positions)
+    ref = hf(xs[1], rotary(x, positions), hf_mask)[0]
+    (out * weights).sum().backward()
+    (ref * weights).sum().backward()
+    assert ours.sinks.grad.abs().min() > 0 and max_diff(ours.sinks.grad, hf.sinks.grad) <= HF_TOL
+    assert max_diff(out, ref) <= HF_TOL and max_diff(xs[0].grad, xs[1].grad) <= HF_TOL
+    assert max_diff(ours.qkv.weight.grad, layers.fuse_qkv(*(getattr(hf, f"{n}_proj").weight.grad for n in "qkv"), 2)) \
+        <= HF_TOL
+    assert max_diff(out[1, :2], ours.out.bias.expand(2, -1)) <= HF_TOL  # no key to see: the sink takes it all
+    cache, steps = layers.KVCache(s), [x[:1, :4]] + [x[:1, t:t + 1] for t in range(4, s)]
+    with torch.no_grad():
+        cached = torch.cat([ours(step, kv_cache=cache) for step in steps], dim=1)
+        whole = ours(x[:1])
+    assert max_diff(cached, whole) <= HF_TOL  # outputs near 6: float32 rounding of other matmul shapes
+
+
 def test_fused_layouts_round_trip():
     q, k, v = torch.randn(8 * 4, 6), torch.randn(2 * 4, 6), torch.randn(2 * 4, 6)
     fused = layers.fuse_qkv(q, k, v, num_kv_heads=2)

@@ -135,6 +135,7 @@ LORA_FAMILIES = {
     "granite": (LLAMA_NAMES, 6, 5),
     "smollm3": (LLAMA_NAMES, 6, 5),
     "olmo2": (LLAMA_NAMES, 6, 5),
+    "gpt_oss": (LLAMA_NAMES[:4], 6, 2),  # the attention only: the experts are stacked parameters, no Linear
 }
 
 

@@ -352,6 +352,8 @@ def test_unsupported_config_options_fail_clearly():
         models.DeepseekV3Model(deepseek_v3_config(quantization_config={"quant_method": "fp8"}))
     with pytest.raises(ValueError, match="position_embedding_type"):
         models.BertModel(transformers.BertConfig(position_embedding_type="relative_key"))
+    with pytest.raises(ValueError, match=r"quantization_config \(mxfp4\).*Mxfp4Config\(dequantize=True\)"):
+        models.GptOssModel(CASES["gpt_oss"].make_config().__class__(quantization_config={"quant_method": "mxfp4"}))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

@@ -230,11 +230,38 @@ def test_stacked_expert_rule_reads_only_a_ranks_experts():
     assert rule.load(read, (0, 1, 2), full.shape, rows=(4, 4)).shape == (0, I, H)  # a shard past the last expert
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe"])
+def test_strided_expert_rules_read_only_a_ranks_experts():
+    """gpt-oss's fused expert tensors <-> the stacked parameters: gate and up from the even and odd
+    columns of gate_up_proj [E, h, 2I] (and its bias), down from down_proj [E, I, h] transposed; a
+    rank holding experts 4..7 of 8, and of them the rows 1..3 its ZeRO shard keeps, reads experts 5
+    and 6 only; saving joins them back bit for bit."""
+    from libai_zoo.hf.rules import Same, Strided, joined
+
+    files = {"gate_up_proj": torch.randn(E, H, 2 * I), "gate_up_proj_bias": torch.randn(E, 2 * I),
+             "down_proj": torch.randn(E, I, H), "down_proj_bias": torch.randn(E, H)}
+    rules = [Strided("gate_proj", "gate_up_proj", 0, 2, transposed=True),
+             Strided("up_proj", "gate_up_proj", 1, 2, transposed=True), Strided("gate_bias", "gate_up_proj_bias", 0, 2),
+             Strided("up_bias", "gate_up_proj_bias", 1, 2), Strided("down_proj", "down_proj", transposed=True),
+             Same("down_bias", "down_proj_bias")]
+    gate_up = files["gate_up_proj"].transpose(1, 2)
+    zoo = {"gate_proj": gate_up[:, 0::2], "up_proj": gate_up[:, 1::2],
+           "gate_bias": files["gate_up_proj_bias"][:, 0::2], "up_bias": files["gate_up_proj_bias"][:, 1::2],
+           "down_proj": files["down_proj"].transpose(1, 2), "down_bias": files["down_proj_bias"]}
+    read, reads = _reader(files)
+    for rule in rules:
+        assert torch.equal(rule.load(read, (0, 1, 2), zoo[rule.zoo].shape, rows=(1, 3)), zoo[rule.zoo][5:7])
+        assert rule.hf_shapes(zoo[rule.zoo].shape) == {rule.name: files[rule.name].shape}
+    assert [ranges[0] for _, ranges in reads] == [(5, 7)] * len(rules)
+    saved = joined([piece for rule in rules for piece in rule.save(zoo[rule.zoo]).items()])
+    assert saved.keys() == files.keys() and all(torch.equal(saved[name], files[name]) for name in files)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 def test_the_contracts_stage_path_gives_the_forwards_loss(family):
     """What a pipeline runs (embed, each layer of the stack carrying router_stats, the head's loss plus
     aux_loss, the weighted auxiliary terms) equals forward's loss, padding excluded from the
-    statistics in both; a dense layer (Qwen2-MoE's mlp_only_layers) passes the statistics on."""
+    statistics in both; a dense layer (Qwen2-MoE's mlp_only_layers) passes the statistics on;
+    gpt-oss (two MoE layers, attention sinks) alike."""
     from libai_zoo.models import get_layer_stack
     from model_cases import CASES, make_inputs, zoo_model
 
@@ -245,7 +272,8 @@ def test_the_contracts_stage_path_gives_the_forwards_loss(family):
     for layer in get_layer_stack(model):
         x, stats = layer(x, **layer_inputs, router_stats=stats)
     loss = model.head_loss(model.final_norm(x), targets) + model.aux_loss(stats)
-    assert model.has_aux_loss and stats[2, 0] == batch["attention_mask"].sum()
+    moe_layers = sum(isinstance(layer.mlp, MoE) for layer in get_layer_stack(model))
+    assert model.has_aux_loss and stats[2, 0] == moe_layers * batch["attention_mask"].sum()
     assert abs(loss.item() - model(**batch).loss.item()) <= TOL
 
 
@@ -310,10 +338,10 @@ def test_from_pretrained_reads_transformers_in_memory_expert_names(family, tmp_p
     assert hub_name in str(error.value) and fused_name in str(error.value)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_router_logits_equal_transformers(family, tmp_path):
     """output_router_logits: each MoE layer's router logits [tokens, E], as transformers returns them
-    (Qwen2-MoE's dense layer has none); not asked, none."""
+    (Qwen2-MoE's dense layer has none; gpt-oss's with its router bias); not asked, none."""
     from model_cases import CASES, make_hf_model, make_inputs
 
     case = CASES[family]
@@ -322,7 +350,7 @@ def test_router_logits_equal_transformers(family, tmp_path):
     model = case.zoo_class.from_pretrained(tmp_path)
     batch, _ = make_inputs(case)
     theirs, ours = hf_model(**batch, output_router_logits=True), model(**batch, output_router_logits=True)
-    assert len(ours.router_logits) == len(theirs.router_logits) == (2 if family == "mixtral" else 1)
+    assert len(ours.router_logits) == len(theirs.router_logits) == (1 if family == "qwen2_moe" else 2)
     for mine, reference in zip(ours.router_logits, theirs.router_logits):
         assert mine.shape == reference.shape and (mine - reference).abs().max() <= TOL
     assert model(**batch, output_router_logits=False).router_logits is None

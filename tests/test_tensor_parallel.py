@@ -69,6 +69,10 @@ CASES = {
     "attention_one_kv_head": lambda sp: (
         layers.Attention(H, HEADS, num_kv_heads=1, causal=True, sliding_window=3), [_x(B, S, H)],
         [1 if sp else None], 1 if sp else None),
+    # gpt-oss's sinks split with the q heads, at tp4 also where the KV heads are replicated
+    "attention_sinks": lambda sp: (_with_sinks(layers.Attention(H, HEADS, num_kv_heads=2, causal=True,
+                                                                sliding_window=3, rope_theta=10000.0, sinks=True)),
+                                   [_x(B, S, H), _padding_mask()], [1 if sp else None, None], 1 if sp else None),
     "attention_cross": lambda sp: (
         layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, cross_attention=True, kv_input_size=ENC_H),
         [_x(B, S, H), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), None, _x(B, ENC_S, ENC_H)],
@@ -110,6 +114,12 @@ CASES = {
     "sequence_scatter": lambda sp: (layers.SequenceScatter(), [_x(B, S, H)], [None], 1 if sp else None),
     "sequence_gather": lambda sp: (layers.SequenceGather(), [_x(B, S, H)], [1 if sp else None], None),
 }
+
+
+def _with_sinks(attention: layers.Attention) -> layers.Attention:
+    """Sinks start at zero: draw them, so that each head's one matters."""
+    torch.nn.init.normal_(attention.sinks, std=2.0)
+    return attention
 
 
 def _cross_entropy(reduction: str):

@@ -497,7 +497,8 @@ def _attention_args(spec: DecoderSpec, layer: dict, attention: dict, problems: l
                         f"normalizes each head")
     unconverted = {"softmax_scale": "a softmax scale of its own (Gemma 2's query_pre_attn_scalar, Granite's "
                                     "attention_multiplier): not converted",
-                   "softcap": "attention logit soft-capping (Gemma 2): Megatron-Core has none"}
+                   "softcap": "attention logit soft-capping (Gemma 2): Megatron-Core has none",
+                   "sinks": "attention sinks (gpt-oss): not converted"}
     known = NOT_ARCHITECTURE | {"qk_norm_eps", "qk_norm_kind"}
     problems += [f"attention {name} = {value!r}: " + unconverted.get(name, "no Megatron-Core form here")
                  for name, value in attention.items() if name not in known and value != ATTENTION_DEFAULTS.get(name)]

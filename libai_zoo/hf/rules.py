@@ -157,6 +157,46 @@ class Part(Same):
 
 
 @dataclass
+class Strided(Same):
+    """Every `count`-th entry of the last dim, from `index`, of one checkpoint tensor that
+    `count` parameters share, its last two dims swapped when `transposed`: gpt-oss's experts
+    (``gate_up_proj`` [E, h, 2I] holds gate in the even columns and up in the odd ones; its
+    ``down_proj`` [E, I, h] is one such tensor, transposed). A rank reads only its block of the
+    other dims (its experts). `save` gives a `Strand`: `joined` interleaves a name's strands in
+    rule order."""
+
+    index: int = 0
+    count: int = 1
+    transposed: bool = False
+
+    def load(self, read, shard, zoo_shape, rows=None):
+        block = _block(shard, zoo_shape, rows)
+        last = len(zoo_shape) - 1
+        if self.transposed:  # the zoo's last two dims are the checkpoint's swapped
+            block = {last - 1 if d == last else last if d == last - 1 else d: span for d, span in block.items()}
+        strided = last - 1 if self.transposed else last  # the zoo dim that is the checkpoint's last
+        start, end = block.pop(last, (0, zoo_shape[strided]))
+        block[last] = (start * self.count, end * self.count)
+        tensor = read(self.name, block)[..., self.index::self.count]
+        return tensor.transpose(-1, -2).contiguous() if self.transposed else tensor.contiguous()
+
+    def save(self, tensor):
+        tensor = tensor.transpose(-1, -2) if self.transposed else tensor
+        return {self.name: Strand(tensor) if self.count > 1 else tensor.contiguous()}
+
+    def hf_shapes(self, zoo_shape):
+        shape = list(zoo_shape[:-2]) + list(zoo_shape[-2:][::-1] if self.transposed else zoo_shape[-2:])
+        return {self.name: torch.Size([*shape[:-1], shape[-1] * self.count])}
+
+
+@dataclass
+class Strand:
+    """One parameter's entries of a checkpoint tensor whose last dim interleaves several (`Strided`)."""
+
+    tensor: torch.Tensor
+
+
+@dataclass
 class PaddedRows(Same):
     """A vocabulary table stored with extra rows (Megatron pads it to a multiple of
     make_vocab_size_divisible_by × tp): loading keeps the first rows, saving repeats the last
@@ -346,12 +386,20 @@ class Adapter:
 
 def joined(pieces: list[tuple[str, torch.Tensor | Adapter]]) -> dict[str, torch.Tensor | Adapter]:
     """The rules' `save` (or `save_adapter`) outputs, in rule order, as one checkpoint: the blocks
-    several rules give under one name (`Part`) joined, tensors by rows, adapters by `_joined`."""
+    several rules give under one name (`Part`) joined, tensors by rows, adapters by `_joined`,
+    strands (`Strided`) interleaved along the last dim."""
     grouped: dict[str, list] = {}
     for name, piece in pieces:
         grouped.setdefault(name, []).append(piece)
-    return {name: parts[0] if len(parts) == 1 else _joined(parts) if isinstance(parts[0], Adapter)
-            else torch.cat(parts) for name, parts in grouped.items()}
+    return {name: _join(parts) for name, parts in grouped.items()}
+
+
+def _join(parts: list) -> torch.Tensor | Adapter:
+    if isinstance(parts[0], Strand):
+        return torch.stack([p.tensor for p in parts], dim=-1).flatten(-2)
+    if len(parts) == 1:
+        return parts[0]
+    return _joined(parts) if isinstance(parts[0], Adapter) else torch.cat(parts)
 
 
 def _module(weight_name: str) -> str:

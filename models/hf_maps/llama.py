@@ -1,8 +1,9 @@
-"""The Llama naming (Llama, Qwen2/3, Mistral, Gemma 1-3, SmolLM3, Granite, OLMo 2, DeepSeek-V3): libai_zoo
-names <- Hugging Face names. The rules follow the built body, so one map serves every family that names
-its tensors as Llama does: biases, q/k norms, latent attention and where the norms sit are read off
-its layers. Layers a checkpoint holds past the config's last (DeepSeek-V3's multi-token prediction
-modules, ``num_nextn_predict_layers``) are skipped, as transformers skips them."""
+"""The Llama naming (Llama, Qwen2/3, Mistral, Gemma 1-3, SmolLM3, Granite, OLMo 2, DeepSeek-V3, gpt-oss's
+attention): libai_zoo names <- Hugging Face names. The rules follow the built body, so one map serves every
+family that names its tensors as Llama does: biases, q/k norms, latent attention, attention sinks and
+where the norms sit are read off its layers. Layers a checkpoint holds past the config's last
+(DeepSeek-V3's multi-token prediction modules, ``num_nextn_predict_layers``) are skipped, as
+transformers skips them."""
 
 from __future__ import annotations
 
@@ -85,6 +86,8 @@ def llama_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
             if attn.qk_norm:
                 rules += [*linear(z + "attn.q_norm", a + "q_norm", bias=False),
                           *linear(z + "attn.k_norm", a + "k_norm", bias=False)]
+            if attn.sinks is not None:
+                rules.append(Same(z + "attn.sinks", a + "sinks"))
         rules += linear(z + "attn.out", a + "o_proj", bias=has_bias(attn.out))
         if isinstance(mlp, MoE):
             rules += moe_rules(mlp, z + "mlp.", h, body.names)
