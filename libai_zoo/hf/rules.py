@@ -117,22 +117,26 @@ class Reshaped(Same):
 
 @dataclass
 class Part(Same):
-    """Block `index` of `count` equal blocks along dim 0 of one checkpoint tensor, which several
-    parameters share (Megatron's `linear_fc1` and Phi-3's `gate_up_proj` = [gate; up]). `save`
-    gives this block only (`save_adapter` this block's adapter): `joined` puts the blocks of one
-    name together in rule order."""
+    """Block `index` of `count` equal blocks along `dim` (0 unless given) of one checkpoint tensor,
+    which several parameters share (Megatron's `linear_fc1` and Phi-3's `gate_up_proj` = [gate;
+    up]; dim 1 of Megatron-Core's stacked experts [E, gate; up, h]). `save` gives this block only
+    (`save_adapter` this block's adapter): `joined` puts the blocks of one name together in rule order."""
 
     index: int = 0
     count: int = 1
+    dim: int = 0
 
     def load(self, read, shard, zoo_shape, rows=None):
         block = _block(shard, zoo_shape, rows)
-        start, end = block.get(0, (0, zoo_shape[0]))
-        block[0] = (self.index * zoo_shape[0] + start, self.index * zoo_shape[0] + end)
+        size = zoo_shape[self.dim]
+        start, end = block.get(self.dim, (0, size))
+        block[self.dim] = (self.index * size + start, self.index * size + end)
         return read(self.name, block)
 
     def hf_shapes(self, zoo_shape):
-        return {self.name: torch.Size([self.count * zoo_shape[0], *zoo_shape[1:]])}
+        shape = list(zoo_shape)
+        shape[self.dim] *= self.count
+        return {self.name: torch.Size(shape)}
 
     def load_adapter(self, adapters):
         # the module's adapter (its B's rows are the blocks') with this block's rows of B
