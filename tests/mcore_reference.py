@@ -62,9 +62,10 @@ FAMILIES = {
     # a window on every layer, kv_channels apart from hidden / heads, tied head
     "mistral": dict(LLAMA, kv_channels=16, max_position_embeddings=64, rotary_base=10000, use_rope_scaling=False,
                     untie_embeddings_and_output_weights=False, window_size=(4, 0)),
-    # Mixtral: 4 experts, top 2 renormalised (top-k of the logits, then their softmax), every layer MoE
+    # Mixtral: 4 experts, top 2 renormalised (top-k of the logits, then their softmax), every layer
+    # MoE (its tensors stacked over the layers), a window on every layer
     "mixtral": dict(LLAMA, max_position_embeddings=64, rotary_base=1000000, use_rope_scaling=False, num_experts=4,
-                    moe_router_topk=2, moe_ffn_hidden_size=48),
+                    moe_router_topk=2, moe_ffn_hidden_size=48, window_size=(4, 0)),
     # Qwen3-MoE: q/k norms, 8 experts of their own width, top-2 probabilities not renormalised
     # (softmax before the top-k), layer 0 dense (--moe-layer-freq as a list)
     "qwen3_moe": dict(LLAMA, kv_channels=16, max_position_embeddings=64, norm_epsilon=1e-6, rotary_base=1000000,
