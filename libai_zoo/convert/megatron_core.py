@@ -1,6 +1,7 @@
 """Megatron-Core GPT models <-> libai_zoo, for the GPT family (learned positions: GPT-2; RoPE:
 GPT-NeoX, sequential) and the Llama family (Llama, Qwen2; Qwen3 with --qk-layernorm; Mistral,
-and Qwen2/3 `layer_types`, with --window-size).
+and Qwen2/3 `layer_types`, with --window-size), and Mixtures of Experts (--num-experts: Mixtral;
+Qwen3-MoE with --qk-layernorm).
 
     model, source = read_megatron_core("megatron_ckpt")      # torch_dist, or per-rank torch files
     write_megatron_core(model, "megatron_out")               # torch_dist + common.pt, `--load`-able
@@ -19,6 +20,16 @@ layers hold them; Megatron-Core's local layers map theirs to these names when sa
     decoder.layers.{i}.mlp.linear_fc2.weight (, .bias)   columns split over tp
     decoder.final_layernorm.weight (, .bias)
     output_layer.weight                                  untied head only
+
+An MoE layer (--num-experts E; dense and MoE layers mixed by --moe-layer-freq are kept per layer
+in torch_dist, all-MoE layers stacked like the others) has instead of the MLP's:
+
+    decoder.layers.{i}.pre_mlp_layernorm.weight          the pre-MLP norm (the local layer spec files it
+                                                         as mlp.linear_fc1.layer_norm_weight: both read)
+    decoder.layers.{i}.mlp.router.weight                 [E, h]
+    decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight  [E, gate; up, h]  the same for SequentialMLP
+    decoder.layers.{i}.mlp.experts.experts.linear_fc2.weight  [E, h, F]         and grouped GEMM experts
+    decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight, linear_fc2.weight, gate_weight  (shared expert)
 
 The grouped `linear_qkv` is libai_zoo's fused `qkv` row for row, so the map
 (`megatron_weight_map`) pairs the zoo's parameters with these names using the rules of the
