@@ -71,6 +71,10 @@ FAMILIES = {
     "qwen3_moe": dict(LLAMA, kv_channels=16, max_position_embeddings=64, norm_epsilon=1e-6, rotary_base=1000000,
                       use_rope_scaling=False, qk_layernorm=True, num_experts=8, moe_router_topk=2,
                       moe_ffn_hidden_size=24, moe_router_pre_softmax=True, moe_layer_freq=[0, 1, 1, 1]),
+    # Qwen2-MoE: q/k/v biases, a shared expert scaled by its sigmoid gate, top-2 not renormalised
+    "qwen2_moe": dict(LLAMA, max_position_embeddings=64, rotary_base=1000000, use_rope_scaling=False,
+                      add_qkv_bias=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                      moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True),
 }
 MOE = dict(num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_router_pre_softmax=False,
            moe_layer_freq=1, moe_router_score_function="softmax", moe_router_topk_scaling_factor=None,

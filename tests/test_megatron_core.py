@@ -4,8 +4,9 @@ megatron-core (a test dependency, CPU-only here) builds GPT, Llama, Qwen3 (--qk-
 window on every other layer) and Mistral (--window-size) GPTModels at tp 2 × pp 2 and saves them
 as Megatron-LM does, in both formats (`mcore_reference.py build`), and two Mixtures of Experts in
 the same run, their experts split over ep 2: Mixtral (--num-experts 4, top-2 renormalised, a
-window) and Qwen3-MoE (q/k norms, 8 experts of their own width, top-2 not renormalised:
---moe-router-pre-softmax, layer 0 dense), as torch_dist. Its own forward on the torch_dist
+window), Qwen3-MoE (q/k norms, 8 experts of their own width, top-2 not renormalised:
+--moe-router-pre-softmax, layer 0 dense) and Qwen2-MoE (q/k/v biases, a shared expert and its
+sigmoid gate), as torch_dist. Its own forward on the torch_dist
 checkpoint, loaded at tp 1, gives the reference logits. Our conversions must give those logits
 through transformers and through libai_zoo, and our exports must load into a megatron-core
 GPTModel (`dist_checkpointing.load`) with the same logits. Both megatron-core steps run as
@@ -38,10 +39,10 @@ from test_convert import convert, has_row, ok
 REFERENCE = Path(__file__).with_name("mcore_reference.py")
 VOCAB = 100  # mcore_reference.py's vocabulary (padded to 128 in its checkpoints)
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
-MOE_FAMILIES = ("mixtral", "qwen3_moe")  # torch_dist only
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # torch_dist only
 FAMILIES = ("gpt", "gpt_rope", "llama", "qwen3", "mistral", *MOE_FAMILIES)
-HF_KINDS = ("gpt2", "gpt2_untied", "gpt_neox", "qwen2", "llama", "qwen3", "mistral", "mixtral",
-            "qwen3_moe")  # tiny_hf's
+HF_KINDS = ("gpt2", "gpt2_untied", "gpt_neox", "qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen3_moe",
+            "qwen2_moe")  # tiny_hf's
 
 
 def megatron_core(*argv) -> None:
@@ -106,7 +107,10 @@ def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, fam
         assert config["model_type"] == "qwen3_moe" and config["head_dim"] == 16 and not config["norm_topk_prob"]
         assert (config["num_experts"], config["moe_intermediate_size"], config["intermediate_size"]) == (8, 24, 48)
         assert config["mlp_only_layers"] == [0] and config["decoder_sparse_step"] == 1
-    assert _max_difference(_hf_logits(tmp_path / "hf"), reference[family]) <= 1e-4
+    if family == "qwen2_moe":  # --add-qkv-bias, --moe-shared-expert-intermediate-size 40 with its gate
+        assert config["model_type"] == "qwen2_moe" and config["qkv_bias"] and not config["norm_topk_prob"]
+        assert (config["shared_expert_intermediate_size"], config["moe_intermediate_size"]) == (40, 24)
+    assert _max_difference(_hf_logits(tmp_path / "hf"), reference[family]) <= 1e-5
 
 
 @pytest.mark.slow
@@ -118,16 +122,17 @@ def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, 
     biases and window on its second layer, Llama with linear RoPE scaling, one KV head, head_dim != hidden / heads and biases,
     Qwen3's q/k norms with a window on one layer of two and Mistral's window (Megatron-Core's
     window (W - 1, 0) is Hugging Face's W: one position more or no window moves these logits by
-    0.4 to 0.8); Mixtral with head_dim != hidden / heads and a window, and Qwen3-MoE with
-    renormalised top-k weights and a dense layer 1 (Megatron-Core's per-layer names), both read
-    back by Transformer Engine's names (the pre-MLP norm of an MoE layer: `pre_mlp_layernorm`)."""
+    0.4 to 0.8); Mixtral with head_dim != hidden / heads and a window, Qwen3-MoE with
+    renormalised top-k weights and a dense layer 1 (Megatron-Core's per-layer names) and
+    Qwen2-MoE's gated shared expert with layer 0 dense (decoder_sparse_step 2), all read back by
+    Transformer Engine's names (the pre-MLP norm of an MoE layer: `pre_mlp_layernorm`)."""
     root, reference = megatron
     exports, expected = [], {}
     for family in FAMILIES:
         ok("megatron-to-zoo", root / family / "torch_dist", tmp_path / f"zoo_{family}", "--tp", 2)
         zoo = load_checkpoint_model(tmp_path / f"zoo_{family}" / "model_0000000")
         with torch.no_grad():
-            assert _max_difference(zoo(input_ids=IDS).logits, reference[family]) <= 1e-4
+            assert _max_difference(zoo(input_ids=IDS).logits, reference[family]) <= 1e-5
         ok("zoo-to-megatron", tmp_path / f"zoo_{family}", tmp_path / f"zoo_to_mc_{family}")
         form = "torch_dist" if family in MOE_FAMILIES else "torch"
         ok("megatron-to-hf", root / family / form, tmp_path / f"hf_{family}")
@@ -144,7 +149,7 @@ def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, 
     logits = mcore_logits(tmp_path, exports)
     assert set(logits) == set(expected)
     for name, want in expected.items():
-        assert _max_difference(logits[name], want) <= 1e-4, name
+        assert _max_difference(logits[name], want) <= 1e-5, name
 
 
 def tiny_hf(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
@@ -191,6 +196,12 @@ def tiny_hf(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=8,
             num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=True,
             rope_theta=20000.0, bos_token_id=1, eos_token_id=2))
+    elif kind == "qwen2_moe":  # a gated shared expert, q/k/v biases, top-2 renormalised, layer 0 dense
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+            shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+            decoder_sparse_step=2, rope_theta=20000.0, bos_token_id=1, eos_token_id=2))
     else:  # Llama with linear RoPE scaling, head_dim apart from hidden / heads, biases everywhere
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -332,7 +343,7 @@ def test_experts_not_where_megatron_core_keeps_them_are_refused_by_name(tmp_path
     """Megatron-LM issue 5845: a Mixtral conversion that wrote the experts under names
     Megatron-Core does not read (here SequentialMLP's in-memory `local_experts.{e}`), so every
     expert stayed random. Each expert tensor must be read: the ones missing and the ones no
-    parameter takes are named, with the routing options that Mixtral and Qwen3-MoE lack."""
+    parameter takes are named, with the routing options that the MoE families lack."""
     from libai_zoo.convert.torch_dist import read_common, read_tensors, write_checkpoint
 
     tiny_hf("mixtral").save_pretrained(tmp_path / "hf")

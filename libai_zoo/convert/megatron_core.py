@@ -260,7 +260,7 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
                        layer_types=layer_types or ["sliding_attention"] * args.num_layers) if window else {}
         cls = models.LlamaForCausalLM
         if _arg(args, "num_experts"):
-            cls, config = _moe_config(args, kwargs, window, layer_types, bias or qkv_only, problems)
+            cls, config = _moe_config(args, kwargs, window, layer_types, bias, qkv_only, problems)
         elif _arg(args, "qk_layernorm", False):  # per-head q/k RMSNorms: Qwen3
             if bias or qkv_only:
                 problems.append("args.qk_layernorm with biases (add_bias_linear or add_qkv_bias): Qwen3, the family "
@@ -287,7 +287,7 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
     return cls, config, padded
 
 
-# Megatron-LM's MoE args that Mixtral and Qwen3-MoE have no form for, with what is set when they are
+# Megatron-LM's MoE args that Mixtral, Qwen2-MoE and Qwen3-MoE have no form for, with what is set when they are
 MOE_REFUSED = {
     "moe_router_score_function": (lambda v: v not in (None, "softmax"), "sigmoid scores (DeepSeek-V3's router)"),
     "moe_router_enable_expert_bias": (bool, "a selection bias (DeepSeek-V3's e_score_correction_bias)"),
@@ -301,19 +301,20 @@ MOE_REFUSED = {
     "moe_input_jitter_eps": (bool, "jitter on the router's input"),
     "moe_apply_probs_on_input": (bool, "router weights applied to the experts' input"),
     "moe_latent_size": (bool, "experts on a latent projection"),
-    "moe_shared_expert_intermediate_size": (bool, "a shared expert (Qwen2-MoE, DeepSeek)"),
 }
 
 
 def _moe_config(args: argparse.Namespace, kwargs: dict, window: int | None, layer_types: list[str] | None,
-                biased: bool, problems: list[str]):
-    """(class, config) of a Megatron-Core MoE GPT: Qwen3-MoE with --qk-layernorm (dense layers from
-    --moe-layer-freq as mlp_only_layers; top-k weights renormalised unless --moe-router-pre-softmax),
-    Mixtral otherwise (every layer MoE, renormalised top-k). Megatron-Core's top-k of the logits
-    then softmax over those k is the renormalised softmax; softmax first (--moe-router-pre-softmax)
-    keeps the top-k probabilities as they are (norm_topk_prob false)."""
-    problems += [f"args.{name} = {getattr(args, name)!r}: {what}, which Mixtral and Qwen3-MoE do not have"
-                 for name, (bad, what) in MOE_REFUSED.items() if bad(_arg(args, name))]
+                bias: bool, qkv_only: bool, problems: list[str]):
+    """(class, config) of a Megatron-Core MoE GPT: Qwen2-MoE with a gated shared expert
+    (--moe-shared-expert-gate; q/k/v biases as --add-qkv-bias), Qwen3-MoE with --qk-layernorm
+    (both: dense layers from --moe-layer-freq as mlp_only_layers, top-k weights renormalised
+    unless --moe-router-pre-softmax), Mixtral otherwise (every layer MoE, renormalised top-k).
+    Megatron-Core's top-k of the logits then softmax over those k is the renormalised softmax;
+    softmax first (--moe-router-pre-softmax) keeps the top-k probabilities as they are
+    (norm_topk_prob false)."""
+    problems += [f"args.{name} = {getattr(args, name)!r}: {what}, which Mixtral, Qwen2-MoE and Qwen3-MoE do not "
+                 f"have" for name, (bad, what) in MOE_REFUSED.items() if bad(_arg(args, name))]
     layers, pattern = args.num_layers, _arg(args, "moe_layer_freq", 1)
     moe_layers = [i % pattern == 0 for i in range(layers)] if isinstance(pattern, int) else [bool(p) for p in pattern]
     if len(moe_layers) != layers:
@@ -323,23 +324,39 @@ def _moe_config(args: argparse.Namespace, kwargs: dict, window: int | None, laye
     moe = dict(num_experts_per_tok=_arg(args, "moe_router_topk", 2), router_aux_loss_coef=coefficient,
                output_router_logits=coefficient > 0)
     expert_size = _arg(args, "moe_ffn_hidden_size", kwargs["intermediate_size"])
-    if biased:
-        problems.append("args.add_bias_linear or args.add_qkv_bias with experts: Mixtral and Qwen3-MoE have no "
-                        "biases")
+    shared, gate = _arg(args, "moe_shared_expert_intermediate_size"), _arg(args, "moe_shared_expert_gate", False)
+    qwen = dict(num_experts=args.num_experts, moe_intermediate_size=expert_size, norm_topk_prob=renormalised,
+                decoder_sparse_step=1, mlp_only_layers=[i for i, is_moe in enumerate(moe_layers) if not is_moe])
+    if bias:
+        problems.append("args.add_bias_linear with experts: the MoE families have no biases on the experts and "
+                        "the attention's output (Qwen2-MoE's q/k/v biases: --add-qkv-bias)")
+    if window:
+        if _arg(args, "qk_layernorm", False) or shared:
+            problems.append("args.window_size with experts and --qk-layernorm or a shared expert: Qwen2-MoE's and "
+                            "Qwen3-MoE's windows are not converted")
+    if shared:
+        if not gate or _arg(args, "qk_layernorm", False):
+            problems.append(f"args.moe_shared_expert_intermediate_size = {shared} "
+                            f"{'without --moe-shared-expert-gate' if not gate else 'with --qk-layernorm'}: Qwen2-MoE, "
+                            f"the family with a shared expert, gates it and has no q/k norms")
+        return models.Qwen2MoeForCausalLM, models.Qwen2MoeConfig(
+            **kwargs, qkv_bias=qkv_only, shared_expert_intermediate_size=shared, **qwen, **moe)
+    if gate:
+        problems.append("args.moe_shared_expert_gate without args.moe_shared_expert_intermediate_size: no shared "
+                        "expert to gate")
+    if qkv_only:
+        problems.append("args.add_qkv_bias with experts but no shared expert: Qwen2-MoE, the family with q/k/v "
+                        "biases, has a gated shared expert")
     if _arg(args, "qk_layernorm", False):
-        if window:
-            problems.append("args.window_size with --qk-layernorm and experts: Qwen3-MoE's window is not converted")
-        dense = [i for i, is_moe in enumerate(moe_layers) if not is_moe]
         return models.Qwen3MoeForCausalLM, models.Qwen3MoeConfig(
             **{**kwargs, "head_dim": kwargs.get("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])},
-            num_experts=args.num_experts, moe_intermediate_size=expert_size, norm_topk_prob=renormalised,
-            decoder_sparse_step=1, mlp_only_layers=dense, **moe)
+            **qwen, **moe)
     if not all(moe_layers):
-        problems.append(f"args.moe_layer_freq = {pattern!r} (dense layers) without --qk-layernorm: Mixtral has "
-                        f"experts in every layer (Qwen3-MoE, with q/k norms, has dense ones)")
+        problems.append(f"args.moe_layer_freq = {pattern!r} (dense layers) without --qk-layernorm or a shared "
+                        f"expert: Mixtral has experts in every layer (Qwen3-MoE and Qwen2-MoE have dense ones)")
     if not renormalised:
         problems.append("args.moe_router_pre_softmax (top-k probabilities not renormalised) without "
-                        "--qk-layernorm: Mixtral renormalises them (Qwen3-MoE, with q/k norms, may not)")
+                        "--qk-layernorm or a shared expert: Mixtral renormalises them (Qwen3-MoE and Qwen2-MoE may not)")
     if layer_types:
         problems.append("args.window_attn_skip_freq (full attention on some layers) with experts: Mixtral has the "
                         "window on every layer")
@@ -828,11 +845,11 @@ def read_megatron_core(path: str | Path, *, vocab_size: int | None = None, dtype
     with torch.no_grad():
         parameters = dict(model.named_parameters())
         rules = megatron_weight_map(model, padded).rules
-        _check_covered(model, rules)
         for rule in rules:
             parameters[rule.zoo].copy_(rule.load(read, None, parameters[rule.zoo].shape))
     if config.tie_word_embeddings:
         model.tie_weights()
+    _check_covered(model, rules)
     return model.eval(), source
 
 
