@@ -105,7 +105,8 @@ def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, fam
         assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 48)
     if family == "qwen3_moe":  # --moe-layer-freq [0, 1, 1, 1]: per-layer names, layer 0 a dense MLP
         assert config["model_type"] == "qwen3_moe" and config["head_dim"] == 16 and not config["norm_topk_prob"]
-        assert (config["num_experts"], config["moe_intermediate_size"], config["intermediate_size"]) == (8, 24, 48)
+        assert (config["num_local_experts"], config["moe_intermediate_size"], config["intermediate_size"]) == \
+            (8, 24, 48)  # Qwen3MoeConfig writes num_experts as num_local_experts
         assert config["mlp_only_layers"] == [0] and config["decoder_sparse_step"] == 1
     if family == "qwen2_moe":  # --add-qkv-bias, --moe-shared-expert-intermediate-size 40 with its gate
         assert config["model_type"] == "qwen2_moe" and config["qkv_bias"] and not config["norm_topk_prob"]
