@@ -349,6 +349,9 @@ def test_experts_not_where_megatron_core_keeps_them_are_refused_by_name(tmp_path
 
     tiny_hf("mixtral").save_pretrained(tmp_path / "hf")
     ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc")
+    out = ok("inspect", tmp_path / "mc")
+    assert "num_experts=4 moe_router_topk=2 moe_ffn_hidden_size=48 moe_router_pre_softmax=False moe_layer_freq=1" in out
+    assert has_row(out, "decoder.layers.mlp.experts.experts.linear_fc1.weight", "[2, 4, 96, 32]", "float32")
     release = tmp_path / "mc" / "release"
     tensors = {}
     for name, tensor in read_tensors(release).items():
