@@ -312,7 +312,8 @@ def _moe_config(args: argparse.Namespace, kwargs: dict, window: int | None, laye
     unless --moe-router-pre-softmax), Mixtral otherwise (every layer MoE, renormalised top-k).
     Megatron-Core's top-k of the logits then softmax over those k is the renormalised softmax;
     softmax first (--moe-router-pre-softmax) keeps the top-k probabilities as they are
-    (norm_topk_prob false)."""
+    (norm_topk_prob false). A run that trained with a balancing loss (--moe-aux-loss-coeff > 0)
+    gets output_router_logits and that coefficient (the losses' definitions differ: `_moe_args`)."""
     problems += [f"args.{name} = {getattr(args, name)!r}: {what}, which Mixtral, Qwen2-MoE and Qwen3-MoE do not "
                  f"have" for name, (bad, what) in MOE_REFUSED.items() if bad(_arg(args, name))]
     layers, pattern = args.num_layers, _arg(args, "moe_layer_freq", 1)
