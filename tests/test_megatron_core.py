@@ -372,6 +372,15 @@ def test_experts_not_where_megatron_core_keeps_them_are_refused_by_name(tmp_path
                   "args.moe_router_score_function = 'sigmoid': sigmoid scores (DeepSeek-V3's router)",
                   "args.moe_expert_capacity_factor = 1.0: token dropping at an expert capacity"):
         assert words in err
+    # per-rank torch files of an MoE (one per expert-parallel rank) are not read: torch_dist is
+    files = tmp_path / "torch_files" / "iter_0000001" / "mp_rank_00"
+    files.mkdir(parents=True)
+    torch.save({"args": read_common(release)["args"], "iteration": 1, "checkpoint_version": 3.0,
+                "model": {"decoder.layers.0.mlp.router.weight": torch.zeros(4, 32)}}, files / "model_optim_rng.pt")
+    (tmp_path / "torch_files" / "latest_checkpointed_iteration.txt").write_text("1")
+    status, _, err = convert("megatron-to-hf", tmp_path / "torch_files", tmp_path / "back")
+    assert status == 1 and "per-rank torch files of a Mixture of Experts (args.num_experts = 4)" in err
+    assert "--ckpt-convert-format torch_dist" in err
 
 
 def test_a_missing_tensor_is_named(tmp_path):
