@@ -2,11 +2,16 @@
 
 megatron-core (a test dependency, CPU-only here) builds GPT, Llama, Qwen3 (--qk-layernorm, a
 window on every other layer) and Mistral (--window-size) GPTModels at tp 2 × pp 2 and saves them
-as Megatron-LM does, in both formats (`mcore_reference.py build`); its own forward
-on the torch_dist checkpoint, loaded at tp 1, gives the reference logits. Our conversions must
-give those logits through transformers and through libai_zoo, and our exports must load into a
-megatron-core GPTModel (`dist_checkpointing.load`) with the same logits. Both megatron-core steps
-run as scripts so its global state never enters this process.
+as Megatron-LM does, in both formats (`mcore_reference.py build`), and two Mixtures of Experts in
+the same run, their experts split over ep 2: Mixtral (--num-experts 4, top-2 renormalised, a
+window), Qwen3-MoE (q/k norms, 8 experts of their own width, top-2 not renormalised:
+--moe-router-pre-softmax, layer 0 dense) and Qwen2-MoE (q/k/v biases, a shared expert and its
+sigmoid gate), as torch_dist. Its own forward on the torch_dist
+checkpoint, loaded at tp 1, gives the reference logits. Our conversions must give those logits
+through transformers and through libai_zoo, and our exports must load into a megatron-core
+GPTModel (`dist_checkpointing.load`) with the same logits. Both megatron-core steps run as
+scripts so its global state never enters this process. Logits only: Megatron-Core's
+load-balancing loss is per layer and 1/k of transformers', so the losses differ by definition.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from test_convert import convert, has_row, ok
 REFERENCE = Path(__file__).with_name("mcore_reference.py")
 VOCAB = 100  # mcore_reference.py's vocabulary (padded to 128 in its checkpoints)
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
-FAMILIES = ("gpt", "gpt_rope", "llama", "qwen3", "mistral")
-HF_KINDS = ("gpt2", "gpt2_untied", "gpt_neox", "qwen2", "llama", "qwen3", "mistral")  # tiny_hf's
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # torch_dist only
+FAMILIES = ("gpt", "gpt_rope", "llama", "qwen3", "mistral", *MOE_FAMILIES)
+HF_KINDS = ("gpt2", "gpt2_untied", "gpt_neox", "qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen3_moe",
+            "qwen2_moe")  # tiny_hf's
 
 
 def megatron_core(*argv) -> None:
@@ -55,7 +62,7 @@ def mcore_logits(root: Path, checkpoints: list[Path]) -> dict[str, torch.Tensor]
 def megatron(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """(root of gpt/ and llama/, each with torch_dist/ and torch/ checkpoints; megatron-core's logits per family)."""
     root = tmp_path_factory.mktemp("megatron_core")
-    megatron_core("build", root, "--tp", 2, "--pp", 2)
+    megatron_core("build", root, "--tp", 2, "--pp", 2, "--ep", 2)
     for family in FAMILIES:
         (root / f"{family}_ref").symlink_to(root / family / "torch_dist")
     logits = mcore_logits(root, [root / f"{family}_ref" for family in FAMILIES])
@@ -74,8 +81,8 @@ def _hf_logits(directory: Path) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.system
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("form", ["torch_dist", "torch"])
+@pytest.mark.parametrize("family, form", [(family, form) for family in FAMILIES for form in ("torch_dist", "torch")
+                                          if form == "torch_dist" or family not in MOE_FAMILIES])
 def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, family, form):
     root, reference = megatron
     out = ok("megatron-to-hf", root / family / form, tmp_path / "hf")
@@ -93,7 +100,18 @@ def test_megatron_core_to_hf_gives_megatron_cores_logits(megatron, tmp_path, fam
         assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
     if family == "mistral":
         assert config["model_type"] == "mistral" and config["head_dim"] == 16 and config["sliding_window"] == 5
-    assert _max_difference(_hf_logits(tmp_path / "hf"), reference[family]) <= 1e-4
+    if family == "mixtral":  # every expert of both expert-parallel ranks, stacked over the layers in the file
+        assert config["model_type"] == "mixtral" and config["sliding_window"] == 5
+        assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 48)
+    if family == "qwen3_moe":  # --moe-layer-freq [0, 1, 1, 1]: per-layer names, layer 0 a dense MLP
+        assert config["model_type"] == "qwen3_moe" and config["head_dim"] == 16 and not config["norm_topk_prob"]
+        assert (config["num_local_experts"], config["moe_intermediate_size"], config["intermediate_size"]) == \
+            (8, 24, 48)  # Qwen3MoeConfig writes num_experts as num_local_experts
+        assert config["mlp_only_layers"] == [0] and config["decoder_sparse_step"] == 1
+    if family == "qwen2_moe":  # --add-qkv-bias, --moe-shared-expert-intermediate-size 40 with its gate
+        assert config["model_type"] == "qwen2_moe" and config["qkv_bias"] and not config["norm_topk_prob"]
+        assert (config["shared_expert_intermediate_size"], config["moe_intermediate_size"]) == (40, 24)
+    assert _max_difference(_hf_logits(tmp_path / "hf"), reference[family]) <= 1e-5
 
 
 @pytest.mark.slow
@@ -105,16 +123,20 @@ def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, 
     biases and window on its second layer, Llama with linear RoPE scaling, one KV head, head_dim != hidden / heads and biases,
     Qwen3's q/k norms with a window on one layer of two and Mistral's window (Megatron-Core's
     window (W - 1, 0) is Hugging Face's W: one position more or no window moves these logits by
-    0.4 to 0.8)."""
+    0.4 to 0.8); Mixtral with head_dim != hidden / heads and a window, Qwen3-MoE with
+    renormalised top-k weights and a dense layer 1 (Megatron-Core's per-layer names) and
+    Qwen2-MoE's gated shared expert with layer 0 dense (decoder_sparse_step 2), all read back by
+    Transformer Engine's names (the pre-MLP norm of an MoE layer: `pre_mlp_layernorm`)."""
     root, reference = megatron
     exports, expected = [], {}
     for family in FAMILIES:
         ok("megatron-to-zoo", root / family / "torch_dist", tmp_path / f"zoo_{family}", "--tp", 2)
         zoo = load_checkpoint_model(tmp_path / f"zoo_{family}" / "model_0000000")
         with torch.no_grad():
-            assert _max_difference(zoo(input_ids=IDS).logits, reference[family]) <= 1e-4
+            assert _max_difference(zoo(input_ids=IDS).logits, reference[family]) <= 1e-5
         ok("zoo-to-megatron", tmp_path / f"zoo_{family}", tmp_path / f"zoo_to_mc_{family}")
-        ok("megatron-to-hf", root / family / "torch", tmp_path / f"hf_{family}")
+        form = "torch_dist" if family in MOE_FAMILIES else "torch"
+        ok("megatron-to-hf", root / family / form, tmp_path / f"hf_{family}")
         ok("hf-to-megatron", tmp_path / f"hf_{family}", tmp_path / f"hf_to_mc_{family}")
         exports += [tmp_path / f"zoo_to_mc_{family}", tmp_path / f"hf_to_mc_{family}"]
         expected.update({f"zoo_to_mc_{family}": reference[family], f"hf_to_mc_{family}": reference[family]})
@@ -128,7 +150,7 @@ def test_megatron_core_to_zoo_and_our_exports_load_into_megatron_core(megatron, 
     logits = mcore_logits(tmp_path, exports)
     assert set(logits) == set(expected)
     for name, want in expected.items():
-        assert _max_difference(logits[name], want) <= 1e-4, name
+        assert _max_difference(logits[name], want) <= 1e-5, name
 
 
 def tiny_hf(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
@@ -164,6 +186,23 @@ def tiny_hf(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=64, sliding_window=5,
             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2))
+    elif kind == "mixtral":  # 4 experts, top 2, a window, head_dim apart from hidden / heads
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=6, num_local_experts=4,
+            num_experts_per_tok=2, rope_theta=20000.0, bos_token_id=1, eos_token_id=2))
+    elif kind == "qwen3_moe":  # 8 experts narrower than the dense layer 1, top-2 renormalised, q/k norms, tied head
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=True,
+            rope_theta=20000.0, bos_token_id=1, eos_token_id=2))
+    elif kind == "qwen2_moe":  # a gated shared expert, q/k/v biases, top-2 renormalised, layer 0 dense
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+            shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+            decoder_sparse_step=2, rope_theta=20000.0, bos_token_id=1, eos_token_id=2))
     else:  # Llama with linear RoPE scaling, head_dim apart from hidden / heads, biases everywhere
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -249,6 +288,37 @@ def test_what_megatron_core_cannot_express_is_refused_by_name(tmp_path):
     assert not (tmp_path / "unusual").exists()
 
 
+class UnusualMoE(models.MixtralModel):
+    """Mixtral with gpt-oss's router (top-k, then softmax, with a bias), expert biases and token
+    dropping, an expert count that changes from layer to layer, and dense layers of two widths."""
+
+    @staticmethod
+    def describe(config) -> DecoderSpec:
+        def layer(config, index: int) -> dict:
+            moe = dict(num_experts=4 + 2 * (index == 3), top_k=2, ffn_hidden_size=24, router="topk_softmax",
+                       router_bias=True, bias=True, capacity_factor=1.25)
+            return llama_layer(config, index, ffn_hidden_size=48 + 16 * index, moe=moe if index > 1 else None)
+
+        return llama_spec(config, layer=layer, num_experts=4)
+
+
+class UnusualMoEForCausalLM(models.MixtralForCausalLM):
+    body_class = UnusualMoE
+
+
+def test_what_megatron_core_cannot_express_of_an_moe_is_refused_by_name(tmp_path):
+    config = models.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    with pytest.raises(ValueError) as refused:
+        write_megatron_core(UnusualMoEForCausalLM(config), tmp_path / "unusual")
+    for words in ("layer 3's MoE has num_experts = 6, layer 2's 4", "dense layers of [48, 64] neurons",
+                  "MoE router = 'topk_softmax': a router other than softmax then top-k",
+                  "MoE router_bias = True: a router bias (gpt-oss)", "MoE bias = True: expert biases (gpt-oss)",
+                  "MoE capacity_factor = 1.25: token dropping at a capacity"):
+        assert words in str(refused.value)
+    assert not (tmp_path / "unusual").exists()
+
+
 def _rewrite_common(directory: Path, **changes) -> None:
     path = directory / "release" / COMMON
     common = torch.load(path, weights_only=False)
@@ -260,14 +330,57 @@ def test_args_that_disagree_with_the_tensors_are_named_together(tmp_path):
     tiny_hf("llama").save_pretrained(tmp_path / "hf")
     ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc")
     args = torch.load(tmp_path / "mc" / "release" / COMMON, weights_only=False)["args"]
-    args.hidden_size, args.num_experts, args.normalization = 48, 8, "LayerNorm"
+    args.hidden_size, args.multi_latent_attention, args.normalization = 48, True, "LayerNorm"
     _rewrite_common(tmp_path / "mc", args=args)
     status, _, err = convert("megatron-to-hf", tmp_path / "mc", tmp_path / "back")
     assert status == 1
     assert "args.normalization = 'LayerNorm': the llama family (swiglu = True) has 'RMSNorm'" in err
-    assert "args.num_experts = 8 is not converted" in err
+    assert "args.multi_latent_attention = True is not converted" in err
     assert "decoder.layers.0.self_attention.linear_qkv.weight is (96, 32), the args make it (96, 48)" in err
     assert "embedding.word_embeddings.weight is (128, 32), the args make it (128, 48)" in err
+
+
+def test_experts_not_where_megatron_core_keeps_them_are_refused_by_name(tmp_path):
+    """Megatron-LM issue 5845: a Mixtral conversion that wrote the experts under names
+    Megatron-Core does not read (here SequentialMLP's in-memory `local_experts.{e}`), so every
+    expert stayed random. Each expert tensor must be read: the ones missing and the ones no
+    parameter takes are named, with the routing options that the MoE families lack."""
+    from libai_zoo.convert.torch_dist import read_common, read_tensors, write_checkpoint
+
+    tiny_hf("mixtral").save_pretrained(tmp_path / "hf")
+    ok("hf-to-megatron", tmp_path / "hf", tmp_path / "mc")
+    out = ok("inspect", tmp_path / "mc")
+    assert "num_experts=4 moe_router_topk=2 moe_ffn_hidden_size=48 moe_router_pre_softmax=False moe_layer_freq=1" in out
+    assert has_row(out, "decoder.layers.mlp.experts.experts.linear_fc1.weight", "[2, 4, 96, 32]", "float32")
+    release = tmp_path / "mc" / "release"
+    tensors = {}
+    for name, tensor in read_tensors(release).items():
+        if ".experts.experts." in name:
+            tensors.update({name.replace("experts.experts.", f"experts.local_experts.{e}."): expert
+                            for e, expert in enumerate(tensor)})
+        else:
+            tensors[name] = tensor
+    common = read_common(release)
+    common["args"].moe_router_score_function, common["args"].moe_expert_capacity_factor = "sigmoid", 1.0
+    write_checkpoint(tmp_path / "broken" / "release", tensors, common)
+    (tmp_path / "broken" / "latest_checkpointed_iteration.txt").write_text("release")
+    status, _, err = convert("megatron-to-hf", tmp_path / "broken", tmp_path / "back")
+    assert status == 1 and not (tmp_path / "back").exists()
+    for words in ("missing decoder.layers.1.mlp.experts.experts.linear_fc1.weight (4, 96, 32)",
+                  "missing decoder.layers.0.mlp.experts.experts.linear_fc2.weight (4, 32, 48)",
+                  "unexpected decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight (96, 32)",
+                  "args.moe_router_score_function = 'sigmoid': sigmoid scores (DeepSeek-V3's router)",
+                  "args.moe_expert_capacity_factor = 1.0: token dropping at an expert capacity"):
+        assert words in err
+    # per-rank torch files of an MoE (one per expert-parallel rank) are not read: torch_dist is
+    files = tmp_path / "torch_files" / "iter_0000001" / "mp_rank_00"
+    files.mkdir(parents=True)
+    torch.save({"args": read_common(release)["args"], "iteration": 1, "checkpoint_version": 3.0,
+                "model": {"decoder.layers.0.mlp.router.weight": torch.zeros(4, 32)}}, files / "model_optim_rng.pt")
+    (tmp_path / "torch_files" / "latest_checkpointed_iteration.txt").write_text("1")
+    status, _, err = convert("megatron-to-hf", tmp_path / "torch_files", tmp_path / "back")
+    assert status == 1 and "per-rank torch files of a Mixture of Experts (args.num_experts = 4)" in err
+    assert "--ckpt-convert-format torch_dist" in err
 
 
 def test_a_missing_tensor_is_named(tmp_path):

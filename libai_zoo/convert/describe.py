@@ -137,6 +137,10 @@ ARCHITECTURE_SHOWN = ("position_embedding_type", "normalization", "swiglu", "gro
                       "qk_layernorm", "window_size", "window_attn_skip_freq",
                       "apply_layernorm_1p", "add_position_embedding", "vocab_size", "tokenizer_type",
                       "make_vocab_size_divisible_by")
+# ... and a Mixture of Experts' (shown when args.num_experts is set)
+MOE_SHOWN = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_layer_freq",
+             "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_score_function",
+             "expert_model_parallel_size")
 
 
 def _args_line(args, keys: tuple[str, ...]) -> str:
@@ -155,7 +159,8 @@ def describe_torch_dist(directory: Path, iteration: str, source: str) -> str:
              f"pp={getattr(args, 'pipeline_model_parallel_size', '?')} (the format is layout-free)",
              f"  args: {_args_line(args, ARGS_SHOWN)}" if args is not None else "  args: none saved"]
     if args is not None:
-        lines.append(f"  architecture: {_args_line(args, ARCHITECTURE_SHOWN)}")
+        moe = MOE_SHOWN if getattr(args, "num_experts", None) else ()
+        lines.append(f"  architecture: {_args_line(args, ARCHITECTURE_SHOWN + moe)}")
     if "hf_config" in common:
         lines.append(f"  Hugging Face config kept in {COMMON}: model_type {common['hf_config'].get('model_type')}")
     lines.append(f"  model: {len(model)} tensors (layers stacked along dim 0); {len(shapes) - len(model)} other "

@@ -1,6 +1,7 @@
 """Megatron-Core GPT models <-> libai_zoo, for the GPT family (learned positions: GPT-2; RoPE:
 GPT-NeoX, sequential) and the Llama family (Llama, Qwen2; Qwen3 with --qk-layernorm; Mistral,
-and Qwen2/3 `layer_types`, with --window-size).
+and Qwen2/3 `layer_types`, with --window-size), and Mixtures of Experts (--num-experts: Mixtral;
+Qwen3-MoE with --qk-layernorm).
 
     model, source = read_megatron_core("megatron_ckpt")      # torch_dist, or per-rank torch files
     write_megatron_core(model, "megatron_out")               # torch_dist + common.pt, `--load`-able
@@ -19,6 +20,16 @@ layers hold them; Megatron-Core's local layers map theirs to these names when sa
     decoder.layers.{i}.mlp.linear_fc2.weight (, .bias)   columns split over tp
     decoder.final_layernorm.weight (, .bias)
     output_layer.weight                                  untied head only
+
+An MoE layer (--num-experts E; dense and MoE layers mixed by --moe-layer-freq are kept per layer
+in torch_dist, all-MoE layers stacked like the others) has instead of the MLP's:
+
+    decoder.layers.{i}.pre_mlp_layernorm.weight          the pre-MLP norm (the local layer spec files it
+                                                         as mlp.linear_fc1.layer_norm_weight: both read)
+    decoder.layers.{i}.mlp.router.weight                 [E, h]
+    decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight  [E, gate; up, h]  the same for SequentialMLP
+    decoder.layers.{i}.mlp.experts.experts.linear_fc2.weight  [E, h, F]         and grouped GEMM experts
+    decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight, linear_fc2.weight, gate_weight  (shared expert)
 
 The grouped `linear_qkv` is libai_zoo's fused `qkv` row for row, so the map
 (`megatron_weight_map`) pairs the zoo's parameters with these names using the rules of the
@@ -50,7 +61,7 @@ from torch import nn
 from libai_zoo import models
 from libai_zoo.hf import read_config
 from libai_zoo.hf.rules import PaddedRows, Part, Same, WeightMap, linear
-from libai_zoo.layers import Attention, TransformerLayer, merge_lora
+from libai_zoo.layers import Attention, MoE, TransformerLayer, merge_lora
 from libai_zoo.models.decoder import DecoderForCausalLM, DecoderSpec
 
 from . import torch_dist
@@ -85,7 +96,8 @@ def _arg(args: argparse.Namespace, name: str, default=None):
 
 def megatron_weight_map(model: nn.Module, padded_vocab: int) -> WeightMap:
     """The rules of a zoo decoder's parameters <- Megatron-Core names (per layer, global numbering),
-    read off the built model: its parts' names, biases, norms, q/k norms and gated MLP."""
+    read off the built model: its parts' names, biases, norms, q/k norms, gated MLP, and an MoE
+    layer's norm, router, experts and shared expert."""
     body, rules = model.body, []
     names, p = body.names, model.base_model_prefix + "."
 
@@ -96,6 +108,29 @@ def megatron_weight_map(model: nn.Module, padded_vocab: int) -> WeightMap:
         rules.append(Same(f"{zoo}.weight", f"{mcore}weight"))
         if getattr(part, "bias", None) is not None:
             rules.append(Same(f"{zoo}.bias", f"{mcore}bias"))
+
+    def mlp_pair(zoo: str, mcore: str, mlp: nn.Module) -> None:  # linear_fc1 = [gate; up] when gated
+        if mlp.gate is None:
+            pair(f"{zoo}.up", f"{mcore}linear_fc1", mlp.up)
+        else:
+            for index, part in enumerate((mlp.gate, mlp.up)):
+                for suffix in ("weight", "bias") if part.bias is not None else ("weight",):
+                    rules.append(Part(f"{zoo}.{('gate', 'up')[index]}.{suffix}", f"{mcore}linear_fc1.{suffix}",
+                                      index, 2))
+        pair(f"{zoo}.down", f"{mcore}linear_fc2", mlp.down)
+
+    def moe(zoo: str, mcore: str, mlp: MoE) -> None:
+        """The router, the experts stacked as Megatron-Core's torch_dist holds them (the same for
+        SequentialMLP and grouped GEMM experts: fc1 [E, gate; up, h], fc2 [E, h, F]) and the
+        shared expert, with its sigmoid gate (Qwen2-MoE's)."""
+        rules.append(Same(f"{zoo}.router.weight", f"{mcore}router.weight"))
+        fc1, fc2 = f"{mcore}experts.experts.linear_fc1.weight", f"{mcore}experts.experts.linear_fc2.weight"
+        rules.extend([Part(f"{zoo}.experts.gate_proj", fc1, 0, 2, dim=1), Part(f"{zoo}.experts.up_proj", fc1, 1, 2, dim=1),
+                      Same(f"{zoo}.experts.down_proj", fc2)])
+        if mlp.shared_expert is not None:
+            mlp_pair(f"{zoo}.shared_expert", f"{mcore}shared_experts.", mlp.shared_expert)
+        if mlp.shared_expert_gate is not None:
+            rules.append(Same(f"{zoo}.shared_expert_gate.weight", f"{mcore}shared_experts.gate_weight"))
 
     rules.append(PaddedRows(f"{p}{names.embed}.weight", "embedding.word_embeddings.weight", padded_vocab))
     if names.positions:
@@ -109,15 +144,12 @@ def megatron_weight_map(model: nn.Module, padded_vocab: int) -> WeightMap:
             for part in ("q", "k"):
                 rules.append(Same(f"{z}attn.{part}_norm.weight", f"{m}self_attention.{part}_layernorm.weight"))
         pair(z + "attn.out", m + "self_attention.linear_proj", attn.out)
-        norm(z + "mlp_norm", m + "mlp.linear_fc1.layer_norm_", layer.mlp_norm)
-        if mlp.gate is None:
-            pair(z + "mlp.up", m + "mlp.linear_fc1", mlp.up)
-        else:  # linear_fc1 = [gate; up]
-            for index, part in enumerate((mlp.gate, mlp.up)):
-                zoo = f"{z}mlp.{('gate', 'up')[index]}"
-                for suffix in ("weight", "bias") if part.bias is not None else ("weight",):
-                    rules.append(Part(f"{zoo}.{suffix}", f"{m}mlp.linear_fc1.{suffix}", index, 2))
-        pair(z + "mlp.down", m + "mlp.linear_fc2", mlp.down)
+        if isinstance(mlp, MoE):  # Transformer Engine's name: the experts are no fused norm-linear
+            norm(z + "mlp_norm", m + "pre_mlp_layernorm.", layer.mlp_norm)
+            moe(z + "mlp", m + "mlp.", mlp)
+        else:
+            norm(z + "mlp_norm", m + "mlp.linear_fc1.layer_norm_", layer.mlp_norm)
+            mlp_pair(z + "mlp", m + "mlp.", mlp)
     pair(f"{p}{names.final_norm}", "decoder.final_layernorm", getattr(body, names.final_norm))
     if not model.config.tie_word_embeddings:
         rules.append(PaddedRows("lm_head.weight", "output_layer.weight", padded_vocab))
@@ -142,7 +174,7 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
         if given not in values:
             problems.append(f"args.{name} = {given!r}: the {family} family (swiglu = {gated}) has "
                             f"{' or '.join(map(repr, values))}")
-    refused = {"num_experts": lambda v: v not in (None, 0, 1), "squared_relu": bool,
+    refused = {"squared_relu": bool,
                "multi_latent_attention": bool, "apply_residual_connection_post_layernorm": bool,
                "rotary_interleaved": bool, "mtp_num_layers": bool, "heterogeneous_layers_config_path": bool,
                "qk_l2_norm": bool, "no_rope_freq": bool,
@@ -188,6 +220,9 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
             if _arg(args, name):
                 problems.append(f"args.{name} = {getattr(args, name)!r}: {name} has no Hugging Face form in the GPT "
                                 f"family (GPT-2, GPT-NeoX)")
+        if _arg(args, "num_experts"):
+            problems.append(f"args.num_experts = {args.num_experts} without --swiglu: the converted MoE families "
+                            f"(Mixtral, Qwen3-MoE) have SwiGLU experts")
         act = core_activation(args)
         common = dict(vocab_size=vocab, tie_word_embeddings=not untied, bos_token_id=None, eos_token_id=None,
                       initializer_range=_arg(args, "init_method_std", 0.02))
@@ -224,7 +259,9 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
         windows = dict(use_sliding_window=True, sliding_window=window,
                        layer_types=layer_types or ["sliding_attention"] * args.num_layers) if window else {}
         cls = models.LlamaForCausalLM
-        if _arg(args, "qk_layernorm", False):  # per-head q/k RMSNorms: Qwen3
+        if _arg(args, "num_experts"):
+            cls, config = _moe_config(args, kwargs, window, layer_types, bias, qkv_only, problems)
+        elif _arg(args, "qk_layernorm", False):  # per-head q/k RMSNorms: Qwen3
             if bias or qkv_only:
                 problems.append("args.qk_layernorm with biases (add_bias_linear or add_qkv_bias): Qwen3, the family "
                                 "with per-head q/k norms, has none here")
@@ -248,6 +285,85 @@ def megatron_config(args: argparse.Namespace, tensors: dict[str, torch.Tensor], 
         raise ValueError(f"{where} ({family} family, from its args) cannot be converted; {len(problems)} "
                          f"problem(s):\n  " + "\n  ".join(problems))
     return cls, config, padded
+
+
+# Megatron-LM's MoE args that Mixtral, Qwen2-MoE and Qwen3-MoE have no form for, with what is set when they are
+MOE_REFUSED = {
+    "moe_router_score_function": (lambda v: v not in (None, "softmax"), "sigmoid scores (DeepSeek-V3's router)"),
+    "moe_router_enable_expert_bias": (bool, "a selection bias (DeepSeek-V3's e_score_correction_bias)"),
+    "moe_router_num_groups": (bool, "group-limited routing (DeepSeek-V3's n_group)"),
+    "moe_router_group_topk": (bool, "group-limited routing (DeepSeek-V3's topk_group)"),
+    "moe_router_topk_limited_devices": (bool, "device-limited routing (DeepSeek-V2)"),
+    "moe_router_topk_scaling_factor": (lambda v: v not in (None, 1.0), "routed weights scaled (DeepSeek's "
+                                                                      "routed_scaling_factor)"),
+    "moe_router_load_balancing_type": (lambda v: v == "sinkhorn", "Sinkhorn routing (a sigmoid router at inference)"),
+    "moe_expert_capacity_factor": (lambda v: v is not None, "token dropping at an expert capacity"),
+    "moe_input_jitter_eps": (bool, "jitter on the router's input"),
+    "moe_apply_probs_on_input": (bool, "router weights applied to the experts' input"),
+    "moe_latent_size": (bool, "experts on a latent projection"),
+}
+
+
+def _moe_config(args: argparse.Namespace, kwargs: dict, window: int | None, layer_types: list[str] | None,
+                bias: bool, qkv_only: bool, problems: list[str]):
+    """(class, config) of a Megatron-Core MoE GPT: Qwen2-MoE with a gated shared expert
+    (--moe-shared-expert-gate; q/k/v biases as --add-qkv-bias), Qwen3-MoE with --qk-layernorm
+    (both: dense layers from --moe-layer-freq as mlp_only_layers, top-k weights renormalised
+    unless --moe-router-pre-softmax), Mixtral otherwise (every layer MoE, renormalised top-k).
+    Megatron-Core's top-k of the logits then softmax over those k is the renormalised softmax;
+    softmax first (--moe-router-pre-softmax) keeps the top-k probabilities as they are
+    (norm_topk_prob false). A run that trained with a balancing loss (--moe-aux-loss-coeff > 0)
+    gets output_router_logits and that coefficient (the losses' definitions differ: `_moe_args`)."""
+    problems += [f"args.{name} = {getattr(args, name)!r}: {what}, which Mixtral, Qwen2-MoE and Qwen3-MoE do not "
+                 f"have" for name, (bad, what) in MOE_REFUSED.items() if bad(_arg(args, name))]
+    layers, pattern = args.num_layers, _arg(args, "moe_layer_freq", 1)
+    moe_layers = [i % pattern == 0 for i in range(layers)] if isinstance(pattern, int) else [bool(p) for p in pattern]
+    if len(moe_layers) != layers:
+        problems.append(f"args.moe_layer_freq has {len(moe_layers)} entries for {layers} layers")
+    renormalised = not _arg(args, "moe_router_pre_softmax", False)
+    coefficient = float(_arg(args, "moe_aux_loss_coeff", 0.0))
+    moe = dict(num_experts_per_tok=_arg(args, "moe_router_topk", 2), router_aux_loss_coef=coefficient,
+               output_router_logits=coefficient > 0)
+    expert_size = _arg(args, "moe_ffn_hidden_size", kwargs["intermediate_size"])
+    shared, gate = _arg(args, "moe_shared_expert_intermediate_size"), _arg(args, "moe_shared_expert_gate", False)
+    qwen = dict(num_experts=args.num_experts, moe_intermediate_size=expert_size, norm_topk_prob=renormalised,
+                decoder_sparse_step=1, mlp_only_layers=[i for i, is_moe in enumerate(moe_layers) if not is_moe])
+    if bias:
+        problems.append("args.add_bias_linear with experts: the MoE families have no biases on the experts and "
+                        "the attention's output (Qwen2-MoE's q/k/v biases: --add-qkv-bias)")
+    if window:
+        if _arg(args, "qk_layernorm", False) or shared:
+            problems.append("args.window_size with experts and --qk-layernorm or a shared expert: Qwen2-MoE's and "
+                            "Qwen3-MoE's windows are not converted")
+    if shared:
+        if not gate or _arg(args, "qk_layernorm", False):
+            problems.append(f"args.moe_shared_expert_intermediate_size = {shared} "
+                            f"{'without --moe-shared-expert-gate' if not gate else 'with --qk-layernorm'}: Qwen2-MoE, "
+                            f"the family with a shared expert, gates it and has no q/k norms")
+        return models.Qwen2MoeForCausalLM, models.Qwen2MoeConfig(
+            **kwargs, qkv_bias=qkv_only, shared_expert_intermediate_size=shared, **qwen, **moe)
+    if gate:
+        problems.append("args.moe_shared_expert_gate without args.moe_shared_expert_intermediate_size: no shared "
+                        "expert to gate")
+    if qkv_only:
+        problems.append("args.add_qkv_bias with experts but no shared expert: Qwen2-MoE, the family with q/k/v "
+                        "biases, has a gated shared expert")
+    if _arg(args, "qk_layernorm", False):
+        return models.Qwen3MoeForCausalLM, models.Qwen3MoeConfig(
+            **{**kwargs, "head_dim": kwargs.get("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])},
+            **qwen, **moe)
+    if not all(moe_layers):
+        problems.append(f"args.moe_layer_freq = {pattern!r} (dense layers) without --qk-layernorm or a shared "
+                        f"expert: Mixtral has experts in every layer (Qwen3-MoE and Qwen2-MoE have dense ones)")
+    if not renormalised:
+        problems.append("args.moe_router_pre_softmax (top-k probabilities not renormalised) without "
+                        "--qk-layernorm or a shared expert: Mixtral renormalises them (Qwen3-MoE and Qwen2-MoE may not)")
+    if layer_types:
+        problems.append("args.window_attn_skip_freq (full attention on some layers) with experts: Mixtral has the "
+                        "window on every layer")
+    return models.MixtralForCausalLM, models.MixtralConfig(
+        **{**kwargs, "intermediate_size": expert_size}, num_local_experts=args.num_experts, sliding_window=window,
+        router_jitter_noise=0.0, **moe)
 
 
 def _window(args: argparse.Namespace, problems: list[str]) -> tuple[int | None, list[str] | None]:
@@ -342,7 +458,7 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, use_mcore_models=True, ckpt_format="torch_dist",
         transformer_impl="transformer_engine", padded_vocab_size=padded_vocab, vocab_size=config.vocab_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, apply_layernorm_1p=False, squared_relu=False, num_experts=None,
+        fp16=dtype == torch.float16, apply_layernorm_1p=False, squared_relu=False,
         bias_swiglu_fusion=False, openai_gelu=False, rotary_interleaved=False, iteration=0,
         consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
         init_method_std=config.initializer_range, tokenizer_type="HuggingFaceTokenizer",
@@ -370,12 +486,13 @@ SPEC_UNCONVERTED = {
 }
 # the DecoderSpec fields a Megatron checkpoint keeps elsewhere, or that are no architecture
 SPEC_READ = {"vocab_size", "hidden_size", "layers", "final_norm", "final_norm_eps", "max_positions", "padding_idx",
-             "token_types", "embedding_dropout", "multiplier_in_dtype"}
+             "token_types", "embedding_dropout", "multiplier_in_dtype", "num_experts", "router_aux_loss_coef",
+             "output_router_logits", "router_z_loss_coef"}
 # the TransformerLayer options architecture_args reads (and refuses the values of that have no form)
 LAYER_READ = {"num_heads", "hidden_size", "ffn_hidden_size", "num_kv_heads", "head_dim", "norm", "norm_eps",
               "norm_position", "parallel_block", "residual_multiplier", "causal", "cross_attention", "gated_mlp",
               "activation", "bias", "qkv_bias", "attention_out_bias", "mlp_bias", "rope_theta", "rope_scaling",
-              "rotary_dim", "sliding_window"}
+              "rotary_dim", "sliding_window", "moe"}
 GELUS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> --bias-gelu-fusion (tanh)
 
 
@@ -387,12 +504,14 @@ def architecture_args(model: nn.Module) -> dict:
         raise ValueError(f"{type(model).__name__} has no Megatron-Core form: Megatron-Core's GPTModel is a "
                          f"decoder-only causal LM (libai_zoo's DecoderForCausalLM families)")
     spec, problems = model.body.spec, []
+    # the MLP may differ between dense and MoE layers (--moe-layer-freq): compared by _moe_args
     for i, layer in enumerate(spec.layers[1:], start=1):
         for key in sorted(k for k in set(layer) | set(spec.layers[0])
-                          if k != "sliding_window" and layer.get(k) != spec.layers[0].get(k)):
+                          if k not in ("sliding_window", "moe", "ffn_hidden_size")
+                          and layer.get(k) != spec.layers[0].get(k)):
             problems.append(f"layer {i} has {key} = {layer.get(key)!r}, layer 0 {spec.layers[0].get(key)!r}: "
                             f"Megatron-Core builds every layer alike (only the sliding window may be skipped on some: "
-                            f"--window-attn-skip-freq)")
+                            f"--window-attn-skip-freq; dense and MoE layers: --moe-layer-freq)")
     layer = {**LAYER_DEFAULTS, **spec.layers[0]}
     attention = {**ATTENTION_DEFAULTS, **(layer.pop("attention") or {})}
     refuse = {name: value for name, value in spec.__dict__.items()
@@ -434,20 +553,80 @@ def architecture_args(model: nn.Module) -> dict:
           f"or q/k/v only (--add-qkv-bias)")
     check(not gated and not out_b, "a GELU MLP without biases: converted GPT models have biases (--add-bias-linear)")
     head_dim = layer["head_dim"] or hidden // heads
-    args = dict(num_layers=len(spec.layers), hidden_size=hidden, ffn_hidden_size=layer["ffn_hidden_size"],
+    moe = _moe_args(spec, layer, problems)
+    args = dict(num_layers=len(spec.layers), hidden_size=hidden, ffn_hidden_size=moe.pop("ffn_hidden_size"),
                 num_attention_heads=heads, kv_channels=head_dim,
                 group_query_attention=(layer["num_kv_heads"] or heads) != heads,
                 num_query_groups=layer["num_kv_heads"] or heads, normalization=norm, norm_epsilon=layer["norm_eps"],
                 swiglu=gated, bias_gelu_fusion=not gated and GELUS.get(act, False), add_bias_linear=out_b,
                 add_qkv_bias=qkv_b, hidden_dropout=layer["hidden_dropout"],
                 attention_dropout=layer["attention_dropout"], **_position_args(spec, layer, head_dim, problems),
-                **_attention_args(spec, layer, attention, problems))
+                **_attention_args(spec, layer, attention, problems), **moe)
     problems += [f"layer option {name} = {value!r}: no Megatron-Core form here" for name, value in layer.items()
                  if name not in LAYER_READ | NOT_ARCHITECTURE and value != LAYER_DEFAULTS.get(name)]
     if problems:
         raise ValueError(f"{type(model).__name__} ({model.config.model_type}) has no Megatron-Core form; "
                          f"{len(problems)} problem(s):\n  " + "\n  ".join(problems))
     return args
+
+
+MOE_DEFAULTS = {name: p.default for name, p in inspect.signature(MoE).parameters.items() if p.default is not p.empty}
+# the MoE options Megatron-Core's MoE layer has no form for here, with who has them
+MOE_UNCONVERTED = {
+    "router": "a router other than softmax then top-k (DeepSeek-V3's sigmoid_group, gpt-oss's topk_softmax) is not "
+              "converted",
+    "router_bias": "a router bias (gpt-oss): Megatron-Core's router has one only with --add-bias-linear, with every "
+                   "linear layer's",
+    "bias": "expert biases (gpt-oss): Megatron-Core's experts have them only with --add-bias-linear",
+    "swiglu_limit": "gpt-oss's clamped SwiGLU: Megatron-Core's experts have plain SwiGLU",
+    "capacity_factor": "token dropping at a capacity: Megatron-Core's --moe-expert-capacity-factor drops by "
+                       "probability per rank, not the first tokens of a forward",
+    "score_correction_bias": "a selection bias (DeepSeek-V3's e_score_correction_bias) is not converted",
+    "n_group": "group-limited routing (DeepSeek-V3) is not converted",
+    "topk_group": "group-limited routing (DeepSeek-V3) is not converted",
+    "routed_scaling_factor": "routed weights scaled (DeepSeek-V3) is not converted",
+}
+
+
+def _moe_args(spec: DecoderSpec, layer: dict, problems: list[str]) -> dict:
+    """Megatron-LM's MoE args (--num-experts, --moe-router-topk, --moe-ffn-hidden-size, top-k
+    renormalised unless --moe-router-pre-softmax, --moe-layer-freq as a list when some layers are
+    dense, a shared expert and its gate) and the dense layers' --ffn-hidden-size. The auxiliary-
+    and z-loss coefficients are carried as they are (the run trains with them when
+    output_router_logits): Megatron-Core's losses are per layer, its auxiliary loss 1/k of
+    transformers', so a run's loss is not comparable number for number."""
+    moes = [each.get("moe") for each in spec.layers]
+    dense = {each["ffn_hidden_size"] for each in spec.layers if not each.get("moe")}
+    if not any(moes):
+        return dict(ffn_hidden_size=layer["ffn_hidden_size"], num_experts=None, moe_layer_freq=1)
+    first = next(i for i, each in enumerate(moes) if each)
+    problems += [f"layer {i}'s MoE has {key} = {each.get(key)!r}, layer {first}'s {moes[first].get(key)!r}: "
+                 f"Megatron-Core's MoE layers are alike" for i, each in enumerate(moes) if each
+                 for key in sorted(set(each) | set(moes[first])) if each.get(key) != moes[first].get(key)]
+    if len(dense) > 1:
+        problems.append(f"dense layers of {sorted(dense)} neurons: Megatron-Core's have one --ffn-hidden-size")
+    moe = {**MOE_DEFAULTS, **moes[first]}
+    for name, why in MOE_UNCONVERTED.items():
+        if moe[name] != MOE_DEFAULTS[name]:
+            problems.append(f"MoE {name} = {moe[name]!r}: {why}")
+    read = {"num_experts", "top_k", "ffn_hidden_size", "norm_topk_prob", "activation", "gated", "shared_expert_size",
+            "shared_expert_gate", "grouped_mm", "sequence_parallel", "device", "dtype"}
+    problems += [f"MoE {name} = {value!r}: no Megatron-Core form here" for name, value in moe.items()
+                 if name not in read | set(MOE_UNCONVERTED) and value != MOE_DEFAULTS.get(name)]
+    if (moe["activation"], moe["gated"]) != (layer["activation"], layer["gated_mlp"]):
+        problems.append(f"experts with {moe['activation']} (gated {moe['gated']}) in layers whose MLP has "
+                        f"{layer['activation']} (gated {layer['gated_mlp']}): Megatron-Core's experts have the MLP's")
+    scale = spec.output_router_logits
+    return dict(
+        ffn_hidden_size=dense.pop() if dense else moe["ffn_hidden_size"], num_experts=moe["num_experts"],
+        moe_router_topk=moe["top_k"], moe_ffn_hidden_size=moe["ffn_hidden_size"],
+        moe_router_pre_softmax=not moe["norm_topk_prob"],
+        moe_layer_freq=1 if all(moes) else [int(bool(each)) for each in moes],
+        moe_shared_expert_intermediate_size=moe["shared_expert_size"], moe_shared_expert_gate=moe["shared_expert_gate"],
+        moe_router_score_function="softmax", moe_router_topk_scaling_factor=None, moe_router_enable_expert_bias=False,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=spec.router_aux_loss_coef if scale else 0.0,
+        moe_z_loss_coeff=spec.router_z_loss_coef or None, moe_router_dtype="fp32", moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=None)
 
 
 def _position_args(spec: DecoderSpec, layer: dict, head_dim: int, problems: list[str]) -> dict:
@@ -528,6 +707,27 @@ def _canonical(name: str) -> str:
     return name
 
 
+def _moe_norm_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An MoE layer's pre-MLP norm under Transformer Engine's name (`pre_mlp_layernorm.`): the
+    local layer spec files it under `mlp.linear_fc1.layer_norm_` as a dense layer's."""
+    moe_layers = {name.removesuffix("mlp.router.weight") for name in tensors if name.endswith(".mlp.router.weight")}
+    renamed = {}
+    for name, tensor in tensors.items():
+        layer, _, rest = name.rpartition("mlp.linear_fc1.layer_norm_")
+        renamed[f"{layer}pre_mlp_layernorm.{rest}" if layer in moe_layers else name] = tensor
+    return renamed
+
+
+def _check_covered(model: nn.Module, rules: list) -> None:
+    """Every parameter has a rule, so none is left as initialised (Megatron-LM issue 5845: a
+    Mixtral conversion that left every expert random)."""
+    covered = {rule.zoo for rule in rules}
+    missed = [name for name, _ in model.named_parameters() if name not in covered]
+    if missed:
+        raise ValueError(f"{len(missed)} parameter(s) of {type(model).__name__} have no Megatron-Core name and would "
+                         f"not be converted: {', '.join(missed[:6])}")
+
+
 def _split_kind(name: str, gated: bool) -> str:
     """How the tensor-parallel shards of a Megatron-Core tensor join."""
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
@@ -557,6 +757,10 @@ def _read_torch_files(path: Path, allow_numpy: bool) -> tuple[MegatronSource, di
     if checkpoint.args is None:
         raise ValueError(f"{checkpoint.directory}: the files hold no args; the architecture of a Megatron-Core "
                          f"checkpoint is read from them")
+    if _arg(checkpoint.args, "num_experts"):
+        raise ValueError(f"{checkpoint.directory}: per-rank torch files of a Mixture of Experts (args.num_experts = "
+                         f"{checkpoint.args.num_experts}) are not read; save it as torch_dist (Megatron-LM's "
+                         f"--ckpt-convert-format torch_dist) and convert that")
     gated = bool(_arg(checkpoint.args, "swiglu", False))
     untied = bool(_arg(checkpoint.args, "untie_embeddings_and_output_weights", False))
     tensors: dict[str, torch.Tensor] = {}
@@ -622,7 +826,7 @@ def read_megatron_core(path: str | Path, *, vocab_size: int | None = None, dtype
         tensors = torch_dist.read_tensors(directory)
     else:
         source, tensors = _read_torch_files(directory, allow_numpy)
-    tensors = {name: t for name, t in tensors.items() if not name.endswith("_extra_state")}
+    tensors = _moe_norm_names({name: t for name, t in tensors.items() if not name.endswith("_extra_state")})
     if _arg(source.args, "apply_layernorm_1p", False):  # LayerNorm1P stores gamma - 1
         tensors = {name: t + 1.0 if name.endswith(("layer_norm_weight", "final_layernorm.weight")) else t
                    for name, t in tensors.items()}
@@ -642,10 +846,12 @@ def read_megatron_core(path: str | Path, *, vocab_size: int | None = None, dtype
 
     with torch.no_grad():
         parameters = dict(model.named_parameters())
-        for rule in megatron_weight_map(model, padded).rules:
+        rules = megatron_weight_map(model, padded).rules
+        for rule in rules:
             parameters[rule.zoo].copy_(rule.load(read, None, parameters[rule.zoo].shape))
     if config.tie_word_embeddings:
         model.tie_weights()
+    _check_covered(model, rules)
     return model.eval(), source
 
 
@@ -667,15 +873,21 @@ def write_megatron_core(model: nn.Module, output_dir: str | Path, *, make_vocab_
     padded = padded_vocabulary(model.config.vocab_size, make_vocab_size_divisible_by)
     args = megatron_args(model, padded, make_vocab_size_divisible_by)
     parameters = dict(model.named_parameters(remove_duplicate=False))
+    rules = megatron_weight_map(model, padded).rules
+    _check_covered(model, rules)
     tensors: dict[str, list[torch.Tensor]] = {}
+    dims: dict[str, int] = {}  # the dim the parts of one tensor (`Part`) join along
     with torch.no_grad():
-        for rule in megatron_weight_map(model, padded).rules:
+        for rule in rules:
             for name, tensor in rule.save(parameters[rule.zoo].detach()).items():
                 tensors.setdefault(name, []).append(tensor)
-    joined = {name: torch.cat(parts) if len(parts) > 1 else parts[0].contiguous() for name, parts in tensors.items()}
+                dims[name] = getattr(rule, "dim", 0)
+    joined = {name: torch.cat(parts, dims[name]) if len(parts) > 1 else parts[0].contiguous()
+              for name, parts in tensors.items()}
     directory = output_dir / RELEASE
     common = {"args": args, "checkpoint_version": 3.0, "iteration": 0, **(extra or {})}
-    torch_dist.write_checkpoint(directory, joined, common)
+    # dense and MoE layers together are heterogeneous: Megatron-Core keeps them per layer
+    torch_dist.write_checkpoint(directory, joined, common, stacked=not isinstance(args.moe_layer_freq, list))
     (output_dir / TRACKER).write_text(RELEASE)
     logger.info("wrote Megatron-Core torch_dist checkpoint %s", directory)
     return directory

@@ -47,9 +47,11 @@ MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 STACKED = "decoder.layers."
 # The layer modules that keep an `_extra_state` (Transformer Engine's FP8 metadata; None in
-# Megatron-Core's local layers): its loader requires one per layer, for either layer spec.
-EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.core_attention",
-                       "mlp.linear_fc1", "mlp.linear_fc2")
+# Megatron-Core's local layers): its loader requires one per layer and linear module (per expert
+# for the experts), for either layer spec; core attention's is Transformer Engine's.
+LINEAR_MODULE = re.compile(r"(.*linear_(?:qkv|proj|fc1|fc2))\.weight$")
+CORE_ATTENTION = "self_attention.core_attention"
+EXPERTS = "mlp.experts.experts."
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -138,26 +140,37 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], common: dict) -> None:
+def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], common: dict, *,
+                     stacked: bool = True) -> None:
     """Write a torch_dist iteration directory Megatron-Core loads: per-layer names stacked into
-    `decoder.layers.*` [num_layers, ...] (every layer has the same tensors), an empty
+    `decoder.layers.*` [num_layers, ...] (every layer has the same tensors), or kept per layer
+    when not `stacked` (Megatron-Core's heterogeneous layers: dense and MoE ones), an empty
     `_extra_state` per layer module, `common` as common.pt."""
-    stacked: dict[str, list[torch.Tensor]] = {}
+    layers: dict[int, dict[str, torch.Tensor]] = {}
     flat = {}
     for name, tensor in tensors.items():
         match = LAYER.match(name)
         if match:
-            stacked.setdefault(STACKED + match[2], []).append((int(match[1]), tensor))
+            layers.setdefault(int(match[1]), {})[match[2]] = tensor
         else:
             flat[name] = tensor
-    for key, layers in stacked.items():
-        flat[key] = torch.stack([tensor for _, tensor in sorted(layers, key=lambda item: item[0])])
-    num_layers = len(next(iter(stacked.values()), []))
-    for module in EXTRA_STATE_MODULES:  # what Megatron-Core's loader asks for besides tensors
-        for i in range(num_layers):
-            # Megatron-Core stores a list of the objects; None means "nothing to restore" to its
-            # local layers and to Transformer Engine's
-            flat[f"{STACKED}{module}._extra_state/shard_{i}_{num_layers}"] = [None]
+    count = len(layers)
+    for i, layer in sorted(layers.items()):
+        prefix, (at, of) = (STACKED, (i, count)) if stacked else (f"{STACKED}{i}.", (0, 1))
+        if not stacked:
+            flat.update({prefix + name: tensor for name, tensor in layer.items()})
+        # what Megatron-Core's loader asks for besides tensors: a list of the objects, where None
+        # means "nothing to restore" to its local layers and to Transformer Engine's
+        for module in sorted({m[1] for m in map(LINEAR_MODULE.match, layer) if m} | {CORE_ATTENTION}):
+            if module.startswith(EXPERTS):
+                experts = layer[f"{module}.weight"].shape[0]
+                shards = [f"{at}.{e}_{of}.{experts}" if stacked else f"{e}_{experts}" for e in range(experts)]
+            else:
+                shards = [f"{at}_{of}"]
+            flat.update({f"{prefix}{module}._extra_state/shard_{shard}": [None] for shard in shards})
+    if stacked:
+        for name in layers[0] if layers else ():
+            flat[STACKED + name] = torch.stack([layers[i][name] for i in range(count)])
     directory.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -122,11 +122,10 @@ class Reshaped(Same):
 
 @dataclass
 class Part(Same):
-    """Block `index` of `count` equal blocks along `dim` of one checkpoint tensor, which several
-    parameters share (Megatron's `linear_fc1` and Phi-3's `gate_up_proj` = [gate; up] along dim 0;
-    transformers 5's stacked experts' `gate_up_proj` [E, 2I, H] along dim 1). `save` gives this
-    block only (`save_adapter` this block's adapter): `joined` puts the blocks of one name together
-    along dim 0 in rule order, so a block along another dim is read only (`Either`'s alternative)."""
+    """Block `index` of `count` equal blocks along `dim` (0 unless given) of one checkpoint tensor,
+    which several parameters share (Megatron's `linear_fc1` and Phi-3's `gate_up_proj` = [gate;
+    up]; dim 1 of Megatron-Core's and transformers 5's stacked experts [E, gate; up, h]). `save` gives this block only
+    (`save_adapter` this block's adapter): `joined` puts the blocks of one name together in rule order."""
 
     index: int = 0
     count: int = 1
@@ -134,15 +133,10 @@ class Part(Same):
 
     def load(self, read, shard, zoo_shape, rows=None):
         block = _block(shard, zoo_shape, rows)
-        start, end = block.get(self.dim, (0, zoo_shape[self.dim]))
-        offset = self.index * zoo_shape[self.dim]
-        block[self.dim] = (offset + start, offset + end)
+        size = zoo_shape[self.dim]
+        start, end = block.get(self.dim, (0, size))
+        block[self.dim] = (self.index * size + start, self.index * size + end)
         return read(self.name, block)
-
-    def save(self, tensor):
-        if self.dim:
-            raise ValueError(f"{self.zoo}: its block along dim {self.dim} of {self.name} is read, never written")
-        return super().save(tensor)
 
     def hf_shapes(self, zoo_shape):
         shape = list(zoo_shape)
