@@ -10,11 +10,12 @@ from .context import (ParallelContext, connect, destroy, get_context, init, laun
                       run_group)
 from .expert_parallel import ExpertParallel
 from .rendezvous import progress_store
-from .shard import dp_rows_of, fill_shard_, finalize_grads, parameter_uses, retie, shard, tp_problems, tp_slice_of
+from .shard import (dp_rows_of, expert_problems, fill_shard_, finalize_grads, parameter_uses, retie, shard, tp_problems,
+                    tp_slice_of)
 from .tensor_parallel import TensorParallel, local, local_range, local_rows
 
 __all__ = ["ParallelContext", "TensorParallel", "ExpertParallel", "init", "connect", "get_context", "destroy",
            "resolve_sizes", "launched_world_size", "run_group",
            "progress_store",
-           "shard", "tp_problems", "tp_slice_of", "fill_shard_", "dp_rows_of", "finalize_grads",
+           "shard", "tp_problems", "expert_problems", "tp_slice_of", "fill_shard_", "dp_rows_of", "finalize_grads",
            "parameter_uses", "retie", "local", "local_range", "local_rows"]

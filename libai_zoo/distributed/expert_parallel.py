@@ -8,14 +8,22 @@ whole experts, a contiguous block of expert ids. One MoE layer's routed path on 
                                        parallelism: the sequence is split already)
     route, sort the k copies of each token by global expert id, count them per expert
     rows, counts, route = dispatch(sorted, counts, ep)   to the experts' ranks, grouped by local expert
-    out = experts(rows, counts)        this rank's experts
+    out = experts(rows, counts)        this rank's experts (weights: `expert_weight`)
     back = combine(out, route, ep)     to the source ranks, in the order they were sent
     y = gather_tokens(y, tp, total)    every tp rank's tokens again
+    stats = reduce_from_tp(stats, tp)  the router statistics of every tp rank's tokens
+                                       (`collectives`: all-reduce forward, identity backward)
 
 Both exchanges are `all_to_all_single` with uneven splits (the counts are exchanged first), on
 torch's autograd-aware functional collective, so backward sends the gradients the reverse way:
 an expert's gradient is the sum over every token routed to it from any rank of the group. A rank
 may send no rows and an expert may receive none.
+
+Expert parameters are DTensors of their global shape [E, ...] placed Shard(0) on the ept mesh (so
+checkpoints reshard them across ep), and data parallelism shards or replicates them over "edp".
+Their gradient on a rank sums the tokens of ep data-parallel ranks (the all-to-all's backward), so
+`expert_weight` scales it by 1/ep: data parallelism's average over edp then gives the mean over dp,
+as for every dense parameter.
 """
 
 from __future__ import annotations
@@ -24,11 +32,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.autograd import Function
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
-from .tensor_parallel import TensorParallel
+from .tensor_parallel import TensorParallel, distribute_parameter
 
 
 class ExpertParallel:
@@ -50,19 +60,48 @@ class ExpertParallel:
 
     def experts_problems(self, num_experts: int) -> list[str]:
         """Why `num_experts` cannot be split over this group ([] when it can)."""
-        if num_experts % self.size:
-            return [f"num_experts = {num_experts} is not divisible by ep × tp = {self.ep} × {self.tp} = {self.size} "
-                    f"(each rank of the expert group holds whole experts): choose dist.ep and dist.tp whose "
-                    f"product divides {num_experts}"]
-        return []
+        return experts_problems(num_experts, self.ep, self.tp)
 
     def local_experts(self, num_experts: int) -> tuple[int, int]:
         """[start, end) of the expert ids this rank holds."""
         per_rank = num_experts // self.size
         return self.rank * per_rank, (self.rank + 1) * per_rank
 
+    def shard_parameter(self, module: nn.Module, name: str) -> None:
+        """Replace ``module.<name>``, stacked over experts along dim 0, by a DTensor parameter of
+        its global shape holding this rank's experts (Shard(0) on the ept mesh)."""
+        distribute_parameter(module, name, self.mesh, Shard(0))
+
     def __repr__(self) -> str:
         return f"ExpertParallel(size={self.size}, rank={self.rank}, ep={self.ep}, tp={self.tp})"
+
+
+def experts_problems(num_experts: int, ep: int, tp: int) -> list[str]:
+    """Why `num_experts` cannot be split over ep × tp ranks ([] when it can): each holds whole experts."""
+    if num_experts % (ep * tp):
+        return [f"num_experts = {num_experts} is not divisible by ep × tp = {ep} × {tp} = {ep * tp} (each rank of "
+                f"the expert group holds whole experts): choose dist.ep and dist.tp whose product divides "
+                f"{num_experts}"]
+    return []
+
+
+class _ScaleGrad(Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def expert_weight(param: torch.Tensor | None, ep: ExpertParallel | None) -> torch.Tensor | None:
+    """The local tensor of an expert parameter (this rank's experts), differentiable; under expert
+    parallelism its gradient is scaled by 1/ep (see the module docstring)."""
+    if ep is None or param is None:
+        return param
+    return _ScaleGrad.apply(param.to_local() if isinstance(param, DTensor) else param, 1.0 / ep.ep)
 
 
 @dataclass
@@ -110,7 +149,8 @@ def token_counts(total: int, size: int) -> list[int]:
     return [total // size + (rank < total % size) for rank in range(size)]
 
 
-def _slice_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def local_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This tp rank's share of the tokens (dim 0) of `x` (`token_counts`; no autograd)."""
     counts = token_counts(x.shape[0], tp.size)
     return x.narrow(0, sum(counts[:tp.rank]), counts[tp.rank])
 
@@ -128,7 +168,7 @@ class _ScatterTokens(Function):
     @staticmethod
     def forward(ctx, x, tp):
         ctx.tp, ctx.total = tp, x.shape[0]
-        return _slice_tokens(x, tp).clone()
+        return local_tokens(x, tp).clone()
 
     @staticmethod
     def backward(ctx, grad):
@@ -143,7 +183,7 @@ class _GatherTokens(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _slice_tokens(grad, ctx.tp).contiguous(), None, None
+        return local_tokens(grad, ctx.tp).contiguous(), None, None
 
 
 def scatter_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

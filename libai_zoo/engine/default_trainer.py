@@ -85,7 +85,7 @@ class DefaultTrainer(TrainerBase):
         self.settings = run_settings(cfg)  # what the config means (sequence length, AMP dtype, pipeline)
         self.amp_dtype = self.settings.amp_dtype
         self.divergence = DivergenceWatch(train.on_divergence, train.max_bad_steps)
-        check_layout(cfg, tp, pp, self.accumulation)
+        check_layout(cfg, tp, pp, self.accumulation, cfg.dist.ep)
         self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp, ep=cfg.dist.ep,
                                     sequence_parallel=cfg.dist.sequence_parallel,
                                     timeout=cfg.dist.init_timeout)
