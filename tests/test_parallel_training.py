@@ -178,9 +178,12 @@ def _errors(root: str) -> dict:
                       "offload_on_cpu": ["dist.dp=4", "train.zero_stage=3", "train.zero_offload=true",
                                          "train.micro_batch_size=2"],
                       "zbv_eval": ["dist.dp=2", "dist.pp=2", "train.micro_batch_size=2",
-                                   "train.pipeline.schedule=zbv", "train.pipeline.virtual_stages=2"]}.items():
+                                   "train.pipeline.schedule=zbv", "train.pipeline.virtual_stages=2"],
+                      "ep_dp": ["dist.dp=4", "dist.ep=3"],
+                      "experts": ["dist.dp=4", "dist.ep=4", "train.micro_batch_size=2",
+                                  "model.num_local_experts=6"]}.items():
         try:
-            train(f"{root}/config.py", f"{root}/error_{name}", "gpt2", bad)
+            train(f"{root}/config.py", f"{root}/error_{name}", "moe" if name == "experts" else "gpt2", bad)
         except Exception as error:  # noqa: BLE001 - the message is what is checked
             errors[name] = str(error)
     return errors
@@ -428,3 +431,5 @@ def test_bad_layouts_fail_before_the_first_step(runs):
     assert "1F1B needs at least pp = 4 micro-batches per step, got 2" in errors["few_micro_batches"]
     assert "this run is already on the CPU" in errors["offload_on_cpu"]
     assert "schedule = 'zbv' cannot evaluate" in errors["zbv_eval"]
+    assert "dp = 4 is not a multiple of ep = 3" in errors["ep_dp"] and "choose an ep that divides 4" in errors["ep_dp"]
+    assert "num_experts = 6 is not divisible by ep × tp = 4 × 1 = 4" in errors["experts"]
