@@ -26,8 +26,11 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.layers import LMHead
+from libai_zoo.models import MixtralForCausalLM
+from libai_zoo.parallel import DataParallel, materialize, parallelize
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from layouts import LAYOUTS, overrides
+from model_cases import zoo_model
 from trainer_runs import losses, records, run_trainer
 
 pytestmark = pytest.mark.slow
@@ -229,6 +232,24 @@ def _moe_resume(root: str, layout: str, extra: tuple = ()) -> dict[int, float]:
                                                       "train.checkpoint.period=2", *extra], resume=True)
 
 
+def _moe_from_hugging_face(root: str) -> float:
+    """A Mixtral directory (one tensor per expert) read at dp2_ep2 with ZeRO-3, each rank reading
+    its experts' rows only: the largest difference of the gathered parameters from the directory's."""
+    path = Path(root) / "mixtral_hf"
+    zoo_model("mixtral", num_local_experts=8).save_pretrained(path)  # rank 0 writes, the others wait
+    ctx = distributed.init(dp=4, ep=2)
+    with torch.device("meta"):
+        model = MixtralForCausalLM.from_pretrained(path)
+    built = parallelize(model, ctx, DataParallel(ctx, 3))
+    materialize(built.parts[0], ctx.device, seed=0, model=built.model)
+    expected = MixtralForCausalLM.from_pretrained(path)
+    try:
+        return max((param.full_tensor() - expected.get_parameter(name)).abs().max().item()
+                   for name, param in built.model.named_parameters())
+    finally:
+        distributed.destroy()
+
+
 def _state_bytes(root: str, layout: str) -> int:
     return state_bytes(f"{root}/config.py", f"{root}/bytes_{layout}", overrides(layout))
 
@@ -315,6 +336,7 @@ CASES = {
     "ckpt": Case(4, _checkpoint, needs=("gpt2_one",)),
     **{f"resume_{layout}": Case(_world(layout), _resume, (layout,), needs=("ckpt",)) for layout in RESUME_AT},
     "moe_ckpt": Case(4, _moe_checkpoint, needs=("moe_one_mb2",)),
+    "moe_from_hugging_face": Case(4, _moe_from_hugging_face),
     **{f"moe_resume_{layout}": Case(_world(layout), _moe_resume, (layout, extra), needs=("moe_ckpt",))
        for layout, extra in MOE_RESUME_AT.items()},
     "bytes_one": Case(1, _state_bytes, ("one",)),
@@ -388,6 +410,11 @@ def test_checkpoint_from_dp2_tp2_zero3_resumes_elsewhere(runs, case):
 def test_moe_checkpoint_resumes_at_another_ep(runs, case):
     """Experts saved split over ep2 (ZeRO-3 over edp) load split over ep4, and whole in one process."""
     _assert_same(runs(case), runs("moe_one_mb2")["losses"], range(3, FAMILY_STEPS + 1))
+
+
+@pytest.mark.cases("moe_from_hugging_face")
+def test_moe_reads_its_experts_from_hugging_face_files(runs):
+    assert runs("moe_from_hugging_face") == 0.0
 
 
 @pytest.mark.cases("bytes_dp4_zero3", "bytes_one")
