@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
 from libai_zoo import distributed, layers
-from libai_zoo.distributed.expert_parallel import combine, dispatch, gather_tokens, scatter_tokens, token_counts
+from libai_zoo.distributed.expert_parallel import combine, dispatch, gather_tokens, local_tokens, scatter_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -293,10 +293,7 @@ def _expert_exchange(ep: int, tp: int) -> dict[str, float]:
     x.requires_grad_()
     mine = x
     if expert.tensor_parallel is not None:
-        tp_group = expert.tensor_parallel
-        mine = scatter_tokens(x, tp_group)
-        counts = token_counts(len(ids), tp_group.size)
-        ids = ids[sum(counts[:tp_group.rank]):][:counts[tp_group.rank]]
+        mine, ids = scatter_tokens(x, expert.tensor_parallel), local_tokens(ids, expert.tensor_parallel)
     order = torch.argsort(ids, stable=True)
     rows, per_expert, route = dispatch(mine[order], torch.bincount(ids, minlength=EXPERTS), expert)
     out = torch.cat([part @ w.T for part, w in zip(rows.split(per_expert.tolist()), local_weight)])
