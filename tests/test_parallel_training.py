@@ -199,16 +199,17 @@ def _checkpoint(root: str) -> Path:
     return Path(root) / "ckpt"
 
 
-def _resume(root: str, layout: str) -> dict[int, float]:
-    """The dp2×tp2 ZeRO-3 checkpoint resumed at `layout` to step 10."""
-    target = f"{root}/resume_{layout}"
+def _resume(root: str, layout: str, checkpoint: str = "ckpt", model: str = "gpt2",
+            extra: tuple = ("train.checkpoint.period=5",)) -> dict[int, float]:
+    """Run `checkpoint`'s `model` resumed at `layout` to its last step (GPT-2's dp2×tp2 ZeRO-3 one: step 10)."""
+    target = f"{root}/{checkpoint}_resume_{layout}"
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if rank0:
-        shutil.copytree(f"{root}/ckpt", target)
+        shutil.copytree(f"{root}/{checkpoint}", target)
         (Path(target) / "metrics.json").unlink()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    return train(f"{root}/config.py", target, "gpt2", [*overrides(layout), "train.checkpoint.period=5"], resume=True)
+    return train(f"{root}/config.py", target, model, [*overrides(layout), *extra], resume=True)
 
 
 def _moe_checkpoint(root: str) -> Path:
@@ -217,19 +218,6 @@ def _moe_checkpoint(root: str) -> Path:
           [*overrides("dp2_ep2_zero3"), f"train.max_iter={FAMILY_STEPS}", "train.checkpoint.period=2"],
           interrupt_after=2)
     return Path(root) / "moe_ckpt"
-
-
-def _moe_resume(root: str, layout: str, extra: tuple = ()) -> dict[int, float]:
-    """The dp2_ep2 MoE checkpoint resumed at `layout` (another ep) to the last step."""
-    target = f"{root}/moe_resume_{layout}"
-    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    if rank0:
-        shutil.copytree(f"{root}/moe_ckpt", target)
-        (Path(target) / "metrics.json").unlink()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    return train(f"{root}/config.py", target, "moe", [*overrides(layout), f"train.max_iter={FAMILY_STEPS}",
-                                                      "train.checkpoint.period=2", *extra], resume=True)
 
 
 def _moe_from_hugging_face(root: str) -> float:
@@ -337,7 +325,8 @@ CASES = {
     **{f"resume_{layout}": Case(_world(layout), _resume, (layout,), needs=("ckpt",)) for layout in RESUME_AT},
     "moe_ckpt": Case(4, _moe_checkpoint, needs=("moe_one_mb2",)),
     "moe_from_hugging_face": Case(4, _moe_from_hugging_face),
-    **{f"moe_resume_{layout}": Case(_world(layout), _moe_resume, (layout, extra), needs=("moe_ckpt",))
+    **{f"moe_resume_{layout}": Case(_world(layout), _resume, (layout, "moe_ckpt", "moe", (
+        f"train.max_iter={FAMILY_STEPS}", "train.checkpoint.period=2", *extra)), needs=("moe_ckpt",))
        for layout, extra in MOE_RESUME_AT.items()},
     "bytes_one": Case(1, _state_bytes, ("one",)),
     "bytes_dp4_zero3": Case(4, _state_bytes, ("dp4_zero3",)),
