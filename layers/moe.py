@@ -136,6 +136,12 @@ class Router(ParallelLayer, nn.Module):
         counts = counts.to(self.e_score_correction_bias)
         self.e_score_correction_bias += rate * torch.sign(counts.mean() - counts)
 
+    def logits_of_all_tokens(self, logits: torch.Tensor, tokens: int) -> torch.Tensor:
+        """`logits` of the tokens this router saw -> of all `tokens` of its layer's input: under tp
+        without sequence parallelism each tp rank routes its share of them (`MoE.forward`), joined
+        here in token order (sequence shards stay split)."""
+        return gather_tokens(logits, self.tp, tokens) if self.tp is not None and not self.sp else logits
+
     def _grouped_choice(self, scores: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V3's choice: the top k of scores + correction bias within the best groups."""
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
