@@ -16,10 +16,14 @@ the router z-loss term logsumexp(logits)², 0, ...]. Padding tokens (`token_mask
 Summed over layers they give transformers' auxiliary loss (`load_balancing_loss`) and the z-loss
 (`router_z_loss`).
 
-Under tensor parallelism (until the experts are split by expert parallelism) the router and the
-experts are replicated: each rank computes them on its tokens (the whole sequence, or its sequence
-shard under sequence parallelism, then with partial gradients and statistics summed over tp); the
-shared expert is an MLP split over tp like any other.
+Under expert parallelism (`distributed.shard` calls `MoE.shard_experts_` when ep × tp > 1) the
+experts are split over the expert group, ep × tp ranks (`distributed.expert_parallel`): each rank
+holds E / (ep·tp) whole experts, DTensors of the global [E, ...] shape. Under tp the routed path
+takes this tp rank's share of the tokens (under sequence parallelism its sequence shard already
+is one), routes them (the router's gradient is then partial over tp, its statistics summed over
+tp), sends them to their experts' ranks and back by all-to-all, and, without sequence
+parallelism, gathers every tp rank's outputs again. The shared expert is an MLP split over tp like
+any other, on the whole input.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from libai_zoo.distributed import local
+from libai_zoo.distributed import ExpertParallel, TensorParallel, local
 from libai_zoo.distributed.collectives import reduce_from_tp
+from libai_zoo.distributed.expert_parallel import (combine, dispatch, expert_weight, gather_tokens, local_tokens,
+                                                   scatter_tokens)
 
 from .linear import Linear
 from .mlp import ACTIVATIONS, MLP
@@ -89,8 +95,10 @@ class Router(ParallelLayer, nn.Module):
         self.register_buffer("e_score_correction_bias", correction)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        bias = local(self.bias, partial_grad=self.sp)
-        logits = F.linear(x.float(), local(self.weight, partial_grad=self.sp).float(),
+        """x [T, h]: under tp, this tp rank's share of the tokens (the gradient is partial over tp)."""
+        partial = self.tp is not None
+        bias = local(self.bias, partial_grad=partial)
+        logits = F.linear(x.float(), local(self.weight, partial_grad=partial).float(),
                           None if bias is None else bias.float())
         if self.kind == "softmax_topk":
             probs = logits.softmax(-1)
@@ -128,6 +136,12 @@ class Router(ParallelLayer, nn.Module):
         counts = counts.to(self.e_score_correction_bias)
         self.e_score_correction_bias += rate * torch.sign(counts.mean() - counts)
 
+    def logits_of_all_tokens(self, logits: torch.Tensor, tokens: int) -> torch.Tensor:
+        """`logits` of the tokens this router saw -> of all `tokens` of its layer's input: under tp
+        without sequence parallelism each tp rank routes its share of them (`MoE.forward`), joined
+        here in token order (sequence shards stay split)."""
+        return gather_tokens(logits, self.tp, tokens) if self.tp is not None and not self.sp else logits
+
     def _grouped_choice(self, scores: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V3's choice: the top k of scores + correction bias within the best groups."""
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
@@ -152,7 +166,8 @@ class Experts(ParallelLayer, nn.Module):
     `forward(tokens, counts)` takes tokens sorted by expert (counts[e] rows for expert e, in order)
     and computes each projection as one grouped GEMM (`torch._grouped_mm`, int32 offsets) where it
     can run (float32/bf16/fp16, rows of 16-byte multiples), else expert by expert
-    (``grouped_mm=False`` always)."""
+    (``grouped_mm=False`` always). Under expert parallelism (`shard_experts_`) it holds and computes
+    only this rank's block of experts; tensor parallelism does not split it."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, activation: str = "silu",
                  gated: bool = True, bias: bool = False, swiglu_limit: float | None = None,
@@ -177,10 +192,24 @@ class Experts(ParallelLayer, nn.Module):
         self.gate_bias = param(ffn_hidden_size, when=gated and bias)
         self.up_bias = param(ffn_hidden_size, when=bias)
         self.down_bias = param(hidden_size, when=bias)
+        self.expert_parallel: ExpertParallel | None = None
+
+    def shard_(self, tp: TensorParallel) -> None:
+        """Nothing to split over tp: the experts are split over the expert group (ep × tp ranks,
+        `shard_experts_`), which `distributed.shard` does whenever tp > 1."""
+        self.tp = tp
+
+    def shard_experts_(self, ep: ExpertParallel) -> None:
+        """Keep this rank's block of E / (ep·tp) experts of every stacked parameter (DTensors of the
+        global shape, Shard(0) on the expert group's mesh)."""
+        for name, _ in list(self.named_parameters(recurse=False)):
+            ep.shard_parameter(self, name)
+        self.expert_parallel = ep
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """tokens [N, h] sorted by expert, counts [E] (their sum N) -> [N, h]."""
-        weights = {name: local(getattr(self, name), partial_grad=self.sp)
+        """tokens [N, h] sorted by expert, counts [E] (their sum N) -> [N, h]; under expert
+        parallelism E is this rank's experts."""
+        weights = {name: expert_weight(getattr(self, name), self.expert_parallel)
                    for name in ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")}
         tokens = tokens.to(weights["up_proj"].dtype)
         grouped = self.grouped_mm and self._groupable([tokens, *(w for w in weights.values() if w is not None)])
@@ -279,6 +308,13 @@ class MoE(ParallelLayer, nn.Module):
         self.count_routing = True  # off inside `uncounted`
         #: slots dropped over capacity by the training forwards since `take_dropped_tokens`
         self.dropped_tokens: torch.Tensor | None = None
+        self.expert_parallel: ExpertParallel | None = None
+
+    def shard_experts_(self, ep: ExpertParallel) -> None:
+        """Split the experts over the expert group (`distributed.shard` calls it when ep × tp > 1):
+        this rank keeps E / (ep·tp) of them and exchanges its tokens with the group's ranks."""
+        self.experts.shard_experts_(ep)
+        self.expert_parallel = ep
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., h] (this rank's sequence shard under sequence parallelism), token_mask of x's
@@ -288,12 +324,19 @@ class MoE(ParallelLayer, nn.Module):
             start, end = self.tp.local_range(token_mask.shape[1])
             token_mask = token_mask[:, start:end]
         tokens = x.reshape(-1, x.shape[-1])
+        mask = None if token_mask is None else token_mask.reshape(-1)
+        share = self.tp is not None and not self.sp  # the routed path runs on this tp rank's share of the tokens
+        if share:
+            tokens, mask = scatter_tokens(tokens, self.tp), None if mask is None else local_tokens(mask, self.tp)
         routing = self.router(tokens)
-        stats = self._stats(routing, None if token_mask is None else token_mask.reshape(-1))
-        y = self._routed(tokens, routing).view_as(x)
+        stats = self._stats(routing, mask)
+        y = self._routed(tokens, routing)
+        if share:
+            y = gather_tokens(y, self.tp, len(x.reshape(-1, x.shape[-1])))
+        y = y.view_as(x)
         if self.shared_expert is not None:
             y = y + self._shared(x)
-        if self.sp:
+        if self.tp is not None:
             stats = reduce_from_tp(stats, self.tp)
         # training forwards only: not activation checkpointing's recomputation (it runs inside backward)
         if self._counting():
@@ -362,8 +405,12 @@ class MoE(ParallelLayer, nn.Module):
 
     def _compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts on `tokens` sorted by expert (counts [E] rows each) -> their outputs, in
-        the same order. Expert parallelism replaces this with its all-to-all exchange."""
-        return self.experts(tokens, counts)
+        the same order; under expert parallelism computed on the experts' ranks (all-to-all there
+        and back)."""
+        if self.expert_parallel is None:
+            return self.experts(tokens, counts)
+        rows, local_counts, route = dispatch(tokens, counts, self.expert_parallel)
+        return combine(self.experts(rows, local_counts), route, self.expert_parallel)
 
     def extra_repr(self) -> str:
         capacity = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"

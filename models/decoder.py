@@ -219,7 +219,7 @@ class DecoderForCausalLM(PreTrainedModel, CausalLM):
         asked = bool(spec.num_experts) and (output_router_logits if output_router_logits is not None
                                             else spec.output_router_logits)
         # training (return_logits=False) needs the statistics only: no logits recorded or gathered
-        with self._recording_router_logits(input_ids.shape[0], asked and return_logits) as router_logits:
+        with self._recording_router_logits(input_ids.shape, asked and return_logits) as router_logits:
             body = self.body(input_ids, attention_mask, position_ids, cache, token_type_ids=token_type_ids)
         out = self.lm_output(body.last_hidden_state, labels, shift_labels, cache, logits_to_keep, return_logits)
         if not spec.num_experts:
@@ -227,17 +227,18 @@ class DecoderForCausalLM(PreTrainedModel, CausalLM):
         return self.moe_output(out, body.router_stats, asked, router_logits)
 
     @contextlib.contextmanager
-    def _recording_router_logits(self, batch: int, asked: bool) -> Iterator[list[torch.Tensor] | None]:
+    def _recording_router_logits(self, shape: torch.Size, asked: bool) -> Iterator[list[torch.Tensor] | None]:
         """While the body runs, each MoE layer's router logits [tokens, E] (float32; the whole
         sequence under sequence parallelism), in layer order, when `asked`: recorded by forward
-        hooks on the routers, as transformers records its router_logits."""
+        hooks on the routers, as transformers records its router_logits. `shape`: the input ids'."""
         if not asked:
             yield None
             return
         logits = []
 
         def record(router, args, routing):
-            logits.append(self.body.gather(routing.logits.view(batch, -1, router.num_experts)).flatten(0, 1))
+            every = router.logits_of_all_tokens(routing.logits, shape.numel())
+            logits.append(self.body.gather(every.view(shape[0], -1, router.num_experts)).flatten(0, 1))
 
         handles = [module.register_forward_hook(record) for module in self.body.modules() if isinstance(module, Router)]
         try:

@@ -1,7 +1,8 @@
 """The parallel layouts the suite trains, each named once and tagged with the axes it covers.
 
 The suite is a covering design, not a matrix: every layout here trains the base model (the tiny
-GPT-2 of test_parallel_training; three mixes only LoRA trains, in test_lora_parallel); each other model or feature trains on the few layouts that
+GPT-2 of test_parallel_training; three mixes only LoRA trains, in test_lora_parallel; the expert-parallel
+ones, ep > 1, a Mixture of Experts); each other model or feature trains on the few layouts that
 exercise what is different about it, and independent features share a run. A new model or
 feature therefore picks layouts from this registry (by the axes it touches) instead of adding a
 row per layout. Every layout trains a global batch of 8 sequences.
@@ -15,9 +16,9 @@ GLOBAL_BATCH = 8
 
 
 def _layout(dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, mb: int = 8, schedule: str | None = None,
-            virtual: int = 1, ac: bool = False, sp: bool = False) -> Layout:
+            virtual: int = 1, ac: bool = False, sp: bool = False, ep: int = 1) -> Layout:
     return Layout(dp, tp, pp, zero, activation_checkpoint=ac, sequence_parallel=sp, micro_batch_size=mb,
-                  schedule=schedule or ("1f1b" if pp > 1 else None), virtual_stages=virtual)
+                  schedule=schedule or ("1f1b" if pp > 1 else None), virtual_stages=virtual, ep=ep)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -34,6 +35,7 @@ LAYOUTS: dict[str, Layout] = {
     "pp2_interleaved": _layout(pp=2, mb=2, schedule="interleaved_1f1b", virtual=2),
     "pp2_1f1b_ac": _layout(pp=2, mb=2, ac=True),
     "pp2_zero_bubble": _layout(pp=2, mb=4, schedule="zero_bubble"),
+    "ep2": _layout(dp=2, ep=2, mb=4),
     # 4 processes
     "dp4": _layout(dp=4, mb=2),
     "tp4": _layout(tp=4),
@@ -52,6 +54,11 @@ LAYOUTS: dict[str, Layout] = {
     "dp2_pp2_zero3_interleaved": _layout(dp=2, pp=2, zero=3, mb=2, schedule="interleaved_1f1b", virtual=2),
     "dp2_pp2_zero3_zero_bubble": _layout(dp=2, pp=2, zero=3, mb=2, schedule="zero_bubble", virtual=2),
     "dp2_pp2_zero2_zbv": _layout(dp=2, pp=2, zero=2, mb=2, schedule="zbv", virtual=2),
+    # experts over ep × tp ranks: ep carved from dp (dp2_ep2: 2 groups of 2), tp ranks joining the expert group
+    "dp2_ep2_zero3": _layout(dp=4, ep=2, zero=3, mb=2),
+    "ep2_tp2": _layout(dp=2, tp=2, ep=2, mb=4),
+    "ep2_pp2": _layout(dp=2, pp=2, ep=2, mb=2),
+    "ep4": _layout(dp=4, ep=4, mb=2),
     # 8 processes (system tier: 2 cores run them in about a minute)
     "dp2_tp2_pp2_zero1": _layout(dp=2, tp=2, pp=2, zero=1, mb=2),
     "dp2_tp2_pp2_zero3_interleaved": _layout(dp=2, tp=2, pp=2, zero=3, mb=2, schedule="interleaved_1f1b",
@@ -65,11 +72,12 @@ def overrides(name: str) -> list[str]:
 
 
 def axes(name: str) -> frozenset[str]:
-    """What layout `name` exercises: dp, tp, sp, pp, the schedule, virtual stages, the ZeRO stage,
+    """What layout `name` exercises: dp, tp, sp, pp, ep, the schedule, virtual stages, the ZeRO stage,
     activation checkpointing, gradient accumulation and the world size."""
     layout = LAYOUTS[name]
     tags = {f"world{layout.world_size}", f"zero{layout.zero_stage}"}
-    tags |= {axis for axis, size in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp)) if size > 1}
+    tags |= {axis for axis, size in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep))
+             if size > 1}
     if layout.sequence_parallel:
         tags.add("sp")
     if layout.activation_checkpoint:

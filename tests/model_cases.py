@@ -14,6 +14,7 @@ import transformers
 
 from libai_zoo import models
 from libai_zoo.hf.rules import joined
+from libai_zoo.layers import Router, VocabEmbedding
 
 VOCAB, HIDDEN, HEADS, FFN, LAYERS, SEQ = 128, 32, 4, 64, 2, 12
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -438,3 +439,24 @@ def zoo_model(name: str, **changes) -> torch.nn.Module:
     values.update({key: (value * layers)[:layers] for key, value in values.items()
                    if isinstance(value, list) and len(value) == config.num_hidden_layers})
     return case.zoo_class(type(config)(**{**values, **changes}))
+
+
+def uneven_router(name: str, **changes) -> torch.nn.Module:
+    """`zoo_model(name, **changes)` whose routers send every token to expert 0 and none to the last
+    two experts (the rest share the second choice), at any layout: drawn so by `init_parameter`, the
+    token embeddings share one direction d, which the routers' first row follows and their last two
+    rows oppose. Expert parallelism then meets uneven splits, empty experts and ranks sent nothing."""
+    model = zoo_model(name, **changes)
+    base = type(model)
+
+    def init_parameter(self, name: str, module: torch.nn.Module, tensor: torch.Tensor, generator) -> None:
+        base.init_parameter(self, name, module, tensor, generator)
+        d = torch.ones(tensor.shape[-1]) / tensor.shape[-1] ** 0.5
+        if isinstance(module, VocabEmbedding):
+            tensor += 0.1 * d
+        elif isinstance(module, Router) and name.endswith("weight"):
+            tensor[0] += d
+            tensor[-2:] -= d
+
+    model.__class__ = type(f"Uneven{base.__name__}", (base,), {"init_parameter": init_parameter})
+    return model

@@ -274,10 +274,10 @@ def test_get_config_train_has_the_contract_keys():
         load_weight=None,
         lora=dict(rank=0, alpha=16.0, dropout=0.0, target_modules=None, adapter=None, layers=None),
         scheduler={"_target_": "libai_zoo.optim.WarmupCosineLR", "warmup_iters": 0, "min_lr_ratio": 0.0},
-        tensorboard=False, best_metric=None, best_mode="max",
+        tensorboard=False, best_metric=None, best_mode="max", expert_bias_update_rate=0.0,
         pipeline=dict(schedule="1f1b", virtual_stages=1, boundaries=None))
-    assert LazyConfig.to_container(cfg.dist) == dict(dp=1, tp=1, pp=1, sequence_parallel=False, init_timeout=600,
-                                                     timeout=300, auto=False)
+    assert LazyConfig.to_container(cfg.dist) == dict(dp=1, tp=1, pp=1, ep=1, sequence_parallel=False,
+                                                     init_timeout=600, timeout=300, auto=False)
     common.train.max_iter = 1
     assert get_config("common/train.py").train.max_iter == 1000      # a fresh config every call
 

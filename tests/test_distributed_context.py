@@ -1,5 +1,5 @@
 """libai_zoo.distributed.init: degrees checked against the world size, one process without a process
-group, and a 3-D mesh with tensor parallelism on neighbouring ranks."""
+group, and a mesh with tensor parallelism on neighbouring ranks and expert parallelism carved from dp."""
 
 from __future__ import annotations
 
@@ -30,6 +30,14 @@ def test_world_size_mismatch_names_sizes_and_fix():
     assert "torchrun --nproc_per_node=8" in message and "dp=-1" in message
 
 
+def test_ep_must_divide_dp():
+    assert distributed.resolve_sizes(8, -1, 2, 1, ep=4) == (4, 2, 1)
+    with pytest.raises(ValueError, match=r"dp = 6 is not a multiple of ep = 4: .* choose an ep that divides 6"):
+        distributed.resolve_sizes(6, -1, 1, 1, ep=4)
+    with pytest.raises(ValueError, match="ep=0 is invalid"):
+        distributed.resolve_sizes(2, -1, 1, 1, ep=0)
+
+
 def test_world_size_not_divisible_by_tp_pp():
     with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp×pp = 4×1 = 4"):
         distributed.resolve_sizes(6, -1, 4, 1)
@@ -49,6 +57,7 @@ def test_single_process_needs_no_process_group():
     ctx = distributed.init()
     assert (ctx.world_size, ctx.dp, ctx.tp, ctx.pp, ctx.rank) == (1, 1, 1, 1, 0)
     assert ctx.mesh is None and ctx.group("tp") is None and ctx.tensor_parallel is None
+    assert ctx.expert_parallel is None and ctx.group("ept") is None and ctx.rank_in("dp") == 0
     assert ctx.world_group is None and distributed.run_group() is None
     assert not dist.is_initialized()
     assert distributed.get_context() is ctx
@@ -83,6 +92,13 @@ def _layouts() -> dict:
                       "dp_group": dist.get_process_group_ranks(ctx.group("dp")),
                       "tp_size": ctx.tensor_parallel.size if ctx.tensor_parallel else 1,
                       "world_group": dist.get_process_group_ranks(distributed.run_group())}
+    for sizes, ep in (((4, 1, 1), 2), ((2, 2, 1), 2), ((4, 1, 1), 4), ((1, 2, 2), 1)):
+        ctx = distributed.init(*sizes, ep=ep)
+        expert = ctx.expert_parallel
+        out[sizes, ep] = {"dp_rank": ctx.dp_rank,
+                          **{dim: dist.get_process_group_ranks(ctx.group(dim)) for dim in ("dp", "edp", "ept")},
+                          "expert": (expert.size, expert.rank, expert.ep, expert.tp),
+                          "experts": expert.local_experts(8), "problems": expert.experts_problems(6)}
     return out
 
 
@@ -97,7 +113,22 @@ def test_mesh_puts_tp_on_neighbouring_ranks():
         assert layout[(1, 2, 2)]["coords"] == (0, rank % 2, rank // 2)
         assert layout[(4, 1, 1)] == {"coords": (rank, 0, 0), "tp_group": [rank], "dp_group": [0, 1, 2, 3],
                                      "tp_size": 1, "world_group": [0, 1, 2, 3]}
-        assert all(sizes["world_group"] == [0, 1, 2, 3] for sizes in layout.values())
+        assert all(sizes["world_group"] == [0, 1, 2, 3] for sizes in layout.values() if "world_group" in sizes)
+        # ep splits dp into groups of ep neighbouring dp ranks; the dp group and its ranks are as without ep
+        assert layout[(4, 1, 1), 2] == {"dp_rank": rank, "dp": [0, 1, 2, 3], "edp": [rank % 2, rank % 2 + 2],
+                                        "ept": [rank - rank % 2, rank - rank % 2 + 1], "expert": (2, rank % 2, 2, 1),
+                                        "experts": (4 * (rank % 2), 4 * (rank % 2) + 4), "problems": []}
+        # the expert group is ep × tp: a dp2 × tp2 world at ep2 splits experts over all 4 ranks
+        assert layout[(2, 2, 1), 2] == {"dp_rank": rank // 2, "dp": [rank % 2, rank % 2 + 2], "edp": [rank],
+                                        "ept": [0, 1, 2, 3], "expert": (4, rank, 2, 2),
+                                        "experts": (2 * rank, 2 * rank + 2),
+                                        "problems": ["num_experts = 6 is not divisible by ep × tp = 2 × 2 = 4 (each "
+                                                     "rank of the expert group holds whole experts): choose dist.ep "
+                                                     "and dist.tp whose product divides 6"]}
+        assert layout[(4, 1, 1), 4]["ept"] == [0, 1, 2, 3] and layout[(4, 1, 1), 4]["edp"] == [rank]
+        # ep = 1 under tp: the experts split over the tp ranks
+        assert layout[(1, 2, 2), 1]["ept"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert layout[(1, 2, 2), 1]["expert"] == (2, rank % 2, 1, 2)
 
 
 def test_hugging_face_saving_uses_the_context_group(monkeypatch, tmp_path):

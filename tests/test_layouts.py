@@ -14,9 +14,11 @@ def test_every_layout_trains_and_every_name_is_registered():
     lora = {layout for _, layout, _ in test_lora_parallel.RUNS_AT}
     chat = {layout for _, layout in test_chat_sft.RUNS_AT.values()}
     trained = {layout for layouts in test_parallel_training.TRAINED.values() for layout in layouts}
-    used = base | lora | chat | trained | set(test_parallel_training.RESUME_AT)
+    moe = set(test_parallel_training.MOE_LAYOUTS)
+    used = base | lora | chat | trained | set(test_parallel_training.RESUME_AT) | set(
+        test_parallel_training.MOE_RESUME_AT)
     assert used <= set(LAYOUTS)
-    assert base | lora == set(LAYOUTS) - {"one"}
+    assert base | lora | moe == set(LAYOUTS) - {"one"}
 
 
 def test_each_model_and_feature_covers_the_axes_it_changes():
@@ -31,7 +33,11 @@ def test_each_model_and_feature_covers_the_axes_it_changes():
         assert {"pp", "zero3"} <= covered(layouts), family
     assert {"tp", "pp", "zero1", "zero3", "virtual", "world1", "world4", "world8"} <= covered(
         test_parallel_training.RESUME_AT)
+    # expert parallelism alone, over dp groups with ZeRO-3, borrowing tp ranks, in a pipeline, on 2 and 4 ranks
+    assert {"ep", "dp", "tp", "pp", "zero0", "zero3", "1f1b", "world2", "world4"} <= covered(
+        test_parallel_training.MOE_LAYOUTS)
 
 
 def test_the_base_model_covers_every_axis():
-    assert covered(test_parallel_training.GPT2_LAYOUTS) == covered(name for name in LAYOUTS if name != "one")
+    """Every axis but expert parallelism, which only a Mixture of Experts has."""
+    assert covered(test_parallel_training.GPT2_LAYOUTS) == covered(name for name in LAYOUTS if name != "one") - {"ep"}

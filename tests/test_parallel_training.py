@@ -1,9 +1,10 @@
 """3-D parallel training equals one process: the same config, global batch and data trained for
 10 steps under data, tensor and pipeline parallelism and ZeRO 1-3 logs the one-process loss at
-every step (≤ 1e-5 relative), for a tiny GPT-2, a tiny Llama (and one with a single KV head) and
+every step (≤ 1e-5 relative), for a tiny GPT-2, a tiny Llama (and one with a single KV head),
 each other family's tiny model (tests/model_cases.py, its distinguishing features on) at a pipeline
-under ZeRO-3; a checkpoint written at dp2×tp2 with ZeRO-3 resumes at other layouts; bad layouts
-fail before the first step.
+under ZeRO-3, and a Mixture of Experts (Mixtral, 8 experts, an uneven router) with its experts
+split over ep; a checkpoint written at dp2×tp2 with ZeRO-3 resumes at other layouts, the MoE's
+written at ep2 resumes at ep4 and in one process; bad layouts fail before the first step.
 
 Each run is a case (tests/cases.py): computed when a selected test asks for it, the cases of one
 world size in one group of forked gloo processes, the one-process references once in the parent.
@@ -25,8 +26,11 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.layers import LMHead
+from libai_zoo.models import MixtralForCausalLM
+from libai_zoo.parallel import DataParallel, materialize, parallelize
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from layouts import LAYOUTS, overrides
+from model_cases import zoo_model
 from trainer_runs import losses, records, run_trainer
 
 pytestmark = pytest.mark.slow
@@ -39,7 +43,7 @@ CONFIG = '''
 from libai_zoo.config import LazyCall, get_config
 from libai_zoo.data import build_gpt_dataset
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from model_cases import zoo_model
+from model_cases import uneven_router, zoo_model
 
 train = get_config("common/train.py").train
 dist = get_config("common/train.py").dist
@@ -55,6 +59,7 @@ models = dict(
         vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
     **{{family: LazyCall(zoo_model)(name=family, vocab_size=8192, num_hidden_layers=4) for family in {families!r}}},
+    moe=LazyCall(uneven_router)(name="mixtral", vocab_size=8192, num_hidden_layers=4, num_local_experts=8),
 )
 model = models["gpt2"]
 dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
@@ -158,11 +163,11 @@ def setup(root: Path) -> None:
 
 
 def _run(root: str, name: str, model: str, layout: str, config: str = "config.py", extra: tuple = ()) -> dict:
-    """Train `model` at `layout` (STEPS steps; a family FAMILY_STEPS): the losses and the final evaluation loss
-    rank 0 logged."""
+    """Train `model` at `layout` (STEPS steps; a family FAMILY_STEPS): the losses, gradient norms and the
+    final evaluation loss rank 0 logged."""
     out = f"{root}/{name}"
     return {"losses": train(f"{root}/{config}", out, model, [*overrides(layout), *extra]),
-            "eval": final_eval_loss(out)}
+            "grad_norms": losses(Path(out), "grad_norm"), "eval": final_eval_loss(out)}
 
 
 def _errors(root: str) -> dict:
@@ -176,9 +181,12 @@ def _errors(root: str) -> dict:
                       "offload_on_cpu": ["dist.dp=4", "train.zero_stage=3", "train.zero_offload=true",
                                          "train.micro_batch_size=2"],
                       "zbv_eval": ["dist.dp=2", "dist.pp=2", "train.micro_batch_size=2",
-                                   "train.pipeline.schedule=zbv", "train.pipeline.virtual_stages=2"]}.items():
+                                   "train.pipeline.schedule=zbv", "train.pipeline.virtual_stages=2"],
+                      "ep_dp": ["dist.dp=4", "dist.ep=3"],
+                      "experts": ["dist.dp=4", "dist.ep=4", "train.micro_batch_size=2",
+                                  "model.num_local_experts=6"]}.items():
         try:
-            train(f"{root}/config.py", f"{root}/error_{name}", "gpt2", bad)
+            train(f"{root}/config.py", f"{root}/error_{name}", "moe" if name == "experts" else "gpt2", bad)
         except Exception as error:  # noqa: BLE001 - the message is what is checked
             errors[name] = str(error)
     return errors
@@ -191,16 +199,43 @@ def _checkpoint(root: str) -> Path:
     return Path(root) / "ckpt"
 
 
-def _resume(root: str, layout: str) -> dict[int, float]:
-    """The dp2×tp2 ZeRO-3 checkpoint resumed at `layout` to step 10."""
-    target = f"{root}/resume_{layout}"
+def _resume(root: str, layout: str, checkpoint: str = "ckpt", model: str = "gpt2",
+            extra: tuple = ("train.checkpoint.period=5",)) -> dict[int, float]:
+    """Run `checkpoint`'s `model` resumed at `layout` to its last step (GPT-2's dp2×tp2 ZeRO-3 one: step 10)."""
+    target = f"{root}/{checkpoint}_resume_{layout}"
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if rank0:
-        shutil.copytree(f"{root}/ckpt", target)
+        shutil.copytree(f"{root}/{checkpoint}", target)
         (Path(target) / "metrics.json").unlink()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    return train(f"{root}/config.py", target, "gpt2", [*overrides(layout), "train.checkpoint.period=5"], resume=True)
+    return train(f"{root}/config.py", target, model, [*overrides(layout), *extra], resume=True)
+
+
+def _moe_checkpoint(root: str) -> Path:
+    """The MoE at dp2_ep2 (ZeRO-3), stopped after step 2 and its checkpoint."""
+    train(f"{root}/config.py", f"{root}/moe_ckpt", "moe",
+          [*overrides("dp2_ep2_zero3"), f"train.max_iter={FAMILY_STEPS}", "train.checkpoint.period=2"],
+          interrupt_after=2)
+    return Path(root) / "moe_ckpt"
+
+
+def _moe_from_hugging_face(root: str) -> float:
+    """A Mixtral directory (one tensor per expert) read at dp2_ep2 with ZeRO-3, each rank reading
+    its experts' rows only: the largest difference of the gathered parameters from the directory's."""
+    path = Path(root) / "mixtral_hf"
+    zoo_model("mixtral", num_local_experts=8).save_pretrained(path)  # rank 0 writes, the others wait
+    ctx = distributed.init(dp=4, ep=2)
+    with torch.device("meta"):
+        model = MixtralForCausalLM.from_pretrained(path)
+    built = parallelize(model, ctx, DataParallel(ctx, 3))
+    materialize(built.parts[0], ctx.device, seed=0, model=built.model)
+    expected = MixtralForCausalLM.from_pretrained(path)
+    try:
+        return max((param.full_tensor() - expected.get_parameter(name)).abs().max().item()
+                   for name, param in built.model.named_parameters())
+    finally:
+        distributed.destroy()
 
 
 def _state_bytes(root: str, layout: str) -> int:
@@ -219,7 +254,7 @@ def _optimizer_bytes_dp4_zero1(root: str) -> tuple[list[int], int]:
 # layouts that split, shard or recompute those parts; a Llama with one kv head (multi-query, as
 # Gemma 3 270M) where its replicated kv head meets ZeRO-3, gradient accumulation and recomputation;
 # the Llama-shaped Qwen3 and Mistral (the same layers) take Llama's pipelines under ZeRO-3.
-GPT2_LAYOUTS = [name for name in LAYOUTS if name != "one" and name not in (
+GPT2_LAYOUTS = [name for name in LAYOUTS if name != "one" and LAYOUTS[name].ep == 1 and name not in (
     "dp2_tp2_zero1", "tp2_pp2_interleaved", "dp2_pp2_zero2")]  # those three are LoRA's (test_lora_parallel)
 LLAMA_LAYOUTS = ["tp2", "tp2_sp", "tp4", "pp2_1f1b", "dp2_tp2_zero3_accum_ac"]
 MQA_LAYOUTS = ["dp2_tp2_zero3_accum_ac"]
@@ -244,10 +279,16 @@ FAMILY_LAYOUTS = {
 # correction biases then move alike at every layout only if each step's routed tokens are summed over dp)
 FAMILY_OPTIONS = {"deepseek_v3": ("train.expert_bias_update_rate=0.001",)}
 LLAMA_SHAPED_LAYOUTS = LLAMA_LAYOUTS + FAMILY_LAYOUTS["qwen3"] + FAMILY_LAYOUTS["mistral"]
-TRAINED = {"gpt2": GPT2_LAYOUTS, "llama": LLAMA_LAYOUTS, "mqa": MQA_LAYOUTS, **FAMILY_LAYOUTS}
+# A Mixture of Experts (Mixtral's layers, 8 experts; `uneven_router`: every token to expert 0, none to
+# the last two, so splits and experts go empty) at every expert-parallel layout, FAMILY_STEPS steps. Its
+# auxiliary loss is a statistic of each micro-batch: its one-process references run at each layout's
+# micro-batch size (moe_one_mb4, moe_one_mb2).
+MOE_LAYOUTS = [name for name, layout in LAYOUTS.items() if layout.ep > 1]
+TRAINED = {"gpt2": GPT2_LAYOUTS, "llama": LLAMA_LAYOUTS, "mqa": MQA_LAYOUTS, **FAMILY_LAYOUTS, "moe": MOE_LAYOUTS}
 MODEL_OF = {f"{model}_{layout}": model for model, layouts in TRAINED.items() for layout in layouts}  # case -> model
 INDEXED_LAYOUTS = ["dp2", "pp2_1f1b"]  # Megatron-format data: windows of 17 tokens as 16 inputs + 16 shift_labels
 RESUME_AT = ["tp4", "tp2_pp2", "dp2_pp2_zero1_1f1b", "dp2_tp2_pp2_zero3_interleaved", "one"]
+MOE_RESUME_AT = {"ep4": (), "one": ("train.micro_batch_size=2",)}  # from dp2_ep2 ZeRO-3, all at micro-batch 2
 EXTRA = {"dp2_pp2_zero2_zbv": ("dataloader.test=null",)}  # zbv cannot evaluate
 
 
@@ -256,25 +297,37 @@ def _world(layout: str) -> int:
 
 
 def _steps(model: str) -> int:
-    return FAMILY_STEPS if model in FAMILY_LAYOUTS else STEPS
+    return FAMILY_STEPS if model in FAMILY_LAYOUTS or model == "moe" else STEPS
 
 
 def _extra(model: str, layout: str) -> tuple:
-    return (*EXTRA.get(layout, ()), *((f"train.max_iter={FAMILY_STEPS}",) if model in FAMILY_LAYOUTS else ()),
+    return (*EXTRA.get(layout, ()), *((f"train.max_iter={_steps(model)}",) if _steps(model) != STEPS else ()),
             *FAMILY_OPTIONS.get(model, ()))
+
+
+def _reference(model: str, layout: str) -> str:
+    """The one-process case `model` at `layout` equals (the MoE's at the layout's micro-batch size)."""
+    return f"moe_one_mb{LAYOUTS[layout].micro_batch_size}" if model == "moe" else f"{model}_one"
 
 
 CASES = {
     **{f"{model}_one": Case(1, _run, (f"{model}_one", model, "one", "config.py", _extra(model, "one")))
-       for model in TRAINED},
+       for model in TRAINED if model != "moe"},
+    **{f"moe_one_mb{mb}": Case(1, _run, (f"moe_one_mb{mb}", "moe", "one", "config.py",
+                                         (*_extra("moe", "one"), f"train.micro_batch_size={mb}"))) for mb in (4, 2)},
     "indexed_one": Case(1, _run, ("indexed_one", "gpt2", "one", "config_indexed.py")),
     **{f"{model}_{layout}": Case(_world(layout), _run, (f"{model}_{layout}", model, layout, "config.py",
-                                                         _extra(model, layout)), needs=(f"{model}_one",))
+                                                         _extra(model, layout)), needs=(_reference(model, layout),))
        for model, layouts in TRAINED.items() for layout in layouts},
     **{f"indexed_{layout}": Case(_world(layout), _run, (f"indexed_{layout}", "gpt2", layout, "config_indexed.py"),
                                  needs=("indexed_one",)) for layout in INDEXED_LAYOUTS},
     "ckpt": Case(4, _checkpoint, needs=("gpt2_one",)),
     **{f"resume_{layout}": Case(_world(layout), _resume, (layout,), needs=("ckpt",)) for layout in RESUME_AT},
+    "moe_ckpt": Case(4, _moe_checkpoint, needs=("moe_one_mb2",)),
+    "moe_from_hugging_face": Case(4, _moe_from_hugging_face),
+    **{f"moe_resume_{layout}": Case(_world(layout), _resume, (layout, "moe_ckpt", "moe", (
+        f"train.max_iter={FAMILY_STEPS}", "train.checkpoint.period=2", *extra)), needs=("moe_ckpt",))
+       for layout, extra in MOE_RESUME_AT.items()},
     "bytes_one": Case(1, _state_bytes, ("one",)),
     "bytes_dp4_zero3": Case(4, _state_bytes, ("dp4_zero3",)),
     "optimizer_bytes_dp4_zero1": Case(4, _optimizer_bytes_dp4_zero1),
@@ -299,7 +352,17 @@ def _assert_same(losses: dict[int, float], reference: dict[int, float], steps) -
 @pytest.mark.parametrize("case", _params(MODEL_OF))
 def test_layout_equals_one_process(runs, case):
     model = MODEL_OF[case]
-    _assert_same(runs(case)["losses"], runs(f"{model}_one")["losses"], range(1, _steps(model) + 1))
+    reference = _reference(model, case.removeprefix(f"{model}_"))
+    _assert_same(runs(case)["losses"], runs(reference)["losses"], range(1, _steps(model) + 1))
+
+
+@pytest.mark.parametrize("case", [f"moe_{layout}" for layout in MOE_LAYOUTS])
+def test_expert_gradients_equal_one_process(runs, case):
+    """The gradient norm counts each expert once, at its one-process size: AdamW hides a gradient off
+    by a constant factor from the losses (the experts' summed over ep by the all-to-all's backward
+    must be scaled by 1/ep), the norm does not."""
+    reference = _reference("moe", case.removeprefix("moe_"))
+    _assert_same(runs(case)["grad_norms"], runs(reference)["grad_norms"], range(1, FAMILY_STEPS + 1))
 
 
 # Layouts whose one evaluation batch holds the same 8 sequences as the one-process run's
@@ -330,6 +393,17 @@ def test_megatron_format_data_trains_alike_under_dp_and_pp(runs, case):
 @pytest.mark.parametrize("case", _params(f"resume_{layout}" for layout in RESUME_AT))
 def test_checkpoint_from_dp2_tp2_zero3_resumes_elsewhere(runs, case):
     _assert_same(runs(case), runs("gpt2_one")["losses"], range(6, STEPS + 1))
+
+
+@pytest.mark.parametrize("case", [f"moe_resume_{layout}" for layout in MOE_RESUME_AT])
+def test_moe_checkpoint_resumes_at_another_ep(runs, case):
+    """Experts saved split over ep2 (ZeRO-3 over edp) load split over ep4, and whole in one process."""
+    _assert_same(runs(case), runs("moe_one_mb2")["losses"], range(3, FAMILY_STEPS + 1))
+
+
+@pytest.mark.cases("moe_from_hugging_face")
+def test_moe_reads_its_experts_from_hugging_face_files(runs):
+    assert runs("moe_from_hugging_face") == 0.0
 
 
 @pytest.mark.cases("bytes_dp4_zero3", "bytes_one")
@@ -373,3 +447,5 @@ def test_bad_layouts_fail_before_the_first_step(runs):
     assert "1F1B needs at least pp = 4 micro-batches per step, got 2" in errors["few_micro_batches"]
     assert "this run is already on the CPU" in errors["offload_on_cpu"]
     assert "schedule = 'zbv' cannot evaluate" in errors["zbv_eval"]
+    assert "dp = 4 is not a multiple of ep = 3" in errors["ep_dp"] and "choose an ep that divides 4" in errors["ep_dp"]
+    assert "num_experts = 6 is not divisible by ep × tp = 4 × 1 = 4" in errors["experts"]

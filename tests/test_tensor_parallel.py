@@ -4,6 +4,8 @@ Each check builds a layer at full size, runs it unsharded (the tp=1 reference), 
 runs it on this rank's part of the inputs, and compares the output, the input gradients and the
 gathered parameter gradients. The loss is sum(out * R) for a fixed random R: on a rank that
 holds part of the output it is that part's share of the loss, as Megatron's f/g pair assumes.
+The same workers check expert parallelism's token exchange at ep2, ep4 and ep2 × tp2 against one
+process computing every rank's tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
 from libai_zoo import distributed, layers
+from libai_zoo.distributed.expert_parallel import combine, dispatch, gather_tokens, local_tokens, scatter_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +137,8 @@ def _part(t, dim, tp):
 
 def _max_diff(a, b) -> float:
     a = a.full_tensor() if isinstance(a, DTensor) else a
-    return (a.detach().float() - b.detach().float()).abs().max().item()
+    diff = (a.detach().float() - b.detach().float()).abs()
+    return diff.max().item() if diff.numel() else 0.0  # a rank with no tokens
 
 
 def _check_case(name: str, sp: bool) -> dict[str, float]:
@@ -253,6 +257,57 @@ def _load_resharded(ckpt_dir: str) -> float:
     return _max_diff(layer(x), _reference_layer(0)(x))
 
 
+EXPERTS, EXPERT_OUT = 8, 12
+
+
+def _routed_tokens(data_index: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens of data-parallel rank `data_index` and the expert each goes to (top-1): uneven
+    (most go to expert 0, none to expert 5); rank 1 has none, or under tp a single one (one tp rank
+    sends none), and the others an odd number (uneven over tp)."""
+    g = torch.Generator().manual_seed(10 + data_index)
+    n = int(tp > 1) if data_index == 1 else 9 + data_index
+    experts = torch.randint(0, EXPERTS, (n,), generator=g)
+    experts[experts == 5] = 6
+    experts[: n // 2] = 0
+    return torch.randn(n, H, generator=g), experts
+
+
+def _expert_exchange(ep: int, tp: int) -> dict[str, float]:
+    """Each rank's tokens through a toy per-expert linear on the experts' ranks and back, against
+    every rank's tokens through all experts in one process: output, input and expert gradients."""
+    torch.manual_seed(0)
+    weight = torch.randn(EXPERTS, EXPERT_OUT, H)
+    expert = distributed.init(dp=ep, tp=tp, ep=ep).expert_parallel
+    data_index = expert.rank // expert.tp
+    reference_weight = weight.clone().requires_grad_()
+    outputs = []
+    for d in range(ep):
+        x, ids = _routed_tokens(d, tp)
+        x.requires_grad_()
+        y = torch.einsum("nh,noh->no", x, reference_weight[ids])
+        (y * torch.full_like(y, 0.5 + d)).sum().backward()
+        outputs.append((x.grad, y.detach()))
+    start, end = expert.local_experts(EXPERTS)
+    local_weight = weight[start:end].clone().requires_grad_()
+    x, ids = _routed_tokens(data_index, tp)
+    x.requires_grad_()
+    mine = x
+    if expert.tensor_parallel is not None:
+        mine, ids = scatter_tokens(x, expert.tensor_parallel), local_tokens(ids, expert.tensor_parallel)
+    order = torch.argsort(ids, stable=True)
+    rows, per_expert, route = dispatch(mine[order], torch.bincount(ids, minlength=EXPERTS), expert)
+    out = torch.cat([part @ w.T for part, w in zip(rows.split(per_expert.tolist()), local_weight)])
+    y = combine(out, route, expert)[torch.argsort(order)]
+    if expert.tensor_parallel is not None:
+        y = gather_tokens(y, expert.tensor_parallel, len(x))
+    (y * torch.full_like(y, 0.5 + data_index)).sum().backward()
+    ref_grad, ref_out = outputs[data_index]
+    return {"out": _max_diff(y, ref_out), "input_grad": _max_diff(x.grad, ref_grad),
+            "expert_grad": _max_diff(local_weight.grad, reference_weight.grad[start:end]),
+            "received": float(len(rows)),
+            "empty_expert_rows": float(per_expert[5 - start]) if start <= 5 < end else 0.0}
+
+
 def _worker(tp_size: int, ckpt_dir: str, load: bool) -> dict:
     distributed.init(tp=tp_size)
     results = {"cases": {(name, sp): _check_case(name, sp) for name in CASES for sp in (False, True)},
@@ -262,6 +317,7 @@ def _worker(tp_size: int, ckpt_dir: str, load: bool) -> dict:
         results["reshard_diff"] = _load_resharded(ckpt_dir)
     else:
         results["saved"] = _save_sharded(ckpt_dir)
+    results["experts"] = {(ep, tp_size // ep): _expert_exchange(ep, tp_size // ep) for ep in (tp_size, 2)}
     return results
 
 
@@ -273,6 +329,8 @@ def _merge(per_rank: list[dict]) -> dict:
     merged["counts_equal_on_ranks"] = all(r["counts"] == merged["counts"] for r in per_rank)
     if "reshard_diff" in merged:
         merged["reshard_diff"] = max(r["reshard_diff"] for r in per_rank)
+    merged["experts"] = {key: {name: [r["experts"][key][name] for r in per_rank] for name in diffs}
+                         for key, diffs in merged["experts"].items()}
     return merged
 
 
@@ -320,6 +378,16 @@ def test_transformer_layer_issues_megatron_collectives(results):
     assert counts[(True, True)] == {"forward": {"all_gather": 1, "reduce_scatter": 1},
                                     "backward": {"all_gather": 1, "reduce_scatter": 1},
                                     "finalize": {"all_reduce": 1}}
+
+
+def test_expert_exchange_matches_one_process(results):
+    """ep2 (2 processes), ep4 and ep2 × tp2 (4): tokens sorted by expert go to their experts' ranks
+    and back by uneven all-to-alls; outputs and gradients (the all-to-all's backward) are one process's."""
+    for (ep, tp), per_rank in results["experts"].items():
+        for name in ("out", "input_grad", "expert_grad"):
+            assert max(per_rank[name]) <= TOL, (ep, tp, name, per_rank[name])
+        assert sum(per_rank["empty_expert_rows"]) == 0 and min(per_rank["received"]) >= 0
+        assert any(rows > 0 for rows in per_rank["received"])
 
 
 def test_bad_sizes_fail_with_the_fix(results):

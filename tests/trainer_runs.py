@@ -40,8 +40,9 @@ def records(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.json").read_text().splitlines()]
 
 
-def losses(output_dir: Path) -> dict[int, float]:
-    """{iteration: loss} of a run's metrics.json ({} when the rank wrote none)."""
+def losses(output_dir: Path, scalar: str = "loss") -> dict[int, float]:
+    """{iteration: loss} (or another `scalar`, e.g. "grad_norm") of a run's metrics.json ({} when
+    the rank wrote none)."""
     if not (Path(output_dir) / "metrics.json").is_file():
         return {}
-    return {r["iteration"]: r["loss"] for r in records(output_dir)}
+    return {r["iteration"]: r[scalar] for r in records(output_dir)}

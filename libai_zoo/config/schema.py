@@ -164,11 +164,15 @@ class TrainConfig(Section):
 # ------------------------------------------------------------------------------------------- dist
 @dataclass
 class DistConfig(Section):
-    """The parallel layout, read by distributed.init: data × tensor × pipeline = number of processes."""
+    """The parallel layout, read by distributed.init: data × tensor × pipeline = number of processes
+    (expert parallelism splits dp further, it adds no processes)."""
 
     dp: int = 1                         # -1: inferred from the world size
     tp: int = 1
     pp: int = 1
+    # Expert parallelism: an MoE model's experts are split over ep × tp ranks (ep carved from dp, which
+    # must be a multiple of it); tokens travel to their experts' ranks by all-to-all. 1: no split over dp.
+    ep: int = 1
     sequence_parallel: bool = False     # split norms and dropout over the sequence inside the tp group
     # Timeouts in seconds: init_timeout bounds forming the process group and every collective until
     # the first step is done; timeout every collective after it (a rank that waits longer names the

@@ -1,17 +1,21 @@
-"""libai_zoo.distributed: the parallel context, tensor-parallel sharding and its collectives.
+"""libai_zoo.distributed: the parallel context, tensor-parallel sharding, expert parallelism and
+their collectives.
 
     ctx = distributed.init(dp=2, tp=2, pp=1)   # reads torchrun's env; distributed.init() alone = one process
+    ctx = distributed.init(dp=4, ep=2)         # experts split over pairs of the 4 dp ranks: ctx.expert_parallel
     model = distributed.shard(model)           # every parallel layer keeps its own slice
 """
 
 from .context import (ParallelContext, connect, destroy, get_context, init, launched_world_size, resolve_sizes,
                       run_group)
+from .expert_parallel import ExpertParallel
 from .rendezvous import progress_store
-from .shard import dp_rows_of, fill_shard_, finalize_grads, parameter_uses, retie, shard, tp_problems, tp_slice_of
+from .shard import (dp_rows_of, expert_problems, fill_shard_, finalize_grads, parameter_uses, retie, shard, tp_problems,
+                    tp_slice_of)
 from .tensor_parallel import TensorParallel, local, local_range, local_rows
 
-__all__ = ["ParallelContext", "TensorParallel", "init", "connect", "get_context", "destroy", "resolve_sizes", "launched_world_size",
-           "run_group",
+__all__ = ["ParallelContext", "TensorParallel", "ExpertParallel", "init", "connect", "get_context", "destroy",
+           "resolve_sizes", "launched_world_size", "run_group",
            "progress_store",
-           "shard", "tp_problems", "tp_slice_of", "fill_shard_", "dp_rows_of", "finalize_grads",
+           "shard", "tp_problems", "expert_problems", "tp_slice_of", "fill_shard_", "dp_rows_of", "finalize_grads",
            "parameter_uses", "retie", "local", "local_range", "local_rows"]

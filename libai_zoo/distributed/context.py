@@ -1,9 +1,12 @@
 """The parallel context: one object that owns the process layout of a run.
 
-`init(dp, tp, pp)` reads torchrun's environment, checks the degrees against the world size,
-and builds one named DeviceMesh ``("pp", "dp", "tp")`` with tensor parallelism innermost, so a
-tp group is made of neighbouring ranks (the same node on a GPU cluster). Launched without
-torchrun it is one process and needs no process group at all.
+`init(dp, tp, pp, ep=...)` reads torchrun's environment, checks the degrees against the world
+size, and builds one named DeviceMesh ``("pp", "edp", "ep", "tp")`` with tensor parallelism
+innermost, so a tp group is made of neighbouring ranks (the same node on a GPU cluster). Expert
+parallelism splits data parallelism: "dp" = (edp, ep) flattened is the data-parallel dimension of
+the dense parameters, "ept" = (ep, tp) flattened the group an MoE layer's experts are split over,
+"edp" the data-parallel dimension of the experts. Launched without torchrun it is one process and
+needs no process group at all.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .expert_parallel import ExpertParallel
 from .rendezvous import attempt_store, forget, shares_agent_store
 from .tensor_parallel import TensorParallel
 
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("pp", "edp", "ep", "tp")
+#: The flattened dimensions: name -> the mesh dimensions it joins.
+FLAT_DIMS = {"dp": ("edp", "ep"), "ept": ("ep", "tp")}
 
 _current: ParallelContext | None = None
 _connected = False  # the default process group was formed by `connect`: this module tears it down
@@ -27,18 +33,25 @@ _connected = False  # the default process group was formed by `connect`: this mo
 class ParallelContext:
     """Sizes, ranks, device and meshes of this process; build it with `init`."""
 
-    def __init__(self, dp: int, tp: int, pp: int, *, rank: int, local_rank: int,
+    def __init__(self, dp: int, tp: int, pp: int, *, ep: int = 1, rank: int, local_rank: int,
                  device: torch.device, mesh: DeviceMesh | None, sequence_parallel: bool,
                  owns_process_group: bool):
-        self.dp, self.tp, self.pp = dp, tp, pp
+        self.dp, self.tp, self.pp, self.ep = dp, tp, pp, ep
         self.world_size = dp * tp * pp
         self.rank = rank
         self.local_rank = local_rank
         self.device = device
+        #: The ("pp", "edp", "ep", "tp") mesh; its flattened "dp" and "ept" are `submesh`'s.
         self.mesh = mesh
+        self._submeshes: dict[str, DeviceMesh] = {} if mesh is None else {
+            **{dim: mesh[dim] for dim in MESH_DIMS},
+            **{name: mesh[dims]._flatten(name) for name, dims in FLAT_DIMS.items()}}
         self.owns_process_group = owns_process_group
         self.tensor_parallel = (TensorParallel(mesh["tp"], sequence_parallel=sequence_parallel)
                                 if tp > 1 else None)
+        #: The group an MoE layer's experts are split over (ep × tp ranks); None when ep·tp = 1.
+        self.expert_parallel = (ExpertParallel(self._submeshes["ept"], ep=ep, tensor_parallel=self.tensor_parallel)
+                                if ep * tp > 1 else None)
         #: Every rank of the run, for collectives outside the mesh's dimensions (rank 0 writes, the
         #: others wait): the process group `init` built the mesh on; None in a one-process run.
         self.world_group: dist.ProcessGroup | None = None if mesh is None else dist.group.WORLD
@@ -48,8 +61,9 @@ class ParallelContext:
         return self.tensor_parallel is not None and self.tensor_parallel.sequence_parallel
 
     def submesh(self, dim: str) -> DeviceMesh | None:
-        """The 1-D mesh of one dimension ("dp", "tp" or "pp"); None in a one-process run."""
-        return None if self.mesh is None else self.mesh[dim]
+        """The 1-D mesh of one dimension ("dp", "tp", "pp", "ep", "edp" or "ept"); None in a
+        one-process run."""
+        return self._submeshes.get(dim)
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
         """The process group of one dimension; None in a one-process run."""
@@ -58,7 +72,7 @@ class ParallelContext:
 
     def rank_in(self, dim: str) -> int:
         """This process's coordinate along one dimension."""
-        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
+        return 0 if self.mesh is None else self._submeshes[dim].get_local_rank()
 
     @property
     def dp_rank(self) -> int:
@@ -83,12 +97,12 @@ class ParallelContext:
             return
         # no collective is in flight while the timeout changes
         dist.barrier(self.world_group, device_ids=[self.local_rank] if self.device.type == "cuda" else None)
-        _bound(self.mesh, seconds)
+        _bound(self._submeshes.values(), seconds)
 
     def __repr__(self) -> str:
         return (f"ParallelContext(world_size={self.world_size}, dp={self.dp}, tp={self.tp}, "
                 f"pp={self.pp}, rank={self.rank}, device={self.device}, "
-                f"sequence_parallel={self.sequence_parallel})")
+                f"sequence_parallel={self.sequence_parallel}, ep={self.ep})")
 
 
 def launched_world_size() -> int:
@@ -99,9 +113,10 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def resolve_sizes(world_size: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """Check the degrees against the world size and infer dp=-1; raise a ValueError that says the fix."""
-    for name, value in (("tp", tp), ("pp", pp)):
+def resolve_sizes(world_size: int, dp: int, tp: int, pp: int, ep: int = 1) -> tuple[int, int, int]:
+    """Check the degrees against the world size and infer dp=-1 (ep splits dp: it must divide
+    it); raise a ValueError that says the fix."""
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: parallel sizes are positive integers")
     if dp == -1:
@@ -118,6 +133,11 @@ def resolve_sizes(world_size: int, dp: int, tp: int, pp: int) -> tuple[int, int,
             f"world size {world_size} does not match dp×tp×pp = {dp}×{tp}×{pp} = {dp * tp * pp}: "
             f"launch {dp * tp * pp} processes (torchrun --nproc_per_node={dp * tp * pp} ...) or "
             f"choose dp, tp, pp whose product is {world_size} (dp=-1 infers dp)")
+    if dp % ep:
+        raise ValueError(
+            f"dp = {dp} is not a multiple of ep = {ep}: expert parallelism splits the data-parallel ranks "
+            f"into groups of ep, so choose an ep that divides {dp}, or launch ep × tp × pp × k processes "
+            f"so that dp is a multiple of {ep}")
     return dp, tp, pp
 
 
@@ -128,13 +148,15 @@ def _default_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False,
+def init(dp: int = -1, tp: int = 1, pp: int = 1, *, ep: int = 1, sequence_parallel: bool = False,
          backend: str | None = None, timeout: float | None = None) -> ParallelContext:
     """Set up the process layout of this run and make it the current context.
 
     Reads torchrun's ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``; without them this is a single
     process and no process group is created. An already initialized default process group (from
     ``accelerate`` or a test harness) is reused. The backend is nccl on CUDA and gloo on CPU.
+    ``ep`` splits an MoE model's experts over ep × tp ranks (ep of the dp ranks, which it must
+    divide, and the tp ranks: `ParallelContext.expert_parallel`).
     ``sequence_parallel`` splits norms and dropout over the sequence inside the tp group.
     ``timeout`` (seconds; None: the backend's default) bounds forming the group and every
     collective until `ParallelContext.set_timeout` changes it. Under a torchrun restart the new
@@ -145,7 +167,7 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = Fa
     initialized = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    dp, tp, pp = resolve_sizes(world_size, dp, tp, pp)
+    dp, tp, pp = resolve_sizes(world_size, dp, tp, pp, ep)
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel=True needs tp > 1: it splits the sequence over the tp group")
 
@@ -156,12 +178,12 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, sequence_parallel: bool = Fa
         if not dist.is_initialized():
             connect(backend=backend, timeout=timeout)
             owns_process_group = True
-        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
-        if timeout is not None:  # the mesh's groups take the backend's default, not the default group's
-            _bound(mesh, timeout)
-    _current = ParallelContext(dp, tp, pp, rank=rank, local_rank=local_rank, device=device,
+        mesh = init_device_mesh(device.type, (pp, dp // ep, ep, tp), mesh_dim_names=MESH_DIMS)
+    _current = ParallelContext(dp, tp, pp, ep=ep, rank=rank, local_rank=local_rank, device=device,
                                mesh=mesh, sequence_parallel=sequence_parallel,
                                owns_process_group=owns_process_group)
+    if mesh is not None and timeout is not None:  # its groups take the backend's default, not the default group's
+        _bound(_current._submeshes.values(), timeout)
     return _current
 
 
@@ -189,9 +211,9 @@ def connect(*, backend: str | None = None, timeout: float | None = None) -> dist
     return dist.group.WORLD
 
 
-def _bound(mesh: DeviceMesh, seconds: float) -> None:
-    """Set the timeout of the default process group and of every group of `mesh`."""
-    for group in [None, *mesh.get_all_groups()]:
+def _bound(meshes, seconds: float) -> None:
+    """Set the timeout of the default process group and of the group of every 1-D mesh of `meshes`."""
+    for group in [None, *(mesh.get_group() for mesh in meshes)]:
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 

@@ -9,36 +9,48 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .collectives import all_reduce_coalesced_
 from .context import ParallelContext, get_context
+from .expert_parallel import ExpertParallel, experts_problems
 from .tensor_parallel import TensorParallel, local_range
+
+#: The mesh dimensions that split a parameter by model parallelism: tp, and for an MoE layer's
+#: experts ept (the expert group); the others (dp, edp) are data parallelism's.
+MODEL_PARALLEL_DIMS = ("tp", "ept")
 
 
 def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
           sequence_parallel: bool | None = None) -> nn.Module:
-    """Split every parallel layer of `model` over the tensor-parallel mesh, in place.
+    """Split every parallel layer of `model` over the tensor-parallel mesh, and an MoE layer's
+    experts over the expert group, in place.
 
     A parallel layer is any module with a ``shard_(tp)`` method (all of `libai_zoo.layers`); it
     keeps its own slice of each weight as a DTensor and from then on communicates in
-    forward/backward. Sizes that do not split over tp (`tp_problems`) are one error, raised before
-    anything is split. Tied weights (an LM head sharing the token embedding)
-    stay one parameter. With tp=1 the model is returned unchanged. The model ends on the
-    context's device, unless it lives on the meta device (materialise it with ``to_empty``).
-    ``sequence_parallel`` overrides the context's setting.
+    forward/backward. Under expert parallelism (`ParallelContext.expert_parallel`: ep × tp > 1)
+    every module with a ``shard_experts_(ep)`` method (`layers.MoE`) then keeps its own experts.
+    Sizes that do not split over tp (`tp_problems`) or experts that do not split over ep × tp
+    (`expert_problems`) are one error, raised before anything is split. Tied weights (an LM head
+    sharing the token embedding) stay one parameter. With tp=1 and ep=1 the model is returned
+    unchanged. The model ends on the context's device, unless it lives on the meta device
+    (materialise it with ``to_empty``). ``sequence_parallel`` overrides the context's setting.
     """
     ctx = ctx or get_context()
-    tp = ctx.tensor_parallel
-    if tp is not None:
-        if sequence_parallel is not None and sequence_parallel != tp.sequence_parallel:
-            tp = TensorParallel(tp.mesh, sequence_parallel=sequence_parallel)
-        problems = tp_problems(model, tp.size)
-        if problems:
-            raise ValueError(f"{type(model).__name__} cannot be split over tp = {tp.size}:\n  "
-                             + "\n  ".join(problems))
-        uses = parameter_uses(model)
+    tp, ep = ctx.tensor_parallel, ctx.expert_parallel
+    if tp is not None and sequence_parallel is not None and sequence_parallel != tp.sequence_parallel:
+        tp = TensorParallel(tp.mesh, sequence_parallel=sequence_parallel)
+        ep = ExpertParallel(ep.mesh, ep=ep.ep, tensor_parallel=tp)
+    problems = (tp_problems(model, tp.size) if tp is not None else []) + \
+        (expert_problems(model, ep.ep, ep.tp) if ep is not None else [])
+    if problems:
+        raise ValueError(f"{type(model).__name__} cannot be split over tp = {ctx.tp}, ep = {ctx.ep}:\n  "
+                         + "\n  ".join(problems))
+    uses = parameter_uses(model)
+    for method, group in (("shard_", tp), ("shard_experts_", ep)):
+        if group is None:
+            continue
         for module in model.modules():
-            shard_ = getattr(module, "shard_", None)
-            if callable(shard_):
-                shard_(tp)
-        retie(uses)
+            split = getattr(module, method, None)
+            if callable(split):
+                split(group)
+    retie(uses)
     if any(p.is_meta for p in model.parameters()):
         return model
     return model.to(ctx.device)
@@ -57,6 +69,16 @@ def tp_problems(model: nn.Module, tp_size: int) -> list[str]:
         if found:
             refused.append(f"{name}." if name else "")  # the root: every other module is inside it
             problems += [p for p in found if p not in problems]
+    return problems
+
+
+def expert_problems(model: nn.Module, ep: int, tp: int) -> list[str]:
+    """Why the experts of `model`'s MoE layers (modules with ``shard_experts_`` and
+    ``num_experts``) cannot be split over ep × tp ranks ([] when they can), each problem once."""
+    problems: list[str] = []
+    for module in model.modules():
+        if callable(getattr(module, "shard_experts_", None)):
+            problems += [p for p in experts_problems(module.num_experts, ep, tp) if p not in problems]
     return problems
 
 
@@ -84,15 +106,17 @@ def retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 def tp_slice_of(param: torch.Tensor) -> tuple[int, int, int] | None:
-    """(dim, index, count): the tensor-parallel slice of a parameter this rank holds (slice
-    `index` of `count` along `dim`), or None when tensor parallelism does not split it. The
-    parameter may also be split over dp (ZeRO: a 2-D DTensor on the ("dp", "tp") mesh)."""
+    """(dim, index, count): the model-parallel slice of a parameter this rank holds (slice `index`
+    of `count` along `dim`): its tensor-parallel slice, or for an MoE layer's stacked experts its
+    block of experts over the expert group (ept); None when neither splits it. The parameter may
+    also be split over dp (ZeRO: a 2-D DTensor on the ("dp", "tp") or ("edp", "ept") mesh)."""
     if not isinstance(param, DTensor):
         return None
     names = param.device_mesh.mesh_dim_names or ()
-    if "tp" not in names:
+    found = [name for name in MODEL_PARALLEL_DIMS if name in names]
+    if not found:
         return None
-    mesh_dim = names.index("tp")
+    mesh_dim = names.index(found[0])
     placement = param.placements[mesh_dim]
     if placement.is_replicate():
         return None
@@ -109,7 +133,7 @@ def dp_rows_of(param: torch.Tensor) -> tuple[int, int] | None:
         return None
     mesh, tp = param.device_mesh, tp_slice_of(param)
     for mesh_dim, (name, placement) in enumerate(zip(mesh.mesh_dim_names or (), param.placements)):
-        if name == "tp" or getattr(placement, "dim", None) is None:
+        if name in MODEL_PARALLEL_DIMS or getattr(placement, "dim", None) is None:
             continue
         if placement.dim != 0:
             raise ValueError(f"a parameter split along dim {placement.dim} over {name} has no row range: "

@@ -49,15 +49,21 @@ class TensorParallel:
         self._distribute(module, name, Replicate())
 
     def _distribute(self, module: nn.Module, name: str, placement) -> None:
-        param = getattr(module, name)
-        if param is None or isinstance(param, DTensor):
-            return
-        # distribute_tensor takes rank 0's values, so every rank ends up with one consistent model.
-        sharded = distribute_tensor(param.detach(), self.mesh, [placement])
-        setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        distribute_parameter(module, name, self.mesh, placement)
 
     def __repr__(self) -> str:
         return f"TensorParallel(size={self.size}, rank={self.rank}, sequence_parallel={self.sequence_parallel})"
+
+
+def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
+    """Replace ``module.<name>`` (unless None or already a DTensor) by a DTensor parameter placed
+    `placement` on the 1-D `mesh`."""
+    param = getattr(module, name)
+    if param is None or isinstance(param, DTensor):
+        return
+    # distribute_tensor takes rank 0's values, so every rank ends up with one consistent model.
+    sharded = distribute_tensor(param.detach(), mesh, [placement])
+    setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 def local_range(total: int, index: int, count: int) -> tuple[int, int]:

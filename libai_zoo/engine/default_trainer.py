@@ -79,13 +79,14 @@ class DefaultTrainer(TrainerBase):
             overrides, auto_layout = agree_on_layout(cfg, timeout=cfg.dist.init_timeout)
             LazyConfig.apply_overrides(cfg, overrides.split())
         # What can be refused without a process group is refused before one exists (checks.py).
-        dp, tp, pp = distributed.resolve_sizes(distributed.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp)
+        dp, tp, pp = distributed.resolve_sizes(distributed.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp,
+                                               cfg.dist.ep)
         self.accumulation = accumulation_steps(train, dp)
         self.settings = run_settings(cfg)  # what the config means (sequence length, AMP dtype, pipeline)
         self.amp_dtype = self.settings.amp_dtype
         self.divergence = DivergenceWatch(train.on_divergence, train.max_bad_steps)
-        check_layout(cfg, tp, pp, self.accumulation)
-        self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp,
+        check_layout(cfg, tp, pp, self.accumulation, cfg.dist.ep)
+        self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp, ep=cfg.dist.ep,
                                     sequence_parallel=cfg.dist.sequence_parallel,
                                     timeout=cfg.dist.init_timeout)
         self.output_dir = Path(train.output_dir)

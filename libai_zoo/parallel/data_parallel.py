@@ -22,6 +22,11 @@ no gradient sync and no resharding after backward until its last micro-batch, so
 reduces once per step like ZeRO-1, and ZeRO-3 keeps a stage's parameters gathered from its first
 backward to the end of the step (they are 1/dp between steps at every stage). Modules may be
 wrapped on the meta device.
+
+Under expert parallelism an MoE layer's experts (split over the expert group, "ept") are their
+own unit, wrapped before their layer's, over the "edp" mesh: the dp ranks that hold the same
+experts. Their gradients already sum ep dp ranks' tokens (the all-to-all's backward, scaled by
+1/ep), so the average over edp is the mean over dp too.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from torch.distributed.tensor import DTensor
 
 from libai_zoo.distributed import ParallelContext
 from libai_zoo.utils import parameter_bytes
@@ -60,6 +67,14 @@ def buckets(layers: list[nn.Module], min_bytes: int) -> list[list[nn.Module]]:
         groups[-1].append(layer)
         size += parameter_bytes(layer)
     return [group for group in groups if group]
+
+
+def expert_modules(layers: list[nn.Module]) -> list[nn.Module]:
+    """The modules inside `layers` whose own parameters are split over the expert group (an MoE
+    layer's experts under expert parallelism: DTensors on a mesh with an "ept" dimension)."""
+    return [module for layer in layers for module in layer.modules()
+            if any(isinstance(p, DTensor) and "ept" in (p.device_mesh.mesh_dim_names or ())
+                   for p in module.parameters(recurse=False))]
 
 
 def set_forward_prefetch(layers: list[FSDPModule], on: bool) -> None:
@@ -92,24 +107,31 @@ class DataParallel:
 
     def wrap(self, module: nn.Module, layers: list[nn.Module], *, keep_gathered: bool = False) -> nn.Module:
         """Wrap each of `layers` (the layer stack inside `module`), then `module` itself (embeddings,
-        head), for this ZeRO stage: `replicate` at 0, `fully_shard` at 1-3. A no-op at dp = 1.
+        head), for this ZeRO stage: `replicate` at 0, `fully_shard` at 1-3 (an MoE layer's experts
+        under expert parallelism first, over "edp"). A no-op at dp = 1.
         `keep_gathered`: ZeRO-3 keeps the parameters gathered from a step's first forward to its
         last backward (a zero-bubble pipeline computes weight gradients after FSDP's backward hooks
         have run); they are still 1/dp between steps."""
         if self.group is None:
             return module
-        mesh = self.ctx.submesh("dp")
+        mesh, expert_mesh = self.ctx.submesh("dp"), self.ctx.submesh("edp")
         mp_policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32) \
             if self.param_dtype is not None else MixedPrecisionPolicy()
         if self.zero_stage == 0:
+            for experts in expert_modules(layers):
+                replicate(experts, mesh=expert_mesh, mp_policy=mp_policy)
             for bucket in buckets(layers, BUCKET_BYTES):
                 replicate(bucket if len(bucket) > 1 else bucket[0], mesh=mesh, mp_policy=mp_policy)
             replicate(module, mesh=mesh, mp_policy=mp_policy)
         else:
             offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
+            reshard = self.zero_stage == 3 and not keep_gathered
+            for experts in expert_modules(layers):
+                fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                            offload_policy=offload)
             for target in [*layers, module]:
-                fully_shard(target, mesh=mesh, reshard_after_forward=self.zero_stage == 3 and not keep_gathered,
-                            mp_policy=mp_policy, offload_policy=offload)
+                fully_shard(target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                            offload_policy=offload)
             set_forward_prefetch(layers, True)
             for previous, layer in zip(layers, layers[1:]):  # gather one layer ahead in backward too
                 layer.set_modules_to_backward_prefetch([previous])

@@ -45,7 +45,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.tensor import DTensor
 
 from libai_zoo.config import PipelineConfig
-from libai_zoo.distributed import ParallelContext, TensorParallel
+from libai_zoo.distributed import ExpertParallel, ParallelContext, TensorParallel
 from libai_zoo.layers import uncounted
 from libai_zoo.models import check_trainable, get_layer_stack
 
@@ -156,11 +156,11 @@ def _full_layer_stack(model: nn.Module) -> nn.ModuleList:
 
 
 def _shared_handles(model: nn.Module) -> dict[int, object]:
-    """deepcopy memo entries that keep meshes and tp handles (holding process groups) shared."""
+    """deepcopy memo entries that keep meshes and tp and ep handles (holding process groups) shared."""
     memo: dict[int, object] = {}
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, (TensorParallel, DeviceMesh, dist.ProcessGroup)):
+            if isinstance(value, (TensorParallel, ExpertParallel, DeviceMesh, dist.ProcessGroup)):
                 memo[id(value)] = value
         for param in module.parameters(recurse=False):
             if isinstance(param, DTensor):
@@ -399,7 +399,7 @@ class Pipeline:
         self.tied = _tied_names(model) if self.num_stages > 1 else []
         self._tied_group = None
         if self.tied and self.stage_ranks[0] != self.last_stage_rank:
-            ranks = ctx.mesh.mesh  # [pp, dp, tp]
+            ranks = ctx.mesh.mesh.reshape(ctx.pp, ctx.dp, ctx.tp)  # [pp, (edp, ep), tp]: dp flattened
             for d in range(ranks.shape[1]):
                 for t in range(ranks.shape[2]):
                     pair = sorted({int(ranks[self.stage_ranks[0], d, t]), int(ranks[self.last_stage_rank, d, t])})

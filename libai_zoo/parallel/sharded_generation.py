@@ -58,7 +58,7 @@ def layer_by_layer(model: nn.Module, data_parallel: DataParallel) -> Iterator[nn
             module.reshard()  # an evaluation at ZeRO 1-2 leaves the units gathered
     set_forward_prefetch(layers, False)
     for layer in layers:
-        layer.set_reshard_after_forward(True, recurse=False)
+        layer.set_reshard_after_forward(True)  # and its experts' own unit under expert parallelism
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     to = _Target(data_parallel.ctx.device, data_parallel.param_dtype)
     handles, by_rows = [], []
@@ -79,7 +79,7 @@ def layer_by_layer(model: nn.Module, data_parallel: DataParallel) -> Iterator[nn
         for module in by_rows:
             del module.forward
         for layer in layers:
-            layer.set_reshard_after_forward(data_parallel.zero_stage == 3, recurse=False)
+            layer.set_reshard_after_forward(data_parallel.zero_stage == 3)
         set_forward_prefetch(layers, True)
 
 

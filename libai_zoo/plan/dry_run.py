@@ -38,7 +38,7 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
     """Build `rank` of `layout` under a fake process group and count its parameters, gradients
     and optimizer state (the config's AMP dtype, global batch and LoRA: `run_settings`)."""
     run = run_settings(cfg)
-    with fake_world(layout.world_size, rank, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+    with fake_world(layout.world_size, rank, dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
                     sequence_parallel=layout.sequence_parallel) as ctx:
         with torch.device("meta"):
             model = instantiate(cfg.model)
