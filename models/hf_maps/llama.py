@@ -31,17 +31,19 @@ def mlp_rules(mlp, z: str, h: str) -> list[Rule]:
             *linear(z + "down", h + "down_proj", bias=has_bias(mlp.down))]
 
 
-def moe_rules(moe: MoE, z: str, h: str, names) -> list[Rule]:
+def moe_rules(moe: MoE, z: str, h: str, names, fused: str) -> list[Rule]:
     """A `layers.MoE` under `z` from Hugging Face's under `h` (`names`: the body's `DecoderNames`): the
     router ``gate`` (and DeepSeek-V3's ``gate.e_score_correction_bias``), one tensor per expert and
-    projection (``experts.{e}.<gate|up|down name>.weight``), and the shared expert MLP (Qwen2-MoE's
-    ``shared_expert``, DeepSeek-V3's ``shared_experts``) with its ``shared_expert_gate``."""
+    projection (``experts.{e}.<gate|up|down name>.weight``; transformers 5 fuses them in memory as
+    ``gate_up_proj`` and ``down_proj`` of the experts module `fused`, which PEFT's adapters name),
+    and the shared expert MLP (Qwen2-MoE's ``shared_expert``, DeepSeek-V3's ``shared_experts``) with
+    its ``shared_expert_gate``."""
     gate, up, down = names.experts
     count = moe.num_experts
     rules = [*linear(z + "router", h + "gate", bias=moe.router.bias is not None),
-             Stacked(z + "experts.gate_proj", h + f"experts.{{}}.{gate}.weight", count),
-             Stacked(z + "experts.up_proj", h + f"experts.{{}}.{up}.weight", count),
-             Stacked(z + "experts.down_proj", h + f"experts.{{}}.{down}.weight", count)]
+             Stacked(z + "experts.gate_proj", h + f"experts.{{}}.{gate}.weight", count, fused + "gate_up_proj", 0, 2),
+             Stacked(z + "experts.up_proj", h + f"experts.{{}}.{up}.weight", count, fused + "gate_up_proj", 1, 2),
+             Stacked(z + "experts.down_proj", h + f"experts.{{}}.{down}.weight", count, fused + "down_proj")]
     if moe.router.e_score_correction_bias is not None:
         rules.append(Same(z + "router.e_score_correction_bias", h + "gate.e_score_correction_bias"))
     if moe.shared_expert is not None:
@@ -77,7 +79,7 @@ def llama_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
                           *linear(z + "attn.k_norm", a + "k_norm", bias=False)]
         rules += linear(z + "attn.out", a + "o_proj", bias=has_bias(attn.out))
         if isinstance(mlp, MoE):
-            rules += moe_rules(mlp, z + "mlp.", h + body.names.moe + ".", body.names)
+            rules += moe_rules(mlp, z + "mlp.", h + body.names.moe + ".", body.names, h + "mlp.experts.")
         else:
             rules += mlp_rules(mlp, z + "mlp.", h + "mlp.")
     rules += linear(f"{p}norm", f"{p}norm", bias=False)
