@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors.torch import save_file
 from torch import nn
 
 from libai_zoo.config import LazyConfig
@@ -252,6 +253,37 @@ def test_peft_cannot_hold_a_qwen_moe_dense_mlp_adapter(tmp_path):
     apply_lora(model, 4, 8.0)  # the default targets: layer 0's dense MLP too
     with pytest.raises(ValueError, match=r"layers.0.mlp.down_proj.*cannot be written for PEFT.*stacked parameters"):
         save_peft_adapter(model, tmp_path / "adapter")
+
+
+def test_an_adapter_on_per_expert_modules_loads_as_peft_converts_it(tmp_path):
+    """An adapter trained on transformers 4's per-expert modules (Mixtral's experts.{e}.w1, w3, w2):
+    PEFT converts it onto transformers 5's fused experts, we stack it; both give our outputs."""
+    hf_dir, cls, hf_class = family_hf("mixtral", tmp_path / "hf")
+    model = cls.from_pretrained(hf_dir)
+    apply_lora(model, 4, 8.0, target_modules=["experts"])
+    _randomised_adapters(model)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = model(ids).logits
+    factors = {}
+    for rule in model.hf_weight_map().rules:
+        if rule.zoo.endswith("_proj"):
+            adapter = model.get_submodule(rule.zoo.replace(".experts.", ".experts.lora."))
+            for e in range(rule.count):
+                module = "base_model.model." + rule.name.format(e).removesuffix(".weight")
+                factors |= {f"{module}.lora_A.weight": adapter.A[e].detach().clone(),
+                            f"{module}.lora_B.weight": adapter.B[e].detach().clone()}
+    (tmp_path / "adapter").mkdir()
+    save_file(factors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["w1", "w2", "w3"]}))
+    with_adapter = peft.PeftModel.from_pretrained(hf_class.from_pretrained(hf_dir), tmp_path / "adapter").eval()
+    assert (with_adapter(ids).logits - expected).abs().max() <= 1e-5
+    reloaded = cls.from_pretrained(hf_dir)
+    layers = apply_lora_config(reloaded, {"adapter": str(tmp_path / "adapter")})
+    assert sorted(layers) == [f"model.layers.{i}.mlp.experts.{p}_proj" for i in (0, 1) for p in ("down", "gate", "up")]
+    assert set(layers.values()) == {(4, 8.0)}
+    load_peft_adapter(reloaded, tmp_path / "adapter")
+    assert (reloaded(ids).logits - expected).abs().max() == 0
 
 
 def test_peft_default_targets_adapt_q_and_v_of_the_fused_qkv(tmp_path):

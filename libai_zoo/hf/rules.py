@@ -271,7 +271,9 @@ class Stacked(Rule):
     ``target_parameters`` adapters with it): ``….experts.gate_up_proj`` [E, 2I, h] holds gate
     (``block`` 0 of ``blocks`` 2 along its rows) and up (block 1), ``….experts.down_proj`` is down.
     The adapter of an expert projection (A [E, r, in], B [E, out, r]) is saved as that
-    parameter's; without ``fused`` it has no PEFT form."""
+    parameter's; without ``fused`` it has no PEFT form. Read back, it is that parameter's adapter
+    or, as PEFT trained them on transformers 4's per-expert modules (``….experts.{e}.w1``), the
+    experts' own adapters stacked."""
 
     zoo: str
     name: str
@@ -286,7 +288,7 @@ class Stacked(Rule):
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        return () if self.fused is None else (self.fused,)
+        return (*(_module(name) for name in self.hf), *(() if self.fused is None else (self.fused,)))
 
     def load(self, read, shard, zoo_shape, rows=None):
         block = _block(shard, zoo_shape, rows)
@@ -309,9 +311,16 @@ class Stacked(Rule):
         return {self.fused: adapter}
 
     def load_adapter(self, adapters):
-        adapter = adapters[self.fused]
-        rows = adapter.B.shape[-2] // self.blocks
-        return Adapter(adapter.A, adapter.B[:, self.block * rows:(self.block + 1) * rows], adapter.scale)
+        if self.fused in adapters:
+            adapter = adapters[self.fused]
+            rows = adapter.B.shape[-2] // self.blocks
+            return Adapter(adapter.A, adapter.B[:, self.block * rows:(self.block + 1) * rows], adapter.scale)
+        experts = [adapters.get(_module(name)) for name in self.hf]
+        if any(a is None for a in experts) or len({(a.A.shape, a.scale) for a in experts}) > 1:
+            raise ValueError(f"{self.zoo}: a PEFT adapter on the per-expert modules {_module(self.name)} loads when "
+                             f"every expert has one, of one rank and alpha (it has {sum(a is not None for a in experts)} "
+                             f"of {self.count})")
+        return Adapter(torch.stack([a.A for a in experts]), torch.stack([a.B for a in experts]), experts[0].scale)
 
 
 def expert_range(block: dict[int, tuple[int, int]], zoo_shape: torch.Size) -> tuple[int, int]:
