@@ -316,10 +316,10 @@ class Stacked(Rule):
             rows = adapter.B.shape[-2] // self.blocks
             return Adapter(adapter.A, adapter.B[:, self.block * rows:(self.block + 1) * rows], adapter.scale)
         experts = [adapters.get(_module(name)) for name in self.hf]
-        if any(a is None for a in experts) or len({(a.A.shape, a.scale) for a in experts}) > 1:
+        present = sum(a is not None for a in experts)
+        if present < self.count or len({(a.A.shape, a.scale) for a in experts}) > 1:
             raise ValueError(f"{self.zoo}: a PEFT adapter on the per-expert modules {_module(self.name)} loads when "
-                             f"every expert has one, of one rank and alpha (it has {sum(a is not None for a in experts)} "
-                             f"of {self.count})")
+                             f"every expert has one, of one rank and alpha (it has {present} of {self.count})")
         return Adapter(torch.stack([a.A for a in experts]), torch.stack([a.B for a in experts]), experts[0].scale)
 
 
