@@ -73,6 +73,7 @@ def test_expert_adapters_are_each_experts_own_low_rank_update():
         apply_lora(MoE(32, 4, 2, 16), 4, dropout=0.1, target_modules=["experts"])
 
 
+
 def tiny_llama_hf(path: Path) -> Path:
     config = transformers.LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -261,7 +262,8 @@ def test_peft_cannot_hold_a_qwen_moe_dense_mlp_adapter(tmp_path):
 
 def test_an_adapter_on_per_expert_modules_loads_as_peft_converts_it(tmp_path):
     """An adapter trained on transformers 4's per-expert modules (Mixtral's experts.{e}.w1, w3, w2):
-    PEFT converts it onto transformers 5's fused experts, we stack it; both give our outputs."""
+    PEFT converts it onto transformers 5's fused experts, we stack it; both give our outputs. The
+    experts' gate without their up has no PEFT form."""
     hf_dir, cls, hf_class = family_hf("mixtral", tmp_path / "hf")
     model = cls.from_pretrained(hf_dir)
     apply_lora(model, 4, 8.0, target_modules=["experts"])
@@ -288,6 +290,13 @@ def test_an_adapter_on_per_expert_modules_loads_as_peft_converts_it(tmp_path):
     assert set(layers.values()) == {(4, 8.0)}
     load_peft_adapter(reloaded, tmp_path / "adapter")
     assert (reloaded(ids).logits - expected).abs().max() == 0
+
+    # transformers 5 holds the experts' gate and up as one parameter (gate_up_proj): adapt both or neither
+    gate_only = cls.from_pretrained(hf_dir)
+    apply_lora(gate_only, 4, 8.0, target_modules=["gate_proj", "down_proj"])
+    with pytest.raises(ValueError, match=r"\['model.layers.0.mlp.experts.up_proj', 'model.layers.1.mlp.experts.up_proj'"
+                                         r"\] have no adapter.*gate_proj and up_proj both"):
+        save_peft_adapter(gate_only, tmp_path / "gate_only")
 
 
 def test_peft_default_targets_adapt_q_and_v_of_the_fused_qkv(tmp_path):

@@ -89,8 +89,8 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_
         pieces += rule.save_adapter(Adapter(_full(lora.A), _full(lora.B), lora.scale)).items()
     parts = joined(pieces)  # Phi-3's gate_up_proj, the experts' gate_up_proj: the adapters of gate and up joined
     blocks = Counter(module for module, _ in pieces)
-    missing = [rule.zoo for rule in rules.values() if isinstance(rule, Stacked) and blocks[rule.fused] not in
-               (0, rule.blocks)]
+    missing = [rule.zoo for rule in rules.values() if isinstance(rule, Stacked) and rule.zoo not in adapters
+               and blocks[rule.fused] not in (0, rule.blocks)]
     if missing:
         raise ValueError(f"{missing} have no adapter, but their experts' other projection in the same transformers "
                          f"parameter does: adapt the experts' gate_proj and up_proj both (or neither)")
