@@ -15,7 +15,7 @@ from .kv_cache import KVCache
 from .latent_attention import LatentAttention
 from .linear import Linear
 from .lm_head import LMHead
-from .lora import LoRA, apply_lora, is_adapter_parameter, lora_layers, merge_lora
+from .lora import LoRA, apply_lora, is_adapter_parameter, lora_adapters, merge_lora
 from .mlp import MLP
 from .moe import Experts, MoE, Router, Routing, load_balancing_loss, router_z_loss, uncounted
 from .norm import NORMS, LayerNorm, RMSNorm
@@ -26,7 +26,7 @@ from .transformer_layer import TransformerLayer
 
 __all__ = ["Attention", "LatentAttention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCache", "MLP", "LayerNorm", "RMSNorm",
            "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
-           "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_layers",
+           "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_adapters",
            "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv",
            "packed_causal_mask", "NORMS", "MoE", "Router", "Routing", "Experts", "load_balancing_loss",
            "router_z_loss", "uncounted", "yarn_mscale"]

@@ -17,6 +17,13 @@ gradient is a partial sum over tp (A's of a column layer sums over the output ro
 B's of a row layer over the input columns), reduced once per step by `distributed.finalize_grads`.
 A fused projection (``qkv``) gets one adapter, its A shared by q, k and v (NeMo's "performant"
 LoRA); its Hugging Face/PEFT form repeats A on each of q_proj, k_proj and v_proj, exactly.
+
+The routed experts of an MoE layer (`Experts`: stacked [E, out, in] projections) take one adapter
+per projection with the experts' dim first, A [E, r, in] and B [E, out, r] (each expert its own
+rank-r update, as PEFT's ``target_parameters`` LoRA on transformers' fused experts), computed in
+the experts' grouped GEMMs; they split over the experts' dim as the experts do. They are opt-in
+(target ``experts``, or one of its projections: ``gate_proj``, ``up_proj``, ``down_proj``): E
+adapters cost E times one.
 """
 
 from __future__ import annotations
@@ -36,20 +43,22 @@ DEFAULT_TARGETS = ("qkv", "q", "kv", "out", "gate", "up", "down")
 
 
 class LoRA(nn.Module):
-    """The low-rank update of one `Linear`: ``A`` [rank, in], ``B`` [out, rank], scaled by alpha / rank.
+    """The low-rank update of one `Linear`: ``A`` [rank, in], ``B`` [out, rank], scaled by alpha / rank;
+    with ``num_experts`` E, of E stacked experts' projection: A [E, rank, in], B [E, out, rank].
 
     ``parallel`` is its layer's split ("col", "row" or "data"); `forward` returns the update of the
     layer's local output on this rank (a partial sum for a row layer, as the layer's own)."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, *, dropout: float = 0.0,
-                 parallel: str = "data", device=None, dtype=None):
+                 parallel: str = "data", num_experts: int | None = None, device=None, dtype=None):
         super().__init__()
         if rank < 1:
             raise ValueError(f"LoRA rank {rank} must be at least 1 (rank 0 means no adapter: full fine-tuning)")
         self.rank, self.alpha, self.dropout, self.parallel = rank, alpha, dropout, parallel
         self.scale = alpha / rank
-        self.A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
-        self.B = nn.Parameter(torch.empty(out_features, rank, device=device, dtype=dtype))
+        experts = () if num_experts is None else (num_experts,)
+        self.A = nn.Parameter(torch.empty(*experts, rank, in_features, device=device, dtype=dtype))
+        self.B = nn.Parameter(torch.empty(*experts, out_features, rank, device=device, dtype=dtype))
         self.tp: TensorParallel | None = None
         self.sp = False
         self.rows: list[tuple[int, int]] | None = None
@@ -57,10 +66,10 @@ class LoRA(nn.Module):
             self.reset_parameters()
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator | None) -> None:
-        """A as nn.Linear initialises a weight (Kaiming-uniform, as PEFT does), B zero: the
-        adapted layer starts equal to its base."""
+        """A as nn.Linear initialises a weight (Kaiming-uniform, as PEFT does; experts' A as PEFT's
+        one [E·rank, in] Linear), B zero: the adapted layer starts equal to its base."""
         if name == "A":
-            nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+            nn.init.kaiming_uniform_(tensor.view(-1, tensor.shape[-1]), a=math.sqrt(5), generator=generator)
         else:
             tensor.zero_()
 
@@ -103,47 +112,66 @@ class LoRA(nn.Module):
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
-        """scale · B A, the update of the layer's weight (of a layer in one process)."""
+        """scale · B A, the update of the layer's weight (of a layer in one process; per expert)."""
         return self.B @ self.A * self.scale
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, parallel={self.parallel}"
 
 
-def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Every layer of `model` that holds an adapter (``.lora``), by module name."""
-    return {name: module for name, module in model.named_modules() if getattr(module, "lora", None) is not None}
+def lora_adapters(model: nn.Module) -> dict[str, LoRA]:
+    """Every LoRA adapter of `model`, by the name of what it adapts: a `Linear`'s module name
+    (``….attn.qkv``, its adapter ``….attn.qkv.lora``) or an expert projection's parameter name
+    (``….experts.gate_proj``, its adapter ``….experts.lora.gate_proj``)."""
+    adapters = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRA):
+            parts = name.split(".")
+            del parts[len(parts) - 1 - parts[::-1].index("lora")]
+            adapters[".".join(parts)] = module
+    return adapters
 
 
 def is_adapter_parameter(name: str) -> bool:
-    """Whether a parameter name (dotted) is a LoRA factor: `.lora.A` or `.lora.B`."""
-    return name.endswith((".lora.A", ".lora.B"))
+    """Whether a parameter name (dotted) is a LoRA factor: `.lora.A`/`.lora.B`, or an expert
+    projection's `.lora.<projection>.A`/`B`."""
+    return name.endswith((".A", ".B")) and (".lora." in name)
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float = 16.0, *, dropout: float = 0.0,
                target_modules: Iterable[str] | None = None,
                layers: dict[str, tuple[int, float]] | None = None) -> list[str]:
     """Put a rank-`rank` adapter on every `Linear` whose module name is, or ends with, one of
-    `target_modules` (default `DEFAULT_TARGETS`), and freeze every other parameter. ``layers``
-    instead names each layer to adapt with its (rank, alpha), as an adapter read from a file has
-    them. Works on a model on the meta device (the trainer's build) or a real one (adapters
-    initialised at once). Returns the adapted module names; a target that matches nothing is an
-    error naming the Linear layers there are."""
+    `target_modules` (default `DEFAULT_TARGETS`), and on every expert projection (`Experts`:
+    ``….experts.gate_proj``) whose name, or whose experts' module name, does; freeze every other
+    parameter. ``layers`` instead names each layer to adapt with its (rank, alpha), as an adapter
+    read from a file has them. Works on a model on the meta device (the trainer's build) or a real
+    one (adapters initialised at once). Returns the adapted names (`lora_adapters`' keys); a
+    target that matches nothing is an error naming the layers there are."""
     if layers is not None:
         target_modules = list(layers)
     targets = tuple(target_modules) if target_modules is not None else DEFAULT_TARGETS
-    # the layers that can carry an adapter: `Linear` (its `add_lora`)
-    linears = {name: module for name, module in model.named_modules() if callable(getattr(module, "add_lora", None))}
+    # what can carry an adapter: a `Linear` (its `add_lora`), each projection of an `Experts` (its
+    # `add_lora(..., projection=)`), with the names that select it
+    adaptable: dict[str, tuple[nn.Module, str | None, tuple[str, ...]]] = {}
+    for name, module in model.named_modules():
+        if callable(getattr(module, "add_lora", None)):
+            projections = getattr(module, "lora_projections", None)
+            if projections is None:
+                adaptable[name] = (module, None, (name,))
+            for projection in projections or ():
+                adapted = f"{name}.{projection}" if name else projection
+                adaptable[adapted] = (module, projection, (adapted, name))
 
-    def matches(name: str, target: str) -> bool:
-        return name == target or name.endswith("." + target)
+    def matches(names: tuple[str, ...], target: str) -> bool:
+        return any(name == target or name.endswith("." + target) for name in names)
 
-    unmatched = [t for t in targets if not any(matches(name, t) for name in linears)]
+    unmatched = [t for t in targets if not any(matches(names, t) for _, _, names in adaptable.values())]
     if target_modules is not None and unmatched:
-        kinds = sorted({name.rpartition(".")[2] for name in linears})
-        raise ValueError(f"train.lora.target_modules {unmatched} match no Linear layer of {type(model).__name__}; "
-                         f"its Linear layers are named {kinds}")
-    chosen = [name for name in linears if any(matches(name, t) for t in targets)]
+        kinds = sorted({name.rpartition(".")[2] for _, _, names in adaptable.values() for name in names})
+        raise ValueError(f"train.lora.target_modules {unmatched} match no Linear layer or expert projection of "
+                         f"{type(model).__name__}; its layers are named {kinds}")
+    chosen = [name for name, (_, _, names) in adaptable.items() if any(matches(names, t) for t in targets)]
     if not chosen:
         raise ValueError(f"{type(model).__name__} has no Linear layer named {list(targets)}: pass "
                          f"train.lora.target_modules")
@@ -151,7 +179,9 @@ def apply_lora(model: nn.Module, rank: int, alpha: float = 16.0, *, dropout: flo
         param.requires_grad_(False)
     for name in chosen:
         layer_rank, layer_alpha = layers[name] if layers is not None else (rank, alpha)
-        linears[name].add_lora(layer_rank, layer_alpha, dropout=dropout)
+        module, projection, _ = adaptable[name]
+        where = {} if projection is None else {"projection": projection}
+        module.add_lora(layer_rank, layer_alpha, dropout=dropout, **where)
     return chosen
 
 
@@ -159,7 +189,8 @@ def merge_lora(model: nn.Module) -> int:
     """Fold every adapter into its layer's weight (W += scale · B A) and remove it; the model is then
     a plain one (`save_pretrained` writes what `transformers` loads). Returns the number merged.
     For a model in one process (a sharded one: gather it first)."""
-    layers = lora_layers(model).values()
-    for layer in layers:
-        layer.merge_lora_()
-    return len(layers)
+    merged = len(lora_adapters(model))
+    for module in list(model.modules()):
+        if getattr(module, "lora", None) is not None:
+            module.merge_lora_()
+    return merged

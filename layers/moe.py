@@ -44,6 +44,7 @@ from libai_zoo.distributed.expert_parallel import (combine, dispatch, expert_wei
                                                    scatter_tokens)
 
 from .linear import Linear
+from .lora import LoRA
 from .mlp import ACTIVATIONS, MLP
 from .parallel_layer import ParallelLayer
 
@@ -167,7 +168,12 @@ class Experts(ParallelLayer, nn.Module):
     and computes each projection as one grouped GEMM (`torch._grouped_mm`, int32 offsets) where it
     can run (float32/bf16/fp16, rows of 16-byte multiples), else expert by expert
     (``grouped_mm=False`` always). Under expert parallelism (`shard_experts_`) it holds and computes
-    only this rank's block of experts; tensor parallelism does not split it."""
+    only this rank's block of experts; tensor parallelism does not split it.
+
+    ``add_lora(rank, alpha, projection=)`` gives a projection a per-expert low-rank adapter
+    (`LoRA` with A [E, rank, in], B [E, out, rank], in ``self.lora[projection]``), computed as two
+    more grouped GEMMs (or per expert) beside the projection's, and split over the expert group with
+    its experts."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, activation: str = "silu",
                  gated: bool = True, bias: bool = False, swiglu_limit: float | None = None,
@@ -193,6 +199,7 @@ class Experts(ParallelLayer, nn.Module):
         self.up_bias = param(ffn_hidden_size, when=bias)
         self.down_bias = param(hidden_size, when=bias)
         self.expert_parallel: ExpertParallel | None = None
+        self.lora: nn.ModuleDict | None = None
 
     def shard_(self, tp: TensorParallel) -> None:
         """Nothing to split over tp: the experts are split over the expert group (ep × tp ranks,
@@ -201,28 +208,66 @@ class Experts(ParallelLayer, nn.Module):
 
     def shard_experts_(self, ep: ExpertParallel) -> None:
         """Keep this rank's block of E / (ep·tp) experts of every stacked parameter (DTensors of the
-        global shape, Shard(0) on the expert group's mesh)."""
+        global shape, Shard(0) on the expert group's mesh), and of its adapters."""
         for name, _ in list(self.named_parameters(recurse=False)):
             ep.shard_parameter(self, name)
+        for adapter in (self.lora or {}).values():  # per-expert factors: split with their experts
+            for name in ("A", "B"):
+                ep.shard_parameter(adapter, name)
         self.expert_parallel = ep
+
+    @property
+    def lora_projections(self) -> tuple[str, ...]:
+        """The projections an adapter can go on (`apply_lora`)."""
+        return tuple(name for name in ("gate_proj", "up_proj", "down_proj") if getattr(self, name) is not None)
+
+    def add_lora(self, rank: int, alpha: float, *, dropout: float = 0.0, projection: str) -> LoRA:
+        """Attach a rank-`rank` adapter per expert to `projection` (A [E, rank, in], B [E, out, rank])."""
+        if self.tp is not None or self.expert_parallel is not None:
+            raise ValueError("add LoRA adapters before the model is split (apply_lora, then distributed.shard)")
+        if dropout:
+            raise ValueError(f"LoRA dropout {dropout} on the experts' {projection}: expert adapters take none (PEFT's "
+                             f"adapters on stacked expert parameters cannot either); set train.lora.dropout=0 or "
+                             f"leave the experts out of train.lora.target_modules")
+        weight = getattr(self, projection)
+        if self.lora is None:
+            self.lora = nn.ModuleDict()
+        self.lora[projection] = LoRA(weight.shape[2], weight.shape[1], rank, alpha, num_experts=self.num_experts,
+                                     device=weight.device, dtype=weight.dtype)
+        return self.lora[projection]
+
+    @torch.no_grad()
+    def merge_lora_(self) -> None:
+        """Fold each adapter into its projection (W[e] += scale · B[e] A[e]) and remove them (in one process)."""
+        if self.tp is not None or self.expert_parallel is not None:
+            raise ValueError("merging the experts' LoRA adapters needs them in one process; these are split")
+        for projection, adapter in self.lora.items():
+            weight = getattr(self, projection)
+            weight += adapter.delta_weight().to(weight.dtype)
+        self.lora = None
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """tokens [N, h] sorted by expert, counts [E] (their sum N) -> [N, h]; under expert
         parallelism E is this rank's experts."""
         weights = {name: expert_weight(getattr(self, name), self.expert_parallel)
                    for name in ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")}
+        adapters = {name: (expert_weight(a.A, self.expert_parallel), expert_weight(a.B, self.expert_parallel),
+                           a.scale) for name, a in (self.lora or {}).items()}
         tokens = tokens.to(weights["up_proj"].dtype)
-        grouped = self.grouped_mm and self._groupable([tokens, *(w for w in weights.values() if w is not None)])
-        return (self._grouped if grouped else self._looped)(tokens, counts, weights)
+        factors = [factor for a, b, _ in adapters.values() for factor in (a, b)]
+        grouped = self.grouped_mm and self._groupable([tokens, *(w for w in weights.values() if w is not None),
+                                                       *factors])
+        return (self._grouped if grouped else self._looped)(tokens, counts, weights, adapters)
 
     def _groupable(self, tensors: list[torch.Tensor]) -> bool:
         """Whether torch._grouped_mm runs on these tokens and weights: float32/bf16/fp16 (bf16 only
         under torch.compile or on fake tensors: its meta kernel's rule), rows of 16-byte multiples
-        at 16-byte aligned addresses, a GPU of compute capability 8.0 or more."""
+        (the adapters' ranks too) at 16-byte aligned addresses, a GPU of compute capability 8.0 or more."""
         tokens = tensors[0]
         size = tokens.element_size()
+        ranks = [adapter.rank for adapter in (self.lora or {}).values()]
         if (tokens.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-                or (self.hidden_size * size) % 16 or (self.ffn_hidden_size * size) % 16):
+                or any(dim * size % 16 for dim in (self.hidden_size, self.ffn_hidden_size, *ranks))):
             return False
         if torch.compiler.is_compiling() or tokens.device.type == "meta" or is_fake(tokens):
             return tokens.dtype == torch.bfloat16
@@ -238,26 +283,38 @@ class Experts(ParallelLayer, nn.Module):
         gate = gate.clamp(max=self.swiglu_limit)
         return (up.clamp(-self.swiglu_limit, self.swiglu_limit) + 1) * gate * torch.sigmoid(gate * self.swiglu_alpha)
 
-    def _grouped(self, tokens: torch.Tensor, counts: torch.Tensor, w: dict) -> torch.Tensor:
+    def _grouped(self, tokens: torch.Tensor, counts: torch.Tensor, w: dict, adapters: dict) -> torch.Tensor:
         offsets = counts.cumsum(0).to(torch.int32)
         owner = None if w["up_bias"] is None else torch.repeat_interleave(  # each row's expert, for its bias
             torch.arange(len(counts), device=tokens.device), counts, output_size=len(tokens))
 
-        def linear(x, weight, bias):
-            y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-            return y if bias is None else y + bias[owner]
+        def mm(x, weight):
+            return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
 
-        gate = None if w["gate_proj"] is None else linear(tokens, w["gate_proj"], w["gate_bias"])
-        hidden = self._activate(gate, linear(tokens, w["up_proj"], w["up_bias"]))
-        return linear(hidden, w["down_proj"], w["down_bias"])
+        def linear(x, name, bias):
+            y = mm(x, w[name]) if bias is None else mm(x, w[name]) + bias[owner]
+            if name in adapters:
+                a, b, scale = adapters[name]
+                y = y + mm(mm(x, a), b) * scale
+            return y
 
-    def _looped(self, tokens: torch.Tensor, counts: torch.Tensor, w: dict) -> torch.Tensor:
+        gate = None if w["gate_proj"] is None else linear(tokens, "gate_proj", w["gate_bias"])
+        hidden = self._activate(gate, linear(tokens, "up_proj", w["up_bias"]))
+        return linear(hidden, "down_proj", w["down_bias"])
+
+    def _looped(self, tokens: torch.Tensor, counts: torch.Tensor, w: dict, adapters: dict) -> torch.Tensor:
+        def linear(x, e, name, bias):
+            y = F.linear(x, w[name][e], None if bias is None else bias[e])
+            if name in adapters:
+                a, b, scale = adapters[name]
+                y = y + F.linear(F.linear(x, a[e]), b[e]) * scale
+            return y
+
         outputs = []
         for e, x in enumerate(tokens.split(counts.tolist())):
-            expert = {name: None if value is None else value[e] for name, value in w.items()}
-            gate = None if expert["gate_proj"] is None else F.linear(x, expert["gate_proj"], expert["gate_bias"])
-            hidden = self._activate(gate, F.linear(x, expert["up_proj"], expert["up_bias"]))
-            outputs.append(F.linear(hidden, expert["down_proj"], expert["down_bias"]))
+            gate = None if w["gate_proj"] is None else linear(x, e, "gate_proj", w["gate_bias"])
+            hidden = self._activate(gate, linear(x, e, "up_proj", w["up_bias"]))
+            outputs.append(linear(hidden, e, "down_proj", w["down_bias"]))
         return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.hidden_size)
 
     def extra_repr(self) -> str:

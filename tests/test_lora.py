@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors.torch import save_file
 from torch import nn
 
 from libai_zoo.config import LazyConfig
 from libai_zoo.convert import load_checkpoint_model
 from libai_zoo.hf import apply_lora_config, load_peft_adapter, read_peft_adapter, save_peft_adapter
-from libai_zoo.layers import Linear, apply_lora, merge_lora
+from libai_zoo.layers import Experts, Linear, MoE, apply_lora, is_adapter_parameter, merge_lora
 from libai_zoo.models import Gemma3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, Phi3ForCausalLM, RobertaForMaskedLM
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes
 from model_cases import CASES, gemma3_text_config, make_hf_model
@@ -42,6 +43,35 @@ def test_adapted_linear_is_its_weight_plus_the_scaled_low_rank_update():
     nn.init.normal_(partial.add_lora(2, alpha=2.0).B)
     assert (partial(x) + partial.bias - F.linear(x, partial.weight + partial.lora.delta_weight(), partial.bias)
             ).abs().max() < 1e-5
+
+
+def test_expert_adapters_are_each_experts_own_low_rank_update():
+    """Per projection and expert e: x (W[e] + scale · B[e] A[e])ᵀ, in the grouped GEMMs (ranks of
+    16-byte rows) and in the per-expert loop (rank 2), against an explicit per-expert computation."""
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 4])  # an expert without tokens
+    tokens = torch.randn(int(counts.sum()), 32)
+    for rank in (4, 2):
+        experts = Experts(4, 32, 16)
+        for param in experts.parameters():
+            nn.init.normal_(param, std=0.2)
+        names = apply_lora(experts, rank, 6.0, target_modules=["gate_proj", "up_proj", "down_proj"])
+        assert names == ["gate_proj", "up_proj", "down_proj"]
+        assert experts._groupable([tokens]) == (rank == 4)
+        for adapter in experts.lora.values():
+            assert adapter.A.shape[:2] == adapter.B.shape[::2] == (4, rank)  # the experts' dim first, then rank
+            nn.init.normal_(adapter.B, std=0.2)
+        outputs = []
+        for e, x in enumerate(tokens.split(counts.tolist())):
+            gate, up, down = (getattr(experts, name)[e] + 6.0 / rank * experts.lora[name].B[e] @ experts.lora[name].A[e]
+                              for name in ("gate_proj", "up_proj", "down_proj"))
+            outputs.append(F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down))
+        assert (experts(tokens, counts) - torch.cat(outputs)).abs().max() < 1e-5, rank
+        experts.grouped_mm = False
+        assert (experts(tokens, counts) - torch.cat(outputs)).abs().max() < 1e-5, rank
+    with pytest.raises(ValueError, match="expert adapters take none"):
+        apply_lora(MoE(32, 4, 2, 16), 4, dropout=0.1, target_modules=["experts"])
+
 
 
 def tiny_llama_hf(path: Path) -> Path:
@@ -109,18 +139,19 @@ def test_apply_lora_freezes_the_base_and_refuses_unknown_targets(tmp_path):
 
 def _randomised_adapters(model: nn.Module) -> None:
     """B is zero at the start (the adapted model equals its base): give it values to compare
-    (ours: `….lora.B`; PEFT's: `….lora_B.default.weight`)."""
+    (ours: `….lora.B`, experts' `….lora.<projection>.B`; PEFT's: `….lora_B.default.weight`)."""
     generator = torch.Generator().manual_seed(1)
     for name, param in model.named_parameters():
-        if name.endswith(("lora.B", "lora_B.default.weight")):
+        if is_adapter_parameter(name) and name.endswith(".B") or name.endswith("lora_B.default.weight"):
             param.data = torch.randn(param.shape, generator=generator) * 0.1
 
 
 LLAMA_NAMES = ["o_proj", "q_proj", "k_proj", "v_proj", "down_proj"]  # every Llama-shaped family's
 # Each family: the modules a PEFT-trained adapter targets (Hugging Face's names; the first, the
 # attention's output, at another rank and alpha), the rank our fused qkv takes from their r=2
-# adapters (3 × 2 from q, k and v; 2 from a packed qkv) and how many Linear layers of a layer the
-# default targets adapt (attention qkv and out, the MLP's). A tests/model_cases.py family is one line.
+# adapters (3 × 2 from q, k and v; 2 from a packed qkv) and how many Linear layers of a layer (of
+# each layer: a tuple) the default targets adapt (attention qkv and out, the MLP's). A
+# tests/model_cases.py family is one line.
 LORA_FAMILIES = {
     "llama": (LLAMA_NAMES, 6, 5),
     "gemma3": (LLAMA_NAMES, 6, 5),
@@ -136,7 +167,15 @@ LORA_FAMILIES = {
     "smollm3": (LLAMA_NAMES, 6, 5),
     "olmo2": (LLAMA_NAMES, 6, 5),
     "gpt_oss": (LLAMA_NAMES[:4], 6, 2),  # the attention only: the experts are stacked parameters, no Linear
+    # MoE (our adapters: MOE_TARGETS): PEFT on transformers 5 turns the experts' projections into
+    # adapters on their stacked parameters (target_parameters), gate and up into gate_up_proj's
+    "qwen3_moe": (LLAMA_NAMES, 6, (2, 5)),  # layer 1 is MoE: down_proj is its experts' (layer 0's dense one is not)
+    "mixtral": (["o_proj", "q_proj", "k_proj", "v_proj", "w1", "w3", "w2"], 6, 5),
+    "qwen2_moe": (LLAMA_NAMES, 6, (5, 2)),  # layer 0 is MoE (its shared expert is not adapted), layer 1 dense
+    "olmoe": (["o_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"], 6, 5),
 }
+# what our adapters of an MoE family adapt: the attention and the experts (PEFT cannot hold a Qwen-MoE's dense MLPs')
+MOE_TARGETS = {family: ["qkv", "out", "experts"] for family in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")}
 
 
 def family_hf(family: str, path: Path) -> tuple[Path, type, type]:
@@ -157,8 +196,10 @@ def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_pa
     takes the whole A and its rows of B, the same update."""
     hf_dir, cls, hf_class = family_hf(family, tmp_path / "hf")
     model = cls.from_pretrained(hf_dir)
-    adapted = apply_lora(model, 4, 8.0)
-    assert len(adapted) == model.config.num_hidden_layers * LORA_FAMILIES[family][2]
+    adapted = apply_lora(model, 4, 8.0, target_modules=MOE_TARGETS.get(family))
+    per_layer = LORA_FAMILIES[family][2]
+    assert len(adapted) == (sum(per_layer) if isinstance(per_layer, tuple)
+                            else model.config.num_hidden_layers * per_layer)
     assert not [name for name in adapted if "norm" in name]  # Qwen3's q_norm and k_norm stay as they are
     _randomised_adapters(model)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -175,7 +216,9 @@ def test_peft_loads_our_adapter_and_transformers_our_merged_model(family, tmp_pa
     reloaded = cls.from_pretrained(hf_dir)
     apply_lora_config(reloaded, {"adapter": str(tmp_path / "adapter")})
     load_peft_adapter(reloaded, tmp_path / "adapter")
-    assert (reloaded(ids).logits - expected).abs().max() == 0
+    # the experts' gate and up come back with their joined rank (2r, B zero in the other's columns):
+    # equal up to rounding
+    assert (reloaded(ids).logits - expected).abs().max() <= (1e-6 if family in MOE_TARGETS else 0)
 
     assert merge_lora(model) == len(adapted)
     model.save_pretrained(tmp_path / "merged")
@@ -205,6 +248,57 @@ def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, t
     assert layers[next(name for name in layers if name.endswith("attn.out"))] == (3, 9.0)  # the patterns reach it
     load_peft_adapter(model, tmp_path / "adapter")
     assert (model(ids).logits - expected).abs().max() <= 1e-5
+
+
+def test_peft_cannot_hold_a_qwen_moe_dense_mlp_adapter(tmp_path):
+    """PEFT 0.21 on transformers 5 takes any target named gate_proj/up_proj/down_proj of a Qwen-MoE
+    for its experts' stacked parameters (even model.layers.0.mlp.down_proj, a dense layer): writing
+    one is refused, naming why."""
+    hf_dir, cls, _ = family_hf("qwen3_moe", tmp_path / "hf")
+    model = cls.from_pretrained(hf_dir)
+    apply_lora(model, 4, 8.0)  # the default targets: layer 0's dense MLP too
+    with pytest.raises(ValueError, match=r"layers.0.mlp.down_proj.*cannot be written for PEFT.*stacked parameters"):
+        save_peft_adapter(model, tmp_path / "adapter")
+
+
+def test_an_adapter_on_per_expert_modules_loads_as_peft_converts_it(tmp_path):
+    """An adapter trained on transformers 4's per-expert modules (Mixtral's experts.{e}.w1, w3, w2):
+    PEFT converts it onto transformers 5's fused experts, we stack it; both give our outputs. The
+    experts' gate without their up has no PEFT form."""
+    hf_dir, cls, hf_class = family_hf("mixtral", tmp_path / "hf")
+    model = cls.from_pretrained(hf_dir)
+    apply_lora(model, 4, 8.0, target_modules=["experts"])
+    _randomised_adapters(model)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = model(ids).logits
+    factors = {}
+    for rule in model.hf_weight_map().rules:
+        if rule.zoo.endswith("_proj"):
+            rule = rule.rule  # the hub's per-expert form (Either's first)
+            adapter = model.get_submodule(rule.zoo.replace(".experts.", ".experts.lora."))
+            for e in range(rule.count):
+                module = "base_model.model." + rule.name.format(e).removesuffix(".weight")
+                factors |= {f"{module}.lora_A.weight": adapter.A[e].detach().clone(),
+                            f"{module}.lora_B.weight": adapter.B[e].detach().clone()}
+    (tmp_path / "adapter").mkdir()
+    save_file(factors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["w1", "w2", "w3"]}))
+    with_adapter = peft.PeftModel.from_pretrained(hf_class.from_pretrained(hf_dir), tmp_path / "adapter").eval()
+    assert (with_adapter(ids).logits - expected).abs().max() <= 1e-5
+    reloaded = cls.from_pretrained(hf_dir)
+    layers = apply_lora_config(reloaded, {"adapter": str(tmp_path / "adapter")})
+    assert sorted(layers) == [f"model.layers.{i}.mlp.experts.{p}_proj" for i in (0, 1) for p in ("down", "gate", "up")]
+    assert set(layers.values()) == {(4, 8.0)}
+    load_peft_adapter(reloaded, tmp_path / "adapter")
+    assert (reloaded(ids).logits - expected).abs().max() == 0
+
+    # transformers 5 holds the experts' gate and up as one parameter (gate_up_proj): adapt both or neither
+    gate_only = cls.from_pretrained(hf_dir)
+    apply_lora(gate_only, 4, 8.0, target_modules=["gate_proj", "down_proj"])
+    with pytest.raises(ValueError, match=r"\['model.layers.0.mlp.experts.up_proj', 'model.layers.1.mlp.experts.up_proj'"
+                                         r"\] have no adapter.*gate_proj and up_proj both"):
+        save_peft_adapter(gate_only, tmp_path / "gate_only")
 
 
 def test_peft_default_targets_adapt_q_and_v_of_the_fused_qkv(tmp_path):

@@ -30,7 +30,7 @@ from libai_zoo.config import LazyConfig, instantiate, run_settings, typed
 from libai_zoo.data import MicroBatchSampler, check_dataset, stream_micro_batches
 from libai_zoo.hf import (HFWeightReader, apply_lora_config, check_hf_weights, load_hf_weights, load_peft_adapter,
                           read_peft_adapter)
-from libai_zoo.layers import lora_layers
+from libai_zoo.layers import lora_adapters
 from libai_zoo.models import get_layer_stack
 from libai_zoo.optim import build_optimizer
 from libai_zoo.plan import agree_on_layout
@@ -182,7 +182,7 @@ class DefaultTrainer(TrainerBase):
                 logger.warning("train.lora.adapter is set: the adapter's ranks, alphas and layers are used, not "
                                "train.lora.rank/alpha/target_modules")
             cfg.train.lora.layers = {name: list(shape) for name, shape in layers.items()}
-        adapted = lora_layers(model)
+        adapted = lora_adapters(model)
         if adapted:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             total = sum(p.numel() for p in model.parameters())

@@ -13,6 +13,12 @@ layers that are blocks of one module (Phi-3's gate and up in gate_up_proj) are j
 their summed rank. Reading the other way, fused modules' adapters with different A's (as PEFT
 trains them) are stacked into one of their summed rank, and a module made of blocks gives each
 block's layer its rows of B (and the whole A).
+
+Adapters on an MoE layer's stacked experts are PEFT's ``target_parameters`` LoRA on the parameters
+transformers 5 holds in memory (`rules.Stacked.fused`: ``….experts.gate_up_proj``, ``down_proj``):
+PEFT keeps each as one ``lora_A`` [E·r, in] (expert-major rows) and ``lora_B`` [out, r·E]
+(rank-major columns), wrapping the experts module once per adapted parameter in its order of
+registration, so the first one's factors sit deepest (``….experts.base_layer.lora_A.weight``).
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ from torch.distributed.tensor import DTensor
 
 from libai_zoo.config.schema import LoraConfig
 from libai_zoo.distributed import fill_shard_, run_group
-from libai_zoo.layers import apply_lora, lora_layers
+from libai_zoo.layers import apply_lora, lora_adapters
 
-from .rules import Adapter, PackedQKV, Transposed, joined
+from .rules import Adapter, Either, PackedQKV, Stacked, Transposed, joined
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -42,11 +48,30 @@ PREFIX = "base_model.model."  # what PeftModel puts before the base model's modu
 
 
 def _rules(model: nn.Module) -> dict:
-    return {rule.zoo: rule for rule in model.hf_weight_map().rules}
+    """Each parameter's rule in the form adapters are named after (`Either`'s first: PEFT's)."""
+    return {rule.zoo: rule.rule if isinstance(rule, Either) else rule for rule in model.hf_weight_map().rules}
+
+
+def _rule(rules: dict, adapted: str):
+    """The rule of an adapted layer's weight (a `Linear`'s ``<name>.weight``, an expert projection's ``<name>``)."""
+    return rules.get(f"{adapted}.weight") or rules[adapted]
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
     return (param.full_tensor() if isinstance(param, DTensor) else param).detach().float().cpu()
+
+
+def _expert_keys(rules: dict, parameters: list[str]) -> dict[str, str]:
+    """{adapted expert parameter: the module path PEFT names its factors after}: the experts module,
+    with a ``.base_layer`` per adapted parameter registered after it on that module."""
+    order = list(dict.fromkeys(rule.fused for rule in rules.values() if isinstance(rule, Stacked) and rule.fused))
+    adapted = [name for name in order if name in parameters]
+    keys = {}
+    for name in adapted:
+        module = name.rpartition(".")[0]
+        later = [other for other in adapted[adapted.index(name) + 1:] if other.rpartition(".")[0] == module]
+        keys[name] = module + ".base_layer" * len(later)
+    return keys
 
 
 @torch.no_grad()
@@ -55,27 +80,41 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_
     as a PEFT adapter directory that ``peft.PeftModel.from_pretrained(base, path)`` loads; the
     rank and alpha most layers have are the config's ``r`` and ``lora_alpha``, others go in its
     ``rank_pattern``/``alpha_pattern``."""
-    rules, layers = _rules(model), lora_layers(model)
-    if not layers:
+    rules, adapters = _rules(model), lora_adapters(model)
+    if not adapters:
         raise ValueError(f"{type(model).__name__} holds no LoRA adapter (train.lora.rank = 0?): nothing to write")
     tensors, ranks, alphas, pieces, transposed = {}, {}, {}, [], False
-    for name, layer in layers.items():
-        rule = rules[f"{name}.weight"]
+    for name, lora in adapters.items():
+        rule = _rule(rules, name)
         transposed |= isinstance(rule, Transposed) or isinstance(rule, PackedQKV) and rule.transposed
-        pieces += rule.save_adapter(Adapter(_full(layer.lora.A), _full(layer.lora.B), layer.lora.scale)).items()
-    for module, part in joined(pieces).items():  # Phi-3's gate_up_proj: the adapters of gate and up joined
-        tensors[f"{PREFIX}{module}.lora_A.weight"] = part.A.clone()  # A is shared by fused modules
-        tensors[f"{PREFIX}{module}.lora_B.weight"] = part.B.contiguous()
-        ranks[module], alphas[module] = part.A.shape[0], part.scale * part.A.shape[0]
+        pieces += rule.save_adapter(Adapter(_full(lora.A), _full(lora.B), lora.scale)).items()
+    parts = joined(pieces)  # Phi-3's gate_up_proj, the experts' gate_up_proj: the adapters of gate and up joined
+    blocks = Counter(module for module, _ in pieces)
+    missing = [rule.zoo for rule in rules.values() if isinstance(rule, Stacked) and rule.zoo not in adapters
+               and blocks[rule.fused] not in (0, rule.blocks)]
+    if missing:
+        raise ValueError(f"{missing} have no adapter, but their experts' other projection in the same transformers "
+                         f"parameter does: adapt the experts' gate_proj and up_proj both (or neither)")
+    expert_keys = _expert_keys(rules, [module for module, part in parts.items() if part.A.dim() == 3])
+    _check_peft_reads_dense_as_dense(rules, [module for module in parts if module not in expert_keys])
+    for module, part in parts.items():
+        A, B, key = part.A, part.B, module
+        if A.dim() == 3:  # PEFT's layout of an adapter on stacked experts
+            A, B, key = A.flatten(0, 1), B.permute(1, 2, 0).flatten(1), expert_keys[module]
+        tensors[f"{PREFIX}{key}.lora_A.weight"] = A.clone()  # A is shared by fused modules
+        tensors[f"{PREFIX}{key}.lora_B.weight"] = B.contiguous()
+        ranks[module], alphas[module] = part.A.shape[-2], part.scale * part.A.shape[-2]
     path = Path(path)
     group = run_group()
     if group is None or dist.get_rank(group) == 0:
         rank, alpha = Counter(ranks.values()).most_common(1)[0][0], Counter(alphas.values()).most_common(1)[0][0]
-        dropouts = {layer.lora.dropout for layer in layers.values()}
+        dropouts = {lora.dropout for lora in adapters.values()}
+        modules = sorted(module for module in ranks if module not in expert_keys)
         config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM" if hasattr(model, "lm_head") else None,
             "base_model_name_or_path": base_model_name_or_path, "r": rank, "lora_alpha": alpha,
-            "lora_dropout": max(dropouts), "target_modules": sorted(ranks), "fan_in_fan_out": transposed,
+            "lora_dropout": max(dropouts), "target_modules": modules or None,
+            "target_parameters": sorted(expert_keys) or None, "fan_in_fan_out": transposed,
             "bias": "none", "use_rslora": False, "use_dora": False, "init_lora_weights": True,
             "inference_mode": True, "modules_to_save": None,
             "rank_pattern": {m: r for m, r in ranks.items() if r != rank},
@@ -87,6 +126,21 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_
     if group is not None:
         dist.barrier(group=group)
     return path
+
+
+def _check_peft_reads_dense_as_dense(rules: dict, modules: list[str]) -> None:
+    """Refuse dense adapters PEFT would put on the experts: on transformers 5, PEFT (0.21) turns every
+    target named like the experts' per-expert projections (Qwen-MoE's gate_proj, up_proj,
+    down_proj; any path ending so) into an adapter on the stacked experts' parameters."""
+    expert_names = {rule.name.removesuffix(".weight").rpartition(".")[2] for rule in rules.values()
+                    if isinstance(rule, Stacked)}
+    clashing = sorted(module for module in modules if module.rpartition(".")[2] in expert_names)
+    if clashing:
+        raise ValueError(f"the adapters of {clashing} cannot be written for PEFT: on transformers 5 PEFT takes every "
+                         f"target named {sorted(expert_names)} for the MoE experts' stacked parameters and would put "
+                         f"them there; adapt these dense MLPs (dense layers, shared expert) only if you merge the "
+                         f"adapters (zoo-to-hf without --adapter), or leave them out of train.lora.target_modules "
+                         f"(e.g. qkv, out, experts)")
 
 
 def read_peft_adapter(path: str | Path, model: nn.Module) -> dict[str, Adapter]:
@@ -112,12 +166,21 @@ def read_peft_adapter(path: str | Path, model: nn.Module) -> dict[str, Adapter]:
             if match is None:
                 raise ValueError(f"{path / ADAPTER_WEIGHTS}: {key} is not a LoRA factor (…lora_A.weight/lora_B.weight)")
             factors.setdefault(match[1], {})[match[2]] = file.get_tensor(key).float()
-    adapters = {module: Adapter(f["A"], f["B"], _scale(config, module, f["A"].shape[0]))
+    rules = _rules(model)
+    experts = {rule.fused: rule.count for rule in rules.values() if isinstance(rule, Stacked) and rule.fused}
+    wanted = config.get("target_parameters") or ()
+    targeted = [name for name in experts if any(name == t or name.endswith("." + t) for t in wanted)]
+    for name, key in _expert_keys(rules, targeted).items():  # PEFT's layout of stacked experts' adapters -> ours
+        if key in factors:
+            f, count = factors.pop(key), experts[name]
+            factors[name] = {"A": f["A"].unflatten(0, (count, -1)),
+                             "B": f["B"].unflatten(1, (-1, count)).permute(2, 0, 1)}
+    adapters = {module: Adapter(f["A"], f["B"], _scale(config, module, f["A"].shape[-2]))
                 for module, f in factors.items()}
     result, used = {}, set()
-    for name, rule in _rules(model).items():
-        modules = [n.removesuffix(".weight") for n in rule.hf if n.removesuffix(".weight") in adapters]
-        if name.endswith(".weight") and modules:
+    for name, rule in rules.items():
+        modules = [module for module in rule.adapter_names if module in adapters]
+        if modules:
             result[name.removesuffix(".weight")] = rule.load_adapter(adapters)
             used.update(modules)
     unused = sorted(set(adapters) - used)
@@ -137,14 +200,14 @@ def apply_lora_config(model: nn.Module, lora: dict) -> dict[str, tuple[int, floa
     lora = {**dataclasses.asdict(LoraConfig()), **lora}
     layers = lora["layers"]
     if not layers and lora["adapter"]:
-        layers = {name: (a.A.shape[0], a.scale * a.A.shape[0])
+        layers = {name: (a.A.shape[-2], a.scale * a.A.shape[-2])
                   for name, a in read_peft_adapter(lora["adapter"], model).items()}
     if not layers and not lora["rank"]:
         return {}
     shapes = {name: (int(rank), float(alpha)) for name, (rank, alpha) in layers.items()} if layers else None
     apply_lora(model, lora["rank"], lora["alpha"], dropout=lora["dropout"], target_modules=lora["target_modules"],
                layers=shapes)
-    return {name: (layer.lora.rank, layer.lora.alpha) for name, layer in lora_layers(model).items()}
+    return {name: (lora.rank, lora.alpha) for name, lora in lora_adapters(model).items()}
 
 
 def _scale(config: dict, module: str, rank: int) -> float:
@@ -165,18 +228,18 @@ def load_peft_adapter(model: nn.Module, path: str | Path, adapters: dict[str, Ad
     result); each must have the file's rank and scale. Returns the layers filled."""
     adapters = read_peft_adapter(path, model) if adapters is None else adapters
     filled = []
-    for name, layer in lora_layers(model).items():
+    for name, lora in lora_adapters(model).items():
         adapter = adapters.get(name)
         if adapter is None:
             raise ValueError(f"{path} has no adapter for {name}: start from an adapter trained on the same "
                              f"train.lora.target_modules")
-        if tuple(adapter.A.shape) != tuple(layer.lora.A.shape) or not torch.isclose(
-                torch.tensor(adapter.scale), torch.tensor(layer.lora.scale)):
-            raise ValueError(f"{path}: the adapter of {name} has rank {adapter.A.shape[0]} and scale "
+        if tuple(adapter.A.shape) != tuple(lora.A.shape) or not torch.isclose(
+                torch.tensor(adapter.scale), torch.tensor(lora.scale)):
+            raise ValueError(f"{path}: the adapter of {name} has rank {adapter.A.shape[-2]} and scale "
                              f"{adapter.scale:g}; "
-                             f"the model's has rank {layer.lora.rank} and scale {layer.lora.scale:g}: set "
+                             f"the model's has rank {lora.rank} and scale {lora.scale:g}: set "
                              f"train.lora.rank and alpha as the adapter was trained")
-        fill_shard_(layer.lora.A, adapter.A.to(layer.lora.A.dtype))
-        fill_shard_(layer.lora.B, adapter.B.to(layer.lora.B.dtype))
+        fill_shard_(lora.A, adapter.A.to(lora.A.dtype))
+        fill_shard_(lora.B, adapter.B.to(lora.B.dtype))
         filled.append(name)
     return filled

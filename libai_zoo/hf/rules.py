@@ -48,6 +48,12 @@ class Rule:
         """The checkpoint shapes a parameter of `zoo_shape` corresponds to."""
         return {name: t.shape for name, t in self.save(torch.empty(zoo_shape, device="meta")).items()}
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """What PEFT names the adapters this (weight) parameter's adapter is made from: the Hugging
+        Face modules (checkpoint names without ".weight")."""
+        return tuple(_module(name) for name in self.hf if name.endswith(".weight"))
+
     def save_adapter(self, adapter: Adapter) -> dict[str, Adapter]:
         """The LoRA adapter of this (weight) parameter's layer as PEFT holds it: per Hugging Face
         module (the checkpoint name without ".weight"), its factors."""
@@ -308,15 +314,30 @@ class PackedQKV(Rule):
 class Stacked(Rule):
     """A stacked [E, ...] parameter (`layers.Experts`) from E checkpoint tensors, one per expert:
     `name` with ``{}`` where the expert's index goes. A rank reads only the experts of its part of
-    dim 0 (`expert_range`: all of them in one process), each tensor in the rest of its block."""
+    dim 0 (`expert_range`: all of them in one process), each tensor in the rest of its block.
+
+    ``fused`` names the parameter transformers 5 makes of these tensors in memory (and PEFT's
+    ``target_parameters`` adapters with it): ``….experts.gate_up_proj`` [E, 2I, h] holds gate
+    (``block`` 0 of ``blocks`` 2 along its rows) and up (block 1), ``….experts.down_proj`` is down.
+    The adapter of an expert projection (A [E, r, in], B [E, out, r]) is saved as that
+    parameter's; without ``fused`` it has no PEFT form. Read back, it is that parameter's adapter
+    or, as PEFT trained them on transformers 4's per-expert modules (``….experts.{e}.w1``), the
+    experts' own adapters stacked."""
 
     zoo: str
     name: str
     count: int
+    fused: str | None = None
+    block: int = 0
+    blocks: int = 1
 
     @property
     def hf(self) -> tuple[str, ...]:
         return tuple(self.name.format(e) for e in range(self.count))
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return (*(_module(name) for name in self.hf), *(() if self.fused is None else (self.fused,)))
 
     def load(self, read, shard, zoo_shape, rows=None):
         block = _block(shard, zoo_shape, rows)
@@ -330,6 +351,25 @@ class Stacked(Rule):
 
     def save(self, tensor):
         return {self.name.format(e): expert for e, expert in enumerate(tensor)}
+
+    def save_adapter(self, adapter):
+        if self.fused is None:
+            raise ValueError(f"{self.zoo}: the LoRA adapter of these experts has no PEFT form here: PEFT adapts "
+                             f"stacked experts as transformers 5 holds them in memory, which this model's weight "
+                             f"map does not name (Stacked.fused); merge the adapters (zoo-to-hf without --adapter)")
+        return {self.fused: adapter}
+
+    def load_adapter(self, adapters):
+        if self.fused in adapters:
+            adapter = adapters[self.fused]
+            rows = adapter.B.shape[-2] // self.blocks
+            return Adapter(adapter.A, adapter.B[:, self.block * rows:(self.block + 1) * rows], adapter.scale)
+        experts = [adapters.get(_module(name)) for name in self.hf]
+        present = sum(a is not None for a in experts)
+        if present < self.count or len({(a.A.shape, a.scale) for a in experts}) > 1:
+            raise ValueError(f"{self.zoo}: a PEFT adapter on the per-expert modules {_module(self.name)} loads when "
+                             f"every expert has one, of one rank and alpha (it has {present} of {self.count})")
+        return Adapter(torch.stack([a.A for a in experts]), torch.stack([a.B for a in experts]), experts[0].scale)
 
 
 @dataclass
@@ -371,7 +411,8 @@ def expert_range(block: dict[int, tuple[int, int]], zoo_shape: torch.Size) -> tu
 
 @dataclass
 class Adapter:
-    """A LoRA adapter's factors, A [rank, in] and B [out, rank], and its scale (alpha / rank)."""
+    """A LoRA adapter's factors, A [rank, in] and B [out, rank] (stacked experts': A [E, rank, in],
+    B [E, out, rank]), and its scale (alpha / rank)."""
 
     A: torch.Tensor
     B: torch.Tensor
@@ -405,17 +446,17 @@ def _joined(adapters: list[Adapter]) -> Adapter:
     """One adapter for several modules fused into one layer: their shared A when they share it
     (as `save_adapter` writes them), else their A's stacked, each B confined to its own A's
     columns (rank the sum); the first module's scale, the others' folded into their B. The
-    rows of the result's B are the modules' rows, in order."""
+    rows of the result's B are the modules' rows, in order (per expert, for stacked experts')."""
     first = adapters[0]
     if all(a.scale == first.scale and torch.equal(a.A, first.A) for a in adapters):
-        return Adapter(first.A, torch.cat([a.B for a in adapters]), first.scale)
-    ranks = [a.A.shape[0] for a in adapters]
+        return Adapter(first.A, torch.cat([a.B for a in adapters], dim=-2), first.scale)
+    ranks = [a.A.shape[-2] for a in adapters]
     blocks = []
     for i, a in enumerate(adapters):
-        block = a.B.new_zeros(a.B.shape[0], sum(ranks))
-        block[:, sum(ranks[:i]): sum(ranks[: i + 1])] = a.B * (a.scale / first.scale)
+        block = a.B.new_zeros(*a.B.shape[:-1], sum(ranks))
+        block[..., sum(ranks[:i]): sum(ranks[: i + 1])] = a.B * (a.scale / first.scale)
         blocks.append(block)
-    return Adapter(torch.cat([a.A for a in adapters]), torch.cat(blocks), first.scale)
+    return Adapter(torch.cat([a.A for a in adapters], dim=-2), torch.cat(blocks, dim=-2), first.scale)
 
 
 def _block(shard: Shard, zoo_shape: torch.Size, rows: Rows) -> dict[int, tuple[int, int]]:

@@ -40,18 +40,22 @@ def moe_rules(moe: MoE, z: str, h: str, names) -> list[Rule]:
     shared expert MLP (Qwen2-MoE's ``shared_expert``, DeepSeek-V3's ``shared_experts``) with its
     ``shared_expert_gate``. A checkpoint of transformers 5's in-memory names (``mlp.gate``, stacked
     ``mlp.experts.gate_up_proj`` [E, 2I, H] = [gate; up] per expert and ``mlp.experts.down_proj``
-    [E, H, I]) reads as well, each rank its experts."""
+    [E, H, I]) reads as well, each rank its experts; they are also what PEFT's adapters on the
+    experts name."""
     gate, up, down = names.experts
     count, m, fused = moe.num_experts, h + names.moe + ".", h + "mlp."
     router = linear(z + "router", m + "gate", bias=moe.router.bias is not None)
     if m != fused:  # Mixtral's block_sparse_moe is transformers 5's mlp
         router = [Either(rule, Same(rule.zoo, fused + rule.name.removeprefix(m))) for rule in router]
     rules = [*router,
-             Either(Stacked(z + "experts.gate_proj", m + f"experts.{{}}.{gate}.weight", count),
+             Either(Stacked(z + "experts.gate_proj", m + f"experts.{{}}.{gate}.weight", count,
+                            fused + "experts.gate_up_proj", 0, 2),
                     Part(z + "experts.gate_proj", fused + "experts.gate_up_proj", 0, 2, dim=1)),
-             Either(Stacked(z + "experts.up_proj", m + f"experts.{{}}.{up}.weight", count),
+             Either(Stacked(z + "experts.up_proj", m + f"experts.{{}}.{up}.weight", count,
+                            fused + "experts.gate_up_proj", 1, 2),
                     Part(z + "experts.up_proj", fused + "experts.gate_up_proj", 1, 2, dim=1)),
-             Either(Stacked(z + "experts.down_proj", m + f"experts.{{}}.{down}.weight", count),
+             Either(Stacked(z + "experts.down_proj", m + f"experts.{{}}.{down}.weight", count,
+                            fused + "experts.down_proj"),
                     Same(z + "experts.down_proj", fused + "experts.down_proj"))]
     if moe.router.e_score_correction_bias is not None:
         rules.append(Same(z + "router.e_score_correction_bias", m + "gate.e_score_correction_bias"))
