@@ -87,7 +87,8 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
                       gpus_per_node: int = 8, evaluates: bool = False) -> Iterator[Layout]:
     """Every layout `table`'s model admits on `world_size` processes: tp inside a node and splitting
     every layer evenly (the layers' own `tp_problems`), pp ≤ layers, dp dividing the global batch,
-    each micro-batch size that divides a dp rank's share, ZeRO 0-3 (0 alone at dp = 1),
+    for an MoE model each ep dividing dp whose expert group (ep × tp ranks) splits the experts
+    evenly, each micro-batch size that divides a dp rank's share, ZeRO 0-3 (0 alone at dp = 1),
     activation checkpointing off/on, sequence parallelism off/on at tp > 1 (when tp divides
     `seq_len`), and under pp each schedule the pipeline accepts for that many micro-batches (one
     that can evaluate when the run `evaluates`: it has test data)."""
@@ -100,15 +101,17 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
                 continue
             schedules = [(name, v) for name, v in PIPELINE_SCHEDULES.items()
                          if not evaluates or schedule_evaluates(name)] if pp > 1 else [(None, 1)]
+            eps = [ep for ep in _divisors(dp) if not table.ep_problems(ep, tp)]
             for micro_batch in _divisors(global_batch_size // dp):
                 micro_batches = global_batch_size // (dp * micro_batch)
                 for schedule, virtual in schedules:
                     if schedule is not None and not _pipeline_runs(table, pp, schedule, virtual, micro_batches):
                         continue
-                    for zero in (range(4) if dp > 1 else [0]):
-                        for sp in ([False, True] if tp > 1 and seq_len % tp == 0 else [False]):
-                            for ac in (False, True):
-                                yield Layout(dp, tp, pp, zero, ac, sp, micro_batch, schedule, virtual)
+                    for ep in eps:
+                        for zero in (range(4) if dp > 1 else [0]):
+                            for sp in ([False, True] if tp > 1 and seq_len % tp == 0 else [False]):
+                                for ac in (False, True):
+                                    yield Layout(dp, tp, pp, zero, ac, sp, micro_batch, schedule, virtual, ep)
 
 
 def _pipeline_runs(table: ModelTable, pp: int, schedule: str, virtual: int, micro_batches: int) -> bool:

@@ -129,9 +129,17 @@ class MemoryBreakdown:
         return {**terms, "total": self.total}
 
 
-def _shard_elements(param: ParameterInfo, tp: int, dp: int, zero_stage: int, dp_rank: int) -> int:
-    """Elements of `param` this rank keeps: its tp slice, and at ZeRO 1-3 its dp rows of it."""
-    shape = param.tp_local_shape(tp)
+def _data_parallel(param: ParameterInfo, dp: int, ep: int, dp_rank: int) -> tuple[int, int]:
+    """(size, this rank's index) of the group ZeRO shards `param` over: dp, or for an expert
+    tensor edp = dp / ep (dp rank = edp rank × ep + ep rank)."""
+    return (dp // ep, dp_rank // ep) if param.expert else (dp, dp_rank)
+
+
+def _shard_elements(param: ParameterInfo, tp: int, dp: int, ep: int, zero_stage: int, dp_rank: int) -> int:
+    """Elements of `param` this rank keeps: its tp slice (an expert tensor's block of experts), and
+    at ZeRO 1-3 its rows of it over its data-parallel group."""
+    shape = param.tp_local_shape(tp, ep)
+    dp, dp_rank = _data_parallel(param, dp, ep, dp_rank)
     if zero_stage == 0 or dp == 1:
         return math.prod(shape)
     rows = shape[0]
@@ -164,21 +172,37 @@ def _rank_stage_layers(num_layers: int, pp: int, schedule: str | None, virtual_s
     return tuple((ranges[s], s == 0, s == num_stages - 1) for s in range(num_stages) if owners[s] == pp_rank)
 
 
-def _group(table: ModelTable, first: bool | None, last: bool = False) -> list[ParameterInfo]:
-    """One layer's parameters (`first` None: the layers are alike), or those of the end modules a
-    stage holding the first and/or the last stage has (a tied weight once)."""
-    if first is None:
-        return [p for p in table.parameters if p.layer == 0]
+def _group(table: ModelTable, first: bool | int, last: bool = False) -> list[ParameterInfo]:
+    """The parameters of one layer of parameter group `first` (an int: `ModelTable.layer_groups`),
+    or those of the end modules a stage holding the first and/or the last stage has (a tied weight
+    once)."""
+    if not isinstance(first, bool):
+        return [p for p in table.parameters if p.layer == table.group_layers[first]]
     return [p for p in table.parameters
             if p.layer is None and (("first" in p.ends and first) or ("last" in p.ends and last))]
 
 
 @lru_cache(maxsize=65536)
-def _group_state(table: ModelTable, first: bool | None, last: bool, tp: int, dp: int, zero_stage: int, dp_rank: int,
-                 optimizer: OptimizerState) -> StateBytes:
+def _rank_groups(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[bool | int, bool, int], ...]:
+    """What `pp_rank` holds as (group, last, count): its layers by parameter group, then each of
+    its stages' end modules (group True/False: holds the first stage's; last: holds the last's)."""
+    counts: dict[int, int] = {}
+    ends = []
+    for layers, first, last in _rank_stage_layers(table.num_layers, layout.pp, layout.schedule,
+                                                  layout.virtual_stages, pp_rank):
+        for index in layers:
+            group = table.layer_groups[index]
+            counts[group] = counts.get(group, 0) + 1
+        ends.append((first, last, 1))
+    return tuple((group, False, count) for group, count in sorted(counts.items())) + tuple(ends)
+
+
+@lru_cache(maxsize=65536)
+def _group_state(table: ModelTable, first: bool | int, last: bool, tp: int, dp: int, ep: int, zero_stage: int,
+                 dp_rank: int, optimizer: OptimizerState) -> StateBytes:
     params = grads = state = 0
     for param in _group(table, first, last):
-        size = _shard_elements(param, tp, dp, zero_stage, dp_rank) * param.element_size
+        size = _shard_elements(param, tp, dp, ep, zero_stage, dp_rank) * param.element_size
         params += size
         if param.requires_grad:
             grads += size
@@ -190,36 +214,38 @@ def state_bytes(table: ModelTable, layout: Layout, pp_rank: int = 0, dp_rank: in
                 optimizer: OptimizerState = ADAMW) -> StateBytes:
     """Parameters, gradients and optimizer state one rank holds between steps (exact)."""
     params = grads = state = 0
-    sizes = (layout.tp, layout.dp, layout.zero_stage, dp_rank, optimizer)
-    for layers, first, last in rank_stages(table, layout, pp_rank):
-        for count, group in ((layers, _group_state(table, None, False, *sizes)),
-                             (1, _group_state(table, first, last, *sizes))):
-            params += count * group.params
-            grads += count * group.grads
-            state += count * group.optimizer
+    sizes = (layout.tp, layout.dp, layout.ep, layout.zero_stage, dp_rank, optimizer)
+    for first, last, count in _rank_groups(table, layout, pp_rank):
+        group = _group_state(table, first, last, *sizes)
+        params += count * group.params
+        grads += count * group.grads
+        state += count * group.optimizer
     return StateBytes(params, grads, state)
 
 
 @lru_cache(maxsize=65536)
-def _group_unsharded(table: ModelTable, first: bool | None, last: bool, tp: int, dp: int, element_size: int | None,
-                     trainable_only: bool = False) -> int:
-    """All-gathered bytes of a group's parameters (FSDP2 pads each to dp equal chunks of rows)."""
+def _group_unsharded(table: ModelTable, first: bool | int, last: bool, tp: int, dp: int, ep: int,
+                     element_size: int | None, trainable_only: bool = False, experts: bool | None = None) -> int:
+    """All-gathered bytes of a group's parameters (FSDP2 pads each to equal chunks of rows over its
+    data-parallel group); `experts` True/False: only the expert tensors, or only the others."""
     total = 0
     for param in _group(table, first, last):
-        if trainable_only and not param.requires_grad:
+        if (trainable_only and not param.requires_grad) or (experts is not None and param.expert != experts):
             continue
-        shape = param.tp_local_shape(tp)
-        rows = -(-shape[0] // dp) * dp
+        shape = param.tp_local_shape(tp, ep)
+        size, _ = _data_parallel(param, dp, ep, 0)
+        rows = -(-shape[0] // size) * size
         total += rows * math.prod(shape[1:]) * (element_size or param.element_size)
     return total
 
 
 def unsharded_bytes(table: ModelTable, layout: Layout, pp_rank: int, element_size: int | None, *,
-                    trainable_only: bool = False) -> int:
-    """All-gathered bytes of everything `pp_rank` holds (`element_size` None: the parameters' own)."""
-    return sum(layers * _group_unsharded(table, None, False, layout.tp, layout.dp, element_size, trainable_only)
-               + _group_unsharded(table, first, last, layout.tp, layout.dp, element_size, trainable_only)
-               for layers, first, last in rank_stages(table, layout, pp_rank))
+                    trainable_only: bool = False, experts: bool | None = None) -> int:
+    """All-gathered bytes of everything `pp_rank` holds (`element_size` None: the parameters' own;
+    `experts` True/False: only the experts' tensors, or all but them)."""
+    return sum(count * _group_unsharded(table, first, last, layout.tp, layout.dp, layout.ep, element_size,
+                                        trainable_only, experts)
+               for first, last, count in _rank_groups(table, layout, pp_rank))
 
 
 def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_batches: int,
@@ -235,9 +261,12 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
     if layout.zero_stage < 3 or layout.pp > 1:
         total = unsharded_bytes(table, layout, pp_rank, element)
     else:
-        total = sum(min(2, layers) * _group_unsharded(table, None, False, layout.tp, layout.dp, element)
-                    + _group_unsharded(table, first, last, layout.tp, layout.dp, element)
-                    for layers, first, last in rank_stages(table, layout, pp_rank))
+        sizes = (layout.tp, layout.dp, layout.ep, element)
+        layers = [(_group_unsharded(table, first, last, *sizes), count)
+                  for first, last, count in _rank_groups(table, layout, pp_rank) if not isinstance(first, bool)]
+        biggest = sorted((size for size, count in layers for _ in range(min(2, count))), reverse=True)[:2]
+        total = sum(biggest) + sum(_group_unsharded(table, first, last, *sizes)
+                                   for first, last, _ in _rank_groups(table, layout, pp_rank) if isinstance(first, bool))
     if num_micro_batches > 1 and (layout.zero_stage == 1 or layout.pp > 1):
         total += unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)  # float32: FSDP's reduce dtype
     return total

@@ -41,8 +41,15 @@ class ParameterInfo:
     #: Whether every tp rank holds it whole at a given tp though tp_dim splits it at others (a fused
     #: qkv at a tp above its KV heads, which it replicates): what the layers do at that tp.
     whole_at: Callable[[int], bool] = field(default=lambda tp: False, compare=False, repr=False)
+    #: An MoE layer's stacked experts [E, ...]: split along dim 0 over the expert group (ep × tp
+    #: ranks) whenever it has more than one rank, and sharded by ZeRO over edp = dp / ep.
+    expert: bool = False
 
-    def tp_local_shape(self, tp: int) -> tuple[int, ...]:
+    def tp_local_shape(self, tp: int, ep: int = 1) -> tuple[int, ...]:
+        """The slice one rank holds before ZeRO: its tp slice, or an expert tensor's block of
+        E / (ep·tp) experts."""
+        if self.expert:
+            return (self.shape[0] // (ep * tp), *self.shape[1:])
         if self.tp_dim is None or self.whole_at(tp):
             return self.shape
         return tuple(size // tp if dim == self.tp_dim else size for dim, size in enumerate(self.shape))
@@ -68,6 +75,19 @@ class _SplitRecorder:
 
     def replicate_parameter(self, module: nn.Module, name: str) -> None:
         """A replicated parameter is not split: nothing to record."""
+
+
+class _ExpertRecorder:
+    """Stands in for `distributed.ExpertParallel` in an MoE layer's ``shard_experts_``: records which
+    parameters are split over the expert group, and splits nothing."""
+
+    ep, tp, size, rank = 1, 1, 1, 0
+
+    def __init__(self):
+        self.experts: set[int] = set()
+
+    def shard_parameter(self, module: nn.Module, name: str) -> None:
+        self.experts.add(id(getattr(module, name)))
 
 
 def _place(name: str, stack: str, first: tuple[str, ...], last: tuple[str, ...]) -> tuple[int | None, str | None]:
@@ -103,6 +123,7 @@ class ModelTable:
         self._tp_problems: dict[int, list[str]] = {}
         self._whole: dict[int, frozenset[int]] = {}
         recorder = _record_splits(model, 1)
+        experts = _record_experts(model)
         places: dict[int, tuple[nn.Parameter, list[tuple[int | None, str | None]]]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             places.setdefault(id(param), (param, []))[1].append(
@@ -116,14 +137,21 @@ class ModelTable:
             self.parameters.append(ParameterInfo(
                 tuple(param.shape), param.element_size(), recorder.dims.get(key),
                 layers.pop() if layers else None, frozenset(end for _, end in where if end is not None),
-                param.requires_grad, functools.partial(self._held_whole, index)))
+                param.requires_grad, functools.partial(self._held_whole, index), key in experts))
 
-        signatures = [[(p.shape, p.tp_dim, p.requires_grad) for p in self.parameters if p.layer == index]
-                      for index in range(self.num_layers)]
-        unlike = [index for index, signature in enumerate(signatures) if signature != signatures[0]]
-        if unlike:
-            raise ValueError(f"layers {unlike} of the layer stack differ from layer 0 in their parameters: the planner "
-                             f"counts one layer for all of them")
+        # layers whose parameters are alike (shapes, splits, trainability) are one group, counted once
+        signatures = [tuple((p.shape, p.tp_dim, p.requires_grad, p.expert) for p in self.parameters
+                            if p.layer == index) for index in range(self.num_layers)]
+        distinct = list(dict.fromkeys(signatures))
+        #: the parameter group of each layer of the stack, and the first layer of each group
+        self.layer_groups: tuple[int, ...] = tuple(distinct.index(s) for s in signatures)
+        self.group_layers: tuple[int, ...] = tuple(signatures.index(s) for s in distinct)
+        #: the Mixture-of-Experts layers: each one's (experts, experts per token); {} for a dense model
+        self.moe: dict[int, tuple[int, int]] = {
+            index: (module.num_experts, module.top_k) for index, layer in enumerate(stack)
+            for module in layer.modules() if callable(getattr(module, "shard_experts_", None))
+            and hasattr(module, "top_k")}
+        self._ep_problems: dict[tuple[int, int], list[str]] = {}
 
     @classmethod
     def from_config(cls, model_cfg: DictConfig, lora: DictConfig | dict | None = None) -> ModelTable:
@@ -135,9 +163,15 @@ class ModelTable:
             return cls(model)
 
     @cached_property
-    def layer_parameters(self) -> int:
-        """Elements of one layer of the stack (the layers are alike)."""
-        return sum(math.prod(p.shape) for p in self.parameters if p.layer == 0)
+    def layer_parameters(self) -> float:
+        """Elements one token multiplies in a layer of the stack, on average over the layers: an MoE
+        layer's experts count top_k / num_experts of theirs (the active parameters)."""
+        total = 0.0
+        for param in self.parameters:
+            if param.layer is not None:
+                experts, top_k = self.moe.get(param.layer, (1, 1))
+                total += math.prod(param.shape) * (top_k / experts if param.expert else 1)
+        return total / self.num_layers
 
     @property
     def total_parameters(self) -> int:
@@ -148,6 +182,17 @@ class ModelTable:
         if tp not in self._tp_problems:
             self._tp_problems[tp] = distributed.tp_problems(self._unsharded, tp) if tp > 1 else []
         return self._tp_problems[tp]
+
+    def ep_problems(self, ep: int, tp: int) -> list[str]:
+        """Why the experts cannot be split over an expert group of ep × tp ranks ([] when they can;
+        a dense model admits only ep = 1)."""
+        if (ep, tp) not in self._ep_problems:
+            if not self.moe:
+                problems = [] if ep == 1 else [f"ep = {ep}: {self.model_type} has no experts to split"]
+            else:
+                problems = distributed.expert_problems(self._unsharded, ep, tp)
+            self._ep_problems[ep, tp] = problems
+        return self._ep_problems[ep, tp]
 
     def _held_whole(self, index: int, tp: int) -> bool:
         """Whether parameter `index`, split by tp in general, is held whole at `tp`: the layers'
@@ -162,6 +207,15 @@ class ModelTable:
                                   if key not in dims and self.parameters[i].tp_dim is not None)
             self._whole[tp] = whole
         return index in self._whole[tp]
+
+
+def _record_experts(model: nn.Module) -> set[int]:
+    """The parameters the MoE layers' own ``shard_experts_`` split over the expert group (ids)."""
+    recorder = _ExpertRecorder()
+    for module in model.modules():
+        if callable(getattr(module, "shard_experts_", None)):
+            module.shard_experts_(recorder)
+    return recorder.experts
 
 
 def _record_splits(model: nn.Module, tp: int) -> _SplitRecorder:
