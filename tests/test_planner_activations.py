@@ -9,7 +9,9 @@ must be within 10% of it, per layer kind (a layer alone) and for the whole model
 each layer + head). The families cover GPT-2 (learned positions, dropout), Llama (grouped-query
 attention, rotary), GPT-NeoX (parallel residual), Qwen3 (q/k norms) and a decoder the old analytic
 model never knew (sandwich norms, q/k norms, soft-capped attention, sliding windows on every
-other layer: two layer kinds); micro-batches past the three measured ones are extended linearly.
+other layer: two layer kinds) and a Qwen3-MoE (a dense layer, then Mixture-of-Experts layers: in
+one process a layer's experts save as many rows whatever the routing); micro-batches past the three
+measured ones are extended linearly.
 """
 
 from __future__ import annotations
@@ -78,7 +80,12 @@ MODELS = {
     "qwen3": lambda layers_: models.Qwen3ForCausalLM(llama_config(layers_, cls=transformers.Qwen3Config,
                                                                  head_dim=16)),
     "sandwich": lambda layers_: SandwichForCausalLM(llama_config(layers_)),
+    # a dense first layer, then MoE layers (8 experts, 2 per token): two layer kinds
+    "qwen3_moe": lambda layers_: models.Qwen3MoeForCausalLM(llama_config(
+        layers_, cls=transformers.Qwen3MoeConfig, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, mlp_only_layers=[0])),
 }
+TWO_KINDS = ("sandwich", "qwen3_moe")
 
 
 def parameter_storages(model: torch.nn.Module) -> set[int]:
@@ -158,6 +165,8 @@ CASES = [  # (kind, layers, batch, seq, tp, sp, ckpt, amp, chunk_bytes)
     ("sandwich", 2, 2, 128, 1, False, False, BF16, None),
     ("sandwich", 2, 2, 128, 2, True, False, None, None),
     ("sandwich", 2, 4, 64, 2, False, True, BF16, None),
+    ("qwen3_moe", 2, 2, 128, 1, False, False, None, None),  # one process: the routing does not change the bytes
+    ("qwen3_moe", 2, 3, 64, 1, False, False, BF16, None),
 ]
 
 
@@ -177,7 +186,7 @@ def test_measured_equals_real(case):
     shapes = Shapes(batch, seq, tp, sp, amp, "cpu")
     stack = models.get_layer_stack(model)
     kinds = planner.layer_kinds
-    assert len(set(kinds)) == (2 if kind == "sandwich" else 1)
+    assert len(set(kinds)) == (2 if kind in TWO_KINDS else 1)
     # the planner first: it forms a fake world of its own
     layer_bytes = {k: planner.layer(k, shapes, checkpointed=ckpt) for k in set(kinds)}
     predicted = planner.embedding(shapes) + planner.head(shapes) + sum(layer_bytes[k] for k in kinds)

@@ -32,6 +32,16 @@ flash cannot run) as the memory-efficient kernel CUDA then runs, the math path a
 float32, a float dropout mask). Autocast is CPU's: its lower-precision list holds the matmuls and
 SDPA, as CUDA's does; the float32 lists differ in ops these layers already run in float32.
 
+A Mixture-of-Experts layer's routed path depends on the routing, which fake tensors do not have:
+it is measured under a stated assumption (`Shapes.routing_imbalance`). Inside an MoE layer the
+router's token counts per expert (`torch.bincount`) are balanced (the T·k slots of T tokens spread
+evenly over the experts), and the integer bookkeeping on them runs on real tensors; in the expert
+group's exchange every rank is taken to route alike, so the counts a rank receives are those it
+sends, times the imbalance factor (the most loaded rank receives that many times its fair share
+of T·k rows; 1.0: balanced). Its own code then runs as usual: router, sorting, the all-to-all
+(fake), the experts' grouped GEMMs on as many rows as they receive. Capacity dropping (a
+data-dependent selection) is not measured.
+
 Not measured: padding/custom attention masks, KV caches (inference), the transient memory of
 backward itself (gradients, a recomputed checkpoint or loss chunk).
 """
@@ -45,10 +55,12 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from libai_zoo import distributed
 from libai_zoo.distributed import local
@@ -99,6 +111,8 @@ class Shapes:
     sequence_parallel: bool = False
     amp_dtype: torch.dtype | None = None
     device: str = "cuda"  # "cuda" or "cpu": the device the run is planned for
+    ep: int = 1  # expert parallelism: an MoE layer's experts over ep × tp ranks
+    routing_imbalance: float = 1.0  # the most loaded rank of an expert group receives this × its fair share
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
@@ -187,6 +201,72 @@ class _TargetKernels(TorchFunctionMode):
                 q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
         return torch.ops.aten._scaled_dot_product_attention_math(
             q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+
+class _PlannedRouting(TorchFunctionMode):
+    """Inside an MoE layer on fake tensors: balanced counts per expert, and real integer arithmetic
+    on them (every call whose tensors are all plain real tensors, and `torch.arange`, runs outside
+    the fake mode), so the layer's own code can size its buffers (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.bincount:
+            slots, minlength = args[0].numel(), kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            with unset_fake_temporarily():
+                return slots // minlength + (torch.arange(minlength) < slots % minlength).long()
+        if func is torch._grouped_mm and args[0].dtype != torch.bfloat16:  # its meta kernel takes bf16 only
+            return _GroupedMM.apply(args[0], args[1], kwargs["offs"])
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if all(type(x) is torch.Tensor for x in tensors) and (tensors or func is torch.arange):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """`torch._grouped_mm` of a [N, K] by [G, K, M] in float32 on fake tensors: what it saves (both
+    operands and the offsets) and its [N, M] output."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("a measurement stand-in: nothing runs backward")
+
+
+@contextmanager
+def _symmetric_exchange(imbalance: float) -> Iterator[None]:
+    """The fake process group's all-to-all of real (count) tensors: each rank receives what it
+    sends (every rank routes alike), times `imbalance`."""
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, *args, **kwargs):
+        if type(output) is torch.Tensor and type(input) is torch.Tensor:
+            with unset_fake_temporarily():
+                output.copy_(torch.ceil(input.double() * imbalance).to(output.dtype))
+            return None
+        return original(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = original
+
+
+def _route_as_planned(model: nn.Module) -> None:
+    """Run each MoE layer of `model` (a module with ``shard_experts_`` and ``top_k``) under `_PlannedRouting`."""
+    for module in model.modules():
+        if callable(getattr(module, "shard_experts_", None)) and hasattr(module, "top_k"):
+            module.forward = functools.partial(_planned_forward, module.forward)
+
+
+def _planned_forward(forward, *args, **kwargs):
+    with _PlannedRouting():
+        return forward(*args, **kwargs)
 
 
 class _SavedCounter:
@@ -331,11 +411,14 @@ class SavedActivations:
     def _measure(self, shapes: Shapes, batches: tuple[int, ...], head_only: bool) -> dict[int, _Measured]:
         """Micro-batches of each size in `batches` through embed, the layer kinds (unless
         ``head_only``) and the head, on a fake model split as `shapes` says."""
-        with fake_world(shapes.tp, 0, tp=shapes.tp, sequence_parallel=shapes.sequence_parallel) as ctx:
+        with fake_world(shapes.tp * shapes.ep, 0, dp=shapes.ep, tp=shapes.tp, ep=shapes.ep,
+                        sequence_parallel=shapes.sequence_parallel) as ctx:
             model = copy.deepcopy(self._probe)
             distributed.shard(model, ctx)
+            _route_as_planned(model)
             casts = _FakeMode()
-            with casts, _TargetKernels() if shapes.device == "cuda" else nullcontext():
+            with (casts, _TargetKernels() if shapes.device == "cuda" else nullcontext(),
+                  _symmetric_exchange(shapes.routing_imbalance)):
                 model.to_empty(device="cpu")
                 model.init_buffers()
                 model.train()
