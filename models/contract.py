@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from libai_zoo.layers import Attention, LatentAttention, LayerNorm, RMSNorm
+from libai_zoo.layers import Attention, LatentAttention, LayerNorm, MoE, RMSNorm
 
 IGNORE_INDEX = -100  # a target the loss skips (transformers' convention)
 LOSS_UNITS = ("token", "sample")
@@ -160,13 +160,16 @@ class TrainableModel(ABC):
     def flops_per_token(self, seq_len: int) -> float:
         """FLOPs of one token of a training step (forward + backward = 3 × forward), PaLM's MFU
         convention: 6 × the parameters every token multiplies (all but the embedding tables that
-        are only looked up; a head tied to a table multiplies) + 12 × the attention width of every
-        layer × seq_len (scores and values; causal kernels skip half, MFU counts them all).
+        are only looked up; a head tied to a table multiplies; of a Mixture of Experts' routed
+        experts only the top_k a token goes through) + 12 × the attention width of every layer ×
+        seq_len (scores and values; causal kernels skip half, MFU counts them all).
         Recomputation by activation checkpointing is not useful work and is not counted."""
         last = {id(p) for path in self.last_stage_modules for p in self.get_submodule(path).parameters()}
         looked_up = {id(p) for path in self.first_stage_modules for m in self.get_submodule(path).modules()
                      if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)} - last
-        multiplied = sum(p.numel() for p in self.parameters() if id(p) not in looked_up)
+        share = {id(p): moe.top_k / moe.num_experts for moe in self.modules() if isinstance(moe, MoE)
+                 for p in moe.experts.parameters()}
+        multiplied = sum(p.numel() * share.get(id(p), 1.0) for p in self.parameters() if id(p) not in looked_up)
         attention = sum(12 * m.attention_width * seq_len for m in get_layer_stack(self).modules()
                         if isinstance(m, (Attention, LatentAttention)))
         return 6 * multiplied + attention

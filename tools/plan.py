@@ -6,11 +6,12 @@
 
 The config's model, sequence length (dataloader.train's seq_len or max_length), global batch,
 precision (train.amp) and optimizer are the input; overrides work as in tools/train.py. The
-planner enumerates every layout the model admits (dp × tp × pp, ZeRO 0-3, activation
-checkpointing, sequence parallelism, micro-batch size, pipeline schedule), drops those that do not
-fit in memory and ranks the rest by predicted step time: compute measured on this machine's
-device (cached in ~/.cache/libai_zoo/planner.json) or, for another device, its roofline; the
-collectives of an alpha-beta model (NVLink/InfiniBand presets, or a gloo sweep on a CPU).
+planner enumerates every layout the model admits (dp × tp × pp, for a Mixture of Experts ep,
+ZeRO 0-3, activation checkpointing, sequence parallelism, micro-batch size, pipeline schedule),
+drops those that do not fit in memory and ranks the rest by predicted step time: compute measured
+on this machine's device (cached in ~/.cache/libai_zoo/planner.json) or, for another device, its
+roofline; the collectives of an alpha-beta model (NVLink/InfiniBand presets, or a gloo sweep on a
+CPU). An MoE model's routing is a stated assumption (--routing-imbalance; balanced by default).
 
 --dry-run builds the config's own layout on the meta device under a fake process group of
 --world-size ranks (no processes, no memory), through the trainer's own sharding, stage cutting
@@ -44,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="memory per rank (default: the device's; on CPU this machine's RAM / processes)")
     parser.add_argument("--overhead", type=float, default=None, metavar="GiB",
                         help="fixed bytes per rank outside the model's tensors (default 2 on a GPU, 0 on a CPU)")
+    parser.add_argument("--routing-imbalance", type=float, default=1.0, metavar="F",
+                        help="Mixture of Experts: the most loaded rank of an expert group receives F times its "
+                             "share of the routed tokens (default 1.0: balanced routing), in its activations, "
+                             "compute and all-to-all")
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     parser.add_argument("--json", action="store_true", help='print {"candidates": [...]} best first')
     parser.add_argument("--dry-run", action="store_true",
@@ -100,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
     gpus_per_node = args.gpus_per_node or (args.world_size if args.device == "cpu" else 8)
     result = plan(cfg, args.world_size, gpus_per_node=gpus_per_node, device=args.device,
                   memory_bytes=int(args.memory * GiB) if args.memory is not None else None,
-                  overhead_bytes=int(args.overhead * GiB) if args.overhead is not None else None)
+                  overhead_bytes=int(args.overhead * GiB) if args.overhead is not None else None,
+                  routing_imbalance=args.routing_imbalance)
     if args.json:
         print(json.dumps({"considered": result.considered, "too_big": result.too_big,
-                          "memory_limit_bytes": result.memory_limit, "timing": result.timing,
+                          "memory_limit_bytes": result.memory_limit, "timing": result.timing, "notes": result.notes,
                           "candidates": [c.as_json() for c in result.candidates[:args.top]]}, indent=1))
     else:
         print(format_table(result, args.top))

@@ -10,8 +10,18 @@
               forward and two backward (one each for a parallel block; all-gather +
               reduce-scatter of the same bytes under sequence parallelism; the forward's again when
               checkpointing recomputes it), one for the embedding and one for the head
+    ep comm   per MoE layer and micro-batch, the expert group's all-to-alls (ep × tp ranks): the
+              routed tokens sent to their experts and back (dispatch, combine) forward, and their
+              gradients the reverse way backward (the forward's again when checkpointing recomputes
+              it): each a rank's tokens × top_k × hidden × the activations' bytes, of which the
+              share for its own experts (1 / (ep·tp)) stays; the most loaded rank receives
+              `routing_imbalance` times its share. Inside a node at NVLink, else the share bound
+              for other nodes at InfiniBand (the slower of the two)
     pp comm   a point-to-point send of the boundary activations forward and of their gradient
               backward, per micro-batch, on every rank that has a neighbour
+    (an MoE layer's experts compute top_k / num_experts of their parameters per token: the
+    roofline's FLOPs count the active parameters, the experts' × `routing_imbalance` on the most
+    loaded rank, which the all-to-all makes every rank wait for)
     bubble    the pipeline's idle slots: (pp − 1) micro-batch slots for gpipe and 1F1B, divided
               by the stages per rank for interleaved 1F1B, and by 3 × that for the zero-bubble
               schedules (their weight-gradient work fills two thirds of it: ZB-H1, Qi et al. 2023)
@@ -39,7 +49,7 @@ from libai_zoo.parallel import splits_backward
 from libai_zoo.parallel.data_parallel import BUCKET_BYTES
 
 from .layouts import Layout
-from .memory import GiB, rank_stages, state_bytes, unsharded_bytes
+from .memory import GiB, rank_layers, rank_stages, state_bytes, unsharded_bytes
 from .model_table import ModelTable
 from .profile import ComputeTimes
 
@@ -89,6 +99,10 @@ class Link:
         """One point-to-point message."""
         return self.alpha + nbytes * self.beta
 
+    def all_to_all(self, nbytes: float, n: int) -> float:
+        """A pairwise all-to-all among `n` ranks in which each sends `nbytes` in all (1/n to itself)."""
+        return 0.0 if n == 1 else (n - 1) * self.alpha + (n - 1) / n * nbytes * self.beta
+
 
 #: Stated presets: NVLink 4 / NVSwitch (H100, H200: 450 GB/s each way, ~360 GB/s reached by NCCL's
 #: ring), NVLink 3 (A100: 300 GB/s, ~230 reached), and one 400 Gb/s InfiniBand NDR rail per GPU
@@ -113,6 +127,16 @@ class Fabric:
         multiples of `span`, so they stay inside a node when `span` divides its GPUs)."""
         return self.intra if self.gpus_per_node % span == 0 else self.inter
 
+    def all_to_all(self, nbytes: float, n: int) -> float:
+        """An all-to-all among `n` consecutive ranks, each sending `nbytes` in all: inside a node,
+        or across nodes, where the share bound for other nodes crosses InfiniBand while the rest
+        crosses NVLink (the slower of the two sets the time)."""
+        if n == 1 or self.gpus_per_node % n == 0:
+            return self.intra.all_to_all(nbytes, n)
+        local = self.gpus_per_node
+        return max(self.intra.all_to_all(nbytes * local / n, local),
+                   (n - local) * self.inter.alpha + (n - local) / n * nbytes * self.inter.beta)
+
 
 @dataclass
 class StepTime:
@@ -124,17 +148,19 @@ class StepTime:
     bubble: float
     dp_comm: float
     optimizer: float
+    ep_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+        return (self.compute + self.tp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm
+                + self.optimizer)
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}
 
 
 def roofline_compute(table: ModelTable, device: Device, *, tp: int, micro_batch: int, seq_len: int,
-                     amp_dtype: torch.dtype | None) -> ComputeTimes:
+                     amp_dtype: torch.dtype | None, routing_imbalance: float = 1.0) -> ComputeTimes:
     """Compute times of an absent device: matmul FLOPs at its stated efficiency plus elementwise
     traffic at its bandwidth. Stated estimates: a layer reads or writes its hidden activations
     about 16 times (norms, residuals, activation, dropout, casts) forward and twice that backward;
@@ -144,7 +170,8 @@ def roofline_compute(table: ModelTable, device: Device, *, tp: int, micro_batch:
     peak = device.peak_flops[dtype] * device.matmul_efficiency
     element = torch.tensor([], dtype=dtype).element_size()
     tokens = micro_batch * seq_len
-    matmul = 2 * tokens * table.layer_parameters / tp
+    active = table.layer_parameters + (routing_imbalance - 1) * table.layer_expert_parameters
+    matmul = 2 * tokens * active / tp
     attention = 2 * tokens * seq_len * table.attention_width / tp  # causal: half of 4·t·s·width
     traffic = 16 * tokens * table.hidden_size * element / device.memory_bandwidth
     forward = (matmul + attention) / peak + traffic
@@ -167,10 +194,12 @@ def _bubble_slots(layout: Layout, num_micro_batches: int) -> float:
 
 def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fabric, *, device: Device,
               seq_len: int, global_batch_size: int, amp_dtype: torch.dtype | None, optimizer_per_element: float,
-              fsdp_op: float = 0.0, oversubscription: float = 1.0) -> StepTime:
+              fsdp_op: float = 0.0, oversubscription: float = 1.0, routing_imbalance: float = 1.0) -> StepTime:
     """The step time of the slowest pp rank under `layout` (see the module docstring). `fsdp_op`:
     FSDP2's own seconds around one unit's collective; `oversubscription`: on a CPU, processes per
-    core of a node (compute stretches by it times the share of the step a rank is busy, at least 1)."""
+    core of a node (compute stretches by it times the share of the step a rank is busy, at least 1);
+    `routing_imbalance`: the most loaded rank of an expert group receives that many times its share
+    of the routed tokens."""
     m = layout.num_micro_batches(global_batch_size)
     tp, dp, pp = layout.tp, layout.dp, layout.pp
     act_bytes = (torch.tensor([], dtype=amp_dtype).element_size() if amp_dtype else 4) \
@@ -186,6 +215,11 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
     recomputes = (2 if split else 1) if layout.activation_checkpoint else 0
     syncs = 1 if table.parallel_block else 2
     layer_tp = (2 + recomputes) * syncs * tp_link.all_reduce(act_bytes, tp)
+    # an MoE layer's all-to-alls: this rank's tokens (1/tp of the micro-batch's) × top_k rows each way
+    group = layout.ep * tp
+    exchanges = 2 * (2 + recomputes)  # dispatch and combine; forward, backward and any recompute
+    layer_ep = {index: exchanges * fabric.all_to_all(act_bytes / tp * top_k * routing_imbalance, group)
+                for index, (_, top_k) in table.moe.items()} if group > 1 else {}
     worst = None
     for pp_rank in range(pp):
         stages = rank_stages(table, layout, pp_rank)
@@ -195,15 +229,16 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
         per_mb += times.first * first + times.last * last
         per_mb *= contention
         tp_mb = layers * layer_tp + (first + last) * tp_link.all_reduce(act_bytes, tp)
+        ep_mb = sum(layer_ep.get(index, 0.0) for index in rank_layers(table, layout, pp_rank))
         boundaries = sum(2 - is_first - is_last for _, is_first, is_last in stages)  # each: a send each way
         pp_mb = 2 * boundaries * pp_link.send(act_bytes / (tp if layout.sequence_parallel else 1))
-        slot = per_mb + tp_mb + pp_mb
+        slot = per_mb + tp_mb + ep_mb + pp_mb
         dp_comm = _dp_exposed(table, layout, pp_rank, dp_link, device, m, amp_dtype, fsdp_op * contention,
                               forward=layers * times.layer_forward * contention,
                               backward=layers * times.layer_backward * contention)
         shard = state_bytes(table, layout, pp_rank).params / 4  # float32 parameters
         result = StepTime(m * per_mb, m * tp_mb, m * pp_mb, slots * slot, dp_comm,
-                          shard * optimizer_per_element * contention)
+                          shard * optimizer_per_element * contention, m * ep_mb)
         if worst is None or result.total > worst.total:
             worst = result
     return worst

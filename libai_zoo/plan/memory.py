@@ -160,6 +160,12 @@ def _rank_stages(num_layers: int, pp: int, schedule: str | None, virtual_stages:
                  for layers, first, last in _rank_stage_layers(num_layers, pp, schedule, virtual_stages, pp_rank))
 
 
+def rank_layers(table: ModelTable, layout: Layout, pp_rank: int) -> list[int]:
+    """The indices of the layers `pp_rank` runs."""
+    return [index for layers, _, _ in _rank_stage_layers(table.num_layers, layout.pp, layout.schedule,
+                                                         layout.virtual_stages, pp_rank) for index in layers]
+
+
 @lru_cache(maxsize=65536)
 def _rank_stage_layers(num_layers: int, pp: int, schedule: str | None, virtual_stages: int,
                        pp_rank: int) -> tuple[tuple[range, bool, bool], ...]:
@@ -323,10 +329,13 @@ def _activations(table: ModelTable, part: str, shapes: Shapes, kind: int, checkp
 
 
 def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: int, num_micro_batches: int,
-                     amp_dtype: torch.dtype | None, device: str = "cuda") -> tuple[int, int]:
+                     amp_dtype: torch.dtype | None, device: str = "cuda",
+                     routing_imbalance: float = 1.0) -> tuple[int, int]:
     """(activations of the layers and embedding, logits and loss of the head) held at the peak, on
-    a "cuda" or "cpu" device (their attention kernels and dropout masks differ)."""
-    shapes = Shapes(layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, device)
+    a "cuda" or "cpu" device (their attention kernels and dropout masks differ); MoE layers routed
+    as `Shapes.routing_imbalance` states."""
+    shapes = Shapes(layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, device,
+                    layout.ep, routing_imbalance if table.moe else 1.0)
     # FSDP2 hands the layers bf16 parameters under bf16 autocast at ZeRO 1-3: no matmul keeps a cast copy
     low = layout.dp > 1 and fsdp_param_dtype(amp_dtype, layout.zero_stage) is not None
     in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
@@ -351,15 +360,16 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
 
 def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch_size: int,
                 amp_dtype: torch.dtype | None = None, optimizer: OptimizerState = ADAMW,
-                overhead: int = 0, device: str = "cuda") -> MemoryBreakdown:
+                overhead: int = 0, device: str = "cuda", routing_imbalance: float = 1.0) -> MemoryBreakdown:
     """The predicted peak of the rank that holds the most (every pp rank at dp rank 0) on a "cuda"
-    or "cpu" device."""
+    or "cpu" device; an MoE model's most loaded rank of an expert group receiving
+    `routing_imbalance` × its share of the routed tokens."""
     m = layout.num_micro_batches(global_batch_size)
     compute_dtype = fsdp_param_dtype(amp_dtype, layout.zero_stage)
     best = None
     for pp_rank in range(layout.pp):
         state = state_bytes(table, layout, pp_rank, 0, optimizer)
-        acts, logits = activation_bytes(table, layout, pp_rank, seq_len, m, amp_dtype, device)
+        acts, logits = activation_bytes(table, layout, pp_rank, seq_len, m, amp_dtype, device, routing_imbalance)
         breakdown = MemoryBreakdown(state.params, state.grads, state.optimizer,
                                     gathered_bytes(table, layout, pp_rank, m, compute_dtype), acts, logits,
                                     int(optimizer.step_per_byte * state.params), overhead, pp_rank)

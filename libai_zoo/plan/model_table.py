@@ -183,6 +183,12 @@ class ModelTable:
             self._tp_problems[tp] = distributed.tp_problems(self._unsharded, tp) if tp > 1 else []
         return self._tp_problems[tp]
 
+    @cached_property
+    def layer_expert_parameters(self) -> float:
+        """Of `layer_parameters`, the experts' active elements (top_k of each MoE layer's experts)."""
+        return sum(math.prod(p.shape) * self.moe[p.layer][1] / self.moe[p.layer][0]
+                   for p in self.parameters if p.expert) / self.num_layers
+
     def ep_problems(self, ep: int, tp: int) -> list[str]:
         """Why the experts cannot be split over an expert group of ep × tp ranks ([] when they can;
         a dense model admits only ep = 1)."""

@@ -95,7 +95,7 @@ def _fabric(device_key: str, world_size: int, gpus_per_node: int) -> Fabric:
 
 def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: str | None = None,
          memory_bytes: int | None = None, overhead_bytes: int | None = None,
-         layouts: Iterable[Layout] | None = None) -> Plan:
+         layouts: Iterable[Layout] | None = None, routing_imbalance: float = 1.0) -> Plan:
     """Every layout of `cfg`'s model at `world_size` that fits, best first.
 
     ``device``: a key of `DEVICES` (default: this machine's); its compute is measured when it is
@@ -103,8 +103,14 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     device's, or this machine's RAM shared by the processes of a node for "cpu").
     ``overhead_bytes``: fixed bytes per rank (default `GPU_OVERHEAD` on a GPU, 0 on a CPU).
     ``layouts``: judge only these (e.g. a published layout) instead of every one the model admits,
-    keeping those that do not fit (``Candidate.fits`` False).
+    keeping those that do not fit (``Candidate.fits`` False). ``routing_imbalance``: for a Mixture
+    of Experts, the stated assumption on its routing: the most loaded rank of an expert group
+    receives that many times its share of the routed tokens (1.0: balanced), in its activations,
+    its experts' compute and the all-to-all.
     """
+    if routing_imbalance < 1.0:
+        raise ValueError(f"routing_imbalance = {routing_imbalance}: the most loaded rank receives at least its "
+                         f"share (1.0: balanced routing)")
     device_key = device or present_device()
     if device_key not in DEVICES:
         raise ValueError(f"unknown device {device_key!r}: choose one of {sorted(DEVICES)}")
@@ -152,7 +158,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
                                            micro_batch=layout.micro_batch_size, seq_len=seq_len,
                                            amp_dtype=amp_dtype, threads=threads) if measured \
                 else roofline_compute(table, spec, tp=layout.tp, micro_batch=layout.micro_batch_size,
-                                      seq_len=seq_len, amp_dtype=amp_dtype)
+                                      seq_len=seq_len, amp_dtype=amp_dtype, routing_imbalance=routing_imbalance)
         return compute[key]
 
     peak = spec.peak_flops.get(amp_dtype or torch.float32)
@@ -165,20 +171,26 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     for layout in layouts:
         considered += 1
         memory = rank_memory(table, layout, seq_len=seq_len, global_batch_size=global_batch, amp_dtype=amp_dtype,
-                             optimizer=optimizer, overhead=overhead_bytes, device="cpu" if on_cpu else "cuda")
+                             optimizer=optimizer, overhead=overhead_bytes, device="cpu" if on_cpu else "cuda",
+                             routing_imbalance=routing_imbalance)
         fits = memory.total <= memory_bytes
         too_big += not fits
         if not fits and not judge_all:
             continue
         predicted = step_time(table, layout, times(layout), fabric, device=spec, seq_len=seq_len,
                               global_batch_size=global_batch, amp_dtype=amp_dtype, optimizer_per_element=per_element,
-                              fsdp_op=fsdp_op(layout), oversubscription=oversubscription)
+                              fsdp_op=fsdp_op(layout), oversubscription=oversubscription,
+                              routing_imbalance=routing_imbalance)
         tokens = global_batch * seq_len / predicted.total
         mfu = tokens * flops_per_token / (peak * world_size) if peak else None
         candidates.append(Candidate(layout, memory, predicted, tokens, mfu, fits))
     candidates.sort(key=lambda c: (c.time.total, c.memory.total))
     timing = f"measured on {spec.name if not on_cpu else 'this CPU'}" if measured else f"roofline of {spec.name}"
     notes = [f"{str(amp_dtype or torch.float32).removeprefix('torch.')} compute"]
+    if table.moe:
+        routing = "balanced" if routing_imbalance == 1.0 else f"the most loaded rank {routing_imbalance:g}× its share"
+        notes.append(f"MoE routing assumed {routing} (top-{next(iter(table.moe.values()))[1]} of "
+                     f"{next(iter(table.moe.values()))[0]} experts)")
     if on_cpu and world_size > 1:
         notes.append(f"{procs_per_node} single-threaded processes on {os.cpu_count()} cores: compute × up to "
                      f"{max(1.0, oversubscription):.2f}")
@@ -191,17 +203,19 @@ def format_table(result: Plan, top: int = 10) -> str:
     lines = [f"{result.considered} layouts considered, {result.too_big} do not fit in "
              f"{result.memory_limit / GiB:.1f} GiB per rank, {len(result.candidates)} ranked; times "
              f"{result.timing} ({'; '.join(result.notes)})",
-             f"{'#':>3}  {'layout':<34} {name:>6} {'params':>7} {'grads':>6} {'optim':>6} {'gather':>6} "
-             f"{'acts':>6} {'logits':>6} {'opt.st':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'dp':>7} {'bubble':>7}  "
+             f"{'#':>3}  {'layout':<38} {name:>6} {'params':>7} {'grads':>6} {'optim':>6} {'gather':>6} "
+             f"{'acts':>6} {'logits':>6} {'opt.st':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'ep':>7} {'dp':>7} "
+             f"{'bubble':>7}  "
              f"{'tokens/s':>10} {'MFU':>6}"]
     for index, c in enumerate(result.candidates[:top], 1):
         m, t = c.memory, c.time
         mfu = f"{100 * c.mfu:5.1f}%" if c.mfu is not None else "     -"
         lines.append(
-            f"{index:>3}  {c.layout.short():<34} {m.total / unit:6.2f} {m.params / unit:7.2f} {m.grads / unit:6.2f} "
+            f"{index:>3}  {c.layout.short():<38} {m.total / unit:6.2f} {m.params / unit:7.2f} {m.grads / unit:6.2f} "
             f"{m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} {m.logits / unit:6.2f} "
             f"{m.optimizer_step / unit:6.2f}  "
-            f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.dp_comm:7.3f} {t.bubble + t.pp_comm:7.3f}  "
+            f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.ep_comm:7.3f} {t.dp_comm:7.3f} "
+            f"{t.bubble + t.pp_comm:7.3f}  "
             f"{c.tokens_per_second:10.0f} {mfu}")
     if result.candidates:
         lines.append(f"best: {result.best.layout.overrides()}")
