@@ -467,3 +467,70 @@ def test_a_planner_failure_on_rank_0_stops_every_rank_with_its_reason(tmp_path):
     assert result.returncode != 0
     reason = "the layout planner failed on rank 0: ValueError: the planner needs the sequence length"
     assert result.stderr.count(reason) >= 2, result.stderr[-3000:]  # both ranks, not only rank 0
+
+
+# ------------------------------------------------------------------------- Mixture of Experts
+QWEN3_30B = str(ROOT / "projects" / "layout_planning" / "qwen3_30b_a3b.py")
+#: Qwen3-30B-A3B's config cut to a tiny model: a dense first layer, then MoE layers (top 2 of 8 experts)
+TINY_MOE = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=3",
+            "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
+            "model.config.num_experts=8", "model.config.num_experts_per_tok=2", "model.config.moe_intermediate_size=32",
+            "model.config.vocab_size=256", "+model.config.mlp_only_layers=[0]", "dataloader.train.seq_len=64",
+            "train.global_batch_size=16"]
+
+
+def tiny_moe():
+    return LazyConfig.apply_overrides(LazyConfig.load(QWEN3_30B), TINY_MOE)
+
+
+def test_moe_flops_count_the_active_experts():
+    """MFU's FLOPs per token count, of each MoE layer's experts, the top_k a token goes through."""
+    with torch.device("meta"):
+        model = instantiate(tiny_moe().model)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    dense = sum(p.numel() for p in model.parameters()) - experts - model.model.embed_tokens.weight.numel()
+    attention = 3 * 12 * 4 * 16 * 64
+    assert experts == 2 * 8 * 3 * 32 * 64
+    assert model.flops_per_token(64) == 6 * (dense + experts * 2 / 8) + attention
+
+
+def test_moe_all_to_all_by_hand():
+    """Each MoE layer's four all-to-alls per micro-batch (dispatch and combine, forward and
+    backward) carry a rank's tokens × top_k rows over the expert group (ep × tp ranks): inside a
+    node at NVLink, across nodes the off-node share at InfiniBand; the stated imbalance scales them."""
+    table = ModelTable.from_config(tiny_moe().model)
+    assert table.moe == {1: (8, 2), 2: (8, 2)} and len(set(table.layer_groups)) == 2
+    times = ComputeTimes(layer_forward=1.0, layer_backward=2.0, first=0.5, last=0.25)
+    intra, inter = Link(1e-3, 1e-6), Link(1e-2, 1e-5)
+    kwargs = dict(device=DEVICES["h100"], seq_len=64, global_batch_size=16, amp_dtype=None,
+                  optimizer_per_element=0.0)
+    rows = 2 * 64 * 2 * 64 * 4  # micro-batch 2 × 64 tokens, top 2, hidden 64, fp32
+    m = 16 // (2 * 4)
+    for ep, tp, node, imbalance, exchange in [
+            (2, 1, 8, 1.0, intra.alpha + rows / 2 * intra.beta),
+            (2, 2, 8, 1.5, 3 * intra.alpha + 3 / 4 * 1.5 * rows / 2 * intra.beta),  # 1/tp of the tokens each
+            (4, 1, 2, 1.0, max(intra.alpha + rows / 4 * intra.beta, 2 * inter.alpha + rows / 2 * inter.beta))]:
+        layout = Layout(4, tp, 1, micro_batch_size=2, ep=ep)
+        got = step_time(table, layout, times, Fabric(intra, inter, node), routing_imbalance=imbalance, **kwargs)
+        assert got.ep_comm == pytest.approx(m * 2 * 4 * exchange, rel=1e-12)
+        assert got.total == pytest.approx(sum(v for k, v in got.as_dict().items() if k != "total"), rel=1e-12)
+    dense = step_time(table, Layout(4, 1, 1, micro_batch_size=2), times, Fabric(intra, inter, 8), **kwargs)
+    assert dense.ep_comm == 0.0
+
+
+@ROOFLINE
+def test_moe_plan_enumerates_ep_and_states_its_routing():
+    """A tiny Qwen3-MoE at 4 H100s: ep over every divisor of dp whose expert group splits the 8
+    experts, the routing assumption in the notes; a stated imbalance costs memory and time."""
+    cfg = LazyConfig.apply_overrides(tiny_moe(), ["train.global_batch_size=4"])
+    balanced = plan(cfg, 4, device="h100")
+    assert any("MoE routing assumed balanced (top-2 of 8 experts)" in note for note in balanced.notes)
+    layouts = [c.layout for c in balanced.candidates]
+    assert {(l.ep, l.tp) for l in layouts if l.dp == 4} == {(1, 1), (2, 1), (4, 1)}
+    assert all(8 % (l.ep * l.tp) == 0 and l.dp % l.ep == 0 for l in layouts)
+    for c in balanced.candidates:
+        assert (c.time.ep_comm > 0) == (c.layout.ep * c.layout.tp > 1)
+    ep4 = [Layout(4, 1, 1, 0, ep=4)]
+    even, skewed = (plan(cfg, 4, device="h100", layouts=ep4, routing_imbalance=f).candidates[0] for f in (1.0, 2.0))
+    assert skewed.memory.activations > even.memory.activations
+    assert skewed.time.ep_comm > even.time.ep_comm and skewed.time.compute > even.time.compute

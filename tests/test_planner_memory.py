@@ -16,7 +16,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from libai_zoo.config import LazyCall, get_config
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from libai_zoo.models import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 from libai_zoo.plan.dry_run import dry_run, dry_run_rank
 from libai_zoo.plan.layouts import Layout
 from libai_zoo.plan.memory import OptimizerState, rank_stages, state_bytes
@@ -37,6 +38,15 @@ MODELS = {
     # hidden 64 and vocab 1000 over dp 3: FSDP2 pads the rows, the last dp rank holds fewer
     "gpt2_tied": LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
         vocab_size=1000, n_positions=64, n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0)),
+    # Qwen3-30B-A3B: 128 experts of 768 neurons, 8 per token, in all 48 layers
+    "qwen3_30b_a3b": LazyCall(Qwen3MoeForCausalLM)(config=LazyCall(Qwen3MoeConfig)(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)),
+    # a dense first layer, then MoE layers of 8 experts: two parameter groups in one stack
+    "tiny_moe": LazyCall(Qwen3MoeForCausalLM)(config=LazyCall(Qwen3MoeConfig)(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        mlp_only_layers=[0])),
 }
 
 # tests/model_cases.py cases, one per family (tied and untied heads): a family is one name here
@@ -181,3 +191,31 @@ def test_every_family_is_counted_exactly_and_its_dry_run_agrees(family, tables, 
     ranks = dry_run(_cfg(family, layout, optim_cfg), layout)
     assert {r.pp_rank for r in ranks} == {0, 1}
     _check(table, layout, ranks, optimizer)
+
+
+MOE_CASES = [  # expert parallelism: E / (ep·tp) experts per rank, ZeRO over edp = dp / ep
+    L(4, 1, 1, 0, ep=2),
+    L(4, 1, 1, 3, ep=2),                                        # 2 local experts' rows over edp 2
+    L(6, 1, 1, 2, ep=2),                                        # ... over edp 3: padded, the last holds fewer
+    L(2, 2, 1, 1, ep=2),                                        # the expert group is ep × tp = 4 ranks
+    L(2, 2, 1, 3),                                              # tp alone splits the experts too
+    L(4, 1, 1, 1, ep=4),                                        # edp 1
+]
+
+
+@pytest.mark.parametrize("layout", MOE_CASES, ids=lambda layout: _name(("tiny_moe", layout)))
+def test_moe_state_bytes_equal_every_rank(layout, tables, optim):
+    """Every rank of an expert-parallel layout holds what the planner says: its block of experts
+    (sharded over its edp group), the router and dense parameters as any."""
+    optim_cfg, optimizer = optim
+    ranks = [dry_run_rank(_cfg("tiny_moe", layout, optim_cfg), layout, rank) for rank in range(layout.world_size)]
+    _check(tables("tiny_moe"), layout, ranks, optimizer)
+
+
+@pytest.mark.parametrize("layout", [L(64, 1, 1, 1, ep=8), L(32, 2, 1, 3, ep=4)],
+                         ids=lambda layout: _name(("qwen3_30b_a3b", layout)))
+def test_qwen3_30b_a3b_on_64_ranks_equals_the_dry_run(layout, tables, optim):
+    optim_cfg, optimizer = optim
+    table = tables("qwen3_30b_a3b")
+    assert table.total_parameters == 30_532_122_624
+    _check(table, layout, dry_run(_cfg("qwen3_30b_a3b", layout, optim_cfg), layout), optimizer)
