@@ -178,20 +178,21 @@ def _rank_stage_layers(num_layers: int, pp: int, schedule: str | None, virtual_s
     return tuple((ranges[s], s == 0, s == num_stages - 1) for s in range(num_stages) if owners[s] == pp_rank)
 
 
-def _group(table: ModelTable, first: bool | int, last: bool = False) -> list[ParameterInfo]:
-    """The parameters of one layer of parameter group `first` (an int: `ModelTable.layer_groups`),
-    or those of the end modules a stage holding the first and/or the last stage has (a tied weight
-    once)."""
-    if not isinstance(first, bool):
-        return [p for p in table.parameters if p.layer == table.group_layers[first]]
+def _group(table: ModelTable, key: int | tuple[bool, bool]) -> list[ParameterInfo]:
+    """The parameters of one layer of parameter group `key` (an int: `ModelTable.layer_groups`), or
+    (first, last) those of the end modules a stage holding the first and/or the last stage has (a
+    tied weight once)."""
+    if isinstance(key, int):
+        return [p for p in table.parameters if p.layer == table.group_layers[key]]
+    first, last = key
     return [p for p in table.parameters
             if p.layer is None and (("first" in p.ends and first) or ("last" in p.ends and last))]
 
 
 @lru_cache(maxsize=65536)
-def _rank_groups(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[bool | int, bool, int], ...]:
-    """What `pp_rank` holds as (group, last, count): its layers by parameter group, then each of
-    its stages' end modules (group True/False: holds the first stage's; last: holds the last's)."""
+def _rank_groups(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int | tuple[bool, bool], int], ...]:
+    """What `pp_rank` holds as (`_group` key, count): its layers by parameter group, then each of
+    its stages' end modules ((holds the first stage's, holds the last's), 1)."""
     counts: dict[int, int] = {}
     ends = []
     for layers, first, last in _rank_stage_layers(table.num_layers, layout.pp, layout.schedule,
@@ -199,15 +200,15 @@ def _rank_groups(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple
         for index in layers:
             group = table.layer_groups[index]
             counts[group] = counts.get(group, 0) + 1
-        ends.append((first, last, 1))
-    return tuple((group, False, count) for group, count in sorted(counts.items())) + tuple(ends)
+        ends.append(((first, last), 1))
+    return tuple(sorted(counts.items())) + tuple(ends)
 
 
 @lru_cache(maxsize=65536)
-def _group_state(table: ModelTable, first: bool | int, last: bool, tp: int, dp: int, ep: int, zero_stage: int,
+def _group_state(table: ModelTable, key: int | tuple[bool, bool], tp: int, dp: int, ep: int, zero_stage: int,
                  dp_rank: int, optimizer: OptimizerState) -> StateBytes:
     params = grads = state = 0
-    for param in _group(table, first, last):
+    for param in _group(table, key):
         size = _shard_elements(param, tp, dp, ep, zero_stage, dp_rank) * param.element_size
         params += size
         if param.requires_grad:
@@ -221,8 +222,8 @@ def state_bytes(table: ModelTable, layout: Layout, pp_rank: int = 0, dp_rank: in
     """Parameters, gradients and optimizer state one rank holds between steps (exact)."""
     params = grads = state = 0
     sizes = (layout.tp, layout.dp, layout.ep, layout.zero_stage, dp_rank, optimizer)
-    for first, last, count in _rank_groups(table, layout, pp_rank):
-        group = _group_state(table, first, last, *sizes)
+    for key, count in _rank_groups(table, layout, pp_rank):
+        group = _group_state(table, key, *sizes)
         params += count * group.params
         grads += count * group.grads
         state += count * group.optimizer
@@ -230,12 +231,12 @@ def state_bytes(table: ModelTable, layout: Layout, pp_rank: int = 0, dp_rank: in
 
 
 @lru_cache(maxsize=65536)
-def _group_unsharded(table: ModelTable, first: bool | int, last: bool, tp: int, dp: int, ep: int,
+def _group_unsharded(table: ModelTable, key: int | tuple[bool, bool], tp: int, dp: int, ep: int,
                      element_size: int | None, trainable_only: bool = False, experts: bool | None = None) -> int:
     """All-gathered bytes of a group's parameters (FSDP2 pads each to equal chunks of rows over its
     data-parallel group); `experts` True/False: only the expert tensors, or only the others."""
     total = 0
-    for param in _group(table, first, last):
+    for param in _group(table, key):
         if (trainable_only and not param.requires_grad) or (experts is not None and param.expert != experts):
             continue
         shape = param.tp_local_shape(tp, ep)
@@ -249,9 +250,9 @@ def unsharded_bytes(table: ModelTable, layout: Layout, pp_rank: int, element_siz
                     trainable_only: bool = False, experts: bool | None = None) -> int:
     """All-gathered bytes of everything `pp_rank` holds (`element_size` None: the parameters' own;
     `experts` True/False: only the experts' tensors, or all but them)."""
-    return sum(count * _group_unsharded(table, first, last, layout.tp, layout.dp, layout.ep, element_size,
-                                        trainable_only, experts)
-               for first, last, count in _rank_groups(table, layout, pp_rank))
+    return sum(count * _group_unsharded(table, key, layout.tp, layout.dp, layout.ep, element_size, trainable_only,
+                                        experts)
+               for key, count in _rank_groups(table, layout, pp_rank))
 
 
 def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_batches: int,
@@ -268,11 +269,10 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
         total = unsharded_bytes(table, layout, pp_rank, element)
     else:
         sizes = (layout.tp, layout.dp, layout.ep, element)
-        layers = [(_group_unsharded(table, first, last, *sizes), count)
-                  for first, last, count in _rank_groups(table, layout, pp_rank) if not isinstance(first, bool)]
+        groups = _rank_groups(table, layout, pp_rank)
+        layers = [(_group_unsharded(table, key, *sizes), count) for key, count in groups if isinstance(key, int)]
         biggest = sorted((size for size, count in layers for _ in range(min(2, count))), reverse=True)[:2]
-        total = sum(biggest) + sum(_group_unsharded(table, first, last, *sizes)
-                                   for first, last, _ in _rank_groups(table, layout, pp_rank) if isinstance(first, bool))
+        total = sum(biggest) + sum(_group_unsharded(table, key, *sizes) for key, _ in groups if not isinstance(key, int))
     if num_micro_batches > 1 and (layout.zero_stage == 1 or layout.pp > 1):
         total += unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)  # float32: FSDP's reduce dtype
     return total
