@@ -247,30 +247,41 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
 def _dp_exposed(table: ModelTable, layout: Layout, pp_rank: int, link: Link, device: Device, m: int,
                 amp_dtype: torch.dtype | None, fsdp_op: float, *, forward: float, backward: float) -> float:
     """Seconds of data-parallel communication not hidden under compute: each collective's latency
-    (one per FSDP unit: a layer, or a stage's root; one per 25 MiB bucket at ZeRO 0) and FSDP's own
-    work around it, plus the bytes, of which a GPU hides what fits under the compute it overlaps."""
+    (one per FSDP unit: a layer, or a stage's root, and under expert parallelism an MoE layer's
+    experts; one per 25 MiB bucket at ZeRO 0) and FSDP's own work around it, plus the bytes a ring
+    moves ((n − 1)/n of them: the dense parameters' over dp, the experts' over edp = dp / ep), of
+    which a GPU hides what fits under the compute it overlaps."""
     dp = layout.dp
     if dp == 1:
         return 0.0
     stages = rank_stages(table, layout, pp_rank)
     layers = sum(count for count, _, _ in stages)
-    grads = unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)  # reduced in float32
-    gathered = unsharded_bytes(table, layout, pp_rank, 2 if amp_dtype == torch.bfloat16 else 4)
+    edp = dp // layout.ep
+
+    def moved(element_size: int, trainable_only: bool = False) -> float:
+        dense, experts = (unsharded_bytes(table, layout, pp_rank, element_size, trainable_only=trainable_only,
+                                          experts=which) for which in (False, True))
+        return (dp - 1) / dp * dense + (edp - 1) / edp * experts
+
+    grads = moved(4, trainable_only=True)  # reduced in float32
+    gathered = moved(2 if amp_dtype == torch.bfloat16 else 4)
+    whole_grads = unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)
+    expert_units = sum(index in table.moe for index in rank_layers(table, layout, pp_rank)) \
+        if layout.ep * layout.tp > 1 else 0
     per_step = layout.pp > 1 or layout.zero_stage < 2
     reductions = 1 if per_step else m
     if layout.zero_stage == 0:
-        calls = -(-grads // BUCKET_BYTES) + len(stages)
-        reduce = reductions * (calls * (2 * (dp - 1) * link.alpha + fsdp_op) + link.all_reduce(grads, dp)
-                               - 2 * (dp - 1) * link.alpha)
+        calls = -(-whole_grads // BUCKET_BYTES) + len(stages) + expert_units
+        reduce = reductions * (calls * (2 * (dp - 1) * link.alpha + fsdp_op) + 2 * grads * link.beta)
         gather = 0.0
     else:
-        units = layers + len(stages)
+        units = layers + len(stages) + expert_units
         if layout.zero_stage < 3 or (layout.pp > 1 and splits_backward(layout.schedule)):
             gathers = 1
         else:
             gathers = m + 1 if layout.pp > 1 else 2 * m
-        reduce = reductions * (units * ((dp - 1) * link.alpha + fsdp_op) + (dp - 1) / dp * grads * link.beta)
-        gather = gathers * (units * ((dp - 1) * link.alpha + fsdp_op) + (dp - 1) / dp * gathered * link.beta)
+        reduce = reductions * (units * ((dp - 1) * link.alpha + fsdp_op) + grads * link.beta)
+        gather = gathers * (units * ((dp - 1) * link.alpha + fsdp_op) + gathered * link.beta)
     if not device.overlaps_communication:
         return reduce + gather
     hidden_reduce = backward * reductions

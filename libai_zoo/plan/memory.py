@@ -272,7 +272,8 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
         groups = _rank_groups(table, layout, pp_rank)
         layers = [(_group_unsharded(table, key, *sizes), count) for key, count in groups if isinstance(key, int)]
         biggest = sorted((size for size, count in layers for _ in range(min(2, count))), reverse=True)[:2]
-        total = sum(biggest) + sum(_group_unsharded(table, key, *sizes) for key, _ in groups if not isinstance(key, int))
+        total = sum(biggest) + sum(_group_unsharded(table, key, *sizes)
+                                   for key, _ in groups if not isinstance(key, int))
     if num_micro_batches > 1 and (layout.zero_stage == 1 or layout.pp > 1):
         total += unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)  # float32: FSDP's reduce dtype
     return total
