@@ -74,6 +74,9 @@ DEVICES: dict[str, Device] = {
                    int(79.6 * GiB)),
     "h200": Device("H200 141GB", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}, 4.8e12,
                    int(140.4 * GiB)),
+    # the export H100 DeepSeek-V3 trained on: an H100's compute and memory, NVLink at 400 GB/s
+    "h800": Device("H800 80GB", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}, 3.35e12,
+                   int(79.6 * GiB)),
     "a100": Device("A100 80GB", {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12}, 2.0e12,
                    int(79.2 * GiB)),
     "cpu": Device("CPU", {}, 0.0, 0, overlaps_communication=False),
@@ -105,11 +108,13 @@ class Link:
 
 
 #: Stated presets: NVLink 4 / NVSwitch (H100, H200: 450 GB/s each way, ~360 GB/s reached by NCCL's
-#: ring), NVLink 3 (A100: 300 GB/s, ~230 reached), and one 400 Gb/s InfiniBand NDR rail per GPU
-#: (50 GB/s, ~40 reached) between nodes; latencies of NCCL's ring per hop.
+#: ring), NVLink 3 (A100: 300 GB/s, ~230 reached), H800's NVLink (200 GB/s, ~160 reached), and one
+#: 400 Gb/s InfiniBand NDR rail per GPU (50 GB/s, ~40 reached) between nodes; latencies of NCCL's
+#: ring per hop.
 LINKS: dict[str, Link] = {
     "nvlink4": Link(8e-6, 1 / 360e9),
     "nvlink3": Link(10e-6, 1 / 230e9),
+    "nvlink_h800": Link(8e-6, 1 / 160e9),  # H800: 200 GB/s each way
     "infiniband": Link(20e-6, 1 / 40e9),
 }
 

@@ -90,7 +90,8 @@ def _fabric(device_key: str, world_size: int, gpus_per_node: int) -> Fabric:
     if device_key == "cpu":
         link = Link(*fit_gloo_link(min(world_size, gpus_per_node, 4))) if world_size > 1 else Link(0.0, 0.0)
         return Fabric(link, link, gpus_per_node)
-    return Fabric(LINKS["nvlink3" if device_key == "a100" else "nvlink4"], LINKS["infiniband"], gpus_per_node)
+    nvlink = {"a100": "nvlink3", "h800": "nvlink_h800"}.get(device_key, "nvlink4")
+    return Fabric(LINKS[nvlink], LINKS["infiniband"], gpus_per_node)
 
 
 def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: str | None = None,
