@@ -32,6 +32,11 @@ PUBLISHED = [
      Layout(dp=4, tp=4, pp=4, zero_stage=1, activation_checkpoint=False, sequence_parallel=True,
             micro_batch_size=1, schedule="interleaved_1f1b", virtual_stages=5),
      "tp4 pp4 (virtual 5) cp2 sp, distributed optimizer; libai_zoo has no context parallelism: cp2 -> dp"),
+    ("DeepSeek-V3 671B (DeepSeek-AI 2024)", "deepseek_v3.py", [], 2048, "h800",
+     Layout(dp=128, tp=1, pp=16, zero_stage=1, activation_checkpoint=False, micro_batch_size=1, schedule="zbv",
+            virtual_stages=2, ep=64),
+     "pp16 ep64 (8 nodes) ZeRO-1, DualPipe (-> ZBV, the nearest bidirectional schedule here), FP8 GEMMs, "
+     "all-to-all overlapped with compute: about 180K H800 GPU hours per trillion tokens"),
 ]
 
 
