@@ -26,6 +26,7 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 from libai_zoo import distributed, models
+from libai_zoo.layers import Experts
 from libai_zoo.models.decoder import DecoderForCausalLM
 from libai_zoo.models.llama import LlamaModel, llama_layer, llama_spec
 from libai_zoo.parallel import apply_activation_checkpointing
@@ -85,7 +86,8 @@ MODELS = {
         layers_, cls=transformers.Qwen3MoeConfig, head_dim=16, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, mlp_only_layers=[0])),
 }
-TWO_KINDS = ("sandwich", "qwen3_moe")
+MODELS["qwen3_moe_bf16"] = lambda layers_: MODELS["qwen3_moe"](layers_).to(torch.bfloat16)
+TWO_KINDS = ("sandwich", "qwen3_moe", "qwen3_moe_bf16")
 
 
 def parameter_storages(model: torch.nn.Module) -> set[int]:
@@ -167,6 +169,7 @@ CASES = [  # (kind, layers, batch, seq, tp, sp, ckpt, amp, chunk_bytes)
     ("sandwich", 2, 4, 64, 2, False, True, BF16, None),
     ("qwen3_moe", 2, 2, 128, 1, False, False, None, None),  # one process: the routing does not change the bytes
     ("qwen3_moe", 2, 3, 64, 1, False, False, BF16, None),
+    ("qwen3_moe_bf16", 2, 2, 64, 1, False, False, BF16, None),  # bf16 experts: the grouped GEMM
 ]
 
 
@@ -191,12 +194,17 @@ def test_measured_equals_real(case):
     layer_bytes = {k: planner.layer(k, shapes, checkpointed=ckpt) for k in set(kinds)}
     predicted = planner.embedding(shapes) + planner.head(shapes) + sum(layer_bytes[k] for k in kinds)
     ids = torch.randint(3, VOCAB, (batch, seq))
+    for experts in (m for m in model.modules() if isinstance(m, Experts)):
+        # on fake tensors the layer computes float32 experts one by one (their grouped GEMM runs in
+        # bf16 only there, as on CUDA); this CPU would group them
+        experts.grouped_mm = experts.gate_proj.dtype == torch.bfloat16
     with parallel(model, tp, sp):
         if ckpt:
             apply_activation_checkpointing(stack)
         for k in sorted(set(kinds)):
             layer = stack[kinds.index(k)]
-            x = torch.randn(batch, seq // tp if sp else seq, 64, requires_grad=True)
+            x = torch.randn(batch, seq // tp if sp else seq, 64, dtype=next(stack[0].parameters()).dtype,
+                            requires_grad=True)
             with autocast(amp):
                 measured, out = saved_bytes(lambda: layer(x), model)
             out.float().sum().backward()  # the graph is whole: backward runs (on garbage values)

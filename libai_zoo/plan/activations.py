@@ -34,13 +34,15 @@ SDPA, as CUDA's does; the float32 lists differ in ops these layers already run i
 
 A Mixture-of-Experts layer's routed path depends on the routing, which fake tensors do not have:
 it is measured under a stated assumption (`Shapes.routing_imbalance`). Inside an MoE layer the
-router's token counts per expert (`torch.bincount`) are balanced (the T·k slots of T tokens spread
-evenly over the experts), and the integer bookkeeping on them runs on real tensors; in the expert
+router's token counts per expert (an integer `scatter_add_` over the slots) are balanced (the T·k
+slots of T tokens spread evenly over the experts), and the integer bookkeeping on them runs on
+real tensors; in the expert
 group's exchange every rank is taken to route alike, so the counts a rank receives are those it
 sends, times the imbalance factor (the most loaded rank receives that many times its fair share
 of T·k rows; 1.0: balanced). Its own code then runs as usual: router, sorting, the all-to-all
-(fake), the experts' grouped GEMMs on as many rows as they receive. Capacity dropping (a
-data-dependent selection) is not measured.
+(fake), the experts on as many rows as they receive (expert by expert unless in bf16: on fake
+tensors the layer runs the grouped GEMM only where its meta kernel does, as CUDA). Capacity
+dropping (a data-dependent selection) is not measured.
 
 Not measured: padding/custom attention masks, KV caches (inference), the transient memory of
 backward itself (gradients, a recomputed checkpoint or loss chunk).
@@ -210,31 +212,15 @@ class _PlannedRouting(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.bincount:
-            slots, minlength = args[0].numel(), kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+        if func is torch.Tensor.scatter_add_ and not args[0].is_floating_point():  # the tokens per expert
+            slots, experts = args[2].numel(), args[0].numel()
             with unset_fake_temporarily():
-                return slots // minlength + (torch.arange(minlength) < slots % minlength).long()
-        if func is torch._grouped_mm and args[0].dtype != torch.bfloat16:  # its meta kernel takes bf16 only
-            return _GroupedMM.apply(args[0], args[1], kwargs["offs"])
+                return slots // experts + (torch.arange(experts) < slots % experts).long()
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         if all(type(x) is torch.Tensor for x in tensors) and (tensors or func is torch.arange):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
-
-
-class _GroupedMM(torch.autograd.Function):
-    """`torch._grouped_mm` of a [N, K] by [G, K, M] in float32 on fake tensors: what it saves (both
-    operands and the offsets) and its [N, M] output."""
-
-    @staticmethod
-    def forward(ctx, a, b, offs):
-        ctx.save_for_backward(a, b, offs)
-        return a.new_empty(a.shape[0], b.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError("a measurement stand-in: nothing runs backward")
 
 
 @contextmanager
