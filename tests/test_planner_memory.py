@@ -16,8 +16,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from libai_zoo.config import LazyCall, get_config
-from libai_zoo.models import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+from libai_zoo.models import (DeepseekV3Config, DeepseekV3ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from libai_zoo.plan.dry_run import dry_run, dry_run_rank
 from libai_zoo.plan.layouts import Layout
 from libai_zoo.plan.memory import OptimizerState, rank_stages, state_bytes
@@ -42,6 +42,12 @@ MODELS = {
     "qwen3_30b_a3b": LazyCall(Qwen3MoeForCausalLM)(config=LazyCall(Qwen3MoeConfig)(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)),
+    # DeepSeek-V3 671B: latent attention, 3 dense layers then 58 MoE layers of 256 experts (8 per token) + 1 shared
+    "deepseek_v3": LazyCall(DeepseekV3ForCausalLM)(config=LazyCall(DeepseekV3Config)(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4)),
     # a dense first layer, then MoE layers of 8 experts: two parameter groups in one stack
     "tiny_moe": LazyCall(Qwen3MoeForCausalLM)(config=LazyCall(Qwen3MoeConfig)(
         vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -220,3 +226,16 @@ def test_qwen3_30b_a3b_on_64_ranks_equals_the_dry_run(layout, tables, optim):
     table = tables("qwen3_30b_a3b")
     assert table.total_parameters == 30_532_122_624
     _check(table, layout, dry_run(_cfg("qwen3_30b_a3b", layout, optim_cfg), layout), optimizer)
+
+
+def test_deepseek_v3_on_1024_ranks_equals_the_dry_run(tables, optim):
+    """DeepSeek-V3 671B at pp16 × dp64 (ep64, ZeRO-1): the first stage (embedding, the 3 dense
+    layers and one MoE layer), a stage of 4 MoE layers and the last (3 of them and the head), and
+    the last dp rank, each equal to its dry run."""
+    optim_cfg, optimizer = optim
+    table = tables("deepseek_v3")
+    assert table.total_parameters == 671_026_404_352  # by hand: 2 × 129280 × 7168 + 3 dense + 58 MoE layers + norm
+    assert len(set(table.layer_groups)) == 2 and len(table.moe) == 58
+    layout = L(64, 1, 16, 1, schedule="1f1b", ep=64)
+    cfg = _cfg("deepseek_v3", layout, optim_cfg)
+    _check(table, layout, [dry_run_rank(cfg, layout, rank) for rank in (0, 63, 64, 960)], optimizer)
