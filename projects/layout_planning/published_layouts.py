@@ -1,5 +1,5 @@
 """The planner's pick beside layouts others published, at their scale (roofline of the device:
-nothing is measured, so this runs on a laptop in about a minute).
+nothing is measured, so this runs on a laptop in a few minutes).
 
     python projects/layout_planning/published_layouts.py
 
