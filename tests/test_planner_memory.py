@@ -239,3 +239,15 @@ def test_deepseek_v3_on_1024_ranks_equals_the_dry_run(tables, optim):
     layout = L(64, 1, 16, 1, schedule="1f1b", ep=64)
     cfg = _cfg("deepseek_v3", layout, optim_cfg)
     _check(table, layout, [dry_run_rank(cfg, layout, rank) for rank in (0, 63, 64, 960)], optimizer)
+
+
+def test_lora_on_experts_is_counted_with_its_experts(optim):
+    """Per-expert adapters (A [E, r, in], B [E, out, r]) split over the expert group with their
+    experts (here tp2: a group of 2) and carry the only expert gradients."""
+    optim_cfg, optimizer = optim
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["qkv", "experts"]}
+    table = ModelTable.from_config(MODELS["tiny_moe"], lora)
+    assert sum(p.expert and p.requires_grad for p in table.parameters) == 2 * 2 * 3  # A, B × 3 projections × 2 layers
+    layout = L(1, 2, 2, 0, schedule="1f1b")
+    cfg = _cfg("tiny_moe", layout, optim_cfg, lora)
+    _check(table, layout, [dry_run_rank(cfg, layout, rank) for rank in range(layout.world_size)], optimizer)
