@@ -8,6 +8,9 @@ and ZBV), for a Llama with one KV head that tp replicates (its fused qkv whole o
 for a small GPT-2 whose head is tied to its embedding (a copy at each pipeline end; both copies on
 one rank under ZBV's V placement) at ZeRO 3 over a dp that does not divide the rows. Every
 family's tiny model (tests/model_cases.py) is counted exactly and agrees with its dry run at tp2×pp2.
+Mixtures of Experts: every rank of a tiny Qwen3-MoE at expert-parallel layouts (E / (ep·tp)
+experts per rank, ZeRO over edp = dp / ep), Qwen3-30B-A3B at 64 ranks, DeepSeek-V3 671B at 1,024,
+and LoRA adapters on the experts.
 """
 
 from __future__ import annotations
