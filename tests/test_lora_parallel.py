@@ -11,7 +11,8 @@ adapters read from PEFT; each layout trains one model, and both models (GPT-2's 
 separate projections and gated MLP) where adapters are split or loaded: tp2-SP (Llama's in
 test_chat_sft, composed with packed chat data), dp2×tp2 ZeRO-3 from a PEFT adapter, and LoRA
 dropout under tp. The Llama with one KV head trains at dp2×tp2 ZeRO-1: its adapter's B, like the
-qkv it adapts, is held whole on both tp ranks, each computing its own rows.
+qkv it adapts, is held whole on both tp ranks, each computing its own rows. A Mixture of Experts'
+per-expert adapters train at dp4 with ep2 under ZeRO-3 (split and sharded with their experts).
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ LORA = ["train.lora.rank=4", "train.lora.alpha=8", "optim.lr=1e-2", "dataloader.
 # the default targets; on the last layer's down projection only (a pipeline's first stage then has
 # nothing to train); started from a PEFT adapter exported from the plain reference run.
 VARIANTS = {"plain": [], "last_layer": ['train.lora.target_modules=["3.mlp.down"]'],
-            "adapter": ["train.lora.adapter={adapter}"]}
+            "adapter": ["train.lora.adapter={adapter}"],
+            # a Mixture of Experts' per-expert adapters, split with their experts over the expert group
+            # and sharded with them over edp; its auxiliary loss is per micro-batch: the reference runs
+            # the layout's micro-batches
+            "experts": ['train.lora.target_modules=["qkv","out","experts"]', "train.micro_batch_size=2"]}
 # (model, layout, variant) of each multi-process run
 RUNS_AT = [
     ("gpt2", "dp2", "plain"), ("llama", "dp2_zero3", "plain"),
@@ -40,6 +45,7 @@ RUNS_AT = [
     ("mqa", "dp2_tp2_zero1", "plain"),  # Llama with one KV head: the adapter on a qkv tp replicates
     ("gpt2", "dp2_pp2_zero2", "plain"), ("llama", "tp2_pp2_interleaved", "plain"),
     ("gpt2", "dp2_tp2_zero3", "adapter"), ("llama", "dp2_tp2_zero3", "adapter"), ("gpt2", "tp2_pp2", "adapter"),
+    ("moe", "dp2_ep2_zero3", "experts"),
 ]
 # LoRA dropout under tp: a column layer's input is the same on every tp rank, gathered or not, so
 # sequence parallelism changes nothing (a row layer's split input draws from its tp rank's stream)
@@ -60,7 +66,7 @@ def _reference(root: str, model: str, variant: str) -> dict[int, float]:
     out = f"{root}/one_{model}_{variant}"
     more = [f"train.checkpoint.period={STEPS}"] if variant == "plain" else []
     logged = train(f"{root}/config.py", out, model, ["train.micro_batch_size=8", *more,
-                                                      *_overrides(root, model, variant)])
+                                                      *_overrides(root, model, variant)])  # later keys win
     if variant == "plain":
         export_adapter(f"{out}/model_{STEPS:07d}", f"{root}/adapter_{model}")
     return logged
@@ -85,7 +91,7 @@ def _bytes(root: str, kind: str) -> dict:
 
 
 REFERENCES = [("gpt2", "plain"), ("llama", "plain"), ("mqa", "plain"), ("gpt2", "last_layer"), ("gpt2", "adapter"),
-              ("llama", "adapter")]
+              ("llama", "adapter"), ("moe", "experts")]
 CASES = {
     **{f"one_{model}_{variant}": Case(1, _reference, (model, variant),
                                       needs=(f"one_{model}_plain",) if variant == "adapter" else ())

@@ -70,11 +70,17 @@ def buckets(layers: list[nn.Module], min_bytes: int) -> list[list[nn.Module]]:
 
 
 def expert_modules(layers: list[nn.Module]) -> list[nn.Module]:
-    """The modules inside `layers` whose own parameters are split over the expert group (an MoE
-    layer's experts under expert parallelism: DTensors on a mesh with an "ept" dimension)."""
-    return [module for layer in layers for module in layer.modules()
-            if any(isinstance(p, DTensor) and "ept" in (p.device_mesh.mesh_dim_names or ())
-                   for p in module.parameters(recurse=False))]
+    """The outermost modules inside `layers` whose own parameters are split over the expert group
+    (an MoE layer's experts under expert parallelism: DTensors on a mesh with an "ept" dimension);
+    their LoRA adapters, split alike, go in their unit."""
+    found: list[nn.Module] = []
+    for layer in layers:
+        for module in layer.modules():
+            inside = any(module is not outer and any(module is m for m in outer.modules()) for outer in found)
+            if not inside and any(isinstance(p, DTensor) and "ept" in (p.device_mesh.mesh_dim_names or ())
+                                  for p in module.parameters(recurse=False)):
+                found.append(module)
+    return found
 
 
 def set_forward_prefetch(layers: list[FSDPModule], on: bool) -> None:
