@@ -168,7 +168,7 @@ class Experts(ParallelLayer, nn.Module):
     and computes each projection as one grouped GEMM (`torch._grouped_mm`, int32 offsets) where it
     can run (float32/bf16/fp16, rows of 16-byte multiples), else expert by expert
     (``grouped_mm=False`` always). Under expert parallelism (`shard_experts_`) it holds and computes
-    only this rank's block of experts; tensor parallelism does not split it.
+    only this rank's block of experts (the tp ranks join the expert group: each holds whole experts).
 
     ``add_lora(rank, alpha, projection=)`` gives a projection a per-expert low-rank adapter
     (`LoRA` with A [E, rank, in], B [E, out, rank], in ``self.lora[projection]``), computed as two

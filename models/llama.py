@@ -103,6 +103,7 @@ def llama_layer(config, index: int, **changes) -> dict:
 
 def llama_spec(config, layer=llama_layer, **changes) -> DecoderSpec:
     """A Llama-shaped `config` as a `DecoderSpec`: each layer from `layer(config, index)`."""
+    refuse_quantized(config, "load it with transformers, dequantize it and save_pretrained an unquantized copy")
     spec = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                 layers=tuple(layer(config, i) for i in range(config.num_hidden_layers)),
                 final_norm="rmsnorm", final_norm_eps=config.rms_norm_eps, padding_idx=config.pad_token_id)

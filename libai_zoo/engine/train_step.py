@@ -102,14 +102,15 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
         self.moe_layers = [m for part in self.model_parts for m in part.modules() if isinstance(m, MoE)]
         self.expert_bias_update_rate = expert_bias_update_rate
-        # Whether the model has MoE layers at all (a pipeline stage may hold none): every rank then
-        # takes part in the routing's reductions.
-        has_moe = torch.tensor(float(bool(self.moe_layers)), device=device)
+        self.tp_group = ctx.group("tp") if ctx is not None and ctx.tp > 1 else None
+        # Whether the model has MoE layers at all, and routers with a correction bias (a pipeline
+        # stage may hold none): every rank then takes part in the routing's reductions alike.
+        found = torch.tensor([float(bool(self.moe_layers)), float(any(
+            m.router.e_score_correction_bias is not None for m in self.moe_layers))], device=device)
         if pipeline is not None:
-            dist.all_reduce(has_moe, op=dist.ReduceOp.MAX, group=pipeline.pp_group)
-        self.has_moe = bool(has_moe.item())
-        if expert_bias_update_rate and self.has_moe and not any(
-                m.router.e_score_correction_bias is not None for m in self.moe_layers):
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=pipeline.pp_group)
+        self.has_moe, has_bias = bool(found[0]), bool(found[1])
+        if expert_bias_update_rate and not has_bias:
             raise ValueError(f"train.expert_bias_update_rate = {expert_bias_update_rate} moves the routers' "
                              f"e_score_correction_bias (DeepSeek-V3's balancing), which this model's routers do not "
                              f"have: set it to 0")
@@ -210,6 +211,8 @@ class TrainStep:
         if self.moe_layers:
             loads = torch.stack([m.take_routed_tokens().to(self.device) for m in self.moe_layers]).float()
             dropped += sum(m.take_dropped_tokens().to(self.device) for m in self.moe_layers)
+            if self.tp_group is not None:  # each tp rank drops from its own share of the tokens
+                dist.all_reduce(dropped, group=self.tp_group)
             if self.data_parallel is not None:
                 self.data_parallel.all_reduce_sum(loads)
                 self.data_parallel.all_reduce_sum(dropped)

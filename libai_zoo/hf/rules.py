@@ -151,6 +151,8 @@ class Part(Same):
 
     def load_adapter(self, adapters):
         # the module's adapter (its B's rows are the blocks') with this block's rows of B
+        if self.dim:
+            raise ValueError(f"{self.zoo}: an adapter on a block along dim {self.dim} of {self.name} has no PEFT form")
         adapter = adapters[_module(self.name)]
         rows = adapter.B.shape[0] // self.count
         return Adapter(adapter.A, adapter.B[self.index * rows:(self.index + 1) * rows], adapter.scale)

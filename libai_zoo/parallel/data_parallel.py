@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
 from torch.distributed.tensor import DTensor
 
 from libai_zoo.distributed import ParallelContext
