@@ -6,9 +6,10 @@
 
 A run's output_dir holds metrics.json (one JSON line per logged step, written by the trainer).
 Panels, each drawn only when some run recorded it: training loss, learning rate, throughput
-(tokens/s, or samples/s for a model without tokens), a Mixture of Experts' expert balance (its
-load-balancing aux_loss, moe/imbalance: the worst layer's max / mean tokens per expert, and
-moe/dropped_tokens when some were dropped over capacity) and each evaluation metric (eval/loss,
+(tokens/s, or samples/s for a model without tokens), a Mixture of Experts' expert balance
+(aux_loss: router_aux_loss_coef × the load-balancing loss as the loss includes it; moe/imbalance:
+the worst layer's max / mean tokens per expert; moe/dropped_tokens when some were dropped over
+capacity) and each evaluation metric (eval/loss,
 eval/perplexity, eval/accuracy, ...). Each run is one line per panel, labelled by its directory.
 After a restart or a rollback a run logs some steps again: the later lines replace the earlier.
 """
@@ -27,8 +28,8 @@ if TYPE_CHECKING:
 TIME_KEY = "goodput/wall_s"  # seconds since the job started (restarts included)
 THROUGHPUT_KEYS = (("tokens_per_s", "throughput (tokens/s)"), ("samples_per_s", "throughput (samples/s)"))
 # A Mixture of Experts' routing, as the train step logs it (StepResult.scalars).
-MOE_KEYS = (("aux_loss", "load-balancing aux_loss"), ("moe/imbalance", "expert imbalance (max / mean tokens)"),
-            ("moe/dropped_tokens", "dropped tokens"))
+MOE_KEYS = (("aux_loss", "auxiliary loss (as added to the loss)"),
+            ("moe/imbalance", "expert imbalance (max / mean tokens)"), ("moe/dropped_tokens", "dropped tokens"))
 
 
 class PlotError(Exception):
