@@ -69,6 +69,22 @@ def test_runs_are_compared_on_the_same_panels(tmp_path):
     assert lines_by_panel(plot.draw({"b": runs["b"]}))["throughput (samples/s)"][0].get_ydata().tolist() == [50.0] * 2
 
 
+def test_a_mixture_of_experts_run_draws_its_expert_balance(tmp_path):
+    moe = [{**record, "aux_loss": 0.021 - record["iteration"] / 10000, "moe/imbalance": 3.0 - record["iteration"] / 50,
+            "moe/dropped_tokens": 0.0} for record in lm_records(range(10, 50, 10))]
+    dropping = [{**record, "moe/dropped_tokens": 12.0 * (record["iteration"] == 20)} for record in moe]
+    panels = lines_by_panel(plot.draw({"dropless": plot.read_run(write_run(tmp_path / "dropless", moe))}))
+    aux, imbalance = "auxiliary loss (as added to the loss)", "expert imbalance (max / mean tokens)"
+    assert list(panels) == ["training loss", "learning rate", "throughput (tokens/s)", aux, imbalance, "eval/loss",
+                            "eval/perplexity"]
+    assert panels[aux][0].get_ydata().tolist() == pytest.approx([0.02, 0.019, 0.018, 0.017])
+    assert panels[imbalance][0].get_ydata().tolist() == [2.8, 2.6, 2.4, 2.2]
+    runs = {"dropless": moe, "dropping": plot.read_run(write_run(tmp_path / "dropping", dropping))}
+    dropped = lines_by_panel(plot.draw(runs))["dropped tokens"]  # drawn once some run dropped tokens
+    assert [line.get_label() for line in dropped] == ["dropless", "dropping"]
+    assert dropped[1].get_ydata().tolist() == [0.0, 12.0, 0.0, 0.0]
+
+
 def test_curves_spanning_decades_get_a_log_scale(tmp_path):
     records = [{"iteration": 100, "loss": 9.0, "eval/perplexity": 8000.0}, {"iteration": 200, "loss": 6.0},
                {"iteration": 300, "loss": 5.0, "eval/perplexity": 300.0}]

@@ -24,7 +24,7 @@ def workdir(tmp_path_factory):
     """Stand-in Hugging Face directories for the fine-tuning recipes, and a shared data cache."""
     root = tmp_path_factory.mktemp("projects")
     make_tiny_hf_model = load_tool("make_tiny_hf_model")
-    for kind in ("bert", "llama", "qwen3", "gemma3"):
+    for kind in ("bert", "llama", "qwen3", "gemma3", "qwen3_moe"):
         make_tiny_hf_model.main([kind, str(root / kind)])
     return root
 
@@ -45,6 +45,9 @@ RECIPES = {
                         "dataloader.test.cache_dir={cache}"],
     "qwen3_sft": ["model.path={root}/qwen3", "dataloader.train.cache_dir={cache}", "dataloader.test.cache_dir={cache}"],
     "vit_classification": [],
+    "moe_pretrain": ["dataloader.train.cache_dir={cache}", "dataloader.test.cache_dir={cache}"],
+    "moe_lora_finetune": ["model.path={root}/qwen3_moe", "dataloader.train.cache_dir={cache}",
+                          "dataloader.test.cache_dir={cache}"],
 }
 
 
@@ -58,6 +61,8 @@ def test_recipe_fast_dev_run(recipe, workdir, tmp_path, monkeypatch):
     logged = records(tmp_path)
     assert [r["iteration"] for r in logged] == [1, 2] and "eval/loss" in logged[-1]
     assert (tmp_path / "config.yaml").is_file()
+    if recipe.startswith("moe_"):  # the expert balance tools/plot.py draws
+        assert {"aux_loss", "moe/imbalance", "moe/dropped_tokens"} <= set(logged[-1])
 
 
 @pytest.mark.system

@@ -6,7 +6,10 @@
 
 A run's output_dir holds metrics.json (one JSON line per logged step, written by the trainer).
 Panels, each drawn only when some run recorded it: training loss, learning rate, throughput
-(tokens/s, or samples/s for a model without tokens) and each evaluation metric (eval/loss,
+(tokens/s, or samples/s for a model without tokens), a Mixture of Experts' expert balance
+(aux_loss: router_aux_loss_coef × the load-balancing loss as the loss includes it; moe/imbalance:
+the worst layer's max / mean tokens per expert; moe/dropped_tokens when some were dropped over
+capacity) and each evaluation metric (eval/loss,
 eval/perplexity, eval/accuracy, ...). Each run is one line per panel, labelled by its directory.
 After a restart or a rollback a run logs some steps again: the later lines replace the earlier.
 """
@@ -24,6 +27,9 @@ if TYPE_CHECKING:
 
 TIME_KEY = "goodput/wall_s"  # seconds since the job started (restarts included)
 THROUGHPUT_KEYS = (("tokens_per_s", "throughput (tokens/s)"), ("samples_per_s", "throughput (samples/s)"))
+# A Mixture of Experts' routing, as the train step logs it (StepResult.scalars).
+MOE_KEYS = (("aux_loss", "auxiliary loss (as added to the loss)"),
+            ("moe/imbalance", "expert imbalance (max / mean tokens)"), ("moe/dropped_tokens", "dropped tokens"))
 
 
 class PlotError(Exception):
@@ -66,6 +72,8 @@ def panels(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
     keys = {key for records in runs.values() for record in records for key in record}
     chosen = [(key, title) for key, title in (("loss", "training loss"), ("lr", "learning rate")) if key in keys]
     chosen += [pair for pair in THROUGHPUT_KEYS if pair[0] in keys][:1]
+    chosen += [(key, title) for key, title in MOE_KEYS if key in keys and (
+        key != "moe/dropped_tokens" or any(r.get(key) for records in runs.values() for r in records))]
     return chosen + [(key, key) for key in sorted(keys) if key.startswith("eval/")]
 
 
@@ -81,7 +89,7 @@ def draw(runs: dict[str, list[dict]], x: str = "iteration") -> Figure:
                                 f"hook of newer runs): plot it with --x iteration")
     chosen = panels(runs)
     if not chosen:
-        raise PlotError(f"no loss, lr, throughput or eval/* values in {', '.join(runs)}")
+        raise PlotError(f"no loss, lr, throughput, MoE routing or eval/* values in {', '.join(runs)}")
     columns = min(3, len(chosen))
     rows = math.ceil(len(chosen) / columns)
     figure = _new_figure(figsize=(4.5 * columns, 3.2 * rows), layout="constrained")
