@@ -397,7 +397,7 @@ def _another(value, hint):
         return value + 1
     if isinstance(value, str):
         return value + "x"
-    return [v + 0.01 for v in value]
+    return [v + "x" if isinstance(v, str) else v + 0.01 for v in value]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(Path(p).relative_to(ROOT)))

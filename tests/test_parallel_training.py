@@ -262,16 +262,16 @@ MQA_LAYOUTS = ["dp2_tp2_zero3_accum_ac"]
 # q/k norms, head_dim and a window of 4 of the 16 positions on every other layer; Mistral's window;
 # Pythia's parallel residual) with the tokenizer's vocabulary and 4 layers, on one layout that
 # pipelines it and shards it with ZeRO-3 (its one-process reference is a run too). A family is one line.
+# Granite's multipliers and SmolLM3's NoPE layers (Llama's layer with a scalar or no rotary) and Gemma 1
+# (whose (1 + w) norms, scaled embeddings and GeGLU Gemma 3 trains here) add no layer a pipeline or ZeRO
+# treats differently: their equality to transformers at one process and tp2 covers them.
 FAMILY_LAYOUTS = {
     "qwen3": ["dp2_pp2_zero3_zero_bubble"],
     "mistral": ["dp2_pp2_zero3_interleaved"],
     "pythia": ["dp2_pp2_zero3_interleaved"],
-    "gemma": ["dp2_pp2_zero3_zero_bubble"],
     "gemma2": ["dp2_pp2_zero3_interleaved"],
     "gemma3": ["dp2_pp2_zero3_zero_bubble"],
     "phi3": ["dp2_pp2_zero3_interleaved"],
-    "granite": ["dp2_pp2_zero3_zero_bubble"],
-    "smollm3": ["dp2_pp2_zero3_interleaved"],
     "olmo2": ["dp2_pp2_zero3_zero_bubble"],
     "deepseek_v3": ["dp2_pp2_zero3_interleaved"],
 }
