@@ -9,7 +9,7 @@ and a layout can be checked on a model built on the meta device, without a proce
 
 from __future__ import annotations
 
-from libai_zoo.distributed import TensorParallel
+from libai_zoo.distributed import ContextParallel, TensorParallel
 
 
 class ParallelLayer:
@@ -19,9 +19,14 @@ class ParallelLayer:
     context turns it on: its activations are then split over the sequence inside the tp group.
     Pass False for a layer that runs on the whole sequence (outside the region between
     `SequenceScatter` and `SequenceGather`).
+
+    ``cp`` is the context-parallel group the sequence is split over (set by `distributed.shard`
+    on every parallel layer when cp > 1): a per-token layer ignores it; attention, which mixes
+    tokens, exchanges keys and values over it.
     """
 
     tp: TensorParallel | None = None
+    cp: ContextParallel | None = None
     sequence_parallel: bool = True
 
     @property

@@ -1,0 +1,70 @@
+"""Context parallelism: the sequence of every sample split over a group of ranks ("cp").
+
+Causal attention makes later tokens costlier than earlier ones, so a plain split would give the
+last rank most of the work. Each sample is cut into 2·cp equal chunks and rank r holds chunks r and
+2·cp − 1 − r (Megatron-LM's and torchtitan's load balance): every rank then attends over the same
+number of (query, key) pairs. A rank's tokens are its two chunks side by side, in this order; their
+positions (rotary, learned) and targets are cut the same way, so every per-token part of a model
+(embeddings, norms, MLPs, the head and its loss) runs unchanged on them, and only attention, which
+mixes tokens, talks to the other ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class ContextParallel:
+    """The cp mesh a sequence is split over, with its group, size and this rank's index."""
+
+    def __init__(self, mesh: DeviceMesh):
+        if mesh.ndim != 1:
+            raise ValueError(f"the context-parallel mesh must be 1-D, got {mesh.ndim}-D")
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+
+    @property
+    def chunks(self) -> tuple[int, int]:
+        """The indices of this rank's two chunks among the 2·cp of a sample."""
+        return chunks_of(self.rank, self.size)
+
+    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's two chunks of `x` along `dim` (a sample's sequence), side by side."""
+        return split_sequence(x, self.rank, self.size, dim)
+
+    def positions(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+        """The global positions [seq_len / cp] of this rank's tokens in a sequence of `seq_len`."""
+        return split_sequence(torch.arange(seq_len, device=device), self.rank, self.size, 0)
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(size={self.size}, rank={self.rank})"
+
+
+def chunks_of(rank: int, size: int) -> tuple[int, int]:
+    """Chunks r and 2·cp − 1 − r of the 2·cp: rank `rank`'s share of a sequence under cp = `size`."""
+    return rank, 2 * size - 1 - rank
+
+
+def split_sequence(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
+    """Rank `rank`'s two chunks of `x` along `dim`, side by side (no communication, no autograd)."""
+    if x.shape[dim] % (2 * size):
+        raise ValueError(f"a sequence of {x.shape[dim]} tokens does not split into 2·cp = {2 * size} equal chunks: "
+                         f"make the sequence length a multiple of {2 * size} (pad it, or change the data's "
+                         f"sequence length or dist.cp)")
+    pieces = x.chunk(2 * size, dim)
+    first, second = chunks_of(rank, size)
+    return torch.cat((pieces[first], pieces[second]), dim)
+
+
+def merge_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's `split_sequence` (`parts[r]` is rank r's), in order:
+    the inverse of the split (no communication, no autograd)."""
+    size = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * size)
+    for rank, part in enumerate(parts):
+        first, second = chunks_of(rank, size)
+        chunks[first], chunks[second] = part.chunk(2, dim)
+    return torch.cat(chunks, dim)
