@@ -5,7 +5,8 @@ runs it on this rank's part of the inputs, and compares the output, the input gr
 gathered parameter gradients. The loss is sum(out * R) for a fixed random R: on a rank that
 holds part of the output it is that part's share of the loss, as Megatron's f/g pair assumes.
 The same workers check expert parallelism's token exchange at ep2, ep4 and ep2 × tp2 against one
-process computing every rank's tokens.
+process computing every rank's tokens, and, in the four-process run, attention under context
+parallelism (cp2, cp4, cp2 × tp2 with sequence parallelism) against one process on the whole sequence.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
 from libai_zoo import distributed, layers
+from libai_zoo.distributed import ContextParallel
 from libai_zoo.distributed.expert_parallel import combine, dispatch, gather_tokens, local_tokens, scatter_tokens
 
 pytestmark = pytest.mark.slow
@@ -308,6 +310,124 @@ def _expert_exchange(ep: int, tp: int) -> dict[str, float]:
             "empty_expert_rows": float(per_expert[5 - start]) if start <= 5 < end else 0.0}
 
 
+CP_S = 16  # 2·cp4 chunks of 2 tokens; at cp2 × tp2 + SP each rank holds 4
+
+
+def _cp_padding() -> torch.Tensor:
+    """Left padding (queries that see no key) in sample 0, right padding in sample 1."""
+    mask = torch.ones(B, CP_S, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, CP_S - 5:] = 0
+    return mask
+
+
+def _cp_packed() -> torch.Tensor:
+    """Restarting position_ids of packed documents (5, 7, 4 and 9, 7 tokens): they cross cp ranks."""
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ((5, 7, 4), (9, 7))])
+
+
+def _cp_llama(**kwargs) -> layers.TransformerLayer:
+    return layers.TransformerLayer(H, HEADS, FFN, num_kv_heads=KV_HEADS, norm="rmsnorm", activation="silu",
+                                   gated_mlp=True, bias=False, causal=True, rope_theta=10000.0, **kwargs)
+
+
+# name -> (builder of the layer, the padding mask or None, position_ids or None: 0..S-1 shifted by 3)
+CP_CASES = {
+    "attention_causal": (lambda: layers.Attention(H, HEADS, causal=True, rope_theta=10000.0), None, None),
+    "attention_gqa_window": (lambda: layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, causal=True, sliding_window=5,
+                                                      rope_theta=10000.0), None, "shifted"),
+    "attention_padding": (lambda: layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, causal=True, rope_theta=10000.0),
+                          _cp_padding, None),
+    "attention_sinks_softcap": (lambda: _with_sinks(layers.Attention(
+        H, HEADS, num_kv_heads=2, causal=True, sliding_window=5, softcap=2.0, sinks=True, qk_norm="head")), None, None),
+    "attention_bidirectional": (lambda: layers.Attention(H, HEADS, sliding_window=6), _cp_padding, None),
+    "layer_llama_packed": (_cp_llama, None, _cp_packed),
+    "layer_packed_window_one_kv_head": (lambda: layers.TransformerLayer(
+        H, HEADS, FFN, num_kv_heads=1, causal=True, rope_theta=10000.0, sliding_window=3), None, _cp_packed),
+    "layer_llama_padding": (_cp_llama, _cp_padding, None),
+    "layer_latent": (lambda: layers.TransformerLayer(
+        H, HEADS, FFN, norm="rmsnorm", causal=True, rope_theta=10000.0, attention_kind="latent",
+        attention=dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)),
+        None, None),
+}
+
+
+def _relative_diff(a, b) -> float:
+    b = b.full_tensor() if isinstance(b, DTensor) else b
+    return _max_diff(a, b) / max(b.detach().abs().max().item(), 1e-30)
+
+
+def _check_cp_case(name: str, cp: ContextParallel, sp: bool) -> dict[str, float]:
+    """One layer on this rank's two chunks (its own mask, or a TransformerLayer's `layer_attention_mask`
+    as a model makes it), against the layer on the whole sequence in one process: output, input
+    gradient, weight gradients (summed over cp, and over tp under SP) relative to the reference's largest."""
+    build, padding, positions = CP_CASES[name]
+    torch.manual_seed(0)
+    layer = build()
+    x = _x(B, CP_S, H)
+    weights = torch.randn(B, CP_S, H)
+    mask = padding() if padding else None
+    position_ids = (torch.arange(CP_S).repeat(B, 1) + 3 if positions == "shifted" else positions()) \
+        if positions else None
+    ref = copy.deepcopy(layer)
+    ref_x = x.clone().requires_grad_()
+    ref_out = ref(ref_x, layers.packed_causal_mask(mask, position_ids), position_ids)
+    (ref_out * weights).sum().backward()
+
+    for module in layer.modules():
+        if isinstance(module, layers.ParallelLayer):
+            module.cp = cp
+    if sp:
+        distributed.shard(layer, sequence_parallel=True)
+
+    def mine(t):  # this rank's part: its two chunks, and under SP its tp slice of them
+        part = cp.split(t, 1)
+        return part.chunk(layer.tp.size, 1)[layer.tp.rank] if sp else part
+
+    local_x = mine(x).clone().requires_grad_()
+    local_positions = None if position_ids is None else cp.split(position_ids, 1)
+    local_mask = None if mask is None else cp.split(mask, 1)
+    if isinstance(layer, layers.TransformerLayer):
+        local_mask = layers.layer_attention_mask(layer, local_mask, local_positions)
+    out = layer(local_x, local_mask, local_positions)
+    (out * mine(weights)).sum().backward()
+    if sp:
+        distributed.finalize_grads(layer)
+    ref_params = dict(ref.named_parameters())
+    grads = []
+    for n, p in layer.named_parameters():
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(grad, group=cp.group)
+        grads.append(_relative_diff(p.grad, ref_params[n].grad))
+    return {"out": _relative_diff(out, mine(ref_out)), "input_grad": _relative_diff(local_x.grad, mine(ref_x.grad)),
+            "param_grad": max(grads)}
+
+
+def _cp_errors(cp: ContextParallel) -> dict[str, str]:
+    def run(layer, *args, **kwargs):
+        layer.cp = cp
+        return _error(lambda: layer(*args, **kwargs))
+
+    x = _x(B, CP_S // cp.size, H)
+    attention = layers.Attention(H, HEADS, causal=True)
+    return {"kv_cache": run(attention, x, kv_cache=layers.KVCache(CP_S)),
+            "mask_4d": run(attention, x, torch.ones(B, 1, CP_S, CP_S, dtype=torch.bool)),
+            "odd": run(attention, _x(B, 3, H)),
+            "cross": "; ".join(distributed.cp_problems(
+                layers.TransformerLayer(H, HEADS, FFN, cross_attention=True), cp.size))}
+
+
+def _context_parallel() -> dict:
+    """cp4, cp2 (twice, side by side) and cp2 × tp2 + SP on four ranks: every CP_CASES case."""
+    results = {}
+    cp4 = ContextParallel(distributed.init(dp=4).submesh("dp"))
+    results.update({(name, "cp4"): _check_cp_case(name, cp4, False) for name in CP_CASES})
+    cp2 = ContextParallel(distributed.init(dp=2, tp=2).submesh("dp"))
+    results.update({(name, "cp2"): _check_cp_case(name, cp2, False) for name in CP_CASES})
+    results.update({(name, "cp2_tp2_sp"): _check_cp_case(name, cp2, True) for name in CP_CASES})
+    return {"cases": results, "errors": _cp_errors(cp2)}
+
+
 def _worker(tp_size: int, ckpt_dir: str, load: bool) -> dict:
     distributed.init(tp=tp_size)
     results = {"cases": {(name, sp): _check_case(name, sp) for name in CASES for sp in (False, True)},
@@ -318,6 +438,8 @@ def _worker(tp_size: int, ckpt_dir: str, load: bool) -> dict:
     else:
         results["saved"] = _save_sharded(ckpt_dir)
     results["experts"] = {(ep, tp_size // ep): _expert_exchange(ep, tp_size // ep) for ep in (tp_size, 2)}
+    if tp_size == 4:
+        results["cp"] = _context_parallel()
     return results
 
 
@@ -331,6 +453,9 @@ def _merge(per_rank: list[dict]) -> dict:
         merged["reshard_diff"] = max(r["reshard_diff"] for r in per_rank)
     merged["experts"] = {key: {name: [r["experts"][key][name] for r in per_rank] for name in diffs}
                          for key, diffs in merged["experts"].items()}
+    if "cp" in merged:
+        merged["cp"]["cases"] = {key: {k: max(r["cp"]["cases"][key][k] for r in per_rank) for k in diffs}
+                                 for key, diffs in merged["cp"]["cases"].items()}
     return merged
 
 
@@ -388,6 +513,23 @@ def test_expert_exchange_matches_one_process(results):
             assert max(per_rank[name]) <= TOL, (ep, tp, name, per_rank[name])
         assert sum(per_rank["empty_expert_rows"]) == 0 and min(per_rank["received"]) >= 0
         assert any(rows > 0 for rows in per_rank["received"])
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp4", "cp2_tp2_sp"])
+@pytest.mark.parametrize("name", list(CP_CASES))
+def test_context_parallel_attention_matches_one_process(tp4, name, layout):
+    """K and V all-gathered over cp (backward: their gradients reduce-scattered to the ranks' chunks),
+    masks by global position: the layer's output and gradients are one process's on the whole sequence."""
+    diffs = tp4["cp"]["cases"][(name, layout)]
+    assert max(diffs.values()) <= TOL, diffs
+
+
+def test_context_parallel_refusals_name_the_fix(tp4):
+    errors = tp4["cp"]["errors"]
+    assert "generate with the model unsplit" in errors["kv_cache"]
+    assert "2-D padding attention_mask" in errors["mask_4d"]
+    assert "make the sequence length a multiple of" in errors["odd"]
+    assert "cross-attention" in errors["cross"] and "cp = 1" in errors["cross"]
 
 
 def test_bad_sizes_fail_with_the_fix(results):
