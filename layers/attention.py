@@ -18,7 +18,9 @@ padding masks, sliding windows (MegaScale/Mistral), q/k normalisation (per head:
 over the whole projection: OLMo 2), a softmax scale of one's own (Gemma 2's query_pre_attn_scalar,
 Granite's attention_multiplier), logit soft-capping (Gemma 2), cross-attention and a KV cache for
 generation. The kernel is `torch.nn.functional.scaled_dot_product_attention`; with no mask beyond
-causality it gets ``is_causal=True`` so the flash kernels apply.
+causality it gets ``is_causal=True`` so the flash kernels apply. Under context parallelism
+(``cp`` set) a self-attention all-gathers k and v over cp and masks its local queries by global
+position (`context_attention`: causal, windows, packed documents, padding; why all-gather there).
 
 SDPA has no soft-cap and no attention sinks (gpt-oss: a learned logit per head that joins each
 query's softmax denominator, so a query may give its keys less than all of its attention). A layer

@@ -22,9 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
-from libai_zoo import distributed, layers
+from libai_zoo import distributed, layers, models
 from libai_zoo.distributed import ContextParallel
 from libai_zoo.distributed.expert_parallel import combine, dispatch, gather_tokens, local_tokens, scatter_tokens
+from model_cases import VOCAB as MODEL_VOCAB
+from model_cases import qwen3_config
 
 pytestmark = pytest.mark.slow
 
@@ -339,8 +341,9 @@ CP_CASES = {
     "attention_padding": (lambda: layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, causal=True, rope_theta=10000.0),
                           _cp_padding, None),
     "attention_sinks_softcap": (lambda: _with_sinks(layers.Attention(
-        H, HEADS, num_kv_heads=2, causal=True, sliding_window=5, softcap=2.0, sinks=True, qk_norm="head")), None, None),
+        H, HEADS, num_kv_heads=2, causal=True, softcap=2.0, sinks=True, qk_norm="head")), None, None),
     "attention_bidirectional": (lambda: layers.Attention(H, HEADS, sliding_window=6), _cp_padding, None),
+    "layer_llama_gqa_causal": (_cp_llama, None, None),
     "layer_llama_packed": (_cp_llama, None, _cp_packed),
     "layer_packed_window_one_kv_head": (lambda: layers.TransformerLayer(
         H, HEADS, FFN, num_kv_heads=1, causal=True, rope_theta=10000.0, sliding_window=3), None, _cp_packed),
@@ -393,14 +396,44 @@ def _check_cp_case(name: str, cp: ContextParallel, sp: bool) -> dict[str, float]
     (out * mine(weights)).sum().backward()
     if sp:
         distributed.finalize_grads(layer)
+    _sum_grads_over_cp(layer, cp)
     ref_params = dict(ref.named_parameters())
-    grads = []
-    for n, p in layer.named_parameters():
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        dist.all_reduce(grad, group=cp.group)
-        grads.append(_relative_diff(p.grad, ref_params[n].grad))
     return {"out": _relative_diff(out, mine(ref_out)), "input_grad": _relative_diff(local_x.grad, mine(ref_x.grad)),
-            "param_grad": max(grads)}
+            "param_grad": max(_relative_diff(p.grad, ref_params[n].grad) for n, p in layer.named_parameters())}
+
+
+def _sum_grads_over_cp(module: torch.nn.Module, cp: ContextParallel) -> None:
+    """Each cp rank's weight gradients are its tokens' part: sum them (the engine's data-parallel
+    reduction over dp × cp does it in training)."""
+    for p in module.parameters():
+        dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=cp.group)
+
+
+def _check_cp_model(cp: ContextParallel, sp: bool) -> dict[str, float]:
+    """A tiny Qwen3 body (q/k norms, a full and a sliding-window layer) on packed documents through
+    its own forward (the model code makes the layers' `ContextMask` once: `layer_attention_mask`)."""
+    torch.manual_seed(0)
+    model = models.Qwen3ForCausalLM(qwen3_config())
+    ids, positions = torch.randint(0, MODEL_VOCAB, (B, CP_S)), _cp_packed()
+    weights = torch.randn(B, CP_S, model.body.spec.hidden_size)
+    ref = copy.deepcopy(model)
+    ref_out = ref.body(ids, position_ids=positions).last_hidden_state
+    (ref_out * weights).sum().backward()
+    for module in model.modules():
+        if isinstance(module, layers.ParallelLayer):
+            module.cp = cp
+    if sp:
+        distributed.shard(model, sequence_parallel=True)
+    out = model.body(cp.split(ids), position_ids=cp.split(positions)).last_hidden_state
+    (out * cp.split(weights)).sum().backward()
+    if sp:
+        distributed.finalize_grads(model)
+    _sum_grads_over_cp(model.body, cp)
+    ref_params = dict(ref.body.named_parameters())
+    mask = model.layer_inputs({"input_ids": cp.split(ids), "position_ids": cp.split(positions)})["attention_mask"]
+    return {"out": _relative_diff(out, cp.split(ref_out)),
+            "param_grad": max(_relative_diff(p.grad, ref_params[n].grad) for n, p in model.body.named_parameters()),
+            "layer_inputs_not_a_context_mask": float(not isinstance(mask, layers.ContextMask))}
 
 
 def _cp_errors(cp: ContextParallel) -> dict[str, str]:
@@ -422,9 +455,11 @@ def _context_parallel() -> dict:
     results = {}
     cp4 = ContextParallel(distributed.init(dp=4).submesh("dp"))
     results.update({(name, "cp4"): _check_cp_case(name, cp4, False) for name in CP_CASES})
+    results[("qwen3_body_packed", "cp4")] = _check_cp_model(cp4, False)
     cp2 = ContextParallel(distributed.init(dp=2, tp=2).submesh("dp"))
     results.update({(name, "cp2"): _check_cp_case(name, cp2, False) for name in CP_CASES})
     results.update({(name, "cp2_tp2_sp"): _check_cp_case(name, cp2, True) for name in CP_CASES})
+    results[("qwen3_body_packed", "cp2_tp2_sp")] = _check_cp_model(cp2, True)
     return {"cases": results, "errors": _cp_errors(cp2)}
 
 
@@ -521,6 +556,13 @@ def test_context_parallel_attention_matches_one_process(tp4, name, layout):
     """K and V all-gathered over cp (backward: their gradients reduce-scattered to the ranks' chunks),
     masks by global position: the layer's output and gradients are one process's on the whole sequence."""
     diffs = tp4["cp"]["cases"][(name, layout)]
+    assert max(diffs.values()) <= TOL, diffs
+
+
+@pytest.mark.parametrize("layout", ["cp4", "cp2_tp2_sp"])
+def test_context_parallel_model_body_matches_one_process(tp4, layout):
+    """The model code under cp: one `layer_attention_mask` call per forward gives every layer its mask."""
+    diffs = tp4["cp"]["cases"][("qwen3_body_packed", layout)]
     assert max(diffs.values()) <= TOL, diffs
 
 
