@@ -136,4 +136,7 @@ def context_attention(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: 
     k, v = (t.movedim(0, 2) for t in kv.split([width, kv.shape[-1] - width], dim=-1))
     segments = mask.segments(q.shape[2], q.device, causal=causal, sliding_window=sliding_window, explicit=explicit)
     outs = [core(q[:, :, start:stop], k[:, :, :end], v[:, :, :end], bias) for start, stop, end, bias in segments]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    if len(outs) == 1:
+        return outs[0]
+    # joined token-major, so the caller's [B, S, H · d_v] is a view of it, not one more copy
+    return torch.cat([out.transpose(1, 2) for out in outs], dim=1).transpose(1, 2)

@@ -333,11 +333,12 @@ def _cp_llama(**kwargs) -> layers.TransformerLayer:
                                    gated_mlp=True, bias=False, causal=True, rope_theta=10000.0, **kwargs)
 
 
-# name -> (builder of the layer, the padding mask or None, position_ids or None: 0..S-1 shifted by 3)
+# name -> (builder of the layer, of the padding mask or None, of the position_ids or None)
 CP_CASES = {
     "attention_causal": (lambda: layers.Attention(H, HEADS, causal=True, rope_theta=10000.0), None, None),
     "attention_gqa_window": (lambda: layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, causal=True, sliding_window=5,
-                                                      rope_theta=10000.0), None, "shifted"),
+                                                      rope_theta=10000.0), None,
+                             lambda: torch.arange(CP_S).repeat(B, 1) + 3),
     "attention_padding": (lambda: layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, causal=True, rope_theta=10000.0),
                           _cp_padding, None),
     "attention_sinks_softcap": (lambda: _with_sinks(layers.Attention(
@@ -370,18 +371,12 @@ def _check_cp_case(name: str, cp: ContextParallel, sp: bool) -> dict[str, float]
     x = _x(B, CP_S, H)
     weights = torch.randn(B, CP_S, H)
     mask = padding() if padding else None
-    position_ids = (torch.arange(CP_S).repeat(B, 1) + 3 if positions == "shifted" else positions()) \
-        if positions else None
+    position_ids = positions() if positions else None
     ref = copy.deepcopy(layer)
     ref_x = x.clone().requires_grad_()
     ref_out = ref(ref_x, layers.packed_causal_mask(mask, position_ids), position_ids)
     (ref_out * weights).sum().backward()
-
-    for module in layer.modules():
-        if isinstance(module, layers.ParallelLayer):
-            module.cp = cp
-    if sp:
-        distributed.shard(layer, sequence_parallel=True)
+    _split(layer, cp, sp)
 
     def mine(t):  # this rank's part: its two chunks, and under SP its tp slice of them
         part = cp.split(t, 1)
@@ -394,19 +389,30 @@ def _check_cp_case(name: str, cp: ContextParallel, sp: bool) -> dict[str, float]
         local_mask = layers.layer_attention_mask(layer, local_mask, local_positions)
     out = layer(local_x, local_mask, local_positions)
     (out * mine(weights)).sum().backward()
-    if sp:
-        distributed.finalize_grads(layer)
-    _sum_grads_over_cp(layer, cp)
-    ref_params = dict(ref.named_parameters())
     return {"out": _relative_diff(out, mine(ref_out)), "input_grad": _relative_diff(local_x.grad, mine(ref_x.grad)),
-            "param_grad": max(_relative_diff(p.grad, ref_params[n].grad) for n, p in layer.named_parameters())}
+            "param_grad": _weight_grad_diff(layer, ref, cp, sp)}
 
 
-def _sum_grads_over_cp(module: torch.nn.Module, cp: ContextParallel) -> None:
-    """Each cp rank's weight gradients are its tokens' part: sum them (the engine's data-parallel
-    reduction over dp × cp does it in training)."""
+def _split(module: torch.nn.Module, cp: ContextParallel, sp: bool) -> None:
+    """Every parallel layer gets `cp` (as `distributed.shard` does under cp); with `sp` the tp split
+    with sequence parallelism."""
+    for layer in module.modules():
+        if isinstance(layer, layers.ParallelLayer):
+            layer.cp = cp
+    if sp:
+        distributed.shard(module, sequence_parallel=True)
+
+
+def _weight_grad_diff(module: torch.nn.Module, ref: torch.nn.Module, cp: ContextParallel, sp: bool) -> float:
+    """The largest relative diff of `module`'s weight gradients from `ref`'s, once summed over tp
+    (`finalize_grads`) and over cp: a cp rank's are its tokens' part (the engine's data-parallel
+    reduction over dp × cp sums them in training)."""
+    if sp:
+        distributed.finalize_grads(module)
     for p in module.parameters():
         dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=cp.group)
+    ref_params = dict(ref.named_parameters())
+    return max(_relative_diff(p.grad, ref_params[n].grad) for n, p in module.named_parameters())
 
 
 def _check_cp_model(cp: ContextParallel, sp: bool) -> dict[str, float]:
@@ -419,20 +425,12 @@ def _check_cp_model(cp: ContextParallel, sp: bool) -> dict[str, float]:
     ref = copy.deepcopy(model)
     ref_out = ref.body(ids, position_ids=positions).last_hidden_state
     (ref_out * weights).sum().backward()
-    for module in model.modules():
-        if isinstance(module, layers.ParallelLayer):
-            module.cp = cp
-    if sp:
-        distributed.shard(model, sequence_parallel=True)
+    _split(model, cp, sp)
     out = model.body(cp.split(ids), position_ids=cp.split(positions)).last_hidden_state
     (out * cp.split(weights)).sum().backward()
-    if sp:
-        distributed.finalize_grads(model)
-    _sum_grads_over_cp(model.body, cp)
-    ref_params = dict(ref.body.named_parameters())
     mask = model.layer_inputs({"input_ids": cp.split(ids), "position_ids": cp.split(positions)})["attention_mask"]
     return {"out": _relative_diff(out, cp.split(ref_out)),
-            "param_grad": max(_relative_diff(p.grad, ref_params[n].grad) for n, p in model.body.named_parameters()),
+            "param_grad": _weight_grad_diff(model.body, ref.body, cp, sp),
             "layer_inputs_not_a_context_mask": float(not isinstance(mask, layers.ContextMask))}
 
 
