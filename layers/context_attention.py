@@ -16,7 +16,8 @@ runs (and saves it for backward), and the exchange is not overlapped with comput
 
 The mask is the attention layer's own (`ContextMask`), made from the whole sequence: the model
 code hands the layers their inputs unchanged (`attention.layer_attention_mask`). Causal chunk i of
-the 2·cp sees the keys [0, end of chunk i); with no other rule its queries get a lower-right
+the 2·cp sees the keys [0, end of chunk i) (under a sliding window w, only from its first query's
+position − w + 1 on: the rest is never computed); with no other rule its queries get a lower-right
 aligned causal bias (`torch.nn.attention.bias.causal_lower_right`), which SDPA runs with a flash
 kernel where the device has one (SDPA's own ``is_causal`` aligns top-left: wrong with fewer
 queries than keys). Any other rule (sliding window, documents, padding), and a layer that computes
@@ -33,8 +34,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from libai_zoo.distributed.context_parallel import ContextParallel, all_gather_sequence, gather_sequence
 
-#: one SDPA call of a rank's queries: (first query, end of its queries, end of the keys it sees, its mask)
-Segment = tuple[int, int, int, "torch.Tensor | None"]
+#: one SDPA call of a rank's queries: (first query, end of its queries, first and end of the keys it sees, mask)
+Segment = tuple[int, int, int, int, "torch.Tensor | None"]
 
 
 class ContextMask:
@@ -76,7 +77,8 @@ class ContextMask:
     def segments(self, length: int, device: torch.device, *, causal: bool, sliding_window: int | None,
                  explicit: bool) -> list[Segment]:
         """The SDPA calls of a layer over this rank's `length` queries: per chunk when causal (its
-        keys end where the chunk does), else one over the whole sequence; a mask is a
+        keys end where the chunk does, and under a sliding window begin where its first query's
+        window does), else one over the whole sequence; a mask is a
         `causal_lower_right` bias or None where only causality rules (unless ``explicit``: then a
         boolean one), else boolean [B or 1, 1, queries, keys] (True = attend)."""
         key = (length, device, causal, sliding_window, explicit)
@@ -89,17 +91,18 @@ class ContextMask:
         total, half = length * self.cp.size, length // 2
         everywhere = self.cp.positions(total, device)  # this rank's tokens' places in the sequence
         if causal:
-            spans = [(j * half, (j + 1) * half, (chunk + 1) * half) for j, chunk in enumerate(self.cp.chunks)]
+            spans = [(j * half, (j + 1) * half, max(0, chunk * half - (window or total) + 1), (chunk + 1) * half)
+                     for j, chunk in enumerate(self.cp.chunks)]
         else:
-            spans = [(0, length, total)]
+            spans = [(0, length, 0, total)]
         plain = window is None and self.documents is None and self.key_padding is None
         segments = []
-        for start, stop, end in spans:
+        for start, stop, begin, end in spans:
             if plain and not explicit:
-                segments.append((start, stop, end, causal_lower_right(stop - start, end) if causal else None))
+                segments.append((start, stop, begin, end, causal_lower_right(stop - start, end) if causal else None))
                 continue
-            q_pos, k_pos = everywhere[start:stop, None], torch.arange(end, device=device)[None]
-            allowed = torch.ones(stop - start, end, dtype=torch.bool, device=device)
+            q_pos, k_pos = everywhere[start:stop, None], torch.arange(begin, end, device=device)[None]
+            allowed = torch.ones(stop - start, end - begin, dtype=torch.bool, device=device)
             if causal:
                 allowed &= k_pos <= q_pos
             if window is not None:
@@ -107,10 +110,11 @@ class ContextMask:
             allowed = allowed[None, None]
             if self.documents is not None:
                 docs = self.documents
-                allowed = allowed & (docs[:, everywhere[start:stop]][:, None, :, None] == docs[:, None, None, :end])
+                allowed = allowed & (docs[:, everywhere[start:stop]][:, None, :, None]
+                                     == docs[:, None, None, begin:end])
             if self.key_padding is not None:
-                allowed = allowed & self.key_padding[:, None, None, :end]
-            segments.append((start, stop, end, allowed))
+                allowed = allowed & self.key_padding[:, None, None, begin:end]
+            segments.append((start, stop, begin, end, allowed))
         return segments
 
 
@@ -135,7 +139,8 @@ def context_attention(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: 
     kv = gather_sequence(torch.cat((k.movedim(2, 0), v.movedim(2, 0)), dim=-1), cp, dim=0)
     k, v = (t.movedim(0, 2) for t in kv.split([width, kv.shape[-1] - width], dim=-1))
     segments = mask.segments(q.shape[2], q.device, causal=causal, sliding_window=sliding_window, explicit=explicit)
-    outs = [core(q[:, :, start:stop], k[:, :, :end], v[:, :, :end], bias) for start, stop, end, bias in segments]
+    outs = [core(q[:, :, start:stop], k[:, :, begin:end], v[:, :, begin:end], mask)
+            for start, stop, begin, end, mask in segments]
     if len(outs) == 1:
         return outs[0]
     # joined token-major, so the caller's [B, S, H · d_v] is a view of it, not one more copy
