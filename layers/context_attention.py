@@ -6,12 +6,12 @@
       -> each local chunk's queries against the keys it may see, masked by global position
       -> the chunks' outputs side by side, as this rank's tokens came
 
-All-gather, not a ring (Llama 3's choice, "The Llama 3 Herd of Models" §3.3.2): under grouped-query
-attention K and V are 1/g of the query heads, so gathering them costs less than passing them round
-a ring would save; every mask (causal, sliding window, packed documents, padding) is then one
-process's rows for this rank's queries, built from global positions, with no per-step block
-schedule, partial outputs or log-sum-exp merge to get right; and one SDPA call per chunk keeps the
-fused kernels. The price: each rank holds the whole sequence's K and V of its heads while a layer
+All-gather, not a ring (Llama 3's choice, "The Llama 3 Herd of Models" §3.3.2): it moves the K
+and V a ring passes, in one collective, and under grouped-query attention they are 1/g of the
+query heads' width, small next to the attention's compute; every mask (causal, sliding window,
+packed documents, padding) is then one process's rows for this rank's queries, built from global
+positions, with no per-step block schedule, partial outputs or log-sum-exp merge to get right; and
+one SDPA call per chunk keeps the fused kernels. The price: each rank holds the whole sequence's K and V of its heads while a layer
 runs (and saves it for backward), and the exchange is not overlapped with compute as a ring's is.
 
 The mask is the attention layer's own (`ContextMask`), made from the whole sequence: the model
@@ -90,9 +90,9 @@ class ContextMask:
                explicit: bool) -> list[Segment]:
         total, half = length * self.cp.size, length // 2
         everywhere = self.cp.positions(total, device)  # this rank's tokens' places in the sequence
-        if causal:
-            spans = [(j * half, (j + 1) * half, max(0, chunk * half - (window or total) + 1), (chunk + 1) * half)
-                     for j, chunk in enumerate(self.cp.chunks)]
+        if causal:  # chunk `chunk` of the 2·cp is this rank's j-th: its keys end where it does
+            spans = [(j * half, (j + 1) * half, 0 if window is None else max(0, chunk * half - window + 1),
+                      (chunk + 1) * half) for j, chunk in enumerate(self.cp.chunks)]
         else:
             spans = [(0, length, 0, total)]
         plain = window is None and self.documents is None and self.key_padding is None
