@@ -45,7 +45,7 @@ from torch import nn
 
 from libai_zoo.distributed import TensorParallel, local
 
-from .context_attention import ContextMask, context_attention, global_positions
+from .context_attention import ContextMask, context_attention
 from .kv_cache import KVCache
 from .linear import Linear
 from .norm import NORMS
@@ -186,14 +186,14 @@ class Attention(ParallelLayer, nn.Module):
         q, k, v = self._project(hidden_states, encoder_hidden_states)
         if self.qk_norm:
             q, k = self._norm_qk(q, k)
-        past = 0 if kv_cache is None else kv_cache.length
+        past, last_position = 0 if kv_cache is None else kv_cache.length, None
         if self.cp is not None:
             attention_mask = ContextMask.of(self.cp, attention_mask, position_ids, kv_cache)
-            position_ids = global_positions(self.cp, position_ids, q.shape[1], q.device)
+            position_ids, last_position = attention_mask.positions(position_ids, q.shape[1], q.device)
         if self.rotary is not None:
             if position_ids is None:
                 position_ids = torch.arange(past, past + q.shape[1], device=q.device)[None]
-            cos, sin = self.rotary(position_ids)
+            cos, sin = self.rotary(position_ids, last_position)
             cos, sin = cos[:, :, None, None], sin[:, :, None, None]  # broadcast over groups and heads
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             v = v.contiguous()  # q and k are new tensors now: copying v lets the fused qkv output go

@@ -54,11 +54,12 @@ class ContextMask:
                              f"samples with restarting position_ids (documents are masked by those)")
         self.cp, self.padding = cp, attention_mask
         self.key_padding = None if attention_mask is None else all_gather_sequence(attention_mask.bool(), cp, -1)
-        self.documents = None
-        if attention_mask is None and position_ids is not None:
+        self.documents = self.last_position = None
+        if position_ids is not None:
             positions = all_gather_sequence(position_ids, cp, -1)
+            self.last_position = positions.max()
             starts = torch.diff(positions, prepend=positions[..., :1] - 1, dim=-1) != 1
-            if starts.any():
+            if attention_mask is None and starts.any():
                 self.documents = starts.cumsum(-1)  # [B, S]: which packed sequence each token belongs to
         self._segments: dict[tuple, list[Segment]] = {}
 
@@ -73,6 +74,16 @@ class ContextMask:
         if isinstance(attention_mask, ContextMask):
             return attention_mask
         return cls(cp, attention_mask, position_ids)
+
+    def positions(self, position_ids: torch.Tensor | None, length: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's position_ids for rotary (as given: global under cp, the data split them; else
+        its `length` tokens' places in an unpacked sequence), and the whole sequence's last position,
+        by which longrope picks its frequencies (not by this rank's last)."""
+        if position_ids is None:
+            total = length * self.cp.size
+            return self.cp.positions(total, device)[None], torch.tensor(total - 1, device=device)
+        return position_ids, self.last_position
 
     def segments(self, length: int, device: torch.device, *, causal: bool, sliding_window: int | None,
                  explicit: bool) -> list[Segment]:
@@ -116,13 +127,6 @@ class ContextMask:
                 allowed = allowed & self.key_padding[:, None, None, begin:end]
             segments.append((start, stop, begin, end, allowed))
         return segments
-
-
-def global_positions(cp: ContextParallel, position_ids: torch.Tensor | None, length: int,
-                     device: torch.device) -> torch.Tensor:
-    """The position_ids given (global under cp: the data split them), else this rank's `length`
-    tokens' places in an unpacked sequence of cp × length."""
-    return position_ids if position_ids is not None else cp.positions(length * cp.size, device)[None]
 
 
 def context_attention(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ContextMask,

@@ -26,7 +26,7 @@ from torch import nn
 from libai_zoo.distributed.collectives import column_input
 
 from .attention import attend, sdpa_mask
-from .context_attention import ContextMask, context_attention, global_positions
+from .context_attention import ContextMask, context_attention
 from .kv_cache import KVCache
 from .linear import Linear
 from .norm import RMSNorm
@@ -109,13 +109,13 @@ class LatentAttention(ParallelLayer, nn.Module):
         k_rope = k_rope[:, :, None]  # [B, S, 1, rope]: one rotary key for every head
         if self.rope_interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        past = 0 if kv_cache is None else kv_cache.length
+        past, last_position = 0 if kv_cache is None else kv_cache.length, None
         if self.cp is not None:
             attention_mask = ContextMask.of(self.cp, attention_mask, position_ids, kv_cache)
-            position_ids = global_positions(self.cp, position_ids, q.shape[1], q.device)
+            position_ids, last_position = attention_mask.positions(position_ids, q.shape[1], q.device)
         if position_ids is None:
             position_ids = torch.arange(past, past + q.shape[1], device=q.device)[None]
-        cos, sin = self.rotary(position_ids)
+        cos, sin = self.rotary(position_ids, last_position)
         cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
         q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
         k = torch.cat((k_nope, apply_rotary(k_rope, cos, sin).expand(*k_nope.shape[:-1], -1)), dim=-1)

@@ -48,15 +48,17 @@ class RotaryEmbedding(nn.Module):
         elif scaling is not None and scaling["rope_type"] == "yarn":
             self.attention_factor = yarn_attention_factor(scaling)
 
-    def inv_freq(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """The frequencies for a call on `position_ids` (longrope's depend on the last position)."""
+    def inv_freq(self, position_ids: torch.Tensor, last_position: torch.Tensor | None = None) -> torch.Tensor:
+        """The frequencies for a call on `position_ids` (longrope's depend on the last position: of
+        `position_ids`, or ``last_position`` when they are a part of the sequence, context parallelism)."""
         device = position_ids.device
         exponents = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
         if self.switch_length is not None:
             short, long = (torch.tensor(self.scaling[key], dtype=torch.float32, device=device)
                            for key in ("short_factor", "long_factor"))
             # as transformers picks them, and with no host sync: for the whole call, by its last position
-            factors = torch.where(position_ids.max() + 1 > self.switch_length, long, short)
+            last = position_ids.max() if last_position is None else last_position
+            factors = torch.where(last + 1 > self.switch_length, long, short)
             return 1.0 / (factors * self.base ** exponents)
         inv_freq = 1.0 / (self.base ** exponents)
         if self.scaling is None:
@@ -89,9 +91,10 @@ class RotaryEmbedding(nn.Module):
         periods = self.base ** exponents
         return 1.0 / (factor * periods) * ramp + 1.0 / periods * (1 - ramp)
 
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids [B, S] -> cos, sin of shape [B, S, dim] (float32)."""
-        freqs = position_ids[..., None].float() * self.inv_freq(position_ids)
+    def forward(self, position_ids: torch.Tensor,
+                last_position: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, S] -> cos, sin of shape [B, S, dim] (float32); ``last_position`` as in `inv_freq`."""
+        freqs = position_ids[..., None].float() * self.inv_freq(position_ids, last_position)
         angles = torch.cat((freqs, freqs), dim=-1)
         if self.attention_factor != 1.0:
             return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor

@@ -33,6 +33,8 @@ pytestmark = pytest.mark.slow
 H, HEADS, KV_HEADS, FFN, VOCAB, B, S, ENC_S, ENC_H = 32, 8, 4, 64, 64, 2, 8, 4, 24
 TOL = 1e-5
 LATENT_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [3.0, 7.0],
+            "original_max_position_embeddings": 10, "attention_factor": 1.2}
 
 
 def _padding_mask() -> torch.Tensor:
@@ -344,6 +346,9 @@ CP_CASES = {
     "attention_sinks_softcap": (lambda: _with_sinks(layers.Attention(
         H, HEADS, num_kv_heads=2, causal=True, softcap=2.0, sinks=True, qk_norm="head")), None, None),
     "attention_bidirectional": (lambda: layers.Attention(H, HEADS, sliding_window=6), _cp_padding, None),
+    # Phi-3's longrope picks its frequencies by the whole sequence's last position (past 10 here), on every rank
+    "attention_longrope": (lambda: layers.Attention(H, HEADS, causal=True, rope_theta=10000.0, rope_scaling=LONGROPE),
+                           None, None),
     "layer_llama_gqa_causal": (_cp_llama, None, None),
     "layer_llama_packed": (_cp_llama, None, _cp_packed),
     "layer_packed_window_one_kv_head": (lambda: layers.TransformerLayer(
