@@ -38,7 +38,7 @@ LAYOUTS = [
     ("pp2_dp2_1f1b", 2, 1, 2, "1f1b", 1, 2, False, ("gpt2", "llama", "bert_mlm", "vit_cls")),
     ("pp2x2v_dp2_interleaved", 2, 1, 2, "interleaved_1f1b", 2, 2, False, ("gpt2", "llama")),
     ("pp2x2v_tp2_interleaved", 1, 2, 2, "interleaved_1f1b", 2, 4, False, ("gpt2",)),
-    ("pp2x2v_tp2_zero_bubble", 1, 2, 2, "zero_bubble", 2, 2, False, ("gpt2", "llama")),
+    ("pp2x2v_tp2_sp_zero_bubble", 1, 2, 2, "zero_bubble", 2, 2, True, ("gpt2", "llama")),
     # V placement: stages 0 and 3 on pp rank 0, the tied copies on one rank
     ("pp2x2v_dp2_zbv", 2, 1, 2, "zbv", 2, 2, False, ("gpt2",)),
 ]

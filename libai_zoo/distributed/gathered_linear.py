@@ -69,10 +69,24 @@ def _wanted(ctx) -> list[bool]:
     return wanted
 
 
-def _gather(shards: list[torch.Tensor], tp: TensorParallel, dim: int):
-    """Start the all-gather of `shards` (side by side in one collective when several)."""
-    joined = shards[0] if len(shards) == 1 else torch.cat(shards, dim=-1)
-    return all_gather_async(joined, tp, dim)
+def _gather(shards: list[torch.Tensor | None], tp: TensorParallel, dim: int):
+    """Start all-gathering the shards given (side by side, one collective per dtype); returns the
+    function that waits for them and returns each gathered (None where no shard was given)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, shard in enumerate(shards):
+        if shard is not None:
+            groups.setdefault(shard.dtype, []).append(i)
+    pending = [(ids, all_gather_async(torch.cat([shards[i] for i in ids], dim=-1) if len(ids) > 1 else shards[ids[0]],
+                                      tp, dim))
+               for ids in groups.values()]
+
+    def wait() -> list[torch.Tensor | None]:
+        whole = [None] * len(shards)
+        for ids, gathering in pending:
+            for i, part in zip(ids, gathering.wait().split([shards[i].shape[-1] for i in ids], dim=-1)):
+                whole[i] = part
+        return whole
+    return wait
 
 
 def _split(whole: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
@@ -84,10 +98,13 @@ class _GatheredLinears(Function):
     @staticmethod
     def forward(ctx, tp, dim, dtype, index, n_inputs, *tensors):
         inputs, weights, biases = tensors[:n_inputs], tensors[n_inputs::2], tensors[n_inputs + 1::2]
-        shards = [_cast(x, dtype) for x in inputs]
+        # an input only passed through keeps its dtype, as gather_from_sp would give it
+        projected = [any(j == i and w is not None for j, w in zip(index, weights)) for i in range(n_inputs)]
+        shards = [_cast(x, dtype) if read else x for x, read in zip(inputs, projected)]
         weights_c = [_cast(w, dtype) for w in weights]
         widths = [x.shape[-1] for x in inputs]
-        whole = _split(_gather(shards, tp, dim).wait(), widths)
+        # autocast's cast of a part of the joined inputs is contiguous: the same GEMM (and rounding) as F.linear's
+        whole = [w.contiguous() if x is not s else w for w, x, s in zip(_gather(shards, tp, dim)(), inputs, shards)]
         outputs = []
         for i, w, b in zip(index, weights_c, biases):
             outputs.append(whole[i].contiguous() if w is None else F.linear(whole[i], w, _cast(b, dtype)))
@@ -95,7 +112,7 @@ class _GatheredLinears(Function):
         needs = ctx.needs_input_grad[5:]
         weights_grad = any(needs[n_inputs + 2 * k] for k, w in enumerate(weights) if w is not None)
         inputs_grad = any(needs[:n_inputs])
-        ctx.save_for_backward(*(shards if weights_grad else [None] * n_inputs),
+        ctx.save_for_backward(*(x if weights_grad and read else None for x, read in zip(shards, projected)),
                               *(w if inputs_grad else None for w in weights_c))
         ctx.tp, ctx.dim, ctx.index, ctx.n_inputs = tp, dim, index, n_inputs
         ctx.dtypes = [t.dtype if t is not None else None for t in tensors]
@@ -111,7 +128,7 @@ class _GatheredLinears(Function):
         wanted = _wanted(ctx)
         want_x, want_w, want_b = wanted[:n], wanted[n::2], wanted[n + 1::2]
         dtypes = ctx.dtypes
-        gathering = _gather(list(shards), tp, dim) if any(want_w) else None
+        gathering = _gather(list(shards), tp, dim) if any(want_w) else None  # the shards projections read
         # input gradients first (they need no gathered input), the last projection's first, as
         # autograd would sum the gradients of separate linears
         grad_whole = [None] * n
@@ -130,7 +147,7 @@ class _GatheredLinears(Function):
             scattering = reduce_scatter_async(parts[0] if n == 1 else torch.cat(parts, dim=-1), tp, dim)
         grad_params = [None] * (2 * len(index))
         if gathering is not None:
-            whole = _split(gathering.wait(), ctx.widths)
+            whole = gathering()
             for k, i in enumerate(index):
                 if want_w[k]:
                     g, x = grads[k].flatten(0, -2), whole[i].flatten(0, -2)
