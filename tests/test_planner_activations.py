@@ -12,6 +12,11 @@ model never knew (sandwich norms, q/k norms, soft-capped attention, sliding wind
 other layer: two layer kinds) and a Qwen3-MoE (a dense layer, then Mixture-of-Experts layers: in
 one process a layer's experts save as many rows whatever the routing); micro-batches past the three
 measured ones are extended linearly.
+
+A column layer under sequence parallelism keeps only its input's shard (gathered again in backward):
+tests below check the bytes of one and of Llama and GPT layers at tp2 and tp8, against the old path
+that kept the gathered input, and that a split backward (zero-bubble pipelines) gathers only for
+the weight gradient.
 """
 
 from __future__ import annotations
@@ -316,3 +321,26 @@ def test_layer_under_sp_saves_no_gathered_input(kind, tp, monkeypatch):
     gathered, _ = _layer_saved_bytes(build(), tp, 64)
     print(f"{kind} tp{tp}+SP: {gathered} B with the gathered inputs kept, {measured} B now")
     assert gathered - measured == 2 * (tp - 1) * shard
+
+
+def test_column_layer_under_sp_splits_its_backward(monkeypatch):
+    """Zero-bubble pipeline schedules ask for input and weight gradients in two passes: the input
+    pass reduce-scatters the input gradient and gathers nothing, the weight pass gathers the input
+    again and reduce-scatters nothing."""
+    calls = []
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        def counted(*args, _original=getattr(dist, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(dist, name, counted)
+    layer = layers.Linear(16, 32, parallel="col")
+    with fake_world(2, 0, tp=2, sequence_parallel=True) as ctx:
+        distributed.shard(layer, ctx)
+        x = torch.randn(2, 4, 16, requires_grad=True)
+        out = layer(x).sum()
+        passes = {}
+        for name, wrt in (("input", x), ("weight", layer.weight)):
+            calls.clear()
+            torch.autograd.grad(out, [wrt], retain_graph=True)
+            passes[name] = list(calls)
+    assert passes == {"input": ["reduce_scatter_single"], "weight": ["all_gather_single"]}
