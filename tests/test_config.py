@@ -276,7 +276,7 @@ def test_get_config_train_has_the_contract_keys():
         scheduler={"_target_": "libai_zoo.optim.WarmupCosineLR", "warmup_iters": 0, "min_lr_ratio": 0.0},
         tensorboard=False, best_metric=None, best_mode="max", expert_bias_update_rate=0.0,
         pipeline=dict(schedule="1f1b", virtual_stages=1, boundaries=None))
-    assert LazyConfig.to_container(cfg.dist) == dict(dp=1, tp=1, pp=1, ep=1, sequence_parallel=False,
+    assert LazyConfig.to_container(cfg.dist) == dict(dp=1, tp=1, pp=1, ep=1, cp=1, sequence_parallel=False,
                                                      init_timeout=600, timeout=300, auto=False)
     common.train.max_iter = 1
     assert get_config("common/train.py").train.max_iter == 1000      # a fresh config every call
