@@ -40,7 +40,7 @@ LLAMA_70B = str(ROOT / "projects" / "layout_planning" / "llama_70b.py")
 GiB = 2**30
 STATE_TERMS = ("params", "grads", "optimizer", "overhead")
 BACKWARD_TERMS = ("gathered", "activations", "logits")
-LAYOUT_KEYS = ("dist.dp", "dist.tp", "dist.pp", "dist.ep", "dist.sequence_parallel", "train.zero_stage",
+LAYOUT_KEYS = ("dist.dp", "dist.tp", "dist.pp", "dist.ep", "dist.cp", "dist.sequence_parallel", "train.zero_stage",
                "train.activation_checkpoint.enabled", "train.micro_batch_size")
 PIPELINE_KEYS = ("train.pipeline.schedule", "train.pipeline.virtual_stages", "train.pipeline.boundaries")
 
