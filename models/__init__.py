@@ -37,7 +37,8 @@ from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM, SmolLM3Model
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
 __all__ = ["PreTrainedModel", "TrainableModel", "CausalLM", "check_trainable", "get_layer_stack", "GPT2Config",
-           "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification",
+           "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM",
+           "BertForSequenceClassification",
            "ViTConfig", "ViTModel", "ViTForImageClassification", "LlamaConfig", "LlamaModel", "LlamaForCausalLM",
            "GPTNeoXConfig", "GPTNeoXModel", "GPTNeoXForCausalLM", "Qwen3Config", "Qwen3Model", "Qwen3ForCausalLM",
            "MistralConfig", "MistralModel", "MistralForCausalLM", "Olmo2Config", "Olmo2Model", "Olmo2ForCausalLM",
