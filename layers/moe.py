@@ -39,7 +39,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from libai_zoo.distributed import ExpertParallel, TensorParallel, local
-from libai_zoo.distributed.collectives import reduce_from_tp
+from libai_zoo.distributed.collectives import reduce_from_tp, sum_over_tp
 from libai_zoo.distributed.expert_parallel import (combine, dispatch, expert_weight, gather_tokens, local_tokens,
                                                    scatter_tokens)
 
@@ -399,6 +399,8 @@ class MoE(ParallelLayer, nn.Module):
         if self._counting():
             counted = stats[0].detach()
             self.routed_tokens = counted if self.routed_tokens is None else self.routed_tokens + counted
+        if self.cp is not None:  # the whole sequences' statistics (the auxiliary loss is not linear in them), each
+            stats = sum_over_tp(stats, self.cp)  # rank's gradient its share: summed over cp both ways (the cp group)
         return y, stats
 
     def _counting(self) -> bool:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from .context_parallel import ContextParallel
 from .tensor_parallel import TensorParallel
 
 
@@ -154,12 +155,13 @@ class _SumOverTP(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce_(grad.contiguous(), ctx.tp), None
+        return all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.tp), None  # autograd may share grad
 
 
-def sum_over_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def sum_over_tp(x: torch.Tensor, tp: TensorParallel | ContextParallel) -> torch.Tensor:
     """All-reduce (sum) forward and backward: a statistic every rank computes part of and every
-    rank uses (a norm over a tp-split dimension), so each rank's gradient is a share of the whole."""
+    rank uses (a norm over a tp-split dimension; an MoE layer's router statistics over the cp group),
+    so each rank's gradient is a share of the whole."""
     return _SumOverTP.apply(x, tp)
 
 

@@ -50,8 +50,7 @@ def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: 
 def check_context_parallel(model: nn.Module, cp: int, tp: int, settings: RunSettings) -> None:
     """Refuse what context parallelism cannot split: a model that is not a causal LM (its targets
     are the next tokens, shifted over the whole sequence before the split), one whose layers cannot
-    run on a split sequence (their ``cp_problems``), a Mixture of Experts' auxiliary loss (a statistic
-    of a whole micro-batch's routing), or a sequence length that is not a multiple of 2·cp (the
+    run on a split sequence (their ``cp_problems``), or a sequence length that is not a multiple of 2·cp (the
     load-balanced chunks), nor, under sequence parallelism, of cp × tp."""
     name = type(model).__name__
     if not isinstance(model, CausalLM):
@@ -60,10 +59,6 @@ def check_context_parallel(model: nn.Module, cp: int, tp: int, settings: RunSett
     problems = distributed.cp_problems(model, cp)
     if problems:
         raise ValueError(f"{name} cannot run with its sequences split over dist.cp = {cp}:\n  " + "\n  ".join(problems))
-    if model.has_aux_loss:
-        raise ValueError(f"{name}'s auxiliary load-balancing loss is a statistic of each micro-batch's whole "
-                         f"routing, which dist.cp = {cp} splits over ranks (not supported yet): set the model "
-                         f"config's output_router_logits=False and router_z_loss_coef=0, or dist.cp=1")
     seq_len = settings.seq_len
     if seq_len is not None and seq_len % (2 * cp):
         raise ValueError(f"the sequence length {seq_len} does not split into 2·cp = {2 * cp} equal chunks (dist.cp "

@@ -96,11 +96,15 @@ def context_parallel_forward(forward: Callable[..., ModelOutput], model: nn.Modu
                              cp: ContextParallel) -> Callable[..., ModelOutput]:
     """``forward`` for `run_evaluation` under context parallelism: `forward` (the model, or
     `pipelined_forward`) runs this cp rank's part of the batch (`context_parallel_part`), and the
-    loss is the mean over the whole sequences' targets (loss × targets summed over the cp group)."""
+    loss is the mean over the whole sequences' targets (loss × targets summed over the cp group;
+    a Mixture of Experts' auxiliary terms, the same on every cp rank, taken out first)."""
     def run(**batch: torch.Tensor) -> ModelOutput:
         part = context_parallel_part(batch, model, cp)
         count = model.num_loss_targets(model.split_batch(part)[1]).double()
-        loss = forward(**part).loss.double()
+        outputs = forward(**part)
+        stats = getattr(outputs, "router_stats", None)
+        loss = (outputs.loss - model.aux_loss(stats) if stats is not None and model.has_aux_loss
+                else outputs.loss).double()
         totals = torch.stack([loss * count if count else torch.zeros_like(loss), count])  # no targets: mean NaN
         dist.all_reduce(totals, group=cp.group)
         return ModelOutput(loss=totals[0] / totals[1])
