@@ -43,7 +43,7 @@ from libai_zoo.utils import TensorMemoryPeak, optimizer_state_bytes, parameter_b
 
 CONFIG = "projects/llama_finetune/config.py"
 PRESETS = {  # Llama shapes: (hidden, ffn, layers, heads, kv heads, vocabulary, sequence)
-    "tiny": (64, 176, 2, 4, 2, 2048, 128),  # a quick check of this script (benchmarks/gpu_suite.sh --cpu)
+    "tiny": (64, 176, 2, 4, 2, 8192, 128),  # a quick check of this script (benchmarks/gpu_suite.sh --cpu)
     "small": (256, 688, 4, 8, 4, 8192, 256),
     "1b": (2048, 5632, 22, 32, 4, 32000, 2048),  # TinyLlama 1.1B
 }
