@@ -192,7 +192,7 @@ def main() -> None:
     samples = {name: r.get("sample") for name, r in results.items()}
     generation = {"passed": all(s is not None for s in samples.values()), "samples": samples}
     print(f"{'generation':<18} {'PASS' if generation['passed'] else 'FAIL'}  every run logged a sample; amp_bf16: "
-          f"{samples.get('amp_bf16')!r}", flush=True)
+          f"{samples.get('amp_bf16')}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     if args.out:
         import torch

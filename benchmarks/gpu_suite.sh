@@ -11,10 +11,13 @@
 # Without CUDA (and without --cpu) it prints every command it would run and exits 0; CI never runs it.
 # Each step runs under `timeout` at its budget (below; 2010 s = 33.5 min in all), so a step that
 # hangs costs at most its budget and the others still run; the exit code is 1 when a step failed.
-# Where the device tool's $OUT is set, the results folder is packed into $OUT after each step.
+# On a lent machine (the device tool's `run`: at most 600 s a call), call it in chunks that fit:
+# `env activations smoke` (570 s), `memory` (420 s), `train_32k` (480 s), `train_128k` (540 s). Where
+# the tool's $OUT is set the folder is packed into $OUT after each step (unpack it into
+# benchmarks/results/; a later call on the same warm machine adds to the folder there).
 # Setup: where libai_zoo is not importable (a bare GPU machine: its own torch and transformers, no
-# internet), the wheels in .whl/ (omegaconf, datasets, ...) go to /tmp and the checkout is
-# installed editable, without dependencies.
+# internet), the wheels in .whl/ (omegaconf, datasets, ...; the call carries ".whl") go to /tmp and
+# the checkout is installed editable, without dependencies.
 set -u
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$SELF")/.."
@@ -59,7 +62,9 @@ cpu() { [ "${GPU_SUITE_CPU:-0}" = 1 ]; }
 step_env() {
   run "$PY" -m torch.utils.collect_env
   run "$PY" -m pip show transformers
-  run git log -1 --format="commit %H %cd %s"
+  if git rev-parse --git-dir >/dev/null 2>&1; then  # a device machine's copy of the tree may have no .git
+    run git log -1 --format="commit %H %cd %s"
+  fi
 }
 
 step_activations() {
@@ -136,7 +141,7 @@ for arg in "$@"; do
   case $arg in
     --list) for s in "${STEPS[@]}"; do printf '%-12s %4s s  %s\n' "$s" "${BUDGET[$s]}" "${ABOUT[$s]}"; done; exit 0 ;;
     --cpu) GPU_SUITE_CPU=1 ;;
-    -h|--help) sed -n "2,17p" "$SELF" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n "2,20p" "$SELF" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) if [ -z "${BUDGET[$arg]:-}" ]; then echo "unknown step '$arg': the steps are ${STEPS[*]}" >&2; exit 2; fi
        SELECTED+=("$arg") ;;
   esac
