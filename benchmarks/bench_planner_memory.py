@@ -126,12 +126,15 @@ def main() -> None:
                     measured = measure(cfg)
                 ratio = predicted.total / measured
                 loss = f"loss in {chunk_mib} MiB chunks" if chunk_mib else "loss whole"
+                recompute = " ".join(o.removeprefix("train.activation_checkpoint.")
+                                     for o in layout.overrides().split() if o.startswith("train.activation_checkpoint"))
                 rows.append({"micro_batch": micro_batch, "layout": ran.short(), "overrides": layout.overrides(),
                              "loss_chunk_mib": chunk_mib, "predicted": predicted.as_dict(), "measured": measured,
                              "ratio": ratio})
                 terms = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in predicted.as_dict().items() if k != "total")
-                print(f"{ran.short():<22} {loss:<22} predicted {predicted.total / 2**20:9.1f} MiB  measured "
-                      f"{measured / 2**20:9.1f} MiB  predicted / measured {ratio:.3f}  ({terms} MiB)", flush=True)
+                print(f"mb{micro_batch} {recompute:<16} {loss:<22} predicted {predicted.total / 2**20:9.1f} MiB  "
+                      f"measured {measured / 2**20:9.1f} MiB  predicted / measured {ratio:.3f}  ({terms} MiB)",
+                      flush=True)
     if args.out:
         meta = run_meta(device, preset=args.preset, amp=args.amp, activation_checkpoint_keys=recompute_keys)
         write_json(args.out, meta, {"rows": rows})
