@@ -159,6 +159,10 @@ def main() -> None:
             print(shlex.join(cmd))
             continue
         if run.name == "resume":
+            if not (work / "async_save" / f"model_{half:07d}").is_dir():
+                results[run.name] = {"passed": False, "problems": ["async_save left no checkpoint to resume from"]}
+                print(f"{run.name:<18} FAIL  async_save left no checkpoint to resume from", flush=True)
+                continue
             seed_resume(work / "async_save", output_dir, half)
         start = time.perf_counter()
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
