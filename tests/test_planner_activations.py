@@ -49,7 +49,8 @@ from model_cases import deepseek_v3_config
 TOLERANCE = 0.10
 VOCAB = 512
 # The real side's device: "cuda" (tests/conftest.py leaves the GPU visible then) checks the planner's
-# CUDA figures against the kernels CUDA runs (benchmarks/gpu_suite.sh).
+# CUDA figures against the kernels CUDA runs (benchmarks/gpu_suite.sh). Every test that runs layers
+# builds them and their inputs on it (a fake tp group puts its mesh on the GPU where one is visible).
 DEVICE = os.environ.get("LIBAI_ZOO_TEST_DEVICE", "cpu")
 
 
@@ -290,8 +291,8 @@ def _layer_saved_bytes(layer: torch.nn.Module, tp: int, width: int) -> tuple[int
     """(bytes `layer` saves for a bf16 micro-batch of 2 × 64 tokens sharded over a fake tp group
     under sequence parallelism, bytes of this rank's input shard)."""
     with fake_world(tp, 0, tp=tp, sequence_parallel=True) as ctx:
-        distributed.shard(layer, ctx)
-        x = torch.randn(2, 64 // tp, width, dtype=BF16, requires_grad=True)
+        distributed.shard(layer.to(DEVICE), ctx)
+        x = torch.randn(2, 64 // tp, width, dtype=BF16, device=DEVICE, requires_grad=True)
         measured, out = saved_bytes(lambda: layer(x), layer)
         out.float().sum().backward()
     return measured, x.numel() * x.element_size()
@@ -337,10 +338,10 @@ def test_column_layer_under_sp_splits_its_backward(monkeypatch):
             calls.append(_name)
             return _original(*args, **kwargs)
         monkeypatch.setattr(dist, name, counted)
-    layer = layers.Linear(16, 32, parallel="col")
+    layer = layers.Linear(16, 32, parallel="col", device=DEVICE)
     with fake_world(2, 0, tp=2, sequence_parallel=True) as ctx:
         distributed.shard(layer, ctx)
-        x = torch.randn(2, 4, 16, requires_grad=True)
+        x = torch.randn(2, 4, 16, device=DEVICE, requires_grad=True)
         out = layer(x).sum()
         passes = {}
         for name, wrt in (("input", x), ("weight", layer.weight)):
