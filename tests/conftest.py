@@ -3,7 +3,10 @@ import tempfile
 
 # The suite is CPU + gloo by design (CI has no GPU): on a GPU host, hide the GPU before torch
 # looks for it, so distributed.init picks gloo and the forked workers never touch CUDA.
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# LIBAI_ZOO_TEST_DEVICE=cuda leaves it visible for the one-process modules that read it
+# (tests/test_planner_activations.py; benchmarks/gpu_suite.sh runs them so on a GPU).
+if os.environ.get("LIBAI_ZOO_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 

@@ -22,6 +22,7 @@ the weight gradient.
 from __future__ import annotations
 
 import functools
+import os
 from contextlib import contextmanager, nullcontext
 
 import pytest
@@ -47,6 +48,10 @@ from model_cases import deepseek_v3_config
 
 TOLERANCE = 0.10
 VOCAB = 512
+# The real side's device: "cuda" (tests/conftest.py leaves the GPU visible then) checks the planner's
+# CUDA figures against the kernels CUDA runs (benchmarks/gpu_suite.sh). Every test that runs layers
+# builds them and their inputs on it (a fake tp group puts its mesh on the GPU where one is visible).
+DEVICE = os.environ.get("LIBAI_ZOO_TEST_DEVICE", "cpu")
 
 
 def gpt2(layers_: int, dropout: float = 0.1) -> models.GPT2LMHeadModel:
@@ -134,7 +139,7 @@ def parallel(model: torch.nn.Module, tp: int, sp: bool):
 
 
 def autocast(amp):
-    return torch.autocast("cpu", dtype=amp) if amp is not None else nullcontext()
+    return torch.autocast(DEVICE, dtype=amp) if amp is not None else nullcontext()
 
 
 def check(measured: int, predicted: int, what: str) -> None:
@@ -190,18 +195,18 @@ def test_measured_equals_real(case):
     torch.manual_seed(0)
     with torch.device("meta"):
         meta = MODELS[kind](num_layers)
-    model = MODELS[kind](num_layers).train()
+    model = MODELS[kind](num_layers).train().to(DEVICE)
     if chunk_bytes is not None:
         meta.lm_head.chunk_bytes = model.lm_head.chunk_bytes = chunk_bytes
     planner = SavedActivations(meta)
-    shapes = Shapes(batch, seq, tp, sp, amp, "cpu")
+    shapes = Shapes(batch, seq, tp, sp, amp, DEVICE)
     stack = models.get_layer_stack(model)
     kinds = planner.layer_kinds
     assert len(set(kinds)) == (2 if kind in TWO_KINDS else 1)
     # the planner first: it forms a fake world of its own
     layer_bytes = {k: planner.layer(k, shapes, checkpointed=ckpt) for k in set(kinds)}
     predicted = planner.embedding(shapes) + planner.head(shapes) + sum(layer_bytes[k] for k in kinds)
-    ids = torch.randint(3, VOCAB, (batch, seq))
+    ids = torch.randint(3, VOCAB, (batch, seq), device=DEVICE)
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
         # on fake tensors the layer computes float32 experts one by one (their grouped GEMM runs in
         # bf16 only there, as on CUDA); this CPU would group them
@@ -212,7 +217,7 @@ def test_measured_equals_real(case):
         for k in sorted(set(kinds)):
             layer = stack[kinds.index(k)]
             x = torch.randn(batch, seq // tp if sp else seq, 64, dtype=next(stack[0].parameters()).dtype,
-                            requires_grad=True)
+                            device=DEVICE, requires_grad=True)
             with autocast(amp):
                 measured, out = saved_bytes(lambda: layer(x), model)
             out.float().sum().backward()  # the graph is whole: backward runs (on garbage values)
@@ -286,8 +291,8 @@ def _layer_saved_bytes(layer: torch.nn.Module, tp: int, width: int) -> tuple[int
     """(bytes `layer` saves for a bf16 micro-batch of 2 × 64 tokens sharded over a fake tp group
     under sequence parallelism, bytes of this rank's input shard)."""
     with fake_world(tp, 0, tp=tp, sequence_parallel=True) as ctx:
-        distributed.shard(layer, ctx)
-        x = torch.randn(2, 64 // tp, width, dtype=BF16, requires_grad=True)
+        distributed.shard(layer.to(DEVICE), ctx)
+        x = torch.randn(2, 64 // tp, width, dtype=BF16, device=DEVICE, requires_grad=True)
         measured, out = saved_bytes(lambda: layer(x), layer)
         out.float().sum().backward()
     return measured, x.numel() * x.element_size()
@@ -333,10 +338,10 @@ def test_column_layer_under_sp_splits_its_backward(monkeypatch):
             calls.append(_name)
             return _original(*args, **kwargs)
         monkeypatch.setattr(dist, name, counted)
-    layer = layers.Linear(16, 32, parallel="col")
+    layer = layers.Linear(16, 32, parallel="col", device=DEVICE)
     with fake_world(2, 0, tp=2, sequence_parallel=True) as ctx:
         distributed.shard(layer, ctx)
-        x = torch.randn(2, 4, 16, requires_grad=True)
+        x = torch.randn(2, 4, 16, device=DEVICE, requires_grad=True)
         out = layer(x).sum()
         passes = {}
         for name, wrt in (("input", x), ("weight", layer.weight)):
