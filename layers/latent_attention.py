@@ -113,8 +113,8 @@ class LatentAttention(ParallelLayer, nn.Module):
             position_ids, last_position = attention_mask.positions(position_ids, q.shape[1], q.device)
         if position_ids is None:
             position_ids = torch.arange(past, past + q.shape[1], device=q.device)[None]
-        cos, sin = self.rotary(position_ids, last_position)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
+        # broadcast over heads, cast once for q and k
+        cos, sin = (t[:, :, None].to(q.dtype) for t in self.rotary(position_ids, last_position))
         q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
         k = torch.cat((k_nope, apply_rotary(k_rope, cos, sin).expand(*k_nope.shape[:-1], -1)), dim=-1)
         if kv_cache is not None:
