@@ -173,6 +173,9 @@ class DistConfig(Section):
     # Expert parallelism: an MoE model's experts are split over ep × tp ranks (ep carved from dp, which
     # must be a multiple of it); tokens travel to their experts' ranks by all-to-all. 1: no split over dp.
     ep: int = 1
+    # Context parallelism: every sample's sequence split over cp ranks (2·cp chunks, rank r holding
+    # chunks r and 2·cp − 1 − r); world size = dp × cp × tp × pp.
+    cp: int = 1
     sequence_parallel: bool = False     # split norms and dropout over the sequence inside the tp group
     # Timeouts in seconds: init_timeout bounds forming the process group and every collective until
     # the first step is done; timeout every collective after it (a rank that waits longer names the

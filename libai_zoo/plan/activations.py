@@ -66,7 +66,7 @@ from torch.utils import _pytree as pytree
 
 from libai_zoo import distributed
 from libai_zoo.distributed import local
-from libai_zoo.layers import LMHead
+from libai_zoo.layers import Attention, LatentAttention, LMHead
 from libai_zoo.models import get_layer_stack
 
 from .fake_world import fake_world
@@ -103,24 +103,42 @@ def sdpa_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_he
     return "fused"
 
 
+def gathered_kv_width(attention: nn.Module, tp: int) -> int:
+    """Elements per token of the keys and values a tp rank of `attention` computes (its KV heads,
+    one when tp exceeds them: each rank then holds a replica; a latent attention's per-head keys
+    and values of its heads)."""
+    if isinstance(attention, LatentAttention):
+        return attention.num_heads // tp * (attention.qk_head_dim + attention.v_head_dim)
+    kv_heads = attention.num_kv_heads // tp if attention.num_kv_heads % tp == 0 else 1
+    return 2 * kv_heads * attention.head_dim
+
+
 @dataclass(frozen=True)
 class Shapes:
     """What one rank's micro-batch looks like: the key of a measurement."""
 
     micro_batch: int
-    seq_len: int
+    seq_len: int  # a sample's whole sequence (a rank holds seq_len / cp of it)
     tp: int = 1
     sequence_parallel: bool = False
     amp_dtype: torch.dtype | None = None
     device: str = "cuda"  # "cuda" or "cpu": the device the run is planned for
     ep: int = 1  # expert parallelism: an MoE layer's experts over ep × tp ranks
     routing_imbalance: float = 1.0  # the most loaded rank of an expert group receives this × its fair share
+    cp: int = 1  # context parallelism: each sample's sequence split over cp ranks
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device {self.device!r}: activations are measured for 'cuda' or 'cpu'")
-        if self.sequence_parallel and self.tp > 1 and self.seq_len % self.tp:
-            raise ValueError(f"sequence parallelism needs seq_len ({self.seq_len}) divisible by tp ({self.tp})")
+        if self.seq_len % (2 * self.cp) and self.cp > 1:
+            raise ValueError(f"context parallelism needs seq_len ({self.seq_len}) divisible by 2·cp ({2 * self.cp})")
+        if self.sequence_parallel and self.tp > 1 and (self.seq_len // self.cp) % self.tp:
+            raise ValueError(f"sequence parallelism needs a rank's seq_len / cp ({self.seq_len // self.cp}) "
+                             f"divisible by tp ({self.tp})")
+
+    def local(self) -> Shapes:
+        """The shapes of one cp rank's part of the sequence, as a run without cp would have them."""
+        return replace(self, seq_len=self.seq_len // self.cp, cp=1)
 
 
 def module_signature(module: nn.Module) -> tuple:
@@ -342,16 +360,31 @@ class SavedActivations:
             if checkpointed:
                 return m.layers_input[kind]
             return m.layers[kind] - (m.layers_cast[kind] if low_precision_weights else 0)
-        return self._extended(pick, shapes, part="layer")
+        gathered = 0 if checkpointed else self.gathered_kv(kind, shapes)
+        return self._extended(pick, shapes.local(), part="layer") + gathered
+
+    def gathered_kv(self, kind: int, shapes: Shapes) -> int:
+        """Under cp, the keys and values of the other cp ranks' tokens that a layer's attention
+        all-gathers and keeps for backward ((cp − 1) × its own, in the compute dtype): counted, not
+        measured (the layer runs on a cp rank's tokens alone)."""
+        if shapes.cp == 1:
+            return 0
+        layer = get_layer_stack(self._probe)[kind]
+        width = sum(gathered_kv_width(m, shapes.tp) for m in layer.modules()
+                    if isinstance(m, (Attention, LatentAttention)))
+        dtype = shapes.amp_dtype or next(layer.parameters()).dtype
+        tokens = shapes.micro_batch * shapes.seq_len // shapes.cp
+        return (shapes.cp - 1) * tokens * width * dtype.itemsize
 
     def embedding(self, shapes: Shapes, *, low_precision_weights: bool = False) -> int:
         """Bytes the first stage's own modules save (the first layer's input is that layer's)."""
-        return self._extended(lambda m: m.embedding - (m.embedding_cast if low_precision_weights else 0), shapes,
-                              part="embedding")
+        return self._extended(lambda m: m.embedding - (m.embedding_cast if low_precision_weights else 0),
+                              shapes.local(), part="embedding")
 
     def head(self, shapes: Shapes, *, low_precision_weights: bool = False) -> int:
         """Bytes the final norm, head and loss save."""
-        return self._extended(lambda m: m.head - (m.head_cast if low_precision_weights else 0), shapes, part="head")
+        return self._extended(lambda m: m.head - (m.head_cast if low_precision_weights else 0), shapes.local(),
+                              part="head")
 
     def _extended(self, pick, shapes: Shapes, part: str) -> int:
         """`pick` of the measurement at `shapes`, or extended linearly in the micro-batch size."""

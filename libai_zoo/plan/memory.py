@@ -5,8 +5,9 @@ Static state is exact (the planner must equal `dry_run` and a real run to the by
     params     each parameter's tp slice (`ParameterInfo.tp_dim`), on the stages this pp rank runs
                (`split_layers`, `stage_ranks`; the first stage adds the embedding, the last the final
                norm and head, a tied weight held by both ends counted at each), and at ZeRO 1-3 this
-               dp rank's rows of it (FSDP2 cuts dim 0 of the tp slice as torch.chunk does, so dp
-               rank 0 holds the most: ceil(rows / dp))
+               rank's rows of it over dp × cp (FSDP2 cuts dim 0 of the tp slice as torch.chunk does,
+               so rank 0 of the group holds the most: ceil(rows / (dp·cp)); an expert tensor's
+               group is edp = dp / ep)
     grads      the same shapes, for trainable parameters: what a rank holds after its gradients
                are reduced (whole at ZeRO 0, sharded at 1-3)
     optimizer  the optimizer's state per parameter, probed once on a small tensor (AdamW: two
@@ -219,9 +220,10 @@ def _group_state(table: ModelTable, key: int | tuple[bool, bool], tp: int, dp: i
 
 def state_bytes(table: ModelTable, layout: Layout, pp_rank: int = 0, dp_rank: int = 0,
                 optimizer: OptimizerState = ADAMW) -> StateBytes:
-    """Parameters, gradients and optimizer state one rank holds between steps (exact)."""
+    """Parameters, gradients and optimizer state one rank holds between steps (exact); `dp_rank`:
+    its rank in the dp × cp group ZeRO shards over (dp rank × cp + cp rank)."""
     params = grads = state = 0
-    sizes = (layout.tp, layout.dp, layout.ep, layout.zero_stage, dp_rank, optimizer)
+    sizes = (layout.tp, layout.dp_cp, layout.ep, layout.zero_stage, dp_rank, optimizer)
     for key, count in _rank_groups(table, layout, pp_rank):
         group = _group_state(table, key, *sizes)
         params += count * group.params
@@ -250,7 +252,7 @@ def unsharded_bytes(table: ModelTable, layout: Layout, pp_rank: int, element_siz
                     trainable_only: bool = False, experts: bool | None = None) -> int:
     """All-gathered bytes of everything `pp_rank` holds (`element_size` None: the parameters' own;
     `experts` True/False: only the experts' tensors, or all but them)."""
-    return sum(count * _group_unsharded(table, key, layout.tp, layout.dp, layout.ep, element_size, trainable_only,
+    return sum(count * _group_unsharded(table, key, layout.tp, layout.dp_cp, layout.ep, element_size, trainable_only,
                                         experts)
                for key, count in _rank_groups(table, layout, pp_rank))
 
@@ -262,13 +264,13 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
     the root and about two layers (computing, prefetched); ZeRO-1 accumulates whole gradients.
     Under pp the schedule syncs a stage once, after its last micro-batch: every ZeRO stage
     accumulates whole gradients, and ZeRO-3 keeps the stage gathered from its first backward."""
-    if layout.zero_stage == 0 or layout.dp == 1:
+    if layout.zero_stage == 0 or layout.dp_cp == 1:
         return 0
     element = torch.tensor([], dtype=compute_dtype).element_size() if compute_dtype is not None else None
     if layout.zero_stage < 3 or layout.pp > 1:
         total = unsharded_bytes(table, layout, pp_rank, element)
     else:
-        sizes = (layout.tp, layout.dp, layout.ep, element)
+        sizes = (layout.tp, layout.dp_cp, layout.ep, element)
         groups = _rank_groups(table, layout, pp_rank)
         layers = [(_group_unsharded(table, key, *sizes), count) for key, count in groups if isinstance(key, int)]
         biggest = sorted((size for size, count in layers for _ in range(min(2, count))), reverse=True)[:2]
@@ -334,11 +336,12 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
                      routing_imbalance: float = 1.0) -> tuple[int, int]:
     """(activations of the layers and embedding, logits and loss of the head) held at the peak, on
     a "cuda" or "cpu" device (their attention kernels and dropout masks differ); MoE layers routed
-    as `Shapes.routing_imbalance` states."""
+    as `Shapes.routing_imbalance` states; under cp a rank's seq_len / cp tokens, its attention
+    holding the gathered keys and values of the whole sequence (`SavedActivations.gathered_kv`)."""
     shapes = Shapes(layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, device,
-                    layout.ep, routing_imbalance if table.moe else 1.0)
+                    layout.ep, routing_imbalance if table.moe else 1.0, layout.cp)
     # FSDP2 hands the layers bf16 parameters under bf16 autocast at ZeRO 1-3: no matmul keeps a cast copy
-    low = layout.dp > 1 and fsdp_param_dtype(amp_dtype, layout.zero_stage) is not None
+    low = layout.dp_cp > 1 and fsdp_param_dtype(amp_dtype, layout.zero_stage) is not None
     in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
     stages = rank_stages(table, layout, pp_rank)
     kinds = _rank_layer_kinds(table, layout, pp_rank)
@@ -354,7 +357,8 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
     if any(last for _, _, last in stages):
         head = _activations(table, "head", shapes, 0, False, low)
         # backward makes the float32 logits' gradient (one chunk's when the loss runs in chunks)
-        head += min(layout.micro_batch_size * seq_len * table.vocab_size // layout.tp * 4, LMHead.chunk_bytes)
+        tokens = layout.micro_batch_size * seq_len // layout.cp
+        head += min(tokens * table.vocab_size // layout.tp * 4, LMHead.chunk_bytes)
         logits = head * (num_micro_batches if layout.schedule == "gpipe" else 1)
     return total, logits
 

@@ -22,7 +22,7 @@ from libai_zoo.hf import apply_lora_config
 from libai_zoo.layers import Attention, LatentAttention
 from libai_zoo.models import check_trainable, get_layer_stack
 
-from .activations import SavedActivations
+from .activations import SavedActivations, gathered_kv_width
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,7 @@ class ModelTable:
         #: of one layer, and whether its attention and MLP share one tp sync (a parallel block)
         self.hidden_size: int = attention[0].out.out_features
         self.attention_width: float = sum(m.attention_width for m in attention)
+        self._attention = attention
         self.parallel_block = bool(getattr(stack[0], "parallel_block", False))
         self.vocab_size: int = model.input_limits()["vocab_size"]
         self.flops_per_token = model.flops_per_token
@@ -172,6 +173,11 @@ class ModelTable:
                 experts, top_k = self.moe.get(param.layer, (1, 1))
                 total += math.prod(param.shape) * (top_k / experts if param.expert else 1)
         return total / self.num_layers
+
+    def kv_width(self, tp: int) -> int:
+        """Elements per token of the keys and values one tp rank's attention of a layer holds: what
+        context parallelism all-gathers over its group (`gathered_kv_width`)."""
+        return sum(gathered_kv_width(module, tp) for module in self._attention)
 
     @property
     def total_parameters(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import torch
 from omegaconf import DictConfig
@@ -144,7 +144,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     fsdp_ops: dict[tuple, float] = {}
 
     def fsdp_op(layout: Layout) -> float:
-        if layout.dp == 1 or not measured:
+        if layout.dp_cp == 1 or not measured:
             return 0.0
         key = (layout.tp, layout.micro_batch_size)
         if key not in fsdp_ops:
@@ -153,6 +153,8 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
         return fsdp_ops[key]
 
     def times(layout: Layout) -> ComputeTimes:
+        """A rank's compute per micro-batch: under cp 1/cp of the whole sequence's (its two chunks
+        of every sample: a balanced share of the causal attention, and of every per-token part)."""
         key = (layout.tp, layout.sequence_parallel, layout.micro_batch_size)
         if key not in compute:
             compute[key] = measure_compute(cfg.model, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
@@ -160,7 +162,8 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
                                            amp_dtype=amp_dtype, threads=threads) if measured \
                 else roofline_compute(table, spec, tp=layout.tp, micro_batch=layout.micro_batch_size,
                                       seq_len=seq_len, amp_dtype=amp_dtype, routing_imbalance=routing_imbalance)
-        return compute[key]
+        whole = compute[key]
+        return ComputeTimes(*(seconds / layout.cp for seconds in astuple(whole))) if layout.cp > 1 else whole
 
     peak = spec.peak_flops.get(amp_dtype or torch.float32)
     flops_per_token = table.flops_per_token(seq_len)
@@ -205,8 +208,8 @@ def format_table(result: Plan, top: int = 10) -> str:
              f"{result.memory_limit / GiB:.1f} GiB per rank, {len(result.candidates)} ranked; times "
              f"{result.timing} ({'; '.join(result.notes)})",
              f"{'#':>3}  {'layout':<38} {name:>6} {'params':>7} {'grads':>6} {'optim':>6} {'gather':>6} "
-             f"{'acts':>6} {'logits':>6} {'opt.st':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'ep':>7} {'dp':>7} "
-             f"{'bubble':>7}  "
+             f"{'acts':>6} {'logits':>6} {'opt.st':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'cp':>7} {'ep':>7} "
+             f"{'dp':>7} {'bubble':>7}  "
              f"{'tokens/s':>10} {'MFU':>6}"]
     for index, c in enumerate(result.candidates[:top], 1):
         m, t = c.memory, c.time
@@ -215,7 +218,7 @@ def format_table(result: Plan, top: int = 10) -> str:
             f"{index:>3}  {c.layout.short():<38} {m.total / unit:6.2f} {m.params / unit:7.2f} {m.grads / unit:6.2f} "
             f"{m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} {m.logits / unit:6.2f} "
             f"{m.optimizer_step / unit:6.2f}  "
-            f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.ep_comm:7.3f} {t.dp_comm:7.3f} "
+            f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.cp_comm:7.3f} {t.ep_comm:7.3f} {t.dp_comm:7.3f} "
             f"{t.bubble + t.pp_comm:7.3f}  "
             f"{c.tokens_per_second:10.0f} {mfu}")
     if result.candidates:
