@@ -215,7 +215,7 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
     of the routed tokens."""
     m = layout.num_micro_batches(global_batch_size)
     tp, cp, pp = layout.tp, layout.cp, layout.pp
-    element = torch.tensor([], dtype=amp_dtype).element_size() if amp_dtype else 4
+    element = amp_dtype.itemsize if amp_dtype else 4
     act_bytes = element * layout.micro_batch_size * seq_len // cp * table.hidden_size
     tp_link = fabric.link(tp)
     cp_link = fabric.link(tp * cp)

@@ -102,7 +102,8 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
                       gpus_per_node: int = 8, evaluates: bool = False) -> Iterator[Layout]:
     """Every layout `table`'s model admits on `world_size` processes: tp inside a node and splitting
     every layer evenly (the layers' own `tp_problems`), cp a power of two whose 2·cp chunks split
-    `seq_len` evenly, pp ≤ layers, dp dividing the global batch, for an MoE model each ep dividing
+    `seq_len` evenly and whose group stays in the node beside tp's (cp × tp ranks: the K/V
+    exchange of every layer at NVLink, as NVIDIA's recipes place it), pp ≤ layers, dp dividing the global batch, for an MoE model each ep dividing
     dp whose expert group (ep × tp ranks) splits the experts evenly (ep 1 under cp), each
     micro-batch size that divides a dp rank's share, ZeRO 0-3 (0 alone when dp × cp = 1),
     activation checkpointing off/on, sequence parallelism off/on at tp > 1 (when tp divides a cp
@@ -111,7 +112,7 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
     for tp in _divisors(world_size):
         if tp > gpus_per_node or gpus_per_node % tp or table.tp_problems(tp):
             continue
-        for cp in _powers_of_two(world_size // tp):
+        for cp in _powers_of_two(min(world_size // tp, gpus_per_node // tp)):
             if seq_len % (2 * cp):
                 continue
             for pp in _divisors(world_size // (tp * cp)):

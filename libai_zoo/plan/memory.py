@@ -190,14 +190,18 @@ def _group(table: ModelTable, key: int | tuple[bool, bool]) -> list[ParameterInf
             if p.layer is None and (("first" in p.ends and first) or ("last" in p.ends and last))]
 
 
-@lru_cache(maxsize=65536)
 def _rank_groups(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int | tuple[bool, bool], int], ...]:
     """What `pp_rank` holds as (`_group` key, count): its layers by parameter group, then each of
     its stages' end modules ((holds the first stage's, holds the last's), 1)."""
+    return _stage_groups(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
+
+
+@lru_cache(maxsize=65536)
+def _stage_groups(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int,
+                  pp_rank: int) -> tuple[tuple[int | tuple[bool, bool], int], ...]:
     counts: dict[int, int] = {}
     ends = []
-    for layers, first, last in _rank_stage_layers(table.num_layers, layout.pp, layout.schedule,
-                                                  layout.virtual_stages, pp_rank):
+    for layers, first, last in _rank_stage_layers(table.num_layers, pp, schedule, virtual_stages, pp_rank):
         for index in layers:
             group = table.layer_groups[index]
             counts[group] = counts.get(group, 0) + 1
@@ -222,10 +226,16 @@ def state_bytes(table: ModelTable, layout: Layout, pp_rank: int = 0, dp_rank: in
                 optimizer: OptimizerState = ADAMW) -> StateBytes:
     """Parameters, gradients and optimizer state one rank holds between steps (exact); `dp_rank`:
     its rank in the dp × cp group ZeRO shards over (dp rank × cp + cp rank)."""
+    return _state(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank, layout.tp, layout.dp_cp,
+                  layout.ep, layout.zero_stage, dp_rank, optimizer)
+
+
+@lru_cache(maxsize=65536)
+def _state(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int, tp: int, dp: int,
+           ep: int, zero_stage: int, dp_rank: int, optimizer: OptimizerState) -> StateBytes:
     params = grads = state = 0
-    sizes = (layout.tp, layout.dp_cp, layout.ep, layout.zero_stage, dp_rank, optimizer)
-    for key, count in _rank_groups(table, layout, pp_rank):
-        group = _group_state(table, key, *sizes)
+    for key, count in _stage_groups(table, pp, schedule, virtual_stages, pp_rank):
+        group = _group_state(table, key, tp, dp, ep, zero_stage, dp_rank, optimizer)
         params += count * group.params
         grads += count * group.grads
         state += count * group.optimizer
@@ -252,9 +262,15 @@ def unsharded_bytes(table: ModelTable, layout: Layout, pp_rank: int, element_siz
                     trainable_only: bool = False, experts: bool | None = None) -> int:
     """All-gathered bytes of everything `pp_rank` holds (`element_size` None: the parameters' own;
     `experts` True/False: only the experts' tensors, or all but them)."""
-    return sum(count * _group_unsharded(table, key, layout.tp, layout.dp_cp, layout.ep, element_size, trainable_only,
-                                        experts)
-               for key, count in _rank_groups(table, layout, pp_rank))
+    return _unsharded(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank, layout.tp, layout.dp_cp,
+                      layout.ep, element_size, trainable_only, experts)
+
+
+@lru_cache(maxsize=65536)
+def _unsharded(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int, tp: int, dp: int,
+               ep: int, element_size: int | None, trainable_only: bool, experts: bool | None) -> int:
+    return sum(count * _group_unsharded(table, key, tp, dp, ep, element_size, trainable_only, experts)
+               for key, count in _stage_groups(table, pp, schedule, virtual_stages, pp_rank))
 
 
 def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_batches: int,
@@ -266,7 +282,7 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
     accumulates whole gradients, and ZeRO-3 keeps the stage gathered from its first backward."""
     if layout.zero_stage == 0 or layout.dp_cp == 1:
         return 0
-    element = torch.tensor([], dtype=compute_dtype).element_size() if compute_dtype is not None else None
+    element = compute_dtype.itemsize if compute_dtype is not None else None
     if layout.zero_stage < 3 or layout.pp > 1:
         total = unsharded_bytes(table, layout, pp_rank, element)
     else:
