@@ -399,7 +399,7 @@ class Pipeline:
         self.tied = _tied_names(model) if self.num_stages > 1 else []
         self._tied_group = None
         if self.tied and self.stage_ranks[0] != self.last_stage_rank:
-            ranks = ctx.mesh.mesh.reshape(ctx.pp, ctx.dp, ctx.tp)  # [pp, (edp, ep), tp]: dp flattened
+            ranks = ctx.mesh.mesh.reshape(ctx.pp, -1, ctx.tp)  # [pp, (edp, ep, cp), tp]: dp and cp flattened
             for d in range(ranks.shape[1]):
                 for t in range(ranks.shape[2]):
                     pair = sorted({int(ranks[self.stage_ranks[0], d, t]), int(ranks[self.last_stage_rank, d, t])})

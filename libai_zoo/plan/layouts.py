@@ -21,7 +21,8 @@ PIPELINE_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b":
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run a step on `dp × tp × pp` processes (`ep`: expert parallelism, a divisor of dp)."""
+    """One way to run a step on `dp × cp × tp × pp` processes (`ep`: expert parallelism, a divisor of
+    dp; `cp`: context parallelism, each sequence split over cp ranks)."""
 
     dp: int
     tp: int
@@ -33,19 +34,21 @@ class Layout:
     schedule: str | None = None  # the pipeline schedule; None without pp
     virtual_stages: int = 1
     ep: int = 1
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg: DictConfig, world_size: int) -> Layout:
         """The layout a config's ``dist`` and ``train`` keys ask for at `world_size` (dp=-1 inferred)."""
-        dp, tp, pp = distributed.resolve_sizes(world_size, cfg.dist.dp, cfg.dist.tp, cfg.dist.pp, cfg.dist.ep)
+        dp, tp, pp = distributed.resolve_sizes(world_size, cfg.dist.dp, cfg.dist.tp, cfg.dist.pp, cfg.dist.ep,
+                                               cfg.dist.cp)
         run = run_settings(cfg)
         return cls(dp, tp, pp, run.zero_stage, run.activation_checkpoint, run.sequence_parallel, run.micro_batch_size,
                    run.pipeline.schedule if pp > 1 else None, run.pipeline.virtual_stages if pp > 1 else 1,
-                   cfg.dist.ep)
+                   cfg.dist.ep, cfg.dist.cp)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def num_micro_batches(self, global_batch_size: int) -> int:
         """Micro-batches each dp rank runs per step (accumulated, or pipelined under pp)."""
@@ -58,6 +61,7 @@ class Layout:
     def overrides(self) -> str:
         """The `key=value` overrides of tools/train.py that run this layout."""
         parts = [f"dist.dp={self.dp}", f"dist.tp={self.tp}", f"dist.pp={self.pp}", f"dist.ep={self.ep}",
+                 f"dist.cp={self.cp}",
                  f"dist.sequence_parallel={str(self.sequence_parallel).lower()}",
                  f"train.zero_stage={self.zero_stage}",
                  f"train.activation_checkpoint.enabled={str(self.activation_checkpoint).lower()}",
@@ -69,7 +73,7 @@ class Layout:
 
     def short(self) -> str:
         """A compact name for tables: dp2 tp2 pp2 z1 ac sp mb4 1f1b (dp4 ep2 tp2 ... with experts split over ep)."""
-        text = f"dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
+        text = f"dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else "")
         text += f" tp{self.tp} pp{self.pp} z{self.zero_stage}"
         text += " ac" if self.activation_checkpoint else ""
         text += " sp" if self.sequence_parallel else ""
