@@ -57,11 +57,9 @@ def check_context_parallel(model: nn.Module, cp: int, tp: int, settings: RunSett
     if not isinstance(model, CausalLM):
         raise ValueError(f"dist.cp = {cp} splits a causal language model's sequences, and {name} is not one (a "
                          f"masked LM or a classifier scores tokens against the whole sequence): set dist.cp=1")
-    problems = [problem for module in model.modules() if callable(getattr(module, "cp_problems", None))
-                for problem in module.cp_problems(cp)]
+    problems = distributed.cp_problems(model, cp)
     if problems:
-        raise ValueError(f"{name} cannot run with its sequences split over dist.cp = {cp}:\n  "
-                         + "\n  ".join(dict.fromkeys(problems)) + "\nset dist.cp=1")
+        raise ValueError(f"{name} cannot run with its sequences split over dist.cp = {cp}:\n  " + "\n  ".join(problems))
     if model.has_aux_loss:
         raise ValueError(f"{name}'s auxiliary load-balancing loss is a statistic of each micro-batch's whole "
                          f"routing, which dist.cp = {cp} splits over ranks (not supported yet): set the model "
