@@ -24,9 +24,9 @@ from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
-from libai_zoo.engine import DefaultTrainer
+from libai_zoo.engine import DefaultTrainer, TrainStep
 from libai_zoo.layers import LMHead
-from libai_zoo.models import MixtralForCausalLM
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel, MixtralForCausalLM
 from libai_zoo.parallel import DataParallel, materialize, parallelize
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from layouts import LAYOUTS, overrides
@@ -223,6 +223,27 @@ def _cp_checkpoint(root: str) -> Path:
     return Path(root) / "cp_ckpt"
 
 
+def _step_with_a_part_without_targets(root: str, cp: int) -> tuple[float, float]:
+    """(loss, gradient norm) of one step of a tiny GPT-2 at cp (1: one process) on a batch whose
+    positions 4-11 of 16 score nothing: at cp2 they are rank 1's two chunks, whose mean loss over no
+    targets would be NaN."""
+    ctx = distributed.init(cp=cp)
+    try:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                           embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0))
+        built = parallelize(model, ctx, data_parallel := DataParallel(ctx, 0))
+        step = TrainStep(built.parts, torch.optim.SGD(built.parts[0].parameters(), lr=0.1), device=ctx.device,
+                         data_parallel=data_parallel)
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        labels = ids.clone()
+        labels[:, 5:13] = -100  # position t is scored against labels[t + 1]
+        result = step([{"input_ids": ids, "labels": labels}])
+        return result.loss, result.grad_norm
+    finally:
+        distributed.destroy()
+
+
 def _moe_checkpoint(root: str) -> Path:
     """The MoE at dp2_ep2 (ZeRO-3), stopped after step 2 and its checkpoint."""
     train(f"{root}/config.py", f"{root}/moe_ckpt", "moe",
@@ -341,6 +362,7 @@ CASES = {
     "ckpt": Case(4, _checkpoint, needs=("gpt2_one",)),
     **{f"resume_{layout}": Case(_world(layout), _resume, (layout,), needs=("ckpt",)) for layout in RESUME_AT},
     "cp_ckpt": Case(4, _cp_checkpoint, needs=("gpt2_one",)),
+    **{f"cp{cp}_part_without_targets": Case(cp, _step_with_a_part_without_targets, (cp,)) for cp in (1, 2)},
     **{f"cp_resume_{layout}": Case(_world(layout), _resume, (layout, "cp_ckpt"), needs=("cp_ckpt",))
        for layout in CP_RESUME_AT},
     "moe_ckpt": Case(4, _moe_checkpoint, needs=("moe_one_mb2",)),
@@ -429,6 +451,13 @@ def test_checkpoint_from_cp2_resumes_at_another_cp(runs, case):
     """Saved with ZeRO-3 over dp × cp (the cp ranks' equal parameters sharded among them), resumed
     with each sequence split over 4 ranks, and whole in one process."""
     _assert_same(runs(case), runs("gpt2_one")["losses"], range(6, STEPS + 1))
+
+
+@pytest.mark.cases("cp2_part_without_targets", "cp1_part_without_targets")
+def test_a_cp_rank_without_targets_adds_nothing(runs):
+    """Its part still runs (attention's exchange needs it), scoring one dummy target weighted 0."""
+    ours, theirs = runs("cp2_part_without_targets"), runs("cp1_part_without_targets")
+    assert all(abs(a - b) / b <= TOL for a, b in zip(ours, theirs)), (ours, theirs)
 
 
 @pytest.mark.parametrize("case", [f"moe_resume_{layout}" for layout in MOE_RESUME_AT])
