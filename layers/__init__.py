@@ -8,7 +8,8 @@ if __name__ != "libai_zoo.layers":  # `import layers` from the repository root w
     raise ImportError(f"`layers/` is installed as `libai_zoo.layers`: write `from libai_zoo import layers` or "
                       f"`import libai_zoo.layers`, not `import layers` (imported here as `{__name__}`)")
 
-from .attention import Attention, fuse_kv, fuse_qkv, packed_causal_mask, split_kv, split_qkv
+from .attention import Attention, fuse_kv, fuse_qkv, layer_attention_mask, packed_causal_mask, split_kv, split_qkv
+from .context_attention import ContextMask
 from .cross_entropy import ParallelCrossEntropy
 from .embedding import Embedding, VocabEmbedding
 from .kv_cache import KVCache
@@ -28,5 +29,5 @@ __all__ = ["Attention", "LatentAttention", "Linear", "VocabEmbedding", "Embeddin
            "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
            "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_adapters",
            "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv",
-           "packed_causal_mask", "NORMS", "MoE", "Router", "Routing", "Experts", "load_balancing_loss",
-           "router_z_loss", "uncounted", "yarn_mscale"]
+           "packed_causal_mask", "layer_attention_mask", "ContextMask", "NORMS", "MoE", "Router", "Routing",
+           "Experts", "load_balancing_loss", "router_z_loss", "uncounted", "yarn_mscale"]

@@ -18,7 +18,9 @@ padding masks, sliding windows (MegaScale/Mistral), q/k normalisation (per head:
 over the whole projection: OLMo 2), a softmax scale of one's own (Gemma 2's query_pre_attn_scalar,
 Granite's attention_multiplier), logit soft-capping (Gemma 2), cross-attention and a KV cache for
 generation. The kernel is `torch.nn.functional.scaled_dot_product_attention`; with no mask beyond
-causality it gets ``is_causal=True`` so the flash kernels apply.
+causality it gets ``is_causal=True`` so the flash kernels apply. Under context parallelism
+(``cp`` set) a self-attention all-gathers k and v over cp and masks its local queries by global
+position (`context_attention`: causal, windows, packed documents, padding; why all-gather there).
 
 SDPA has no soft-cap and no attention sinks (gpt-oss: a learned logit per head that joins each
 query's softmax denominator, so a query may give its keys less than all of its attention). A layer
@@ -43,6 +45,7 @@ from torch import nn
 
 from libai_zoo.distributed import TensorParallel, local
 
+from .context_attention import ContextMask, context_attention, global_positions
 from .kv_cache import KVCache
 from .linear import Linear
 from .norm import NORMS
@@ -149,6 +152,12 @@ class Attention(ParallelLayer, nn.Module):
                     f"choose a tp that divides the KV heads"]
         return []
 
+    def cp_problems(self, cp_size: int) -> list[str]:
+        if self.cross_attention:
+            return ["a cross-attention does not run under context parallelism (its encoder states are not split "
+                    "over cp): train this model with cp = 1"]
+        return []
+
     def shard_(self, tp: TensorParallel) -> None:
         """Split the heads over tp; with fewer KV heads than tp ranks, replicate each KV head on
         the ranks its group's q heads are split over (see the module docstring)."""
@@ -178,6 +187,9 @@ class Attention(ParallelLayer, nn.Module):
         if self.qk_norm:
             q, k = self._norm_qk(q, k)
         past = 0 if kv_cache is None else kv_cache.length
+        if self.cp is not None:
+            attention_mask = ContextMask.of(self.cp, attention_mask, position_ids, kv_cache)
+            position_ids = global_positions(self.cp, position_ids, q.shape[1], q.device)
         if self.rotary is not None:
             if position_ids is None:
                 position_ids = torch.arange(past, past + q.shape[1], device=q.device)[None]
@@ -189,9 +201,18 @@ class Attention(ParallelLayer, nn.Module):
             k, v = kv_cache.update(k, v)
         # [B, S, groups, heads per group, d] -> [B, heads, S, d]; a view when rotary made q contiguous
         q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
-        mask, is_causal = sdpa_mask(attention_mask, q.shape[2], k.shape[2], q.device, causal=self.causal,
-                                     sliding_window=self.sliding_window)
-        out = attend(self, q, k, v, mask, is_causal, self.softmax_scale, self.softcap, local(self.sinks))
+        sinks = local(self.sinks)
+        if self.cp is not None:
+            def core(q, k, v, mask):
+                return attend(self, q, k, v, mask, False, self.softmax_scale, self.softcap, sinks)
+
+            out = context_attention(self.cp, q, k, v, attention_mask, core, causal=self.causal,
+                                    sliding_window=self.sliding_window,
+                                    explicit=self.softcap is not None or sinks is not None)
+        else:
+            mask, is_causal = sdpa_mask(attention_mask, q.shape[2], k.shape[2], q.device, causal=self.causal,
+                                        sliding_window=self.sliding_window)
+            out = attend(self, q, k, v, mask, is_causal, self.softmax_scale, self.softcap, sinks)
         return self.out(out.transpose(1, 2).flatten(2))
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,6 +339,19 @@ def packed_causal_mask(attention_mask: torch.Tensor | None,
     length = position_ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
     return ((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]
+
+
+def layer_attention_mask(module: nn.Module, attention_mask: torch.Tensor | None,
+                         position_ids: torch.Tensor | None) -> torch.Tensor | ContextMask | None:
+    """The attention_mask every layer of `module` (a model, or its stack of layers) takes, made once
+    per forward: `packed_causal_mask`'s in one process; under context parallelism (the ``cp`` of its
+    first parallel layer: `distributed.shard` sets it on all of them) a `ContextMask`, the whole
+    sequence's padding and documents gathered over cp, from which each attention layer masks its
+    queries by global position (a rank's local position_ids jump between its two chunks)."""
+    cp = next((m.cp for m in module.modules() if isinstance(m, ParallelLayer)), None)
+    if cp is None:
+        return packed_causal_mask(attention_mask, position_ids)
+    return ContextMask(cp, attention_mask, position_ids)
 
 
 def _interleave_groups(parts: list[torch.Tensor], num_groups: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch import nn
 from libai_zoo.distributed.collectives import column_input
 
 from .attention import attend, sdpa_mask
+from .context_attention import ContextMask, context_attention, global_positions
 from .kv_cache import KVCache
 from .linear import Linear
 from .norm import RMSNorm
@@ -109,6 +110,9 @@ class LatentAttention(ParallelLayer, nn.Module):
         if self.rope_interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         past = 0 if kv_cache is None else kv_cache.length
+        if self.cp is not None:
+            attention_mask = ContextMask.of(self.cp, attention_mask, position_ids, kv_cache)
+            position_ids = global_positions(self.cp, position_ids, q.shape[1], q.device)
         if position_ids is None:
             position_ids = torch.arange(past, past + q.shape[1], device=q.device)[None]
         cos, sin = self.rotary(position_ids)
@@ -118,8 +122,13 @@ class LatentAttention(ParallelLayer, nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, d]
-        mask, is_causal = sdpa_mask(attention_mask, q.shape[2], k.shape[2], q.device, causal=self.causal)
-        out = attend(self, q, k, v, mask, is_causal, self.softmax_scale or self.qk_head_dim ** -0.5)
+        scale = self.softmax_scale or self.qk_head_dim ** -0.5
+        if self.cp is not None:  # the expanded per-head k and v gathered (their latents would be narrower)
+            out = context_attention(self.cp, q, k, v, attention_mask,
+                                    lambda q, k, v, mask: attend(self, q, k, v, mask, False, scale), causal=self.causal)
+        else:
+            mask, is_causal = sdpa_mask(attention_mask, q.shape[2], k.shape[2], q.device, causal=self.causal)
+            out = attend(self, q, k, v, mask, is_causal, scale)
         return self.out(out.transpose(1, 2).flatten(2))
 
     def extra_repr(self) -> str:

@@ -38,6 +38,10 @@ class ParallelLayer:
         """Why this layer cannot be split over `tp_size` ranks ([] when it can)."""
         return []
 
+    def cp_problems(self, cp_size: int) -> list[str]:
+        """Why this layer cannot run on a sequence split over `cp_size` ranks ([] when it can)."""
+        return []
+
     def shard_(self, tp: TensorParallel) -> None:
         """Keep this rank's slice of the parameters; subclasses split, this replicates the rest."""
         for name, _ in list(self.named_parameters(recurse=False)):

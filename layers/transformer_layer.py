@@ -26,6 +26,7 @@ from torch import nn
 from libai_zoo.distributed.collectives import column_input, row_output
 
 from .attention import Attention
+from .context_attention import ContextMask
 from .kv_cache import KVCache
 from .latent_attention import LatentAttention
 from .mlp import MLP
@@ -155,8 +156,11 @@ class TransformerLayer(ParallelLayer, nn.Module):
         if self.parallel_block:
             return self._residual(x, self._parallel_branches(x, attention_mask, position_ids, kv_cache), None), None
         # a 2-D mask of the tokens' padding (not while generating: it then covers the cached positions too)
-        token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 and kv_cache is None \
-            else None
+        if isinstance(attention_mask, ContextMask):  # under cp: this rank's tokens'
+            token_mask = attention_mask.padding
+        else:
+            token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \
+                and kv_cache is None else None
         cross = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask)
         if self.norm_position == "post":
             x = self.attn_norm(x + self._dropout(self.attn(x, attention_mask, position_ids, kv_cache=kv_cache)))

@@ -13,6 +13,7 @@ if __name__ != "libai_zoo.models":  # `import models` from the repository root w
 from .auto import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM,
                    AutoModelForSequenceClassification)
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+from .causal_lm import CausalLM
 from .contract import TrainableModel, check_trainable, get_layer_stack
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model
 from .gemma import (Gemma2Config, Gemma2ForCausalLM, Gemma2Model, Gemma3ForCausalLM, Gemma3TextConfig, Gemma3TextModel,
@@ -35,8 +36,8 @@ from .roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassi
 from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM, SmolLM3Model
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
-__all__ = ["PreTrainedModel", "TrainableModel", "check_trainable", "get_layer_stack", "GPT2Config", "GPT2Model",
-           "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification",
+__all__ = ["PreTrainedModel", "TrainableModel", "CausalLM", "check_trainable", "get_layer_stack", "GPT2Config",
+           "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification",
            "ViTConfig", "ViTModel", "ViTForImageClassification", "LlamaConfig", "LlamaModel", "LlamaForCausalLM",
            "GPTNeoXConfig", "GPTNeoXModel", "GPTNeoXForCausalLM", "Qwen3Config", "Qwen3Model", "Qwen3ForCausalLM",
            "MistralConfig", "MistralModel", "MistralForCausalLM", "Olmo2Config", "Olmo2Model", "Olmo2ForCausalLM",

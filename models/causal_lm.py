@@ -12,7 +12,8 @@ takes either.
 
 Packed samples (several sequences in a row, `libai_zoo.data.build_chat_dataset`) follow
 transformers: position_ids that restart and no attention_mask; every layer then gets one
-block-diagonal causal mask (`packed_causal_mask`), so no token sees another sequence.
+block-diagonal causal mask (`packed_causal_mask`), so no token sees another sequence; under
+context parallelism the layers' own `ContextMask` of the whole sequence (`layer_attention_mask`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from libai_zoo.layers import KVCache, packed_causal_mask
+from libai_zoo.layers import KVCache, layer_attention_mask
 
 from .contract import IGNORE_INDEX, TrainableModel
 from .generation import GenerationMixin
@@ -65,7 +66,7 @@ def run_decoder_layers(layers: torch.nn.ModuleList, x: torch.Tensor, attention_m
     ``router_stats`` (zeros [3, E]) the MoE layers add their router statistics to it: returns
     (hidden states, router statistics or None)."""
     if cache is None:
-        attention_mask = packed_causal_mask(attention_mask, position_ids)
+        attention_mask = layer_attention_mask(layers, attention_mask, position_ids)
     for i, layer in enumerate(layers):
         kv_cache = None if cache is None else cache[i]
         if router_stats is None:
@@ -102,7 +103,7 @@ class CausalLM(GenerationMixin, TrainableModel):
         """The attention mask (a packed sample's block-diagonal causal mask, made here once for all the
         stage's layers) and the positions (rotary; learned positions ignore them here)."""
         position_ids = inputs.get("position_ids")
-        return {"attention_mask": packed_causal_mask(inputs.get("attention_mask"), position_ids),
+        return {"attention_mask": layer_attention_mask(self, inputs.get("attention_mask"), position_ids),
                 "position_ids": position_ids}
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

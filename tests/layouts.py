@@ -16,9 +16,9 @@ GLOBAL_BATCH = 8
 
 
 def _layout(dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, mb: int = 8, schedule: str | None = None,
-            virtual: int = 1, ac: bool = False, sp: bool = False, ep: int = 1) -> Layout:
+            virtual: int = 1, ac: bool = False, sp: bool = False, ep: int = 1, cp: int = 1) -> Layout:
     return Layout(dp, tp, pp, zero, activation_checkpoint=ac, sequence_parallel=sp, micro_batch_size=mb,
-                  schedule=schedule or ("1f1b" if pp > 1 else None), virtual_stages=virtual, ep=ep)
+                  schedule=schedule or ("1f1b" if pp > 1 else None), virtual_stages=virtual, ep=ep, cp=cp)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -36,6 +36,8 @@ LAYOUTS: dict[str, Layout] = {
     "pp2_1f1b_ac": _layout(pp=2, mb=2, ac=True),
     "pp2_zero_bubble": _layout(pp=2, mb=4, schedule="zero_bubble"),
     "ep2": _layout(dp=2, ep=2, mb=4),
+    # each sequence split over cp ranks (2·cp load-balanced chunks), the same samples on a dp rank's cp ranks
+    "cp2": _layout(cp=2),
     # 4 processes
     "dp4": _layout(dp=4, mb=2),
     "tp4": _layout(tp=4),
@@ -59,6 +61,10 @@ LAYOUTS: dict[str, Layout] = {
     "ep2_tp2": _layout(dp=2, tp=2, ep=2, mb=4),
     "ep2_pp2": _layout(dp=2, pp=2, ep=2, mb=2),
     "ep4": _layout(dp=4, ep=4, mb=2),
+    "cp2_tp2_sp": _layout(cp=2, tp=2, sp=True),
+    "cp2_dp2_zero3": _layout(dp=2, cp=2, zero=3, mb=2),  # ZeRO over dp × cp; 2 micro-batches accumulated
+    "cp2_pp2": _layout(cp=2, pp=2, mb=4),
+    "cp4": _layout(cp=4),
     # 8 processes (system tier: 2 cores run them in about a minute)
     "dp2_tp2_pp2_zero1": _layout(dp=2, tp=2, pp=2, zero=1, mb=2),
     "dp2_tp2_pp2_zero3_interleaved": _layout(dp=2, tp=2, pp=2, zero=3, mb=2, schedule="interleaved_1f1b",
@@ -72,12 +78,12 @@ def overrides(name: str) -> list[str]:
 
 
 def axes(name: str) -> frozenset[str]:
-    """What layout `name` exercises: dp, tp, sp, pp, ep, the schedule, virtual stages, the ZeRO stage,
+    """What layout `name` exercises: dp, tp, sp, pp, ep, cp, the schedule, virtual stages, the ZeRO stage,
     activation checkpointing, gradient accumulation and the world size."""
     layout = LAYOUTS[name]
     tags = {f"world{layout.world_size}", f"zero{layout.zero_stage}"}
-    tags |= {axis for axis, size in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep))
-             if size > 1}
+    tags |= {axis for axis, size in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep),
+                                     ("cp", layout.cp)) if size > 1}
     if layout.sequence_parallel:
         tags.add("sp")
     if layout.activation_checkpoint:

@@ -311,11 +311,13 @@ dataloader = dict(train=LazyCall(build_chat_dataset)(path="{data}", tokenizer_di
                                                      chat_template={template!r}, cache_dir="{cache}"))
 '''
 # The covering design (tests/layouts.py): packed data differs where positions restart and
-# conversations are masked apart, under sequence parallelism (split sequences), a pipeline and dp;
-# the Llama runs train LoRA adapters too (LoRA and packing are independent: one run covers both).
+# conversations are masked apart, under sequence parallelism (split sequences), context parallelism
+# (conversations cut over ranks, each attending within itself by global position; a rank's part may
+# hold no assistant token), a pipeline and dp; the Llama runs train LoRA adapters too (LoRA and
+# packing are independent: one run covers both).
 LORA = ["train.lora.rank=4", "train.lora.alpha=8"]
 RUNS_AT = {"llama_dp2": ("llama", "dp2"), "llama_tp2_sp": ("llama", "tp2_sp"), "llama_pp2": ("llama", "pp2_1f1b"),
-           "gpt2_tp2_sp": ("gpt2", "tp2_sp")}
+           "llama_cp2": ("llama", "cp2"), "gpt2_tp2_sp": ("gpt2", "tp2_sp")}
 
 
 def train(config_file: str, output_dir: str, model: str, overrides: list[str]) -> dict[int, float]:

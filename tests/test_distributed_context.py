@@ -1,5 +1,6 @@
 """libai_zoo.distributed.init: degrees checked against the world size, one process without a process
-group, and a mesh with tensor parallelism on neighbouring ranks and expert parallelism carved from dp."""
+group, and a mesh with tensor parallelism on neighbouring ranks, context parallelism next to it and
+expert parallelism carved from dp."""
 
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ def test_ep_must_divide_dp():
         distributed.resolve_sizes(2, -1, 1, 1, ep=0)
 
 
+def test_cp_adds_ranks_and_is_named_in_the_fix():
+    assert distributed.resolve_sizes(8, -1, 2, 1, cp=2) == (2, 2, 1)
+    with pytest.raises(ValueError, match=r"world size 4 does not match dp×cp×tp×pp = 2×2×2×1 = 8: .* choose dp, cp, "
+                                         r"tp, pp whose product is 4"):
+        distributed.resolve_sizes(4, 2, 2, 1, cp=2)
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by cp×tp×pp = 4×1×1 = 4, .* change cp/tp/pp"):
+        distributed.resolve_sizes(6, -1, 1, 1, cp=4)
+    with pytest.raises(ValueError, match=r"ep = 2 with cp = 2: .* set dist.ep=1 .* or dist.cp=1"):
+        distributed.resolve_sizes(8, -1, 1, 1, ep=2, cp=2)
+
+
 def test_world_size_not_divisible_by_tp_pp():
     with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp×pp = 4×1 = 4"):
         distributed.resolve_sizes(6, -1, 4, 1)
@@ -58,6 +70,7 @@ def test_single_process_needs_no_process_group():
     assert (ctx.world_size, ctx.dp, ctx.tp, ctx.pp, ctx.rank) == (1, 1, 1, 1, 0)
     assert ctx.mesh is None and ctx.group("tp") is None and ctx.tensor_parallel is None
     assert ctx.expert_parallel is None and ctx.group("ept") is None and ctx.rank_in("dp") == 0
+    assert ctx.cp == 1 and ctx.context_parallel is None and ctx.group("dp_cp") is None
     assert ctx.world_group is None and distributed.run_group() is None
     assert not dist.is_initialized()
     assert distributed.get_context() is ctx
@@ -99,6 +112,14 @@ def _layouts() -> dict:
                           **{dim: dist.get_process_group_ranks(ctx.group(dim)) for dim in ("dp", "edp", "ept")},
                           "expert": (expert.size, expert.rank, expert.ep, expert.tp),
                           "experts": expert.local_experts(8), "problems": expert.experts_problems(6)}
+    for name, sizes, cp in (("dp2_cp2", (2, 1, 1), 2), ("cp2_tp2", (1, 2, 1), 2), ("dp2_tp2", (2, 2, 1), 1)):
+        ctx = distributed.init(*sizes, cp=cp)
+        context = ctx.context_parallel
+        layer = distributed.shard(layers.TransformerLayer(16, 4, 32), ctx).attn
+        out[name] = {"dp_rank": ctx.dp_rank, **{dim: dist.get_process_group_ranks(ctx.group(dim))
+                                                for dim in ("cp", "dp", "dp_cp")},
+                     "context_parallel": context and (context.size, context.rank),
+                     "layer_cp": layer.cp and layer.cp.size}
     return out
 
 
@@ -129,6 +150,15 @@ def test_mesh_puts_tp_on_neighbouring_ranks():
         # ep = 1 under tp: the experts split over the tp ranks
         assert layout[(1, 2, 2), 1]["ept"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert layout[(1, 2, 2), 1]["expert"] == (2, rank % 2, 1, 2)
+        # cp next to tp: a cp × tp block of neighbouring ranks; a dp rank's cp ranks read its samples, and
+        # the dense gradients meet over dp × cp
+        assert layout["dp2_cp2"] == {"dp_rank": rank // 2, "cp": [rank - rank % 2, rank - rank % 2 + 1],
+                                     "dp": [rank % 2, rank % 2 + 2], "dp_cp": [0, 1, 2, 3],
+                                     "context_parallel": (2, rank % 2), "layer_cp": 2}
+        assert layout["cp2_tp2"] == {"dp_rank": 0, "cp": [rank % 2, rank % 2 + 2], "dp": [rank],
+                                     "dp_cp": [rank % 2, rank % 2 + 2], "context_parallel": (2, rank // 2),
+                                     "layer_cp": 2}
+        assert layout["dp2_tp2"]["dp_cp"] == layout["dp2_tp2"]["dp"] and layout["dp2_tp2"]["layer_cp"] is None
 
 
 def test_hugging_face_saving_uses_the_context_group(monkeypatch, tmp_path):

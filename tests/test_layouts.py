@@ -16,9 +16,10 @@ def test_every_layout_trains_and_every_name_is_registered():
     trained = {layout for layouts in test_parallel_training.TRAINED.values() for layout in layouts}
     moe = set(test_parallel_training.MOE_LAYOUTS)
     used = base | lora | chat | trained | set(test_parallel_training.RESUME_AT) | set(
-        test_parallel_training.MOE_RESUME_AT)
+        test_parallel_training.MOE_RESUME_AT) | set(test_parallel_training.CP_RESUME_AT)
     assert used <= set(LAYOUTS)
-    assert base | lora | moe == set(LAYOUTS) - {"one"}
+    llama_cp = set(test_parallel_training.LLAMA_LAYOUTS) & set(test_parallel_training.CP_LAYOUTS)
+    assert base | lora | moe | llama_cp == set(LAYOUTS) - {"one"}
 
 
 def test_each_model_and_feature_covers_the_axes_it_changes():
@@ -33,6 +34,12 @@ def test_each_model_and_feature_covers_the_axes_it_changes():
         assert {"pp", "zero3"} <= covered(layouts), family
     assert {"tp", "pp", "zero1", "zero3", "virtual", "world1", "world4", "world8"} <= covered(
         test_parallel_training.RESUME_AT)
+    # context parallelism alone, with tp and SP, ZeRO-3 over dp × cp with accumulation, a pipeline, cp4; chat
+    # data and LoRA under it; a checkpoint saved under it resumed at another cp
+    assert {"cp", "dp", "tp", "sp", "pp", "zero3", "accumulation", "1f1b", "world2", "world4"} <= covered(
+        test_parallel_training.CP_LAYOUTS)
+    assert "cp" in covered(layout for _, layout in test_chat_sft.RUNS_AT.values())
+    assert "cp" in covered(test_parallel_training.CP_RESUME_AT)
     # expert parallelism alone, over dp groups with ZeRO-3, borrowing tp ranks, in a pipeline, on 2 and 4 ranks
     assert {"ep", "dp", "tp", "pp", "zero0", "zero3", "1f1b", "world2", "world4"} <= covered(
         test_parallel_training.MOE_LAYOUTS)

@@ -8,7 +8,7 @@ test_parallel_training's; each run is a case (tests/cases.py), computed when a s
 The covering design (tests/layouts.py): what LoRA changes is a frozen base (under DDP, ZeRO 1-3 and
 a pipeline's split backward), adapters split as their layer is (tp, sequence parallelism) and
 adapters read from PEFT; each layout trains one model, and both models (GPT-2's fused qkv, Llama's
-separate projections and gated MLP) where adapters are split or loaded: tp2-SP (Llama's in
+separate projections and gated MLP) where adapters are split or loaded: tp2-SP and cp2 (Llama's in
 test_chat_sft, composed with packed chat data), dp2×tp2 ZeRO-3 from a PEFT adapter, and LoRA
 dropout under tp. The Llama with one KV head trains at dp2×tp2 ZeRO-1: its adapter's B, like the
 qkv it adapts, is held whole on both tp ranks, each computing its own rows. A Mixture of Experts'
@@ -40,7 +40,7 @@ VARIANTS = {"plain": [], "last_layer": ['train.lora.target_modules=["3.mlp.down"
 # (model, layout, variant) of each multi-process run
 RUNS_AT = [
     ("gpt2", "dp2", "plain"), ("llama", "dp2_zero3", "plain"),
-    ("gpt2", "tp2_sp", "plain"),  # Llama's LoRA at tp2-SP shares test_chat_sft's packed-data run
+    ("gpt2", "tp2_sp", "plain"),  # Llama's LoRA at tp2-SP and cp2 shares test_chat_sft's packed-data runs
     ("gpt2", "pp2_1f1b", "plain"), ("llama", "pp2_zero_bubble", "plain"), ("gpt2", "pp2_1f1b", "last_layer"),
     ("mqa", "dp2_tp2_zero1", "plain"),  # Llama with one KV head: the adapter on a qkv tp replicates
     ("gpt2", "dp2_pp2_zero2", "plain"), ("llama", "tp2_pp2_interleaved", "plain"),

@@ -24,9 +24,9 @@ from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
-from libai_zoo.engine import DefaultTrainer
+from libai_zoo.engine import DefaultTrainer, TrainStep
 from libai_zoo.layers import LMHead
-from libai_zoo.models import MixtralForCausalLM
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel, MixtralForCausalLM
 from libai_zoo.parallel import DataParallel, materialize, parallelize
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from layouts import LAYOUTS, overrides
@@ -184,9 +184,13 @@ def _errors(root: str) -> dict:
                                    "train.pipeline.schedule=zbv", "train.pipeline.virtual_stages=2"],
                       "ep_dp": ["dist.dp=4", "dist.ep=3"],
                       "experts": ["dist.dp=4", "dist.ep=4", "train.micro_batch_size=2",
-                                  "model.num_local_experts=6"]}.items():
+                                  "model.num_local_experts=6"],
+                      "cp_ep": ["dist.dp=2", "dist.ep=2", "dist.cp=2", "train.micro_batch_size=4"],
+                      "cp_seq_len": ["dist.cp=4", "dataloader.train.seq_len=12"],
+                      "cp_aux_loss": ["dist.cp=4"]}.items():
         try:
-            train(f"{root}/config.py", f"{root}/error_{name}", "moe" if name == "experts" else "gpt2", bad)
+            train(f"{root}/config.py", f"{root}/error_{name}", "moe" if name in ("experts", "cp_aux_loss") else "gpt2",
+                  bad)
         except Exception as error:  # noqa: BLE001 - the message is what is checked
             errors[name] = str(error)
     return errors
@@ -210,6 +214,34 @@ def _resume(root: str, layout: str, checkpoint: str = "ckpt", model: str = "gpt2
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return train(f"{root}/config.py", target, model, [*overrides(layout), *extra], resume=True)
+
+
+def _cp_checkpoint(root: str) -> Path:
+    """GPT-2 at cp2 × dp2 with ZeRO-3 (sharded over dp × cp), stopped after step 5 and its checkpoint."""
+    train(f"{root}/config.py", f"{root}/cp_ckpt", "gpt2", [*overrides("cp2_dp2_zero3"), "train.checkpoint.period=5"],
+          interrupt_after=5)
+    return Path(root) / "cp_ckpt"
+
+
+def _step_with_a_part_without_targets(root: str, cp: int) -> tuple[float, float]:
+    """(loss, gradient norm) of one step of a tiny GPT-2 at cp (1: one process) on a batch whose
+    positions 4-11 of 16 score nothing: at cp2 they are rank 1's two chunks, whose mean loss over no
+    targets would be NaN."""
+    ctx = distributed.init(cp=cp)
+    try:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                           embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0))
+        built = parallelize(model, ctx, data_parallel := DataParallel(ctx, 0))
+        step = TrainStep(built.parts, torch.optim.SGD(built.parts[0].parameters(), lr=0.1), device=ctx.device,
+                         data_parallel=data_parallel)
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        labels = ids.clone()
+        labels[:, 5:13] = -100  # position t is scored against labels[t + 1]
+        result = step([{"input_ids": ids, "labels": labels}])
+        return result.loss, result.grad_norm
+    finally:
+        distributed.destroy()
 
 
 def _moe_checkpoint(root: str) -> Path:
@@ -255,8 +287,13 @@ def _optimizer_bytes_dp4_zero1(root: str) -> tuple[list[int], int]:
 # Gemma 3 270M) where its replicated kv head meets ZeRO-3, gradient accumulation and recomputation;
 # the Llama-shaped Qwen3 and Mistral (the same layers) take Llama's pipelines under ZeRO-3.
 GPT2_LAYOUTS = [name for name in LAYOUTS if name != "one" and LAYOUTS[name].ep == 1 and name not in (
-    "dp2_tp2_zero1", "tp2_pp2_interleaved", "dp2_pp2_zero2")]  # those three are LoRA's (test_lora_parallel)
-LLAMA_LAYOUTS = ["tp2", "tp2_sp", "tp4", "pp2_1f1b", "dp2_tp2_zero3_accum_ac"]
+    "dp2_tp2_zero1", "tp2_pp2_interleaved", "dp2_pp2_zero2")  # those three are LoRA's (test_lora_parallel)
+    and name not in ("cp2_tp2_sp", "cp4")]  # and those two Llama's
+# Context parallelism: GPT-2 (learned positions, read at the global positions of a rank's chunks) at cp2,
+# under ZeRO-3 over dp × cp with accumulation, and under a pipeline; Llama (rotary at global positions,
+# grouped-query attention exchanging its 2 KV heads) at cp2 × tp2 with sequence parallelism and at cp4.
+CP_LAYOUTS = [name for name, layout in LAYOUTS.items() if layout.cp > 1]
+LLAMA_LAYOUTS = ["tp2", "tp2_sp", "tp4", "pp2_1f1b", "dp2_tp2_zero3_accum_ac", "cp2_tp2_sp", "cp4"]
 MQA_LAYOUTS = ["dp2_tp2_zero3_accum_ac"]
 # Every other family trains its tests/model_cases.py case (each distinguishing feature on: Qwen3's
 # q/k norms, head_dim and a window of 4 of the 16 positions on every other layer; Mistral's window;
@@ -288,6 +325,7 @@ TRAINED = {"gpt2": GPT2_LAYOUTS, "llama": LLAMA_LAYOUTS, "mqa": MQA_LAYOUTS, **F
 MODEL_OF = {f"{model}_{layout}": model for model, layouts in TRAINED.items() for layout in layouts}  # case -> model
 INDEXED_LAYOUTS = ["dp2", "pp2_1f1b"]  # Megatron-format data: windows of 17 tokens as 16 inputs + 16 shift_labels
 RESUME_AT = ["tp4", "tp2_pp2", "dp2_pp2_zero1_1f1b", "dp2_tp2_pp2_zero3_interleaved", "one"]
+CP_RESUME_AT = ["cp4", "one"]  # from cp2 × dp2 ZeRO-3: a change of cp, to 4 and to none
 MOE_RESUME_AT = {"ep4": (), "one": ("train.micro_batch_size=2",)}  # from dp2_ep2 ZeRO-3, all at micro-batch 2
 EXTRA = {"dp2_pp2_zero2_zbv": ("dataloader.test=null",)}  # zbv cannot evaluate
 
@@ -323,6 +361,10 @@ CASES = {
                                  needs=("indexed_one",)) for layout in INDEXED_LAYOUTS},
     "ckpt": Case(4, _checkpoint, needs=("gpt2_one",)),
     **{f"resume_{layout}": Case(_world(layout), _resume, (layout,), needs=("ckpt",)) for layout in RESUME_AT},
+    "cp_ckpt": Case(4, _cp_checkpoint, needs=("gpt2_one",)),
+    **{f"cp{cp}_part_without_targets": Case(cp, _step_with_a_part_without_targets, (cp,)) for cp in (1, 2)},
+    **{f"cp_resume_{layout}": Case(_world(layout), _resume, (layout, "cp_ckpt"), needs=("cp_ckpt",))
+       for layout in CP_RESUME_AT},
     "moe_ckpt": Case(4, _moe_checkpoint, needs=("moe_one_mb2",)),
     "moe_from_hugging_face": Case(4, _moe_from_hugging_face),
     **{f"moe_resume_{layout}": Case(_world(layout), _resume, (layout, "moe_ckpt", "moe", (
@@ -365,9 +407,18 @@ def test_expert_gradients_equal_one_process(runs, case):
     _assert_same(runs(case)["grad_norms"], runs(reference)["grad_norms"], range(1, FAMILY_STEPS + 1))
 
 
+@pytest.mark.parametrize("case", [f"{model}_{layout}" for model, layouts in TRAINED.items() for layout in layouts
+                                  if layout in CP_LAYOUTS])
+def test_context_parallel_gradients_equal_one_process(runs, case):
+    """Each cp rank's gradient is its tokens' share (keys and values it lent the others included): the
+    average over dp × cp, scaled by dp·cp over the global targets, is the one-process gradient."""
+    _assert_same(runs(case)["grad_norms"], runs(f"{MODEL_OF[case]}_one")["grad_norms"], range(1, STEPS + 1))
+
+
 # Layouts whose one evaluation batch holds the same 8 sequences as the one-process run's
-# (under pp an evaluation batch is all the micro-batches of a step).
-SAME_EVAL_BATCH = ["tp2", "tp4", "pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble", "pp4_gpipe", "tp2_pp2"]
+# (under pp an evaluation batch is all the micro-batches of a step; under cp each rank scores its part).
+SAME_EVAL_BATCH = ["tp2", "tp4", "pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble", "pp4_gpipe", "tp2_pp2", "cp2",
+                   "cp2_tp2_sp", "cp2_pp2", "cp4"]
 
 
 @pytest.mark.parametrize("case", [f"{model}_{layout}" for model, layouts in TRAINED.items() for layout in layouts
@@ -393,6 +444,20 @@ def test_megatron_format_data_trains_alike_under_dp_and_pp(runs, case):
 @pytest.mark.parametrize("case", _params(f"resume_{layout}" for layout in RESUME_AT))
 def test_checkpoint_from_dp2_tp2_zero3_resumes_elsewhere(runs, case):
     _assert_same(runs(case), runs("gpt2_one")["losses"], range(6, STEPS + 1))
+
+
+@pytest.mark.parametrize("case", [f"cp_resume_{layout}" for layout in CP_RESUME_AT])
+def test_checkpoint_from_cp2_resumes_at_another_cp(runs, case):
+    """Saved with ZeRO-3 over dp × cp (the cp ranks' equal parameters sharded among them), resumed
+    with each sequence split over 4 ranks, and whole in one process."""
+    _assert_same(runs(case), runs("gpt2_one")["losses"], range(6, STEPS + 1))
+
+
+@pytest.mark.cases("cp2_part_without_targets", "cp1_part_without_targets")
+def test_a_cp_rank_without_targets_adds_nothing(runs):
+    """Its part still runs (attention's exchange needs it), scoring one dummy target weighted 0."""
+    ours, theirs = runs("cp2_part_without_targets"), runs("cp1_part_without_targets")
+    assert all(abs(a - b) / b <= TOL for a, b in zip(ours, theirs)), (ours, theirs)
 
 
 @pytest.mark.parametrize("case", [f"moe_resume_{layout}" for layout in MOE_RESUME_AT])
@@ -449,3 +514,6 @@ def test_bad_layouts_fail_before_the_first_step(runs):
     assert "schedule = 'zbv' cannot evaluate" in errors["zbv_eval"]
     assert "dp = 4 is not a multiple of ep = 3" in errors["ep_dp"] and "choose an ep that divides 4" in errors["ep_dp"]
     assert "num_experts = 6 is not divisible by ep × tp = 4 × 1 = 4" in errors["experts"]
+    assert "ep = 2 with cp = 2" in errors["cp_ep"] and "set dist.ep=1" in errors["cp_ep"]
+    assert "sequence length 12 does not split into 2·cp = 8 equal chunks" in errors["cp_seq_len"]
+    assert "auxiliary load-balancing loss" in errors["cp_aux_loss"] and "dist.cp=1" in errors["cp_aux_loss"]

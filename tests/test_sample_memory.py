@@ -1,8 +1,9 @@
 """The end-of-run sample (`GenerateSample`) follows the run's layout: at dp4 ZeRO-3 every rank
 holds its shard plus one layer as FSDP gathers it, never the whole model, the root's tables or two
-layers, and rank 0 no more than the others (at ZeRO-1 too, and under bf16 AMP, where FSDP gathers
-in bf16); the text is the one FSDP's own forward (its root unit gathered whole) generates, and in
-fp32 the one-process text. Only the cases a session selects run (`-k gpt2_zero1`).
+layers, and rank 0 no more than the others (at ZeRO-1 too, under bf16 AMP, where FSDP gathers
+in bf16, and at dp2 × cp2, sharded over dp × cp, where every cp rank generates the whole sequence);
+the text is the one FSDP's own forward (its root unit gathered whole) generates, and in fp32 the
+one-process text. Only the cases a session selects run (`-k gpt2_zero1`).
 
 Counted by tensor accounting (`TensorMemoryPeak`, as tests/test_startup_memory.py) on 4 gloo
 processes, for a GPT-2 (tied head, learned positions) and a Llama (untied head, rotary) whose
@@ -66,7 +67,8 @@ def sample(config_file: str, output_dir: str, name: str, overrides: list[str]) -
         hook = GenerateSample(tokenizer=str(ROOT / "data/tokenizer"), prompt="Return the", max_new_tokens=4)
         hook.trainer, trainer.iter = trainer, 0
         tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "data/tokenizer"))
-        with torch.autocast("cpu", dtype=trainer.amp_dtype, enabled=trainer.amp_dtype is not None):
+        with torch.autocast("cpu", dtype=trainer.amp_dtype, enabled=trainer.amp_dtype is not None), \
+                distributed.whole_sequences(trainer.model):
             fsdp = trainer.model.eval().generate(tokenizer("Return the", return_tensors="pt").input_ids,
                                                  max_new_tokens=4)
         with TensorMemoryPeak() as peak:
@@ -83,17 +85,20 @@ def sample(config_file: str, output_dir: str, name: str, overrides: list[str]) -
 
 
 AMP = ["train.amp.enabled=true", "train.amp.dtype=bf16"]
-#: name -> (model, ZeRO stage, bf16 AMP) at dp4: ZeRO 1 keeps a layer gathered after its training
-#: forward, the sample does not; under bf16 AMP FSDP gathers in bf16 and the sample must too (a
-#: wider GPT-2 there, so that a bf16 layer is still large against the allowance).
-CASES = {"gpt2_zero3": ("gpt2", 3, False), "llama_zero3": ("llama", 3, False), "gpt2_zero1": ("gpt2", 1, False),
-         "gpt2_zero3_bf16": ("gpt2_128", 3, True)}
+#: name -> (model, ZeRO stage, bf16 AMP, cp) on 4 ranks, dp = 4 / cp: ZeRO 1 keeps a layer gathered after
+#: its training forward, the sample does not; under bf16 AMP FSDP gathers in bf16 and the sample must too
+#: (a wider GPT-2 there, so that a bf16 layer is still large against the allowance); under cp FSDP shards
+#: over dp × cp and each cp rank generates unsplit.
+CASES = {"gpt2_zero3": ("gpt2", 3, False, 1), "llama_zero3": ("llama", 3, False, 1),
+         "gpt2_zero1": ("gpt2", 1, False, 1), "gpt2_zero3_bf16": ("gpt2_128", 3, True, 1),
+         "llama_cp2_zero3": ("llama", 3, False, 2)}
 
 
 def _dp4(config_file: str, out: str, names: list[str]) -> dict:
     return {case: sample(config_file, f"{out}/{case}", model, [
-        "dist.dp=4", f"train.zero_stage={zero}", "train.micro_batch_size=1", "train.global_batch_size=4",
-        *(AMP if amp else [])]) for case, (model, zero, amp) in CASES.items() if case in names}
+        f"dist.dp={4 // cp}", f"dist.cp={cp}", f"train.zero_stage={zero}", "train.micro_batch_size=1",
+        "train.global_batch_size=4", *(AMP if amp else [])]) for case, (model, zero, amp, cp) in CASES.items()
+        if case in names}
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +112,14 @@ def runs(request, tmp_path_factory):
     config_file.write_text(CONFIG)
     one = {model: sample(str(config_file), str(root / f"one_{model}"), model,
                          ["train.micro_batch_size=4", "train.global_batch_size=4"])
-           for model, _, amp in {CASES[name] for name in names} if not amp}
+           for model, _, amp, _ in {CASES[name] for name in names} if not amp}
     return one, run_distributed(_dp4, 4, str(config_file), str(root), names)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_sample_holds_one_layer_at_a_time_on_every_rank(runs, case):
     one, ranks = runs
-    model, _, amp = CASES[case]
+    model, _, amp, _ = CASES[case]
     layer, table = ranks[0][case]["layer"], ranks[0][case]["table"]
     # new bytes on top of the shard each rank already holds; in bf16 the head's rows are a new bf16 copy
     bound = max(LAYER_COPIES * layer, table // 4 if amp else 0) + ALLOWANCE

@@ -5,7 +5,8 @@ runs it on this rank's part of the inputs, and compares the output, the input gr
 gathered parameter gradients. The loss is sum(out * R) for a fixed random R: on a rank that
 holds part of the output it is that part's share of the loss, as Megatron's f/g pair assumes.
 The same workers check expert parallelism's token exchange at ep2, ep4 and ep2 × tp2 against one
-process computing every rank's tokens.
+process computing every rank's tokens, and, in the four-process run, attention under context
+parallelism (cp2, cp4, cp2 × tp2 with sequence parallelism) against one process on the whole sequence.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
-from libai_zoo import distributed, layers
+from libai_zoo import distributed, layers, models
+from libai_zoo.distributed import ContextParallel
 from libai_zoo.distributed.expert_parallel import combine, dispatch, gather_tokens, local_tokens, scatter_tokens
+from model_cases import VOCAB as MODEL_VOCAB
+from model_cases import qwen3_config
 
 pytestmark = pytest.mark.slow
 
@@ -308,6 +312,155 @@ def _expert_exchange(ep: int, tp: int) -> dict[str, float]:
             "empty_expert_rows": float(per_expert[5 - start]) if start <= 5 < end else 0.0}
 
 
+CP_S = 16  # 2·cp4 chunks of 2 tokens; at cp2 × tp2 + SP each rank holds 4
+
+
+def _cp_padding() -> torch.Tensor:
+    """Left padding (queries that see no key) in sample 0, right padding in sample 1."""
+    mask = torch.ones(B, CP_S, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, CP_S - 5:] = 0
+    return mask
+
+
+def _cp_packed() -> torch.Tensor:
+    """Restarting position_ids of packed documents (5, 7, 4 and 9, 7 tokens): they cross cp ranks."""
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ((5, 7, 4), (9, 7))])
+
+
+def _cp_llama(**kwargs) -> layers.TransformerLayer:
+    return layers.TransformerLayer(H, HEADS, FFN, num_kv_heads=KV_HEADS, norm="rmsnorm", activation="silu",
+                                   gated_mlp=True, bias=False, causal=True, rope_theta=10000.0, **kwargs)
+
+
+# name -> (builder of the layer, of the padding mask or None, of the position_ids or None)
+CP_CASES = {
+    "attention_causal": (lambda: layers.Attention(H, HEADS, causal=True, rope_theta=10000.0), None, None),
+    "attention_gqa_window": (lambda: layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, causal=True, sliding_window=5,
+                                                      rope_theta=10000.0), None,
+                             lambda: torch.arange(CP_S).repeat(B, 1) + 3),
+    "attention_padding": (lambda: layers.Attention(H, HEADS, num_kv_heads=KV_HEADS, causal=True, rope_theta=10000.0),
+                          _cp_padding, None),
+    "attention_sinks_softcap": (lambda: _with_sinks(layers.Attention(
+        H, HEADS, num_kv_heads=2, causal=True, softcap=2.0, sinks=True, qk_norm="head")), None, None),
+    "attention_bidirectional": (lambda: layers.Attention(H, HEADS, sliding_window=6), _cp_padding, None),
+    "layer_llama_gqa_causal": (_cp_llama, None, None),
+    "layer_llama_packed": (_cp_llama, None, _cp_packed),
+    "layer_packed_window_one_kv_head": (lambda: layers.TransformerLayer(
+        H, HEADS, FFN, num_kv_heads=1, causal=True, rope_theta=10000.0, sliding_window=3), None, _cp_packed),
+    "layer_llama_padding": (_cp_llama, _cp_padding, None),
+    "layer_latent": (lambda: layers.TransformerLayer(
+        H, HEADS, FFN, norm="rmsnorm", causal=True, rope_theta=10000.0, attention_kind="latent",
+        attention=dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)),
+        None, None),
+}
+
+
+def _relative_diff(a, b) -> float:
+    b = b.full_tensor() if isinstance(b, DTensor) else b
+    return _max_diff(a, b) / max(b.detach().abs().max().item(), 1e-30)
+
+
+def _check_cp_case(name: str, cp: ContextParallel, sp: bool) -> dict[str, float]:
+    """One layer on this rank's two chunks (its own mask, or a TransformerLayer's `layer_attention_mask`
+    as a model makes it), against the layer on the whole sequence in one process: output, input
+    gradient, weight gradients (summed over cp, and over tp under SP) relative to the reference's largest."""
+    build, padding, positions = CP_CASES[name]
+    torch.manual_seed(0)
+    layer = build()
+    x = _x(B, CP_S, H)
+    weights = torch.randn(B, CP_S, H)
+    mask = padding() if padding else None
+    position_ids = positions() if positions else None
+    ref = copy.deepcopy(layer)
+    ref_x = x.clone().requires_grad_()
+    ref_out = ref(ref_x, layers.packed_causal_mask(mask, position_ids), position_ids)
+    (ref_out * weights).sum().backward()
+    _split(layer, cp, sp)
+
+    def mine(t):  # this rank's part: its two chunks, and under SP its tp slice of them
+        part = cp.split(t, 1)
+        return part.chunk(layer.tp.size, 1)[layer.tp.rank] if sp else part
+
+    local_x = mine(x).clone().requires_grad_()
+    local_positions = None if position_ids is None else cp.split(position_ids, 1)
+    local_mask = None if mask is None else cp.split(mask, 1)
+    if isinstance(layer, layers.TransformerLayer):
+        local_mask = layers.layer_attention_mask(layer, local_mask, local_positions)
+    out = layer(local_x, local_mask, local_positions)
+    (out * mine(weights)).sum().backward()
+    return {"out": _relative_diff(out, mine(ref_out)), "input_grad": _relative_diff(local_x.grad, mine(ref_x.grad)),
+            "param_grad": _weight_grad_diff(layer, ref, cp, sp)}
+
+
+def _split(module: torch.nn.Module, cp: ContextParallel, sp: bool) -> None:
+    """Every parallel layer gets `cp` (as `distributed.shard` does under cp); with `sp` the tp split
+    with sequence parallelism."""
+    for layer in module.modules():
+        if isinstance(layer, layers.ParallelLayer):
+            layer.cp = cp
+    if sp:
+        distributed.shard(module, sequence_parallel=True)
+
+
+def _weight_grad_diff(module: torch.nn.Module, ref: torch.nn.Module, cp: ContextParallel, sp: bool) -> float:
+    """The largest relative diff of `module`'s weight gradients from `ref`'s, once summed over tp
+    (`finalize_grads`) and over cp: a cp rank's are its tokens' part (the engine's data-parallel
+    reduction over dp × cp sums them in training)."""
+    if sp:
+        distributed.finalize_grads(module)
+    for p in module.parameters():
+        dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=cp.group)
+    ref_params = dict(ref.named_parameters())
+    return max(_relative_diff(p.grad, ref_params[n].grad) for n, p in module.named_parameters())
+
+
+def _check_cp_model(cp: ContextParallel, sp: bool) -> dict[str, float]:
+    """A tiny Qwen3 body (q/k norms, a full and a sliding-window layer) on packed documents through
+    its own forward (the model code makes the layers' `ContextMask` once: `layer_attention_mask`)."""
+    torch.manual_seed(0)
+    model = models.Qwen3ForCausalLM(qwen3_config())
+    ids, positions = torch.randint(0, MODEL_VOCAB, (B, CP_S)), _cp_packed()
+    weights = torch.randn(B, CP_S, model.body.spec.hidden_size)
+    ref = copy.deepcopy(model)
+    ref_out = ref.body(ids, position_ids=positions).last_hidden_state
+    (ref_out * weights).sum().backward()
+    _split(model, cp, sp)
+    out = model.body(cp.split(ids), position_ids=cp.split(positions)).last_hidden_state
+    (out * cp.split(weights)).sum().backward()
+    mask = model.layer_inputs({"input_ids": cp.split(ids), "position_ids": cp.split(positions)})["attention_mask"]
+    return {"out": _relative_diff(out, cp.split(ref_out)),
+            "param_grad": _weight_grad_diff(model.body, ref.body, cp, sp),
+            "layer_inputs_not_a_context_mask": float(not isinstance(mask, layers.ContextMask))}
+
+
+def _cp_errors(cp: ContextParallel) -> dict[str, str]:
+    def run(layer, *args, **kwargs):
+        layer.cp = cp
+        return _error(lambda: layer(*args, **kwargs))
+
+    x = _x(B, CP_S // cp.size, H)
+    attention = layers.Attention(H, HEADS, causal=True)
+    return {"kv_cache": run(attention, x, kv_cache=layers.KVCache(CP_S)),
+            "mask_4d": run(attention, x, torch.ones(B, 1, CP_S, CP_S, dtype=torch.bool)),
+            "odd": run(attention, _x(B, 3, H)),
+            "cross": "; ".join(distributed.cp_problems(
+                layers.TransformerLayer(H, HEADS, FFN, cross_attention=True), cp.size))}
+
+
+def _context_parallel() -> dict:
+    """cp4, cp2 (twice, side by side) and cp2 × tp2 + SP on four ranks: every CP_CASES case."""
+    results = {}
+    cp4 = ContextParallel(distributed.init(dp=4).submesh("dp"))
+    results.update({(name, "cp4"): _check_cp_case(name, cp4, False) for name in CP_CASES})
+    results[("qwen3_body_packed", "cp4")] = _check_cp_model(cp4, False)
+    cp2 = ContextParallel(distributed.init(dp=2, tp=2).submesh("dp"))
+    results.update({(name, "cp2"): _check_cp_case(name, cp2, False) for name in CP_CASES})
+    results.update({(name, "cp2_tp2_sp"): _check_cp_case(name, cp2, True) for name in CP_CASES})
+    results[("qwen3_body_packed", "cp2_tp2_sp")] = _check_cp_model(cp2, True)
+    return {"cases": results, "errors": _cp_errors(cp2)}
+
+
 def _worker(tp_size: int, ckpt_dir: str, load: bool) -> dict:
     distributed.init(tp=tp_size)
     results = {"cases": {(name, sp): _check_case(name, sp) for name in CASES for sp in (False, True)},
@@ -318,6 +471,8 @@ def _worker(tp_size: int, ckpt_dir: str, load: bool) -> dict:
     else:
         results["saved"] = _save_sharded(ckpt_dir)
     results["experts"] = {(ep, tp_size // ep): _expert_exchange(ep, tp_size // ep) for ep in (tp_size, 2)}
+    if tp_size == 4:
+        results["cp"] = _context_parallel()
     return results
 
 
@@ -331,6 +486,9 @@ def _merge(per_rank: list[dict]) -> dict:
         merged["reshard_diff"] = max(r["reshard_diff"] for r in per_rank)
     merged["experts"] = {key: {name: [r["experts"][key][name] for r in per_rank] for name in diffs}
                          for key, diffs in merged["experts"].items()}
+    if "cp" in merged:
+        merged["cp"]["cases"] = {key: {k: max(r["cp"]["cases"][key][k] for r in per_rank) for k in diffs}
+                                 for key, diffs in merged["cp"]["cases"].items()}
     return merged
 
 
@@ -388,6 +546,30 @@ def test_expert_exchange_matches_one_process(results):
             assert max(per_rank[name]) <= TOL, (ep, tp, name, per_rank[name])
         assert sum(per_rank["empty_expert_rows"]) == 0 and min(per_rank["received"]) >= 0
         assert any(rows > 0 for rows in per_rank["received"])
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp4", "cp2_tp2_sp"])
+@pytest.mark.parametrize("name", list(CP_CASES))
+def test_context_parallel_attention_matches_one_process(tp4, name, layout):
+    """K and V all-gathered over cp (backward: their gradients reduce-scattered to the ranks' chunks),
+    masks by global position: the layer's output and gradients are one process's on the whole sequence."""
+    diffs = tp4["cp"]["cases"][(name, layout)]
+    assert max(diffs.values()) <= TOL, diffs
+
+
+@pytest.mark.parametrize("layout", ["cp4", "cp2_tp2_sp"])
+def test_context_parallel_model_body_matches_one_process(tp4, layout):
+    """The model code under cp: one `layer_attention_mask` call per forward gives every layer its mask."""
+    diffs = tp4["cp"]["cases"][("qwen3_body_packed", layout)]
+    assert max(diffs.values()) <= TOL, diffs
+
+
+def test_context_parallel_refusals_name_the_fix(tp4):
+    errors = tp4["cp"]["errors"]
+    assert "generate with the model unsplit" in errors["kv_cache"]
+    assert "2-D padding attention_mask" in errors["mask_4d"]
+    assert "make the sequence length a multiple of" in errors["odd"]
+    assert "cross-attention" in errors["cross"] and "cp = 1" in errors["cross"]
 
 
 def test_bad_sizes_fail_with_the_fix(results):

@@ -164,8 +164,8 @@ class TrainConfig(Section):
 # ------------------------------------------------------------------------------------------- dist
 @dataclass
 class DistConfig(Section):
-    """The parallel layout, read by distributed.init: data × tensor × pipeline = number of processes
-    (expert parallelism splits dp further, it adds no processes)."""
+    """The parallel layout, read by distributed.init: data × context × tensor × pipeline = number of
+    processes (expert parallelism splits dp further, it adds no processes)."""
 
     dp: int = 1                         # -1: inferred from the world size
     tp: int = 1
@@ -173,8 +173,9 @@ class DistConfig(Section):
     # Expert parallelism: an MoE model's experts are split over ep × tp ranks (ep carved from dp, which
     # must be a multiple of it); tokens travel to their experts' ranks by all-to-all. 1: no split over dp.
     ep: int = 1
-    # Context parallelism: every sample's sequence split over cp ranks (2·cp chunks, rank r holding
-    # chunks r and 2·cp − 1 − r); world size = dp × cp × tp × pp.
+    # Context parallelism: each sample's sequence split over cp ranks (2·cp chunks, rank r holding chunks r
+    # and 2·cp−1−r), attention exchanging keys and values over them; the sequence length must be a multiple
+    # of 2·cp. The cp ranks of a dp rank read the same samples; ZeRO shards over dp × cp. 1: no split.
     cp: int = 1
     sequence_parallel: bool = False     # split norms and dropout over the sequence inside the tp group
     # Timeouts in seconds: init_timeout bounds forming the process group and every collective until

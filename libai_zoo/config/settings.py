@@ -49,6 +49,8 @@ class RunSettings:
     zero_stage: int
     activation_checkpoint: bool
     sequence_parallel: bool
+    #: ``dist.cp``: the ranks each sample's sequence is split over (1: none).
+    context_parallel: int
     #: ``train.lora`` as a plain dict, every key present.
     lora: dict[str, Any]
 
@@ -71,6 +73,7 @@ def run_settings(cfg: DictConfig) -> RunSettings:
         zero_stage=train.zero_stage,
         activation_checkpoint=train.activation_checkpoint.enabled,
         sequence_parallel=run.dist.sequence_parallel,
+        context_parallel=run.dist.cp,
         lora=OmegaConf.to_container(train.lora, resolve=True),
     )
 

@@ -1,12 +1,15 @@
 """The parallel context: one object that owns the process layout of a run.
 
-`init(dp, tp, pp, ep=...)` reads torchrun's environment, checks the degrees against the world
-size, and builds one named DeviceMesh ``("pp", "edp", "ep", "tp")`` with tensor parallelism
-innermost, so a tp group is made of neighbouring ranks (the same node on a GPU cluster). Expert
-parallelism splits data parallelism: "dp" = (edp, ep) flattened is the data-parallel dimension of
-the dense parameters, "ept" = (ep, tp) flattened the group an MoE layer's experts are split over,
-"edp" the data-parallel dimension of the experts. Launched without torchrun it is one process and
-needs no process group at all.
+`init(dp, tp, pp, ep=..., cp=...)` reads torchrun's environment, checks the degrees against the
+world size (dp × cp × tp × pp), and builds one named DeviceMesh ``("pp", "edp", "ep", "cp", "tp")``
+with tensor parallelism innermost and context parallelism next to it, so a tp group, and then a
+cp × tp block, is made of neighbouring ranks (the same node on a GPU cluster). Expert parallelism
+splits data parallelism: "dp" = (edp, ep) flattened gives each rank its samples, "ept" = (ep, tp)
+flattened is the group an MoE layer's experts are split over, "edp" the data-parallel dimension of
+the experts. Context parallelism splits each sample's sequence over "cp": the cp ranks of a dp rank
+read the same samples and hold the same parameters, so the dense parameters' gradients meet over
+"dp_cp" = (edp, ep, cp) flattened (ZeRO shards over it too, as torchtitan does; it is "dp" itself
+at cp = 1). Launched without torchrun it is one process and needs no process group at all.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .context_parallel import ContextParallel
 from .expert_parallel import ExpertParallel
 from .rendezvous import attempt_store, forget, shares_agent_store
 from .tensor_parallel import TensorParallel
 
-MESH_DIMS = ("pp", "edp", "ep", "tp")
+MESH_DIMS = ("pp", "edp", "ep", "cp", "tp")
 #: The flattened dimensions: name -> the mesh dimensions it joins.
 FLAT_DIMS = {"dp": ("edp", "ep"), "ept": ("ep", "tp")}
+#: The dense parameters' data-parallel dimension under context parallelism ("dp" itself at cp = 1).
+DP_CP_DIMS = ("edp", "ep", "cp")
 
 _current: ParallelContext | None = None
 _connected = False  # the default process group was formed by `connect`: this module tears it down
@@ -33,22 +39,26 @@ _connected = False  # the default process group was formed by `connect`: this mo
 class ParallelContext:
     """Sizes, ranks, device and meshes of this process; build it with `init`."""
 
-    def __init__(self, dp: int, tp: int, pp: int, *, ep: int = 1, rank: int, local_rank: int,
+    def __init__(self, dp: int, tp: int, pp: int, *, ep: int = 1, cp: int = 1, rank: int, local_rank: int,
                  device: torch.device, mesh: DeviceMesh | None, sequence_parallel: bool,
                  owns_process_group: bool):
-        self.dp, self.tp, self.pp, self.ep = dp, tp, pp, ep
-        self.world_size = dp * tp * pp
+        self.dp, self.tp, self.pp, self.ep, self.cp = dp, tp, pp, ep, cp
+        self.world_size = dp * cp * tp * pp
         self.rank = rank
         self.local_rank = local_rank
         self.device = device
-        #: The ("pp", "edp", "ep", "tp") mesh; its flattened "dp" and "ept" are `submesh`'s.
+        #: The ("pp", "edp", "ep", "cp", "tp") mesh; its flattened "dp", "ept" and "dp_cp" are `submesh`'s.
         self.mesh = mesh
         self._submeshes: dict[str, DeviceMesh] = {} if mesh is None else {
             **{dim: mesh[dim] for dim in MESH_DIMS},
             **{name: mesh[dims]._flatten(name) for name, dims in FLAT_DIMS.items()}}
+        if mesh is not None:
+            self._submeshes["dp_cp"] = mesh[DP_CP_DIMS]._flatten("dp_cp") if cp > 1 else self._submeshes["dp"]
         self.owns_process_group = owns_process_group
         self.tensor_parallel = (TensorParallel(mesh["tp"], sequence_parallel=sequence_parallel)
                                 if tp > 1 else None)
+        #: The group each sample's sequence is split over; None at cp = 1.
+        self.context_parallel = ContextParallel(mesh["cp"]) if cp > 1 else None
         #: The group an MoE layer's experts are split over (ep × tp ranks); None when ep·tp = 1.
         self.expert_parallel = (ExpertParallel(self._submeshes["ept"], ep=ep, tensor_parallel=self.tensor_parallel)
                                 if ep * tp > 1 else None)
@@ -61,8 +71,8 @@ class ParallelContext:
         return self.tensor_parallel is not None and self.tensor_parallel.sequence_parallel
 
     def submesh(self, dim: str) -> DeviceMesh | None:
-        """The 1-D mesh of one dimension ("dp", "tp", "pp", "ep", "edp" or "ept"); None in a
-        one-process run."""
+        """The 1-D mesh of one dimension ("dp", "tp", "pp", "ep", "edp", "ept", "cp" or "dp_cp"); None in
+        a one-process run."""
         return self._submeshes.get(dim)
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
@@ -76,7 +86,13 @@ class ParallelContext:
 
     @property
     def dp_rank(self) -> int:
+        """Which share of a step's samples this rank reads (its cp ranks read the same)."""
         return self.rank_in("dp")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks a dense parameter's gradient is averaged over: dp × cp ("dp_cp")."""
+        return self.dp * self.cp
 
     @property
     def tp_rank(self) -> int:
@@ -102,7 +118,7 @@ class ParallelContext:
     def __repr__(self) -> str:
         return (f"ParallelContext(world_size={self.world_size}, dp={self.dp}, tp={self.tp}, "
                 f"pp={self.pp}, rank={self.rank}, device={self.device}, "
-                f"sequence_parallel={self.sequence_parallel}, ep={self.ep})")
+                f"sequence_parallel={self.sequence_parallel}, ep={self.ep}, cp={self.cp})")
 
 
 def launched_world_size() -> int:
@@ -113,31 +129,37 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def resolve_sizes(world_size: int, dp: int, tp: int, pp: int, ep: int = 1) -> tuple[int, int, int]:
-    """Check the degrees against the world size and infer dp=-1 (ep splits dp: it must divide
-    it); raise a ValueError that says the fix."""
-    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+def resolve_sizes(world_size: int, dp: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> tuple[int, int, int]:
+    """Check the degrees against the world size (dp × cp × tp × pp) and infer dp=-1 (ep splits
+    dp: it must divide it; ep > 1 with cp > 1 is refused for now); raise a ValueError that says the fix."""
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: parallel sizes are positive integers")
+    # cp named only where it is used, so that the messages of runs without it stay as they were
+    rest = cp * tp * pp
+    names, values = ("cp×tp×pp", f"{cp}×{tp}×{pp}") if cp > 1 else ("tp×pp", f"{tp}×{pp}")
     if dp == -1:
-        if world_size % (tp * pp):
+        if world_size % rest:
             raise ValueError(
-                f"world size {world_size} is not divisible by tp×pp = {tp}×{pp} = {tp * pp}, so dp "
-                f"cannot be inferred: launch a multiple of {tp * pp} processes "
-                f"(torchrun --nproc_per_node={tp * pp} ...) or change tp/pp")
-        dp = world_size // (tp * pp)
+                f"world size {world_size} is not divisible by {names} = {values} = {rest}, so dp "
+                f"cannot be inferred: launch a multiple of {rest} processes "
+                f"(torchrun --nproc_per_node={rest} ...) or change {names.replace('×', '/')}")
+        dp = world_size // rest
     elif dp < 1:
         raise ValueError(f"dp={dp} is invalid: use a positive integer, or -1 to infer it from the world size")
-    if dp * tp * pp != world_size:
+    if dp * rest != world_size:
         raise ValueError(
-            f"world size {world_size} does not match dp×tp×pp = {dp}×{tp}×{pp} = {dp * tp * pp}: "
-            f"launch {dp * tp * pp} processes (torchrun --nproc_per_node={dp * tp * pp} ...) or "
-            f"choose dp, tp, pp whose product is {world_size} (dp=-1 infers dp)")
+            f"world size {world_size} does not match dp×{names} = {dp}×{values} = {dp * rest}: "
+            f"launch {dp * rest} processes (torchrun --nproc_per_node={dp * rest} ...) or "
+            f"choose dp, {names.replace('×', ', ')} whose product is {world_size} (dp=-1 infers dp)")
     if dp % ep:
         raise ValueError(
             f"dp = {dp} is not a multiple of ep = {ep}: expert parallelism splits the data-parallel ranks "
             f"into groups of ep, so choose an ep that divides {dp}, or launch ep × tp × pp × k processes "
             f"so that dp is a multiple of {ep}")
+    if ep > 1 and cp > 1:
+        raise ValueError(f"ep = {ep} with cp = {cp}: experts split over ep under context parallelism are not "
+                         f"supported yet: set dist.ep=1 (the experts then split over tp alone) or dist.cp=1")
     return dp, tp, pp
 
 
@@ -148,7 +170,7 @@ def _default_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init(dp: int = -1, tp: int = 1, pp: int = 1, *, ep: int = 1, sequence_parallel: bool = False,
+def init(dp: int = -1, tp: int = 1, pp: int = 1, *, ep: int = 1, cp: int = 1, sequence_parallel: bool = False,
          backend: str | None = None, timeout: float | None = None) -> ParallelContext:
     """Set up the process layout of this run and make it the current context.
 
@@ -157,6 +179,8 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, ep: int = 1, sequence_parall
     ``accelerate`` or a test harness) is reused. The backend is nccl on CUDA and gloo on CPU.
     ``ep`` splits an MoE model's experts over ep × tp ranks (ep of the dp ranks, which it must
     divide, and the tp ranks: `ParallelContext.expert_parallel`).
+    ``cp`` splits each sample's sequence over cp ranks (`ParallelContext.context_parallel`); it
+    adds ranks: the world is dp × cp × tp × pp. Experts over ep with cp > 1 are refused for now.
     ``sequence_parallel`` splits norms and dropout over the sequence inside the tp group.
     ``timeout`` (seconds; None: the backend's default) bounds forming the group and every
     collective until `ParallelContext.set_timeout` changes it. Under a torchrun restart the new
@@ -167,7 +191,7 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, ep: int = 1, sequence_parall
     initialized = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    dp, tp, pp = resolve_sizes(world_size, dp, tp, pp, ep)
+    dp, tp, pp = resolve_sizes(world_size, dp, tp, pp, ep, cp)
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel=True needs tp > 1: it splits the sequence over the tp group")
 
@@ -178,8 +202,8 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, ep: int = 1, sequence_parall
         if not dist.is_initialized():
             connect(backend=backend, timeout=timeout)
             owns_process_group = True
-        mesh = init_device_mesh(device.type, (pp, dp // ep, ep, tp), mesh_dim_names=MESH_DIMS)
-    _current = ParallelContext(dp, tp, pp, ep=ep, rank=rank, local_rank=local_rank, device=device,
+        mesh = init_device_mesh(device.type, (pp, dp // ep, ep, cp, tp), mesh_dim_names=MESH_DIMS)
+    _current = ParallelContext(dp, tp, pp, ep=ep, cp=cp, rank=rank, local_rank=local_rank, device=device,
                                mesh=mesh, sequence_parallel=sequence_parallel,
                                owns_process_group=owns_process_group)
     if mesh is not None and timeout is not None:  # its groups take the backend's default, not the default group's

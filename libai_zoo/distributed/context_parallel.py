@@ -7,11 +7,19 @@ number of (query, key) pairs. A rank's tokens are its two chunks side by side, i
 positions (rotary, learned) and targets are cut the same way, so every per-token part of a model
 (embeddings, norms, MLPs, the head and its loss) runs unchanged on them, and only attention, which
 mixes tokens, talks to the other ranks.
+
+Attention gathers the keys and values of the whole sequence (`gather_sequence`, Llama 3's
+all-gather context parallelism): its backward reduce-scatters their gradients back to each rank's
+chunks. The gathered tensors are in the sequence's own order, so a mask by global position (causal,
+sliding window, packed documents, padding) is the one-process mask's rows for this rank's queries.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -68,3 +76,51 @@ def merge_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
         first, second = chunks_of(rank, size)
         chunks[first], chunks[second] = part.chunk(2, dim)
     return torch.cat(chunks, dim)
+
+
+def all_gather_sequence(x: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:
+    """Every cp rank's two chunks of `x` along `dim` joined into the whole sequence, in its order
+    (no autograd: also for integer position ids and padding masks)."""
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((cp.size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_single(out, x, group=cp.group)
+    halves = out.unflatten(0, (cp.size, 2, -1))  # [rank, its first / second chunk, chunk length, ...]
+    # chunks 0 .. cp-1 are the ranks' first ones in rank order, chunks cp .. 2cp-1 their second ones in reverse
+    return torch.cat((halves[:, 0], halves[:, 1].flip(0))).flatten(0, 1).movedim(0, dim)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:
+    """The sum over cp ranks of `x` (whole sequence along `dim`), of which this rank keeps its two
+    chunks: the inverse of `all_gather_sequence` for gradients (no autograd)."""
+    size = cp.size
+    chunks = x.movedim(dim, 0).chunk(2 * size)
+    by_rank = torch.cat([chunks[i] for rank in range(size) for i in chunks_of(rank, size)]).contiguous()
+    out = by_rank.new_empty((by_rank.shape[0] // size, *by_rank.shape[1:]))
+    dist.reduce_scatter_single(out, by_rank, group=cp.group)
+    return out.movedim(0, dim)
+
+
+class _GatherSequence(Function):
+    @staticmethod
+    def forward(ctx, x, cp, dim):
+        ctx.cp, ctx.dim = cp, dim
+        return all_gather_sequence(x, cp, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.cp, ctx.dim), None, None
+
+
+def gather_sequence(x: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:
+    """All-gather over cp into the whole sequence in order (`all_gather_sequence`); backward
+    reduce-scatters the gradient back to this rank's chunks (every rank's queries read every key)."""
+    return _GatherSequence.apply(x, cp, dim)
+
+
+def cp_problems(model: nn.Module, cp_size: int) -> list[str]:
+    """Why `model` cannot split its sequences over `cp_size` ranks ([] when it can), asked of every
+    module with a ``cp_problems`` method (the attention layers), before anything is built."""
+    if cp_size == 1:
+        return []
+    return [f"{name or type(model).__name__}: {problem}" for name, module in model.named_modules()
+            if callable(getattr(module, "cp_problems", None)) for problem in module.cp_problems(cp_size)]

@@ -3,6 +3,9 @@ finish its gradients."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -20,7 +23,8 @@ MODEL_PARALLEL_DIMS = ("tp", "ept")
 def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
           sequence_parallel: bool | None = None) -> nn.Module:
     """Split every parallel layer of `model` over the tensor-parallel mesh, and an MoE layer's
-    experts over the expert group, in place.
+    experts over the expert group, in place; under context parallelism (cp > 1) every parallel
+    layer is told the cp group its sequence is split over (its ``cp``).
 
     A parallel layer is any module with a ``shard_(tp)`` method (all of `libai_zoo.layers`); it
     keeps its own slice of each weight as a DTensor and from then on communicates in
@@ -28,7 +32,7 @@ def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
     every module with a ``shard_experts_(ep)`` method (`layers.MoE`) then keeps its own experts.
     Sizes that do not split over tp (`tp_problems`) or experts that do not split over ep × tp
     (`expert_problems`) are one error, raised before anything is split. Tied weights (an LM head
-    sharing the token embedding) stay one parameter. With tp=1 and ep=1 the model is returned
+    sharing the token embedding) stay one parameter. With tp=1, ep=1 and cp=1 the model is returned
     unchanged. The model ends on the context's device, unless it lives on the meta device
     (materialise it with ``to_empty``). ``sequence_parallel`` overrides the context's setting.
     """
@@ -42,6 +46,10 @@ def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
     if problems:
         raise ValueError(f"{type(model).__name__} cannot be split over tp = {ctx.tp}, ep = {ctx.ep}:\n  "
                          + "\n  ".join(problems))
+    if ctx.context_parallel is not None:
+        for module in model.modules():
+            if callable(getattr(module, "shard_", None)):  # a parallel layer
+                module.cp = ctx.context_parallel
     uses = parameter_uses(model)
     for method, group in (("shard_", tp), ("shard_experts_", ep)):
         if group is None:
@@ -54,6 +62,21 @@ def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
     if any(p.is_meta for p in model.parameters()):
         return model
     return model.to(ctx.device)
+
+
+@contextmanager
+def whole_sequences(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, `model`'s layers run on whole sequences, as at cp = 1 (their ``cp`` unset),
+    so that each cp rank can run a sample alone: generation, where every rank of the cp group
+    generates the same tokens, as the tp ranks do. A no-op without context parallelism."""
+    split = [(layer, layer.cp) for layer in model.modules() if getattr(layer, "cp", None) is not None]
+    for layer, _ in split:
+        layer.cp = None
+    try:
+        yield model
+    finally:
+        for layer, cp in split:
+            layer.cp = cp
 
 
 def tp_problems(model: nn.Module, tp_size: int) -> list[str]:

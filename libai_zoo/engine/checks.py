@@ -1,15 +1,17 @@
 """What `DefaultTrainer` refuses before any process group exists: a batch that does not split into
-micro-batches, a model that does not split over tp, its experts over ep × tp, or into pp stages. (The parsed settings, AMP
-dtype and sequence length included, are `libai_zoo.config.run_settings`.)"""
+micro-batches, a model that does not split over tp, its experts over ep × tp, into pp stages, or its
+sequences over cp. (The parsed settings, AMP dtype and sequence length included, are
+`libai_zoo.config.run_settings`.)"""
 
 from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from libai_zoo import distributed
-from libai_zoo.config import instantiate, run_settings
-from libai_zoo.models import get_layer_stack
+from libai_zoo.config import RunSettings, instantiate, run_settings
+from libai_zoo.models import CausalLM, get_layer_stack
 from libai_zoo.parallel import check_pipeline_layout
 
 
@@ -23,12 +25,14 @@ def accumulation_steps(train: DictConfig, dp: int) -> int:
     return train.global_batch_size // per_step
 
 
-def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: int = 1) -> None:
-    """Refuse a model that cannot be split over tp, whose experts cannot be split over ep × tp, or
-    that cannot be cut into pp stages (it is built on the meta device: no memory, nothing read but
-    a config)."""
+def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: int = 1, cp: int = 1) -> None:
+    """Refuse a model that cannot be split over tp, whose experts cannot be split over ep × tp, that
+    cannot be cut into pp stages, or whose sequences cannot be split over cp (it is built on the meta
+    device: no memory, nothing read but a config)."""
     with torch.device("meta"):
         model = instantiate(cfg.model)
+    if cp > 1:
+        check_context_parallel(model, cp, tp, run_settings(cfg))
     problems = distributed.tp_problems(model, tp) if tp > 1 else []
     if problems:
         raise ValueError(f"the model cannot be split over dist.tp = {tp}:\n  " + "\n  ".join(problems))
@@ -41,3 +45,30 @@ def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: 
         check_pipeline_layout(len(get_layer_stack(model)), pp, schedule=pipe.schedule,
                               num_micro_batches=num_micro_batches, virtual_stages=pipe.virtual_stages,
                               boundaries=pipe.boundaries)
+
+
+def check_context_parallel(model: nn.Module, cp: int, tp: int, settings: RunSettings) -> None:
+    """Refuse what context parallelism cannot split: a model that is not a causal LM (its targets
+    are the next tokens, shifted over the whole sequence before the split), one whose layers cannot
+    run on a split sequence (their ``cp_problems``), a Mixture of Experts' auxiliary loss (a statistic
+    of a whole micro-batch's routing), or a sequence length that is not a multiple of 2·cp (the
+    load-balanced chunks), nor, under sequence parallelism, of cp × tp."""
+    name = type(model).__name__
+    if not isinstance(model, CausalLM):
+        raise ValueError(f"dist.cp = {cp} splits a causal language model's sequences, and {name} is not one (a "
+                         f"masked LM or a classifier scores tokens against the whole sequence): set dist.cp=1")
+    problems = distributed.cp_problems(model, cp)
+    if problems:
+        raise ValueError(f"{name} cannot run with its sequences split over dist.cp = {cp}:\n  " + "\n  ".join(problems))
+    if model.has_aux_loss:
+        raise ValueError(f"{name}'s auxiliary load-balancing loss is a statistic of each micro-batch's whole "
+                         f"routing, which dist.cp = {cp} splits over ranks (not supported yet): set the model "
+                         f"config's output_router_logits=False and router_z_loss_coef=0, or dist.cp=1")
+    seq_len = settings.seq_len
+    if seq_len is not None and seq_len % (2 * cp):
+        raise ValueError(f"the sequence length {seq_len} does not split into 2·cp = {2 * cp} equal chunks (dist.cp "
+                         f"= {cp}): make the data's sequence length a multiple of {2 * cp}, or change dist.cp")
+    if seq_len is not None and settings.sequence_parallel and seq_len % (cp * tp):
+        raise ValueError(f"the sequence length {seq_len} does not split over cp × tp = {cp} × {tp} ranks (context "
+                         f"and sequence parallelism): make it a multiple of {cp * tp}, or set "
+                         f"dist.sequence_parallel=false")

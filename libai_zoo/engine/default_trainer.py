@@ -40,7 +40,7 @@ from libai_zoo.utils import peak_flops, seed_all, setup_logging
 from . import hooks
 from .checks import accumulation_steps, check_layout
 from .divergence import DivergenceError, DivergenceWatch
-from .evaluator import Evaluator, pipelined_forward, run_evaluation
+from .evaluator import Evaluator, context_parallel_forward, pipelined_forward, run_evaluation
 from .events import ConsoleWriter, JSONWriter, TensorBoardWriter
 from .faults import fault_injector
 from .goodput import Goodput
@@ -80,13 +80,13 @@ class DefaultTrainer(TrainerBase):
             LazyConfig.apply_overrides(cfg, overrides.split())
         # What can be refused without a process group is refused before one exists (checks.py).
         dp, tp, pp = distributed.resolve_sizes(distributed.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp,
-                                               cfg.dist.ep)
+                                               cfg.dist.ep, cfg.dist.cp)
         self.accumulation = accumulation_steps(train, dp)
         self.settings = run_settings(cfg)  # what the config means (sequence length, AMP dtype, pipeline)
         self.amp_dtype = self.settings.amp_dtype
         self.divergence = DivergenceWatch(train.on_divergence, train.max_bad_steps)
-        check_layout(cfg, tp, pp, self.accumulation, cfg.dist.ep)
-        self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp, ep=cfg.dist.ep,
+        check_layout(cfg, tp, pp, self.accumulation, cfg.dist.ep, cfg.dist.cp)
+        self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp, ep=cfg.dist.ep, cp=cfg.dist.cp,
                                     sequence_parallel=cfg.dist.sequence_parallel,
                                     timeout=cfg.dist.init_timeout)
         self.output_dir = Path(train.output_dir)
@@ -374,6 +374,8 @@ class DefaultTrainer(TrainerBase):
             raise ValueError("no test data: set dataloader.test in the config")
         max_batches = 2 if self.fast_dev_run else self.cfg.train.eval.max_batches
         forward = pipelined_forward(self.pipeline, self.model_parts[0]) if self.pipeline is not None else self.model
+        if self.ctx.context_parallel is not None:
+            forward = context_parallel_forward(forward, self.model_parts[0], self.ctx.context_parallel)
         return run_evaluation(self.model_parts, self.test_loader, self.evaluator, forward, device=self.ctx.device,
                               amp_dtype=self.amp_dtype, max_batches=max_batches)
 
@@ -389,7 +391,10 @@ class DefaultTrainer(TrainerBase):
     def generation_model(self) -> Iterator[tuple[nn.Module, torch.device] | None]:
         """(the model ready for `generate`, in eval mode inside the block, gathering at most one layer at a
         time under ZeRO (`parallel.layer_by_layer`); the device its inputs go to), or None when this
-        rank holds pipeline stages. The block autocasts as the training forward does (``train.amp``)."""
+        rank holds pipeline stages. The block autocasts as the training forward does (``train.amp``).
+        Under context parallelism each cp rank generates the whole sequence itself
+        (`distributed.whole_sequences`): a prompt and its tokens are short, and a KV cache split over
+        cp would be another design."""
         if self.pipeline is not None:
             yield None
             return
@@ -397,8 +402,8 @@ class DefaultTrainer(TrainerBase):
         was_training = model.training
         model.eval()
         try:
-            with layer_by_layer(model, self.data_parallel) as generating, torch.autocast(
-                    self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            with distributed.whole_sequences(model), layer_by_layer(model, self.data_parallel) as generating, \
+                    torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 yield generating, self.ctx.device
         finally:
             model.train(was_training)

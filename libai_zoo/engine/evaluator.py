@@ -7,10 +7,14 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
+from libai_zoo.distributed import ContextParallel
 from libai_zoo.parallel import Pipeline
+
+from .training_data import context_parallel_part
 
 
 class Evaluator:
@@ -86,3 +90,18 @@ def pipelined_forward(pipeline: Pipeline, model: nn.Module) -> Callable[..., Mod
         total = pipeline.eval_step(inputs, targets)
         return ModelOutput(loss=torch.tensor(total / float(model.num_loss_targets(targets))))
     return forward
+
+
+def context_parallel_forward(forward: Callable[..., ModelOutput], model: nn.Module,
+                             cp: ContextParallel) -> Callable[..., ModelOutput]:
+    """``forward`` for `run_evaluation` under context parallelism: `forward` (the model, or
+    `pipelined_forward`) runs this cp rank's part of the batch (`context_parallel_part`), and the
+    loss is the mean over the whole sequences' targets (loss × targets summed over the cp group)."""
+    def run(**batch: torch.Tensor) -> ModelOutput:
+        part = context_parallel_part(batch, model, cp)
+        count = model.num_loss_targets(model.split_batch(part)[1]).double()
+        loss = forward(**part).loss.double()
+        totals = torch.stack([loss * count if count else torch.zeros_like(loss), count])  # no targets: mean NaN
+        dist.all_reduce(totals, group=cp.group)
+        return ModelOutput(loss=totals[0] / totals[1])
+    return run

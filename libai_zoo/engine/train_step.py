@@ -21,6 +21,8 @@ from libai_zoo.layers import MoE
 from libai_zoo.optim import clip_grad_norm_, unique_parameters
 from libai_zoo.parallel import DataParallel, Pipeline
 
+from .training_data import context_parallel_part
+
 logger = logging.getLogger("libai_zoo")
 
 
@@ -78,7 +80,9 @@ class TrainStep:
     overflowed and lowers the scale. A step whose gradient norm is not finite is skipped in every
     mode. ``clip_grad_norm`` None or 0: no clipping. ``data_parallel`` (wrapped around the model,
     it reduces gradients over dp during backward) syncs on the last micro-batch and counts targets
-    over the run's world group (its parallel context's); ``pipeline`` runs the micro-batches through the pipeline schedule.
+    over the run's world group (its parallel context's); ``pipeline`` runs the micro-batches through the pipeline
+    schedule. Under context parallelism each micro-batch is cut to this cp rank's part of every
+    sequence (`context_parallel_part`) and the gradients meet over dp × cp.
     """
 
     def __init__(self, model_parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer, *, device: torch.device,
@@ -94,9 +98,12 @@ class TrainStep:
         self.amp_dtype, self.clip_grad_norm = amp_dtype, clip_grad_norm or 0.0
         self.data_parallel, self.pipeline = data_parallel, pipeline
         ctx = data_parallel.ctx if data_parallel is not None else None
-        self.dp = ctx.dp if ctx is not None else 1
+        self.dp = ctx.dp if ctx is not None else 1  # ranks reading different samples
+        # ranks scoring different tokens (dp × cp), over which the gradients are averaged
+        self.shards = ctx.data_parallel_size if ctx is not None else 1
         self.world_group = ctx.world_group if ctx is not None else None
-        self.replicas = ctx.world_size // ctx.dp if ctx is not None else 1  # ranks of one dp rank (tp × pp)
+        self.replicas = ctx.world_size // self.shards if ctx is not None else 1  # ranks of the same tokens (tp × pp)
+        self.context_parallel = ctx.context_parallel if ctx is not None else None
         if pipeline is not None and amp_dtype == torch.float16:
             raise ValueError("fp16 loss scaling is not available under pipeline parallelism: use train.amp.dtype=bf16")
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
@@ -116,8 +123,8 @@ class TrainStep:
                              f"have: set it to 0")
 
     def _total(self, counts: list[float]) -> float:
-        """The targets of the whole global batch (summed over dp). Summed over every rank (the tp
-        and pp ranks of a dp rank count the same batch), so that this is the step's first collective
+        """The targets of the whole global batch (summed over dp and cp). Summed over every rank (the
+        tp and pp ranks of a dp × cp rank count the same tokens), so that this is the step's first collective
         of all ranks: the time this rank waited in it for the others is recorded (`sync_wait_s`)."""
         total = torch.tensor(sum(counts), dtype=torch.float64, device=self.device)
         start = time.perf_counter()
@@ -134,6 +141,10 @@ class TrainStep:
 
     def __call__(self, micro_batches: list[dict]) -> StepResult:
         batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in micro_batches]
+        tokens = sum(b["input_ids"].numel() for b in batches) * self.dp \
+            if all("input_ids" in b for b in batches) else None
+        if self.context_parallel is not None:
+            batches = [context_parallel_part(batch, self.model, self.context_parallel) for batch in batches]
         split = [self.model.split_batch(batch) for batch in batches]
         counts = [float(self.model.num_loss_targets(targets)) for _, targets in split]
         total = self._total(counts)
@@ -143,8 +154,8 @@ class TrainStep:
             inputs = {key: torch.cat([batch_inputs[key] for batch_inputs, _ in split]) for key in split[0][0]}
             targets = torch.cat([batch_targets for _, batch_targets in split])
             with self._autocast():
-                summed = self.pipeline.step(inputs, targets, loss_scale=self.dp / total)
-            loss += self.pipeline.broadcast_loss(summed) / self.dp
+                summed = self.pipeline.step(inputs, targets, loss_scale=self.shards / total)
+            loss += self.pipeline.broadcast_loss(summed) / self.shards
             if self.model.has_aux_loss:
                 aux = torch.tensor(self.pipeline.broadcast_loss(self.pipeline.aux_loss), device=self.device)
             self.pipeline.sync_tied_grads()
@@ -152,23 +163,25 @@ class TrainStep:
             for i, (batch, count) in enumerate(zip(batches, counts)):
                 context = self.data_parallel.micro_batch(last=i == len(batches) - 1) \
                     if self.data_parallel is not None else nullcontext()
+                if not count and self.context_parallel is not None:
+                    batch = _one_scored_target(batch)
                 with context:
                     with self._autocast():
                         output = self.model(**batch, return_logits=False)
-                    # Each rank's share of the global mean; the dp reduction averages, hence × dp.
+                    # Each rank's share of the global mean; the dp (× cp) reduction averages, hence × dp·cp.
                     micro_loss = output.loss
-                    objective = micro_loss * (count * self.dp / total)
+                    objective = micro_loss * (count * self.shards / total)
                     if self.model.has_aux_loss:  # a mean over micro-batches, not over targets
                         term = self.model.aux_loss(output.router_stats)
                         micro_loss = micro_loss - term
-                        objective = micro_loss * (count * self.dp / total) + term / len(batches)
+                        objective = micro_loss * (count * self.shards / total) + term / len(batches)
                         aux = term.detach().float() / len(batches) + (0 if aux is None else aux)
                     self.scaler.scale(objective).backward()
                 loss += micro_loss.detach().float() * (count / total)
         if self.data_parallel is not None:
             self.data_parallel.all_reduce_sum(loss)
             if aux is not None:
-                aux = self.data_parallel.all_reduce_sum(aux) / self.dp
+                aux = self.data_parallel.all_reduce_sum(aux) / self.shards
         for part in self.model_parts:
             distributed.finalize_grads(part)
         self.scaler.unscale_(self.optimizer)
@@ -194,8 +207,6 @@ class TrainStep:
                            grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
         imbalance, dropped = self._routing(update_bias=not skipped) if self.has_moe else (None, None)
-        tokens = sum(b["input_ids"].numel() for b in batches) * self.dp \
-            if all("input_ids" in b for b in batches) else None
         return StepResult(loss=loss_value, grad_norm=grad_norm.item(), samples=sum(_batch_size(b) for b in batches) * self.dp,
                           tokens=tokens, skipped=skipped, diverged=diverged, sync_wait_s=self.sync_wait_s,
                           loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
@@ -204,7 +215,7 @@ class TrainStep:
 
     def _routing(self, update_bias: bool) -> tuple[float, float]:
         """The step's routing over the global batch: (worst layer's max / mean tokens per expert,
-        slots dropped), from each MoE layer's counts summed over dp; then DeepSeek-V3's bias update
+        slots dropped), from each MoE layer's counts summed over dp (× cp); then DeepSeek-V3's bias update
         of every router that has a correction bias, at `expert_bias_update_rate`."""
         imbalance = torch.zeros((), device=self.device)
         dropped = torch.zeros((), device=self.device)
@@ -240,3 +251,12 @@ class TrainStep:
 
 def _batch_size(batch: dict) -> int:
     return next(iter(batch.values())).shape[0]
+
+
+def _one_scored_target(batch: dict) -> dict:
+    """A cp rank's part without targets (padding, a prompt) scoring one dummy target instead: its
+    loss, weighted by its 0 targets, adds nothing, but is finite (a mean over no targets is NaN,
+    and so would every gradient be); the part still runs, as attention's exchange over cp needs."""
+    targets = batch["shift_labels"].clone()
+    targets[0, 0] = 0
+    return {**batch, "shift_labels": targets}

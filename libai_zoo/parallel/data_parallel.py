@@ -13,8 +13,10 @@
     zero_stage 3  the same, with parameters resharded after each forward and gathered again for
                   backward: parameters, gradients and optimizer state all 1/dp per rank
 
-Every reduction averages over dp; the train step scales each rank's loss by dp / (global number
-of targets), so the average is the mean over the whole global batch. The parameter groups gather
+Every reduction averages over dp, or under context parallelism over "dp_cp" (dp × cp ranks: the
+cp ranks of a dp rank hold the same parameters and different tokens of its samples; ZeRO shards
+over them all, as torchtitan does); the train step scales each rank's loss by dp·cp / (global
+number of targets), so the average is the mean over the whole global batch. The parameter groups gather
 one layer ahead in forward and backward (FSDP2's prefetch), and reductions run while backward
 goes on. FSDP2 composes with tensor parallelism (its shards are 2-D DTensors on the dp × tp
 mesh) and with pipeline stages: the pipeline schedule drives a wrapped stage module itself, with
@@ -98,16 +100,17 @@ class DataParallel:
                  param_dtype: torch.dtype | None = None):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"train.zero_stage = {zero_stage} must be 0, 1, 2 or 3")
-        if zero_stage and ctx.dp == 1:
+        if zero_stage and ctx.data_parallel_size == 1:
             raise ValueError(f"train.zero_stage = {zero_stage} shards over data parallelism, but dist.dp = 1: "
-                             f"use train.zero_stage=0, or more processes with dist.dp > 1")
+                             f"use train.zero_stage=0, or more processes with dist.dp > 1 (or dist.cp > 1)")
         if offload and zero_stage < 2:
             raise ValueError("train.zero_offload=True offloads FSDP's shards to CPU: it needs train.zero_stage 2 or 3")
         if offload and ctx.device.type == "cpu":
             raise ValueError("train.zero_offload=True keeps FSDP's shards in CPU memory while an accelerator "
                              "computes; this run is already on the CPU: set train.zero_offload=false")
         self.ctx, self.zero_stage, self.offload, self.param_dtype = ctx, zero_stage, offload, param_dtype
-        self.group = ctx.group("dp") if ctx.dp > 1 else None
+        #: The dense parameters' data-parallel group, dp × cp ranks ("dp_cp"); None when it is one rank.
+        self.group = ctx.group("dp_cp") if ctx.data_parallel_size > 1 else None
         self._fsdp_modules: list[FSDPModule] = []
 
     def wrap(self, module: nn.Module, layers: list[nn.Module], *, keep_gathered: bool = False) -> nn.Module:
@@ -119,7 +122,7 @@ class DataParallel:
         have run); they are still 1/dp between steps."""
         if self.group is None:
             return module
-        mesh, expert_mesh = self.ctx.submesh("dp"), self.ctx.submesh("edp")
+        mesh, expert_mesh = self.ctx.submesh("dp_cp"), self.ctx.submesh("edp")
         mp_policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32) \
             if self.param_dtype is not None else MixedPrecisionPolicy()
         if self.zero_stage == 0:
@@ -154,7 +157,8 @@ class DataParallel:
         yield
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over dp (in place), e.g. target counts and the logged loss."""
+        """Sum a tensor over dp × cp (in place), e.g. the logged loss: each of those ranks holds its
+        own tokens."""
         if self.group is not None:
             dist.all_reduce(value, group=self.group)
         return value

@@ -45,7 +45,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.tensor import DTensor
 
 from libai_zoo.config import PipelineConfig
-from libai_zoo.distributed import ExpertParallel, ParallelContext, TensorParallel
+from libai_zoo.distributed import ContextParallel, ExpertParallel, ParallelContext, TensorParallel
 from libai_zoo.layers import uncounted
 from libai_zoo.models import check_trainable, get_layer_stack
 
@@ -156,11 +156,11 @@ def _full_layer_stack(model: nn.Module) -> nn.ModuleList:
 
 
 def _shared_handles(model: nn.Module) -> dict[int, object]:
-    """deepcopy memo entries that keep meshes and tp and ep handles (holding process groups) shared."""
+    """deepcopy memo entries that keep meshes and tp, ep and cp handles (holding process groups) shared."""
     memo: dict[int, object] = {}
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, (TensorParallel, ExpertParallel, DeviceMesh, dist.ProcessGroup)):
+            if isinstance(value, (TensorParallel, ExpertParallel, ContextParallel, DeviceMesh, dist.ProcessGroup)):
                 memo[id(value)] = value
         for param in module.parameters(recurse=False):
             if isinstance(param, DTensor):
@@ -174,7 +174,7 @@ def prune_for_stage(model: nn.Module, layer_range: range, is_first: bool, is_las
     The layer stack becomes a `StageLayers` of the layers in `layer_range` under their original
     indices; the model's ``first_stage_modules`` (embeddings) are None unless `is_first`, its
     ``last_stage_modules`` (final norm, head) are None unless `is_last`. Modules left out are never
-    copied. Process groups, meshes and tp handles are shared with `model`. A weight tied between
+    copied. Process groups, meshes and tp, ep and cp handles are shared with `model`. A weight tied between
     the two ends stays one Parameter when the stage is both first and last; otherwise the stage
     that keeps one end gets its own copy of it.
     """
@@ -399,7 +399,7 @@ class Pipeline:
         self.tied = _tied_names(model) if self.num_stages > 1 else []
         self._tied_group = None
         if self.tied and self.stage_ranks[0] != self.last_stage_rank:
-            ranks = ctx.mesh.mesh.reshape(ctx.pp, ctx.dp, ctx.tp)  # [pp, (edp, ep), tp]: dp flattened
+            ranks = ctx.mesh.mesh.reshape(ctx.pp, -1, ctx.tp)  # [pp, (edp, ep, cp), tp]: dp and cp flattened
             for d in range(ranks.shape[1]):
                 for t in range(ranks.shape[2]):
                     pair = sorted({int(ranks[self.stage_ranks[0], d, t]), int(ranks[self.last_stage_rank, d, t])})

@@ -175,9 +175,9 @@ def _gathered_over_dp(param: DTensor, to: _Target) -> torch.Tensor:
     if mesh.ndim == 1:
         return param.full_tensor()
     names = list(mesh.mesh_dim_names)
-    dp = names.index("dp")
+    dp = names.index("dp_cp" if "dp_cp" in names else "dp")  # FSDP's dimension: dp, or dp × cp
     placements = [Replicate() if dim == dp else placement for dim, placement in enumerate(param.placements)]
     whole = param.redistribute(mesh, placements).to_local()
-    rest = [name for name in names if name != "dp"]
+    rest = [name for index, name in enumerate(names) if index != dp]
     return DTensor.from_local(whole, mesh[tuple(rest)] if len(rest) > 1 else mesh[rest[0]],
                               [placement for dim, placement in enumerate(placements) if dim != dp], run_check=False)

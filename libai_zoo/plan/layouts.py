@@ -41,15 +41,12 @@ class Layout:
     @classmethod
     def from_config(cls, cfg: DictConfig, world_size: int) -> Layout:
         """The layout a config's ``dist`` and ``train`` keys ask for at `world_size` (dp=-1 inferred)."""
-        cp = cfg.dist.cp
-        if world_size % cp:
-            raise ValueError(f"world size {world_size} is not a multiple of dist.cp = {cp}: launch a multiple of "
-                             f"{cp} processes or change dist.cp")
-        dp, tp, pp = distributed.resolve_sizes(world_size // cp, cfg.dist.dp, cfg.dist.tp, cfg.dist.pp, cfg.dist.ep)
+        dp, tp, pp = distributed.resolve_sizes(world_size, cfg.dist.dp, cfg.dist.tp, cfg.dist.pp, cfg.dist.ep,
+                                               cfg.dist.cp)
         run = run_settings(cfg)
         return cls(dp, tp, pp, run.zero_stage, run.activation_checkpoint, run.sequence_parallel, run.micro_batch_size,
                    run.pipeline.schedule if pp > 1 else None, run.pipeline.virtual_stages if pp > 1 else 1,
-                   cfg.dist.ep, cp)
+                   cfg.dist.ep, cfg.dist.cp)
 
     @property
     def world_size(self) -> int:
@@ -70,8 +67,8 @@ class Layout:
 
     def overrides(self) -> str:
         """The `key=value` overrides of tools/train.py that run this layout."""
-        parts = [f"dist.dp={self.dp}", f"dist.cp={self.cp}", f"dist.tp={self.tp}", f"dist.pp={self.pp}",
-                 f"dist.ep={self.ep}",
+        parts = [f"dist.dp={self.dp}", f"dist.tp={self.tp}", f"dist.pp={self.pp}", f"dist.ep={self.ep}",
+                 f"dist.cp={self.cp}",
                  f"dist.sequence_parallel={str(self.sequence_parallel).lower()}",
                  f"train.zero_stage={self.zero_stage}",
                  f"train.activation_checkpoint.enabled={str(self.activation_checkpoint).lower()}",
