@@ -111,8 +111,7 @@ class LatentAttention(ParallelLayer, nn.Module):
         past = 0 if kv_cache is None else kv_cache.length
         if position_ids is None:
             position_ids = torch.arange(past, past + q.shape[1], device=q.device)[None]
-        cos, sin = self.rotary(position_ids)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
+        cos, sin = (t[:, :, None].to(q.dtype) for t in self.rotary(position_ids))  # broadcast over heads
         q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
         k = torch.cat((k_nope, apply_rotary(k_rope, cos, sin).expand(*k_nope.shape[:-1], -1)), dim=-1)
         if kv_cache is not None:

@@ -23,14 +23,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from torch.distributed.tensor import DTensor
 
 from libai_zoo import distributed, models
 from libai_zoo.layers import Experts
 from libai_zoo.models.decoder import DecoderForCausalLM
 from libai_zoo.models.llama import LlamaModel, llama_layer, llama_spec
 from libai_zoo.parallel import apply_activation_checkpointing
-from libai_zoo.plan.activations import SavedActivations, Shapes
+from libai_zoo.plan.activations import (SavedActivations, Shapes, first_layer_saved_bytes, reference_layer_bytes,
+                                        saved_bytes)
 from libai_zoo.plan.fake_world import fake_world
 from libai_zoo.plan.layouts import Layout
 from libai_zoo.plan.memory import _rank_layer_kinds
@@ -88,30 +88,6 @@ MODELS = {
 }
 MODELS["qwen3_moe_bf16"] = lambda layers_: MODELS["qwen3_moe"](layers_).to(torch.bfloat16)
 TWO_KINDS = ("sandwich", "qwen3_moe", "qwen3_moe_bf16")
-
-
-def parameter_storages(model: torch.nn.Module) -> set[int]:
-    """data_ptr of every parameter's (local) storage: saved too, but not activations."""
-    storages = set()
-    for param in model.parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        storages.add(local.untyped_storage().data_ptr())
-    return storages
-
-
-def saved_bytes(run, model: torch.nn.Module):
-    """(bytes of the distinct storages saved for backward while `run()` runs, parameters excluded, run's result)."""
-    exclude, seen = parameter_storages(model), {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in exclude:
-            seen.setdefault(storage.data_ptr(), storage.nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        result = run()
-    return sum(seen.values()), result
 
 
 @contextmanager
@@ -265,3 +241,27 @@ def test_identical_layers_share_one_kind():
     assert table.activations.layer_kinds == (0, 1, 0, 1, 0, 1)
     pipeline = Layout(1, 1, 2, schedule="1f1b")  # layers 0-2 and 3-5
     assert [_rank_layer_kinds(table, pipeline, rank) for rank in (0, 1)] == [((0, 2), (1, 1)), ((0, 1), (1, 2))]
+
+
+LEAN_CASES = {  # a layer as Megatron-LM's accounting has it: (model, MLP width, heads per KV head, gated)
+    "gpt": (lambda: models.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=256, n_layer=1, n_head=16, n_inner=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)), 1024, 1, False),
+    "llama": (lambda: models.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=688, bos_token_id=1, eos_token_id=2)), 688, 2, True),
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("family", sorted(LEAN_CASES))
+def test_a_layer_saves_what_megatron_accounts(family, tp):
+    """One bf16 layer (bf16 weights and input, s 128, b 2, h 256) under tp with sequence
+    parallelism saves at most 1.10 × Korthikanti et al.'s accounting (`reference_layer_bytes`):
+    norms keep their input only, rotary no copy of q and k, the gated MLP gate and up once, a
+    column-parallel linear its sequence shard."""
+    build, ffn, groups, gated = LEAN_CASES[family]
+    torch.manual_seed(0)
+    saved = first_layer_saved_bytes(build().to(torch.bfloat16).train(), 2, 128, tp)
+    ratio = saved / reference_layer_bytes(2 * 128, 256, ffn, kv_groups=groups, gated=gated, tp=tp)
+    assert ratio <= 1.10, f"{family} layer at tp{tp}{' + SP' if tp > 1 else ''}: {ratio:.3f} × the accounting"
