@@ -99,7 +99,7 @@ class DefaultTrainer(TrainerBase):
         seed_all(train.seed)
         self.data_parallel = DataParallel(
             self.ctx, train.zero_stage, offload=train.zero_offload,
-            param_dtype=fsdp_param_dtype(self.amp_dtype, train.zero_stage))
+            param_dtype=fsdp_param_dtype(self.amp_dtype))
         built = self.build_model(cfg)
         self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
         self.whole_model = built.model

@@ -44,7 +44,7 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
             model = instantiate(cfg.model)
             apply_lora_config(model, run.lora)
         data_parallel = DataParallel(ctx, layout.zero_stage,
-                                     param_dtype=fsdp_param_dtype(run.amp_dtype, layout.zero_stage))
+                                     param_dtype=fsdp_param_dtype(run.amp_dtype))
         # the layout's schedule, its layers split evenly (as the planner's overrides run it)
         pipeline = PipelineSettings(layout.schedule, layout.virtual_stages) if layout.pp > 1 else None
         built = parallelize(model, ctx, data_parallel, num_micro_batches=layout.num_micro_batches(run.global_batch_size),

@@ -14,12 +14,13 @@ Static state is exact (the planner must equal `dry_run` and a real run to the by
 
 Transient terms, at the step's peak:
 
-    gathered     FSDP2's all-gathered parameters (in the compute dtype under bf16 autocast): every
-                 unit of the rank from forward to backward at ZeRO 1-2 (they reshard after
+    gathered     FSDP2's all-gathered parameters (in the compute dtype under bf16 autocast; at ZeRO-0
+                 the bf16 copy `replicate` computes on): every unit of the rank from forward to
+                 backward at ZeRO 0-2 (they reshard after
                  backward), the root unit (embeddings, head: FSDP2 keeps the root gathered) plus
                  the two largest layers at ZeRO 3 (the one computing and the one prefetched),
-                 everything under a zero-bubble schedule (kept gathered); at ZeRO 1 with more than one
-                 micro-batch also the unsharded gradients it accumulates
+                 everything under a zero-bubble schedule (kept gathered); at ZeRO 1 (and 0 under
+                 bf16) with more than one micro-batch also the unsharded gradients it accumulates
     activations  what each layer saves for backward (measured: `activations.py`) × the micro-batches in
                  flight on this rank (gpipe: all; 1F1B: pp − rank; interleaved 1F1B: torch's
                  warm-up count + 1, in chunks of 1/v; zero bubble: the first rank's count on every
@@ -260,9 +261,11 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
     """FSDP2's gathered parameters, and the whole gradients it accumulates over micro-batches, at
     the step's peak. Without pp: ZeRO 1-2 keep every unit gathered from forward to backward, ZeRO-3
     the root and about two layers (computing, prefetched); ZeRO-1 accumulates whole gradients.
+    ZeRO-0 gathers nothing, but under bf16 autocast `replicate` holds a bf16 copy of every unit
+    through the step and accumulates whole float32 gradients, as ZeRO-1.
     Under pp the schedule syncs a stage once, after its last micro-batch: every ZeRO stage
     accumulates whole gradients, and ZeRO-3 keeps the stage gathered from its first backward."""
-    if layout.zero_stage == 0 or layout.dp == 1:
+    if layout.dp == 1 or (layout.zero_stage == 0 and compute_dtype is None):
         return 0
     element = torch.tensor([], dtype=compute_dtype).element_size() if compute_dtype is not None else None
     if layout.zero_stage < 3 or layout.pp > 1:
@@ -274,7 +277,7 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
         biggest = sorted((size for size, count in layers for _ in range(min(2, count))), reverse=True)[:2]
         total = sum(biggest) + sum(_group_unsharded(table, key, *sizes)
                                    for key, _ in groups if not isinstance(key, int))
-    if num_micro_batches > 1 and (layout.zero_stage == 1 or layout.pp > 1):
+    if num_micro_batches > 1 and (layout.zero_stage <= 1 or layout.pp > 1):
         total += unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)  # float32: FSDP's reduce dtype
     return total
 
@@ -337,8 +340,8 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
     as `Shapes.routing_imbalance` states."""
     shapes = Shapes(layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, device,
                     layout.ep, routing_imbalance if table.moe else 1.0)
-    # FSDP2 hands the layers bf16 parameters under bf16 autocast at ZeRO 1-3: no matmul keeps a cast copy
-    low = layout.dp > 1 and fsdp_param_dtype(amp_dtype, layout.zero_stage) is not None
+    # FSDP2 hands the layers bf16 parameters under bf16 autocast at every ZeRO stage: no matmul keeps a cast copy
+    low = layout.dp > 1 and fsdp_param_dtype(amp_dtype) is not None
     in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
     stages = rank_stages(table, layout, pp_rank)
     kinds = _rank_layer_kinds(table, layout, pp_rank)
@@ -366,7 +369,7 @@ def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch
     or "cpu" device; an MoE model's most loaded rank of an expert group receiving
     `routing_imbalance` × its share of the routed tokens."""
     m = layout.num_micro_batches(global_batch_size)
-    compute_dtype = fsdp_param_dtype(amp_dtype, layout.zero_stage)
+    compute_dtype = fsdp_param_dtype(amp_dtype)
     best = None
     for pp_rank in range(layout.pp):
         state = state_bytes(table, layout, pp_rank, 0, optimizer)
