@@ -19,9 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.distributed.collectives import column_input
-
-from .linear import Linear
+from .linear import Linear, column_inputs
 from .parallel_layer import ParallelLayer, indivisible
 from .recomputed import recomputed
 
@@ -70,9 +68,14 @@ class MLP(ParallelLayer, nn.Module):
         return indivisible(self.ffn_hidden_size, tp_size, "ffn_hidden_size (MLP hidden neurons)",
                            "choose an intermediate size that is a multiple of tp, or lower tp")
 
+    @property
+    def column_layers(self) -> list[Linear]:
+        """The column-parallel projections that read the input: [gate,] up."""
+        return [self.up] if self.gate is None else [self.gate, self.up]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is not None and self.sync_input:
-            x = column_input(x, self.tp, self.sp)
+            x, = column_inputs(self.tp, self.sp, (x, self.column_layers))
         h = self.act(self.up(x)) if self.gate is None else gated(self.act, self.gate(x), self.up(x))
         return self.down(h)
 

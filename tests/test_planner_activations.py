@@ -22,10 +22,13 @@ from contextlib import contextmanager, nullcontext
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import transformers
 
-from libai_zoo import distributed, models
+from libai_zoo import distributed, layers, models
+from libai_zoo.distributed.collectives import gather_from_sp
 from libai_zoo.layers import Experts
+from libai_zoo.layers import linear as linear_module
 from libai_zoo.models.decoder import DecoderForCausalLM
 from libai_zoo.models.llama import LlamaModel, llama_layer, llama_spec
 from libai_zoo.parallel import apply_activation_checkpointing
@@ -241,6 +244,54 @@ def test_identical_layers_share_one_kind():
     assert table.activations.layer_kinds == (0, 1, 0, 1, 0, 1)
     pipeline = Layout(1, 1, 2, schedule="1f1b")  # layers 0-2 and 3-5
     assert [_rank_layer_kinds(table, pipeline, rank) for rank in (0, 1)] == [((0, 2), (1, 1)), ((0, 1), (1, 2))]
+
+
+def _gathering_linears(inputs, tp, projections, dim=1):
+    """What column layers under sequence parallelism did before `gathered_linears`: `F.linear` on
+    the all-gathered input, which autograd then keeps whole for the weight gradient."""
+    whole = [gather_from_sp(x, tp, dim) for x in inputs]
+    return [whole[i] if w is None else F.linear(whole[i], w, b) for i, w, b in projections]
+
+
+def _layer_saved_bytes(layer: torch.nn.Module, tp: int, width: int) -> tuple[int, int]:
+    """(bytes `layer` saves for a bf16 micro-batch of 2 × 64 tokens sharded over a fake tp group
+    under sequence parallelism, bytes of this rank's input shard)."""
+    with fake_world(tp, 0, tp=tp, sequence_parallel=True) as ctx:
+        distributed.shard(layer, ctx)
+        x = torch.randn(2, 64 // tp, width, dtype=BF16, requires_grad=True)
+        measured, out = saved_bytes(lambda: layer(x), layer)
+        out.float().sum().backward()
+    return measured, x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_column_layer_under_sp_saves_its_input_shard(tp):
+    """Megatron's column-parallel linear under SP: backward gathers the input again, so what stays
+    saved is this rank's shard of it, not the all-gathered sequence."""
+    torch.manual_seed(0)
+    layer = layers.Linear(64, 128, parallel="col", dtype=BF16)
+    measured, shard = _layer_saved_bytes(layer, tp, 64)
+    assert measured == shard, f"a column layer at tp{tp}+SP saves {measured} B for a {shard} B input shard"
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_layer_under_sp_saves_no_gathered_input(kind, tp, monkeypatch):
+    """A Llama and a GPT layer (bf16) at tp+SP save less than with the gathered column inputs kept
+    (the old path, `_gathering_linears`), by exactly the two syncs' gathered inputs less the shards
+    they keep instead (attention's qkv and the MLP's input: (tp - 1) shards each)."""
+    def build():
+        torch.manual_seed(0)
+        if kind == "llama":
+            return layers.TransformerLayer(64, 8, 192, num_kv_heads=4, norm="rmsnorm", activation="silu",
+                                           gated_mlp=True, bias=False, causal=True, rope_theta=10000.0, dtype=BF16)
+        return layers.TransformerLayer(64, 8, 256, activation="gelu_new", causal=True, dtype=BF16)
+
+    measured, shard = _layer_saved_bytes(build(), tp, 64)
+    monkeypatch.setattr(linear_module, "gathered_linears", _gathering_linears)
+    gathered, _ = _layer_saved_bytes(build(), tp, 64)
+    print(f"{kind} tp{tp}+SP: {gathered} B with the gathered inputs kept, {measured} B now")
+    assert gathered - measured == 2 * (tp - 1) * shard
 
 
 LEAN_CASES = {  # a layer as Megatron-LM's accounting has it: (model, MLP width, heads per KV head, gated)
