@@ -31,7 +31,7 @@ from libai_zoo.layers import Experts
 from libai_zoo.layers import linear as linear_module
 from libai_zoo.models.decoder import DecoderForCausalLM
 from libai_zoo.models.llama import LlamaModel, llama_layer, llama_spec
-from libai_zoo.parallel import apply_activation_checkpointing
+from libai_zoo.parallel import apply_activation_checkpointing, cast_residual, residual_dtype
 from libai_zoo.plan.activations import (SavedActivations, Shapes, first_layer_saved_bytes, reference_layer_bytes,
                                         saved_bytes)
 from libai_zoo.plan.fake_world import fake_world
@@ -316,3 +316,28 @@ def test_a_layer_saves_what_megatron_accounts(family, tp):
     saved = first_layer_saved_bytes(build().to(torch.bfloat16).train(), 2, 128, tp)
     ratio = saved / reference_layer_bytes(2 * 128, 256, ffn, kv_groups=groups, gated=gated, tp=tp)
     assert ratio <= 1.10, f"{family} layer at tp{tp}{' + SP' if tp > 1 else ''}: {ratio:.3f} × the accounting"
+
+
+@pytest.mark.parametrize("fp32", [False, True], ids=["bf16_residual", "fp32_residual"])
+def test_the_residual_stream_has_the_stated_precision(fp32):
+    """Under bf16 autocast with float32 weights (no FSDP2 bf16 parameters), `cast_residual` hands
+    each layer its hidden states in bf16 (the default) or float32 (``train.amp.fp32_residual``);
+    the planner's figure is the real one, and float32 costs a layer its two norms' inputs in 4
+    bytes instead of 2: 4 bytes per token and hidden unit."""
+    batch, seq = 2, 64
+    dtype = residual_dtype(BF16, fp32)
+    model = MODELS["gpt2_nodrop"](2).train()
+    stack = models.get_layer_stack(model)
+    cast_residual(stack, dtype)
+    seen = []
+    stack[1].register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    x = torch.randn(batch, seq, 64, requires_grad=True)  # the float32 embedding output
+    with autocast(BF16):
+        measured, out = saved_bytes(lambda: stack[1](stack[0](x)), model)
+    assert seen == [dtype]
+    with torch.device("meta"):
+        planner = SavedActivations(MODELS["gpt2_nodrop"](2))
+    planned = {d: planner.layer(0, Shapes(batch, seq, amp_dtype=BF16, device="cpu", residual_dtype=d))
+               for d in (torch.bfloat16, torch.float32)}
+    check(measured, 2 * planned[dtype], "two layers")
+    assert planned[torch.float32] - planned[torch.bfloat16] == 4 * batch * seq * 64

@@ -68,6 +68,7 @@ from libai_zoo import distributed
 from libai_zoo.distributed import local
 from libai_zoo.layers import LMHead
 from libai_zoo.models import get_layer_stack
+from libai_zoo.parallel import to_residual
 
 from .fake_world import fake_world
 
@@ -115,6 +116,7 @@ class Shapes:
     device: str = "cuda"  # "cuda" or "cpu": the device the run is planned for
     ep: int = 1  # expert parallelism: an MoE layer's experts over ep × tp ranks
     routing_imbalance: float = 1.0  # the most loaded rank of an expert group receives this × its fair share
+    residual_dtype: torch.dtype | None = None  # the layers' hidden states under autocast (None: the embedding's)
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
@@ -472,6 +474,7 @@ class SavedActivations:
             key, size = _storage(embedded)
             own = embedded.numel() * embedded.element_size()
             for kind, layer in enumerate(stack):
+                hidden = to_residual(hidden, shapes.residual_dtype)  # as `cast_residual` hands it the layer
                 inputs_bytes.append(hidden.numel() * hidden.element_size())
                 with counter.charging(kind):
                     hidden = layer(hidden, **layer_inputs)

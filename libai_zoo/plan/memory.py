@@ -46,7 +46,7 @@ from torch import nn
 
 from libai_zoo.layers import LMHead
 from libai_zoo.optim import build_optimizer
-from libai_zoo.parallel import fsdp_param_dtype, split_layers, stage_ranks
+from libai_zoo.parallel import fsdp_param_dtype, residual_dtype, split_layers, stage_ranks
 from libai_zoo.utils import TensorMemoryPeak
 
 from .activations import Shapes
@@ -334,12 +334,12 @@ def _activations(table: ModelTable, part: str, shapes: Shapes, kind: int, checkp
 
 def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: int, num_micro_batches: int,
                      amp_dtype: torch.dtype | None, device: str = "cuda",
-                     routing_imbalance: float = 1.0) -> tuple[int, int]:
+                     routing_imbalance: float = 1.0, fp32_residual: bool = False) -> tuple[int, int]:
     """(activations of the layers and embedding, logits and loss of the head) held at the peak, on
     a "cuda" or "cpu" device (their attention kernels and dropout masks differ); MoE layers routed
     as `Shapes.routing_imbalance` states."""
     shapes = Shapes(layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, device,
-                    layout.ep, routing_imbalance if table.moe else 1.0)
+                    layout.ep, routing_imbalance if table.moe else 1.0, residual_dtype(amp_dtype, fp32_residual))
     # FSDP2 hands the layers bf16 parameters under bf16 autocast at every ZeRO stage: no matmul keeps a cast copy
     low = layout.dp > 1 and fsdp_param_dtype(amp_dtype) is not None
     in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
@@ -364,7 +364,8 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
 
 def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch_size: int,
                 amp_dtype: torch.dtype | None = None, optimizer: OptimizerState = ADAMW,
-                overhead: int = 0, device: str = "cuda", routing_imbalance: float = 1.0) -> MemoryBreakdown:
+                overhead: int = 0, device: str = "cuda", routing_imbalance: float = 1.0,
+                fp32_residual: bool = False) -> MemoryBreakdown:
     """The predicted peak of the rank that holds the most (every pp rank at dp rank 0) on a "cuda"
     or "cpu" device; an MoE model's most loaded rank of an expert group receiving
     `routing_imbalance` × its share of the routed tokens."""
@@ -373,7 +374,8 @@ def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch
     best = None
     for pp_rank in range(layout.pp):
         state = state_bytes(table, layout, pp_rank, 0, optimizer)
-        acts, logits = activation_bytes(table, layout, pp_rank, seq_len, m, amp_dtype, device, routing_imbalance)
+        acts, logits = activation_bytes(table, layout, pp_rank, seq_len, m, amp_dtype, device, routing_imbalance,
+                                        fp32_residual)
         breakdown = MemoryBreakdown(state.params, state.grads, state.optimizer,
                                     gathered_bytes(table, layout, pp_rank, m, compute_dtype), acts, logits,
                                     int(optimizer.step_per_byte * state.params), overhead, pp_rank)
