@@ -193,8 +193,8 @@ class Attention(ParallelLayer, nn.Module):
         if self.rotary is not None:
             if position_ids is None:
                 position_ids = torch.arange(past, past + q.shape[1], device=q.device)[None]
-            cos, sin = self.rotary(position_ids)
-            cos, sin = cos[:, :, None, None], sin[:, :, None, None]  # broadcast over groups and heads
+            # broadcast over groups and heads, cast once for q and k
+            cos, sin = (t[:, :, None, None].to(q.dtype) for t in self.rotary(position_ids))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             v = v.contiguous()  # q and k are new tensors now: copying v lets the fused qkv output go
         if kv_cache is not None:

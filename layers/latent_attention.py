@@ -23,12 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from libai_zoo.distributed.collectives import column_input
-
 from .attention import attend, sdpa_mask
 from .context_attention import ContextMask, context_attention, global_positions
 from .kv_cache import KVCache
-from .linear import Linear
+from .linear import Linear, column_inputs
 from .norm import RMSNorm
 from .parallel_layer import ParallelLayer, indivisible
 from .rotary import RotaryEmbedding, apply_rotary, deinterleave
@@ -89,8 +87,8 @@ class LatentAttention(ParallelLayer, nn.Module):
             latents.insert(0, self.q_a_layernorm(self.q_a_proj(x)))
         if self.tp is None:
             return latents
-        joined = column_input(torch.cat(latents, dim=-1), self.tp, self.sp)
-        return list(joined.split([t.shape[-1] for t in latents], dim=-1))
+        readers = [[self.kv_b_proj], []] if self.q_lora_rank is None else [[self.q_b_proj], [self.kv_b_proj], []]
+        return column_inputs(self.tp, self.sp, *zip(latents, readers))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
@@ -115,8 +113,7 @@ class LatentAttention(ParallelLayer, nn.Module):
             position_ids = global_positions(self.cp, position_ids, q.shape[1], q.device)
         if position_ids is None:
             position_ids = torch.arange(past, past + q.shape[1], device=q.device)[None]
-        cos, sin = self.rotary(position_ids)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
+        cos, sin = (t[:, :, None].to(q.dtype) for t in self.rotary(position_ids))  # broadcast over heads
         q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
         k = torch.cat((k_nope, apply_rotary(k_rope, cos, sin).expand(*k_nope.shape[:-1], -1)), dim=-1)
         if kv_cache is not None:

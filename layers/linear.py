@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from libai_zoo.distributed import TensorParallel, local, local_rows
-from libai_zoo.distributed.collectives import column_input, gather_from_tp, row_output
+from libai_zoo.distributed.collectives import copy_to_tp, gather_from_sp, gather_from_tp, row_output
+from libai_zoo.distributed.gathered_linear import gathered_linears
 
 from .lora import LoRA
 from .parallel_layer import ParallelLayer, indivisible
@@ -37,6 +38,10 @@ class Linear(ParallelLayer, nn.Linear):
 
     ``add_lora`` gives the layer a low-rank adapter (`LoRA`, ``self.lora``) split as the layer is;
     its update joins the local output before the layer's own communication.
+
+    Under sequence parallelism a column layer keeps only this rank's shard of its input for
+    backward (`column_inputs`); called with a `Projected` (its input already projected together
+    with the other layers sharing one sync), it returns its part of it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, parallel: str = "data", *,
@@ -86,7 +91,7 @@ class Linear(ParallelLayer, nn.Linear):
                          device=self.weight.device, dtype=self.weight.dtype)
         return self.lora
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Projected) -> torch.Tensor:
         tp = self.tp
         if self.parallel == "row" and not self.reduce_output:
             return self._adapted(x, F.linear(x, local(self.weight)))  # partial sum: the caller reduces, adds bias
@@ -94,18 +99,19 @@ class Linear(ParallelLayer, nn.Linear):
             return self._adapted(x, F.linear(x, self.weight, self.bias))
         if self.parallel == "col":
             if self.sync_input:
-                x = column_input(x, tp, self.sp)
-            if self.rows is None:
-                y = F.linear(x, local(self.weight), local(self.bias))
-            else:
-                y = F.linear(x, local_rows(self.weight, self.rows),
-                             None if self.bias is None else local_rows(self.bias, self.rows))
-            y = self._adapted(x, y)
+                x, = column_inputs(tp, self.sp, (x, [self]))
+            y = x.output(self) if isinstance(x, Projected) else self._adapted(x, F.linear(x, *self.local_weights()))
             return gather_from_tp(y, tp, dim=-1) if self.gather_output else y
         if self.parallel == "row":
             return self.add_bias(row_output(self._adapted(x, F.linear(x, local(self.weight))), tp, self.sp))
         return self._adapted(x, F.linear(x, local(self.weight, partial_grad=self.sp),
                                          local(self.bias, partial_grad=self.sp)))
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) this rank computes with, differentiable: its slices, or its rows of them."""
+        if self.rows is None:
+            return local(self.weight), local(self.bias)
+        return local_rows(self.weight, self.rows), None if self.bias is None else local_rows(self.bias, self.rows)
 
     @torch.no_grad()
     def merge_lora_(self) -> None:
@@ -128,3 +134,57 @@ class Linear(ParallelLayer, nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, parallel={self.parallel}{self.parallel_repr()}"
+
+
+class Projected:
+    """The local outputs of column layers that share one sequence-parallel input, computed together
+    by `column_inputs`: handed to each of those layers in place of the input, each takes its own."""
+
+    def __init__(self, outputs: dict[int, torch.Tensor]):
+        self._outputs = outputs
+
+    def output(self, layer: Linear) -> torch.Tensor:
+        if id(layer) not in self._outputs:
+            raise ValueError(f"{layer} was not among the layers this input was projected for (column_inputs)")
+        return self._outputs[id(layer)]
+
+
+def column_inputs(tp: TensorParallel, sequence_parallel: bool,
+                  *groups: tuple[torch.Tensor, list[Linear]]) -> list[torch.Tensor | Projected]:
+    """Hand activations to the column-parallel layers that read them, one sync for all: each group
+    is (an activation, the layers it feeds), and each comes back as what those layers take (a
+    group without layers: the activation gathered, for other uses).
+
+    Without sequence parallelism: the activations themselves through one `copy_to_tp` (side by
+    side when several), each layer then computing on them. Under it: `Projected`, every layer's
+    output computed by `gathered_linears`, which all-gathers the sequence shards once and keeps
+    only the shards for backward (LoRA's A joins as one more projection). An adapter with dropout
+    keeps the old path, the gathered input saved whole (dropout draws its mask on the gathered
+    input, with the random stream every tp rank shares)."""
+    inputs = [x for x, _ in groups]
+    layers = [layer for _, group in groups for layer in group]
+    if not sequence_parallel or any(layer.lora is not None and layer.lora.dropout and layer.lora.training
+                                    for layer in layers):
+        sync = gather_from_sp if sequence_parallel else copy_to_tp
+        if len(inputs) == 1:
+            return [sync(inputs[0], tp)]
+        return list(sync(torch.cat(inputs, dim=-1), tp).split([x.shape[-1] for x in inputs], dim=-1))
+    projections, owners, passed = [], [], {}
+    for i, (_, group) in enumerate(groups):
+        if not group:
+            passed[i] = len(projections)
+            projections.append((i, None, None))
+            owners.append(None)
+        for layer in group:
+            projections.append((i, *layer.local_weights()))
+            owners.append(layer)
+            if layer.lora is not None:
+                projections.append((i, layer.lora.local_a(), None))
+                owners.append(layer.lora)
+    results = gathered_linears(inputs, tp, projections)
+    outputs = {id(owner): y for owner, y in zip(owners, results) if owner is not None}
+    for layer in layers:
+        if layer.lora is not None:
+            outputs[id(layer)] = outputs[id(layer)] + layer.lora.expand(outputs.pop(id(layer.lora)))
+    projected = Projected(outputs)
+    return [results[passed[i]] if i in passed else projected for i in range(len(groups))]

@@ -94,21 +94,28 @@ class LoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The update of the layer's local output for its local input `x`."""
-        # A column layer's factor A meets every rank's whole input but only its rows of B: partial
-        # gradient; likewise B of a row layer. A data layer's factors see this rank's tokens under SP.
-        split = self.tp is not None
-        a = local(self.A, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "col")
-        if self.rows is not None:
-            b = local_rows(self.B, self.rows)
-        else:
-            b = local(self.B, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "row")
         if self.dropout and self.training:
             # A row layer's input (and a data layer's under SP) differs over tp: its own random stream;
             # a column layer's is the same on every tp rank (gathered under SP): the shared one.
-            split_input = split and (self.parallel == "row" or (self.parallel == "data" and self.sp))
+            split_input = self.tp is not None and (self.parallel == "row" or (self.parallel == "data" and self.sp))
             with self.tp.rng.fork() if split_input else nullcontext():
                 x = F.dropout(x, self.dropout)
-        return F.linear(F.linear(x, a), b) * self.scale
+        return self.expand(F.linear(x, self.local_a()))
+
+    def local_a(self) -> torch.Tensor:
+        """This rank's A, differentiable. A column layer's factor A meets every rank's whole input
+        but only its rows of B: partial gradient; a data layer's sees this rank's tokens under SP."""
+        split = self.tp is not None
+        return local(self.A, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "col")
+
+    def expand(self, projected: torch.Tensor) -> torch.Tensor:
+        """scale · B (A x) from A x: this rank's part of the update (B of a row layer: partial gradient)."""
+        if self.rows is not None:
+            b = local_rows(self.B, self.rows)
+        else:
+            split = self.tp is not None
+            b = local(self.B, partial_grad=self.sp if self.parallel == "data" else split and self.parallel == "row")
+        return F.linear(projected, b) * self.scale
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:

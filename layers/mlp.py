@@ -5,20 +5,23 @@
 With ``gated=True`` (SwiGLU, Llama) a second column-parallel projection `gate` gives
 act(gate(x)) * up(x); both split the same neurons, so any tp keeps each gate with its up row.
 The two share one input sync (one all-reduce of the input gradient), as one fused weight would.
+act(gate)·up keeps only gate's and up's outputs for backward (`gated`), so the gated MLP saves its
+input, gate, up and the down projection's input: 6·ffn elements per token beside the input, as
+Megatron-LM's.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libai_zoo.distributed.collectives import column_input
-
-from .linear import Linear
+from .linear import Linear, column_inputs
 from .parallel_layer import ParallelLayer, indivisible
+from .recomputed import recomputed
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -36,6 +39,11 @@ ACTIVATIONS = {
     "swish": F.silu,
     "tanh": torch.tanh,
 }
+
+
+def gated(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up, saving gate and up only: backward recomputes act(gate) (`recomputed`)."""
+    return recomputed(lambda g, u: act(g) * u, gate, up)
 
 
 class MLP(ParallelLayer, nn.Module):
@@ -60,10 +68,15 @@ class MLP(ParallelLayer, nn.Module):
         return indivisible(self.ffn_hidden_size, tp_size, "ffn_hidden_size (MLP hidden neurons)",
                            "choose an intermediate size that is a multiple of tp, or lower tp")
 
+    @property
+    def column_layers(self) -> list[Linear]:
+        """The column-parallel projections that read the input: [gate,] up."""
+        return [self.up] if self.gate is None else [self.gate, self.up]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is not None and self.sync_input:
-            x = column_input(x, self.tp, self.sp)
-        h = self.act(self.up(x)) if self.gate is None else self.act(self.gate(x)) * self.up(x)
+            x, = column_inputs(self.tp, self.sp, (x, self.column_layers))
+        h = self.act(self.up(x)) if self.gate is None else gated(self.act, self.gate(x), self.up(x))
         return self.down(h)
 
     def extra_repr(self) -> str:

@@ -45,8 +45,9 @@ from libai_zoo.distributed.expert_parallel import (combine, dispatch, expert_wei
 
 from .linear import Linear
 from .lora import LoRA
-from .mlp import ACTIVATIONS, MLP
+from .mlp import ACTIVATIONS, MLP, gated
 from .parallel_layer import ParallelLayer
+from .recomputed import recomputed
 
 ROUTERS = ("softmax_topk", "sigmoid_group", "topk_softmax")
 
@@ -276,10 +277,14 @@ class Experts(ParallelLayer, nn.Module):
         return all(t.data_ptr() % 16 == 0 for t in tensors)
 
     def _activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        """act(up), or the gated activation keeping only gate and up for backward (`gated`)."""
         if gate is None:
             return self.act(up)
         if self.swiglu_limit is None:
-            return self.act(gate) * up
+            return gated(self.act, gate, up)
+        return recomputed(self._clamped_swiglu, gate, up)
+
+    def _clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.swiglu_limit)
         return (up.clamp(-self.swiglu_limit, self.swiglu_limit) + 1) * gate * torch.sigmoid(gate * self.swiglu_alpha)
 

@@ -2,6 +2,11 @@
 sequence parallelism (each rank normalizes its own tokens; weight gradients are then partial
 and summed over tp by `libai_zoo.distributed.finalize_grads`).
 
+Both keep only their input for backward, in its own dtype, and recompute the normalised values
+there (`recomputed`): no float32 copy of a bf16 input (autocast runs layer_norm in float32), no
+normalised values beside the weighted ones. A norm over a tp-split dimension (``split_dim``)
+then all-reduces its square sums again in backward (a [B, S, 1] tensor).
+
 RMSNorm also covers what today's decoders add: the weight applied in float32 before the cast
 back (OLMo 2: ``float32_weight``), Gemma's (1 + w) weight so applied (``unit_offset``), a norm over each rank's own heads (q/k norms of Qwen3 and Gemma 3:
 ``split_input``, the weight's gradient is partial under any tp) and a norm over a dimension tp
@@ -21,6 +26,7 @@ from libai_zoo.distributed import TensorParallel, local
 from libai_zoo.distributed.collectives import sum_over_tp
 
 from .parallel_layer import ParallelLayer, indivisible
+from .recomputed import recomputed
 
 
 class LayerNorm(ParallelLayer, nn.LayerNorm):
@@ -32,8 +38,11 @@ class LayerNorm(ParallelLayer, nn.LayerNorm):
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, local(self.weight, partial_grad=self.sp),
-                            local(self.bias, partial_grad=self.sp), self.eps)
+        return recomputed(self._normalize, x, local(self.weight, partial_grad=self.sp),
+                          local(self.bias, partial_grad=self.sp))
+
+    def _normalize(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + self.parallel_repr()
@@ -70,7 +79,9 @@ class RMSNorm(ParallelLayer, nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self.sp or (self.tp is not None and self.split_input)
-        weight = local(self.weight, partial_grad=partial)
+        return recomputed(self._normalize, x, local(self.weight, partial_grad=partial))
+
+    def _normalize(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         if self.split_dim and self.tp is not None:
             normed = self._split_rms(x.float())
         else:

@@ -107,13 +107,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class _Rotation(torch.autograd.Function):
+    """x · cos + rotate_half(x) · sin, keeping only cos and sin: the gradient is rotated back by
+    the inverse rotation (cos, −sin), the same ops autograd would run, so no copy of x is kept."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.shape = x.shape
+        return x * cos + rotate_half(x) * sin
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return (grad * cos - rotate_half(grad * sin)).sum_to_size(ctx.shape), None, None
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the last dimension of x by the angles whose cos/sin broadcast against x; when the
-    tables are narrower (partial rotary, GPT-NeoX's rotary_pct), only its first channels."""
+    tables are narrower (partial rotary, GPT-NeoX's rotary_pct), only its first channels. Cast
+    cos and sin to x's dtype first when rotating several tensors (else each call casts its own)."""
     rotated = cos.shape[-1]
     if rotated < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
-    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+    return _Rotation.apply(x, cos.to(x.dtype), sin.to(x.dtype))
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from libai_zoo.distributed.collectives import column_input, row_output
+from libai_zoo.distributed.collectives import row_output
 
 from .attention import Attention
 from .context_attention import ContextMask
 from .kv_cache import KVCache
 from .latent_attention import LatentAttention
+from .linear import column_inputs
 from .mlp import MLP
 from .moe import MoE
 from .norm import NORMS
@@ -188,9 +189,9 @@ class TransformerLayer(ParallelLayer, nn.Module):
         h2 = None if self.mlp_norm is None else self.mlp_norm(x)
         if self.tp is not None:
             if h2 is None:
-                h = column_input(h, self.tp, self.sp)
+                h, = column_inputs(self.tp, self.sp, (h, [self.attn.qkv, *self.mlp.column_layers]))
             else:  # both normalized inputs through one sync, side by side
-                h, h2 = column_input(torch.cat((h, h2), dim=-1), self.tp, self.sp).chunk(2, dim=-1)
+                h, h2 = column_inputs(self.tp, self.sp, (h, [self.attn.qkv]), (h2, self.mlp.column_layers))
         y = self.attn(h, attention_mask, position_ids, kv_cache=kv_cache) + self.mlp(h if h2 is None else h2)
         if self.tp is not None:
             y = row_output(y, self.tp, self.sp)

@@ -267,8 +267,8 @@ def test_get_config_train_has_the_contract_keys():
     assert OmegaConf.get_type(cfg.train) is TrainConfig  # typed once loaded
     assert LazyConfig.to_container(cfg.train) == dict(
         output_dir="output", max_iter=1000, seed=42, micro_batch_size=8, global_batch_size=8,
-        amp=dict(enabled=False, dtype="bf16"), activation_checkpoint=dict(enabled=False), zero_stage=0,
-        zero_offload=False, compile=False, log_period=10,
+        amp=dict(enabled=False, dtype="bf16", fp32_residual=False), activation_checkpoint=dict(enabled=False),
+        zero_stage=0, zero_offload=False, compile=False, log_period=10,
         checkpoint=dict(period=500, max_to_keep=None, async_save=False),
         eval=dict(period=0, max_batches=None), clip_grad_norm=1.0, max_bad_steps=5, on_divergence="stop",
         load_weight=None,

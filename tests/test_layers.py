@@ -16,6 +16,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from libai_zoo import layers
 from libai_zoo.layers.attention import sdpa_mask
+from libai_zoo.layers.mlp import gated
+from libai_zoo.layers.recomputed import recomputed
+from libai_zoo.layers.rotary import rotate_half
 
 TWIN_TOL = 1e-6
 HF_TOL = 1e-5
@@ -114,6 +117,56 @@ def test_rmsnorm_is_nn_rmsnorm():
     nn.init.normal_(ours.weight)
     ref.load_state_dict(ours.state_dict())
     assert max(run_both(ours, ref, torch.randn(2, 3, 20))) <= TWIN_TOL
+
+
+def gradients(fn, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """fn(*tensors) and the gradients of sum(out * R) with respect to `tensors`."""
+    out = fn(*tensors)
+    return [out, *torch.autograd.grad((out * torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+                                       ).sum(), tensors)]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+@pytest.mark.parametrize("name", ["rmsnorm", "rmsnorm_1p", "rmsnorm_fp32_weight", "layernorm", "gated",
+                                  "rotary", "partial_rotary", "matmul"])
+def test_lean_ops_give_autograds_gradients_bit_for_bit(name, autocast):
+    """Norms and the gated activation keep only their inputs and recompute in backward; rotary
+    rotates the gradient back keeping only cos and sin: outputs and gradients equal autograd's
+    through the same ops to the bit (bf16 tensors; or under bf16 autocast a bf16 input and float32
+    weights, which backward must recompute under autocast too)."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    x = torch.randn(2, 5, 3, 24, dtype=torch.bfloat16, requires_grad=True)
+    if name.startswith(("rms", "layer")):
+        norm = {"rmsnorm": layers.RMSNorm(24, eps=1e-6), "rmsnorm_1p": layers.RMSNorm(24, unit_offset=True),
+                "rmsnorm_fp32_weight": layers.RMSNorm(24, float32_weight=True), "layernorm": layers.LayerNorm(24)}[name]
+        for p in norm.parameters():
+            nn.init.normal_(p)
+        norm.to(dtype)
+        params = list(norm.parameters())
+        ours, ref = (lambda t, *ps: norm(t)), (lambda t, *ps: norm._normalize(t, *ps))
+        tensors = (x, *params)
+    elif name == "matmul":  # under autocast only if backward recomputes under it too
+        weight = torch.randn(24, 8, dtype=dtype, requires_grad=True)
+        ours, ref, tensors = (lambda a, b: recomputed(torch.matmul, a, b)), torch.matmul, (x, weight)
+    elif name == "gated":
+        up = torch.randn(x.shape, dtype=dtype, requires_grad=True)
+        ours, ref = (lambda g, u: gated(F.silu, g, u)), (lambda g, u: F.silu(g) * u)
+        tensors = (x, up)
+    else:
+        width = 24 if name == "rotary" else 16
+        angles = torch.randn(2, 5, 1, width // 2).repeat(1, 1, 1, 2)
+        cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+
+        def ref(t):
+            turned = t[..., :width] * cos + rotate_half(t[..., :width]) * sin
+            return torch.cat((turned, t[..., width:]), dim=-1)
+
+        ours, tensors = (lambda t: layers.apply_rotary(t, cos, sin)), (x,)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got, expected = gradients(ours, *tensors), gradients(ref, *tensors)
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and torch.equal(a, b), (name, max_diff(a.float(), b.float()))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -22,15 +22,18 @@ from contextlib import contextmanager, nullcontext
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import transformers
-from torch.distributed.tensor import DTensor
 
-from libai_zoo import distributed, models
+from libai_zoo import distributed, layers, models
+from libai_zoo.distributed.collectives import gather_from_sp
 from libai_zoo.layers import Experts
+from libai_zoo.layers import linear as linear_module
 from libai_zoo.models.decoder import DecoderForCausalLM
 from libai_zoo.models.llama import LlamaModel, llama_layer, llama_spec
-from libai_zoo.parallel import apply_activation_checkpointing
-from libai_zoo.plan.activations import SavedActivations, Shapes
+from libai_zoo.parallel import apply_activation_checkpointing, cast_residual, residual_dtype
+from libai_zoo.plan.activations import (SavedActivations, Shapes, first_layer_saved_bytes, reference_layer_bytes,
+                                        saved_bytes)
 from libai_zoo.plan.fake_world import fake_world
 from libai_zoo.plan.layouts import Layout
 from libai_zoo.plan.memory import _rank_layer_kinds
@@ -88,30 +91,6 @@ MODELS = {
 }
 MODELS["qwen3_moe_bf16"] = lambda layers_: MODELS["qwen3_moe"](layers_).to(torch.bfloat16)
 TWO_KINDS = ("sandwich", "qwen3_moe", "qwen3_moe_bf16")
-
-
-def parameter_storages(model: torch.nn.Module) -> set[int]:
-    """data_ptr of every parameter's (local) storage: saved too, but not activations."""
-    storages = set()
-    for param in model.parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        storages.add(local.untyped_storage().data_ptr())
-    return storages
-
-
-def saved_bytes(run, model: torch.nn.Module):
-    """(bytes of the distinct storages saved for backward while `run()` runs, parameters excluded, run's result)."""
-    exclude, seen = parameter_storages(model), {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in exclude:
-            seen.setdefault(storage.data_ptr(), storage.nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        result = run()
-    return sum(seen.values()), result
 
 
 @contextmanager
@@ -265,3 +244,100 @@ def test_identical_layers_share_one_kind():
     assert table.activations.layer_kinds == (0, 1, 0, 1, 0, 1)
     pipeline = Layout(1, 1, 2, schedule="1f1b")  # layers 0-2 and 3-5
     assert [_rank_layer_kinds(table, pipeline, rank) for rank in (0, 1)] == [((0, 2), (1, 1)), ((0, 1), (1, 2))]
+
+
+def _gathering_linears(inputs, tp, projections, dim=1):
+    """What column layers under sequence parallelism did before `gathered_linears`: `F.linear` on
+    the all-gathered input, which autograd then keeps whole for the weight gradient."""
+    whole = [gather_from_sp(x, tp, dim) for x in inputs]
+    return [whole[i] if w is None else F.linear(whole[i], w, b) for i, w, b in projections]
+
+
+def _layer_saved_bytes(layer: torch.nn.Module, tp: int, width: int) -> tuple[int, int]:
+    """(bytes `layer` saves for a bf16 micro-batch of 2 × 64 tokens sharded over a fake tp group
+    under sequence parallelism, bytes of this rank's input shard)."""
+    with fake_world(tp, 0, tp=tp, sequence_parallel=True) as ctx:
+        distributed.shard(layer, ctx)
+        x = torch.randn(2, 64 // tp, width, dtype=BF16, requires_grad=True)
+        measured, out = saved_bytes(lambda: layer(x), layer)
+        out.float().sum().backward()
+    return measured, x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_column_layer_under_sp_saves_its_input_shard(tp):
+    """Megatron's column-parallel linear under SP: backward gathers the input again, so what stays
+    saved is this rank's shard of it, not the all-gathered sequence."""
+    torch.manual_seed(0)
+    layer = layers.Linear(64, 128, parallel="col", dtype=BF16)
+    measured, shard = _layer_saved_bytes(layer, tp, 64)
+    assert measured == shard, f"a column layer at tp{tp}+SP saves {measured} B for a {shard} B input shard"
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_layer_under_sp_saves_no_gathered_input(kind, tp, monkeypatch):
+    """A Llama and a GPT layer (bf16) at tp+SP save less than with the gathered column inputs kept
+    (the old path, `_gathering_linears`), by exactly the two syncs' gathered inputs less the shards
+    they keep instead (attention's qkv and the MLP's input: (tp - 1) shards each)."""
+    def build():
+        torch.manual_seed(0)
+        if kind == "llama":
+            return layers.TransformerLayer(64, 8, 192, num_kv_heads=4, norm="rmsnorm", activation="silu",
+                                           gated_mlp=True, bias=False, causal=True, rope_theta=10000.0, dtype=BF16)
+        return layers.TransformerLayer(64, 8, 256, activation="gelu_new", causal=True, dtype=BF16)
+
+    measured, shard = _layer_saved_bytes(build(), tp, 64)
+    monkeypatch.setattr(linear_module, "gathered_linears", _gathering_linears)
+    gathered, _ = _layer_saved_bytes(build(), tp, 64)
+    print(f"{kind} tp{tp}+SP: {gathered} B with the gathered inputs kept, {measured} B now")
+    assert gathered - measured == 2 * (tp - 1) * shard
+
+
+LEAN_CASES = {  # a layer as Megatron-LM's accounting has it: (model, MLP width, heads per KV head, gated)
+    "gpt": (lambda: models.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=256, n_layer=1, n_head=16, n_inner=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)), 1024, 1, False),
+    "llama": (lambda: models.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=688, bos_token_id=1, eos_token_id=2)), 688, 2, True),
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("family", sorted(LEAN_CASES))
+def test_a_layer_saves_what_megatron_accounts(family, tp):
+    """One bf16 layer (bf16 weights and input, s 128, b 2, h 256) under tp with sequence
+    parallelism saves at most 1.10 × Korthikanti et al.'s accounting (`reference_layer_bytes`):
+    norms keep their input only, rotary no copy of q and k, the gated MLP gate and up once, a
+    column-parallel linear its sequence shard."""
+    build, ffn, groups, gated = LEAN_CASES[family]
+    torch.manual_seed(0)
+    saved = first_layer_saved_bytes(build().to(torch.bfloat16).train(), 2, 128, tp)
+    ratio = saved / reference_layer_bytes(2 * 128, 256, ffn, kv_groups=groups, gated=gated, tp=tp)
+    assert ratio <= 1.10, f"{family} layer at tp{tp}{' + SP' if tp > 1 else ''}: {ratio:.3f} × the accounting"
+
+
+@pytest.mark.parametrize("fp32", [False, True], ids=["bf16_residual", "fp32_residual"])
+def test_the_residual_stream_has_the_stated_precision(fp32):
+    """Under bf16 autocast with float32 weights (no FSDP2 bf16 parameters), `cast_residual` hands
+    each layer its hidden states in bf16 (the default) or float32 (``train.amp.fp32_residual``);
+    the planner's figure is the real one, and float32 costs a layer its two norms' inputs in 4
+    bytes instead of 2: 4 bytes per token and hidden unit."""
+    batch, seq = 2, 64
+    dtype = residual_dtype(BF16, fp32)
+    model = MODELS["gpt2_nodrop"](2).train()
+    stack = models.get_layer_stack(model)
+    cast_residual(stack, dtype)
+    seen = []
+    stack[1].register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    x = torch.randn(batch, seq, 64, requires_grad=True)  # the float32 embedding output
+    with autocast(BF16):
+        measured, out = saved_bytes(lambda: stack[1](stack[0](x)), model)
+    assert seen == [dtype]
+    with torch.device("meta"):
+        planner = SavedActivations(MODELS["gpt2_nodrop"](2))
+    planned = {d: planner.layer(0, Shapes(batch, seq, amp_dtype=BF16, device="cpu", residual_dtype=d))
+               for d in (torch.bfloat16, torch.float32)}
+    check(measured, 2 * planned[dtype], "two layers")
+    assert planned[torch.float32] - planned[torch.bfloat16] == 4 * batch * seq * 64

@@ -527,14 +527,15 @@ def test_transformer_layer_issues_megatron_collectives(results):
     # Megatron-LM: attention and MLP each one all-reduce forward (row output) and one backward (column input).
     assert counts[(False, False)] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}, "finalize": {}}
     # Sequence parallel: each all-reduce becomes an all-gather + reduce-scatter pair; the partial
-    # gradients of norms and row biases are summed once, in one coalesced all-reduce.
+    # gradients of norms and row biases are summed once, in one coalesced all-reduce. A column
+    # layer keeps its input's shard and gathers it again in backward for its weight gradient.
     assert counts[(True, False)] == {"forward": {"all_gather": 2, "reduce_scatter": 2},
-                                     "backward": {"all_gather": 2, "reduce_scatter": 2},
+                                     "backward": {"all_gather": 4, "reduce_scatter": 2},
                                      "finalize": {"all_reduce": 1}}
     # Parallel block: attention and MLP share one input sync and one output reduction.
     assert counts[(False, True)] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}, "finalize": {}}
     assert counts[(True, True)] == {"forward": {"all_gather": 1, "reduce_scatter": 1},
-                                    "backward": {"all_gather": 1, "reduce_scatter": 1},
+                                    "backward": {"all_gather": 2, "reduce_scatter": 1},
                                     "finalize": {"all_reduce": 1}}
 
 

@@ -71,6 +71,9 @@ class Section:
 class AmpConfig(Section):
     enabled: bool = False               # autocast forward
     dtype: str = "bf16"                 # "bf16" or "fp16"
+    # The residual stream in float32 under autocast (Megatron's --fp32-residual-connection): more
+    # precise sums, 4 bytes per token and hidden unit more per layer; default: in `dtype`, as Megatron.
+    fp32_residual: bool = False
 
 
 @dataclass

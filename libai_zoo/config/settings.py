@@ -43,6 +43,8 @@ class RunSettings:
     seq_len: int | None
     #: The autocast dtype of ``train.amp``; None without autocast.
     amp_dtype: torch.dtype | None
+    #: ``train.amp.fp32_residual``: the residual stream in float32 under autocast, not amp_dtype.
+    fp32_residual: bool
     pipeline: PipelineSettings
     micro_batch_size: int
     global_batch_size: int
@@ -66,6 +68,7 @@ def run_settings(cfg: DictConfig) -> RunSettings:
     return RunSettings(
         seq_len=_sequence_length(cfg.get("dataloader")),
         amp_dtype=_amp_dtype(train),
+        fp32_residual=train.amp.fp32_residual,
         pipeline=PipelineSettings(pipe.schedule, pipe.virtual_stages,
                                   None if pipe.boundaries is None else tuple(pipe.boundaries)),
         micro_batch_size=train.micro_batch_size,

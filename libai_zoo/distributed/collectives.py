@@ -32,26 +32,48 @@ def _check_splittable(x: torch.Tensor, tp: TensorParallel, dim: int) -> None:
             f"is the sequence length)")
 
 
-def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
-    """Concatenate every tp rank's `x` along `dim` (no autograd)."""
+class Pending:
+    """A collective started with ``async_op=True``; `wait` finishes it and returns its result.
+    `buffers` (its input) stay alive until then."""
+
+    def __init__(self, work, finish, *buffers: torch.Tensor):
+        self.work, self.finish, self.buffers = work, finish, buffers
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.finish()
+
+
+def all_gather_async(x: torch.Tensor, tp: TensorParallel, dim: int) -> Pending:
+    """Start concatenating every tp rank's `x` along `dim` (no autograd)."""
     x = x.contiguous()
     out = x.new_empty((tp.size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=tp.group)
+    work = dist.all_gather_single(out, x, group=tp.group, async_op=True)
     if dim % x.dim() == 0:
-        return out
-    return torch.cat(out.chunk(tp.size), dim=dim)
+        return Pending(work, lambda: out, x)
+    return Pending(work, lambda: torch.cat(out.chunk(tp.size), dim=dim), x)
 
 
-def reduce_scatter(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
-    """Sum `x` over tp ranks and keep this rank's equal slice along `dim` (no autograd)."""
+def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+    """Concatenate every tp rank's `x` along `dim` (no autograd)."""
+    return all_gather_async(x, tp, dim).wait()
+
+
+def reduce_scatter_async(x: torch.Tensor, tp: TensorParallel, dim: int) -> Pending:
+    """Start summing `x` over tp ranks, keeping this rank's equal slice along `dim` (no autograd)."""
     _check_splittable(x, tp, dim)
     if dim % x.dim() == 0:
         x = x.contiguous()
     else:  # lay the slices one after another along dim 0, the layout the collective splits
         x = torch.cat(x.chunk(tp.size, dim), dim=0)
     out = x.new_empty((x.shape[0] // tp.size, *x.shape[1:]))
-    dist.reduce_scatter_single(out, x, group=tp.group)
-    return out
+    work = dist.reduce_scatter_single(out, x, group=tp.group, async_op=True)
+    return Pending(work, lambda: out, x)
+
+
+def reduce_scatter(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+    """Sum `x` over tp ranks and keep this rank's equal slice along `dim` (no autograd)."""
+    return reduce_scatter_async(x, tp, dim).wait()
 
 
 def split(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
@@ -169,12 +191,6 @@ def gather_from_sp(x: torch.Tensor, tp: TensorParallel, dim: int = 1) -> torch.T
 def reduce_scatter_to_sp(x: torch.Tensor, tp: TensorParallel, dim: int = 1) -> torch.Tensor:
     """Reduce-scatter over the sequence forward; all-gather the gradient backward."""
     return _ReduceScatterToSP.apply(x, tp, dim)
-
-
-def column_input(x: torch.Tensor, tp: TensorParallel, sequence_parallel: bool) -> torch.Tensor:
-    """Hand an activation to column-parallel layers: `copy_to_tp` of a replicated one, or the
-    all-gather of sequence shards (`gather_from_sp`) under sequence parallelism."""
-    return gather_from_sp(x, tp) if sequence_parallel else copy_to_tp(x, tp)
 
 
 def row_output(x: torch.Tensor, tp: TensorParallel, sequence_parallel: bool) -> torch.Tensor:

@@ -34,7 +34,8 @@ from libai_zoo.layers import lora_adapters
 from libai_zoo.models import get_layer_stack
 from libai_zoo.optim import build_optimizer
 from libai_zoo.plan import agree_on_layout
-from libai_zoo.parallel import DataParallel, Parallelized, fsdp_param_dtype, layer_by_layer, materialize, parallelize
+from libai_zoo.parallel import (DataParallel, Parallelized, fsdp_param_dtype, layer_by_layer, materialize, parallelize,
+                                residual_dtype)
 from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
 from . import hooks
@@ -99,7 +100,7 @@ class DefaultTrainer(TrainerBase):
         seed_all(train.seed)
         self.data_parallel = DataParallel(
             self.ctx, train.zero_stage, offload=train.zero_offload,
-            param_dtype=fsdp_param_dtype(self.amp_dtype, train.zero_stage))
+            param_dtype=fsdp_param_dtype(self.amp_dtype))
         built = self.build_model(cfg)
         self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
         self.whole_model = built.model
@@ -153,7 +154,8 @@ class DefaultTrainer(TrainerBase):
         built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
                             pipeline=self.settings.pipeline,
                             activation_checkpoint=cfg.train.activation_checkpoint.enabled,
-                            compile_with=cfg.train.compile)
+                            compile_with=cfg.train.compile,
+                            residual=residual_dtype(self.amp_dtype, self.settings.fp32_residual))
         model, parts, pipeline = built.model, built.parts, built.pipeline
         seq_len = self.settings.seq_len  # MFU needs it; of the whole model, not of a pipeline stage
         aliases = pipeline.tied_aliases() if pipeline is not None else None

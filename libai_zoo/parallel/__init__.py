@@ -8,8 +8,10 @@ from .materialize import init_parameters, materialize, parameter_seed
 from .parallelize import Parallelized, parallelize
 from .pipeline import (SCHEDULES, Pipeline, check_pipeline_layout, schedule_evaluates, split_layers, splits_backward,
                        stage_ranks)
+from .residual_precision import cast_residual, residual_dtype, to_residual
 from .sharded_generation import layer_by_layer
 
 __all__ = ["apply_activation_checkpointing", "DataParallel", "fsdp_param_dtype", "Pipeline", "SCHEDULES",
            "split_layers", "stage_ranks", "splits_backward", "schedule_evaluates", "check_pipeline_layout",
-           "materialize", "parallelize", "Parallelized", "init_parameters", "parameter_seed", "layer_by_layer"]
+           "materialize", "parallelize", "Parallelized", "init_parameters", "parameter_seed", "layer_by_layer",
+           "cast_residual", "residual_dtype", "to_residual"]

@@ -4,7 +4,8 @@
                   (at least 25 MiB of parameters each, DDP's bucket size: one layer of a 1B model)
                   and on the root: every rank keeps everything; a bucket's gradients are
                   all-reduced as soon as backward has made them (after the last micro-batch),
-                  overlapping the rest of backward
+                  overlapping the rest of backward; under bf16 autocast the forward gets a bf16
+                  copy of the parameters, kept through the step's micro-batches as at ZeRO 1-2
     zero_stage 1  `fully_shard`, parameters kept gathered through a step's micro-batches and
                   gradients kept whole until the last one, then reduce-scattered: optimizer state
                   (and the parameters between steps) 1/dp per rank, every tensor cut evenly
@@ -50,10 +51,13 @@ from libai_zoo.utils import parameter_bytes
 BUCKET_BYTES = 25 * 2**20
 
 
-def fsdp_param_dtype(amp_dtype: torch.dtype | None, zero_stage: int) -> torch.dtype | None:
-    """The dtype FSDP2 gathers parameters in: bf16 under bf16 autocast at ZeRO 1-3 (the layers then
-    compute on bf16 weights and reduce in float32), else None (the parameters' own)."""
-    return torch.bfloat16 if amp_dtype == torch.bfloat16 and zero_stage >= 1 else None
+def fsdp_param_dtype(amp_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype FSDP2 hands the forward its parameters in, at every ZeRO stage (`replicate`'s
+    mixed-precision policy at ZeRO-0): bf16 under bf16 autocast, so the layers compute on one bf16
+    copy per step instead of autocast casting every weight again for each micro-batch, while the
+    optimizer keeps float32 master weights and gradients are reduced in float32; else None (the
+    parameters' own)."""
+    return torch.bfloat16 if amp_dtype == torch.bfloat16 else None
 
 
 def buckets(layers: list[nn.Module], min_bytes: int) -> list[list[nn.Module]]:

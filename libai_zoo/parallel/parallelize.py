@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from libai_zoo import distributed
@@ -17,6 +18,7 @@ from libai_zoo.models import check_trainable, get_layer_stack
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel
 from .pipeline import Pipeline
+from .residual_precision import cast_residual
 
 logger = logging.getLogger("libai_zoo")
 
@@ -42,10 +44,12 @@ class Parallelized:
 
 def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_parallel: DataParallel, *,
                 num_micro_batches: int = 1, pipeline: PipelineSettings | None = None,
-                activation_checkpoint: bool = False, compile_with: bool | str = False) -> Parallelized:
+                activation_checkpoint: bool = False, compile_with: bool | str = False,
+                residual: torch.dtype | None = None) -> Parallelized:
     """`distributed.shard` over tp; at pp > 1 this rank's stages (``pipeline``: `run_settings(cfg).pipeline`);
-    activation checkpointing and torch.compile (True: inductor, or a backend name) per layer of the
-    layer stack; then `data_parallel.wrap` of the model or of each stage."""
+    the residual stream in `residual` under autocast (`cast_residual`), activation checkpointing and
+    torch.compile (True: inductor, or a backend name) per layer of the layer stack; then
+    `data_parallel.wrap` of the model or of each stage."""
     check_trainable(model)
     model = distributed.shard(model, ctx)
     stages = None
@@ -59,6 +63,7 @@ def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_paralle
         parts, roots = stages.model_parts, stages.stages
     stacks = [list(get_layer_stack(part)) for part in parts]
     layers = [layer for stack in stacks for layer in stack]
+    cast_residual(layers, residual)
     if activation_checkpoint:
         logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(layers))
     if compile_with:

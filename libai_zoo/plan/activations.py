@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
@@ -68,6 +68,7 @@ from libai_zoo import distributed
 from libai_zoo.distributed import local
 from libai_zoo.layers import Attention, LatentAttention, LMHead
 from libai_zoo.models import get_layer_stack
+from libai_zoo.parallel import to_residual
 
 from .fake_world import fake_world
 
@@ -125,6 +126,7 @@ class Shapes:
     device: str = "cuda"  # "cuda" or "cpu": the device the run is planned for
     ep: int = 1  # expert parallelism: an MoE layer's experts over ep × tp ranks
     routing_imbalance: float = 1.0  # the most loaded rank of an expert group receives this × its fair share
+    residual_dtype: torch.dtype | None = None  # the layers' hidden states under autocast (None: the embedding's)
     cp: int = 1  # context parallelism: each sample's sequence split over cp ranks
 
     def __post_init__(self):
@@ -168,6 +170,49 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     while the storage lives)."""
     storage = tensor.untyped_storage()
     return storage._cdata, storage.nbytes()
+
+
+def saved_bytes(run: Callable[[], object], model: nn.Module) -> tuple[int, object]:
+    """(bytes of the distinct storages autograd saves for backward while `run()` runs, `model`'s
+    parameters left out; run's result): what a forward on real tensors keeps, as the planner counts it."""
+    parameters = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = run()
+    return sum(seen.values()), result
+
+
+def first_layer_saved_bytes(model: nn.Module, micro_batch: int, seq_len: int, tp: int = 1) -> int:
+    """Bytes the first layer of `model` saves for one micro-batch of random hidden states in the
+    parameters' dtype, on rank 0 of a fake tp group of `tp` ranks with sequence parallelism
+    (`fake_world`), counted on real tensors (`saved_bytes`). The graph is then run backward."""
+    with fake_world(tp, 0, tp=tp, sequence_parallel=True) if tp > 1 else nullcontext() as ctx:
+        if tp > 1:
+            distributed.shard(model, ctx)
+        layer = get_layer_stack(model)[0]
+        x = torch.randn(micro_batch, seq_len // tp, model.config.hidden_size, dtype=next(model.parameters()).dtype,
+                        requires_grad=True)
+        saved, out = saved_bytes(lambda: layer(x), model)
+        out.float().sum().backward()  # the graph is whole
+    return saved
+
+
+def reference_layer_bytes(tokens: int, hidden: int, ffn: int, *, kv_groups: int = 1, gated: bool = False,
+                          tp: int = 1) -> float:
+    """A transformer layer's saved bytes as Korthikanti et al. 2022 account them (16-bit
+    activations, fused attention, no dropout, tensor + sequence parallelism over `tp`): per token
+    the two norms' inputs 4·h, attention 6·h + 4·h/g (the qkv input, q, k and v of g = heads / KV
+    heads, the output projection's input), the MLP's input 2·h and 4·f (or 6·f gated: gate, up and
+    the down projection's input). GPT (f = 4h, g = 1): 32·s·b·h/t."""
+    per_token = 12 * hidden + 4 * hidden / kv_groups + (6 if gated else 4) * ffn
+    return tokens * per_token / tp
 
 
 class _FakeMode(FakeTensorMode):
@@ -462,6 +507,7 @@ class SavedActivations:
             key, size = _storage(embedded)
             own = embedded.numel() * embedded.element_size()
             for kind, layer in enumerate(stack):
+                hidden = to_residual(hidden, shapes.residual_dtype)  # as `cast_residual` hands it the layer
                 inputs_bytes.append(hidden.numel() * hidden.element_size())
                 with counter.charging(kind):
                     hidden = layer(hidden, **layer_inputs)

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from libai_zoo.config import PipelineSettings, instantiate, run_settings
 from libai_zoo.hf import apply_lora_config
 from libai_zoo.optim import build_optimizer, unique_parameters
-from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize
+from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize, residual_dtype
 from libai_zoo.utils import local_bytes, optimizer_state_bytes
 
 from .fake_world import fake_world
@@ -44,11 +44,12 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
             model = instantiate(cfg.model)
             apply_lora_config(model, run.lora)
         data_parallel = DataParallel(ctx, layout.zero_stage,
-                                     param_dtype=fsdp_param_dtype(run.amp_dtype, layout.zero_stage))
+                                     param_dtype=fsdp_param_dtype(run.amp_dtype))
         # the layout's schedule, its layers split evenly (as the planner's overrides run it)
         pipeline = PipelineSettings(layout.schedule, layout.virtual_stages) if layout.pp > 1 else None
         built = parallelize(model, ctx, data_parallel, num_micro_batches=layout.num_micro_batches(run.global_batch_size),
-                            pipeline=pipeline, activation_checkpoint=layout.activation_checkpoint)
+                            pipeline=pipeline, activation_checkpoint=layout.activation_checkpoint,
+                            residual=residual_dtype(run.amp_dtype, run.fp32_residual))
         params = unique_parameters(built.parts)
         for param in params:
             if param.requires_grad:

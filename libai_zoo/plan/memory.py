@@ -15,12 +15,13 @@ Static state is exact (the planner must equal `dry_run` and a real run to the by
 
 Transient terms, at the step's peak:
 
-    gathered     FSDP2's all-gathered parameters (in the compute dtype under bf16 autocast): every
-                 unit of the rank from forward to backward at ZeRO 1-2 (they reshard after
+    gathered     FSDP2's all-gathered parameters (in the compute dtype under bf16 autocast; at ZeRO-0
+                 the bf16 copy `replicate` computes on): every unit of the rank from forward to
+                 backward at ZeRO 0-2 (they reshard after
                  backward), the root unit (embeddings, head: FSDP2 keeps the root gathered) plus
                  the two largest layers at ZeRO 3 (the one computing and the one prefetched),
-                 everything under a zero-bubble schedule (kept gathered); at ZeRO 1 with more than one
-                 micro-batch also the unsharded gradients it accumulates
+                 everything under a zero-bubble schedule (kept gathered); at ZeRO 1 (and 0 under
+                 bf16) with more than one micro-batch also the unsharded gradients it accumulates
     activations  what each layer saves for backward (measured: `activations.py`) × the micro-batches in
                  flight on this rank (gpipe: all; 1F1B: pp − rank; interleaved 1F1B: torch's
                  warm-up count + 1, in chunks of 1/v; zero bubble: the first rank's count on every
@@ -46,7 +47,7 @@ from torch import nn
 
 from libai_zoo.layers import LMHead
 from libai_zoo.optim import build_optimizer
-from libai_zoo.parallel import fsdp_param_dtype, split_layers, stage_ranks
+from libai_zoo.parallel import fsdp_param_dtype, residual_dtype, split_layers, stage_ranks
 from libai_zoo.utils import TensorMemoryPeak
 
 from .activations import Shapes
@@ -278,9 +279,11 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
     """FSDP2's gathered parameters, and the whole gradients it accumulates over micro-batches, at
     the step's peak. Without pp: ZeRO 1-2 keep every unit gathered from forward to backward, ZeRO-3
     the root and about two layers (computing, prefetched); ZeRO-1 accumulates whole gradients.
+    ZeRO-0 gathers nothing, but under bf16 autocast `replicate` holds a bf16 copy of every unit
+    through the step and accumulates whole float32 gradients, as ZeRO-1.
     Under pp the schedule syncs a stage once, after its last micro-batch: every ZeRO stage
     accumulates whole gradients, and ZeRO-3 keeps the stage gathered from its first backward."""
-    if layout.zero_stage == 0 or layout.dp_cp == 1:
+    if layout.dp_cp == 1 or (layout.zero_stage == 0 and compute_dtype is None):
         return 0
     element = compute_dtype.itemsize if compute_dtype is not None else None
     if layout.zero_stage < 3 or layout.pp > 1:
@@ -292,7 +295,7 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
         biggest = sorted((size for size, count in layers for _ in range(min(2, count))), reverse=True)[:2]
         total = sum(biggest) + sum(_group_unsharded(table, key, *sizes)
                                    for key, _ in groups if not isinstance(key, int))
-    if num_micro_batches > 1 and (layout.zero_stage == 1 or layout.pp > 1):
+    if num_micro_batches > 1 and (layout.zero_stage <= 1 or layout.pp > 1):
         total += unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)  # float32: FSDP's reduce dtype
     return total
 
@@ -349,15 +352,16 @@ def _activations(table: ModelTable, part: str, shapes: Shapes, kind: int, checkp
 
 def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: int, num_micro_batches: int,
                      amp_dtype: torch.dtype | None, device: str = "cuda",
-                     routing_imbalance: float = 1.0) -> tuple[int, int]:
+                     routing_imbalance: float = 1.0, fp32_residual: bool = False) -> tuple[int, int]:
     """(activations of the layers and embedding, logits and loss of the head) held at the peak, on
     a "cuda" or "cpu" device (their attention kernels and dropout masks differ); MoE layers routed
     as `Shapes.routing_imbalance` states; under cp a rank's seq_len / cp tokens, its attention
     holding the gathered keys and values of the whole sequence (`SavedActivations.gathered_kv`)."""
     shapes = Shapes(layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, device,
-                    layout.ep, routing_imbalance if table.moe else 1.0, layout.cp)
-    # FSDP2 hands the layers bf16 parameters under bf16 autocast at ZeRO 1-3: no matmul keeps a cast copy
-    low = layout.dp_cp > 1 and fsdp_param_dtype(amp_dtype, layout.zero_stage) is not None
+                    layout.ep, routing_imbalance if table.moe else 1.0, residual_dtype(amp_dtype, fp32_residual),
+                    layout.cp)
+    # FSDP2 hands the layers bf16 parameters under bf16 autocast at every ZeRO stage: no matmul keeps a cast copy
+    low = layout.dp_cp > 1 and fsdp_param_dtype(amp_dtype) is not None
     in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
     stages = rank_stages(table, layout, pp_rank)
     kinds = _rank_layer_kinds(table, layout, pp_rank)
@@ -381,16 +385,18 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
 
 def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch_size: int,
                 amp_dtype: torch.dtype | None = None, optimizer: OptimizerState = ADAMW,
-                overhead: int = 0, device: str = "cuda", routing_imbalance: float = 1.0) -> MemoryBreakdown:
+                overhead: int = 0, device: str = "cuda", routing_imbalance: float = 1.0,
+                fp32_residual: bool = False) -> MemoryBreakdown:
     """The predicted peak of the rank that holds the most (every pp rank at dp rank 0) on a "cuda"
     or "cpu" device; an MoE model's most loaded rank of an expert group receiving
     `routing_imbalance` × its share of the routed tokens."""
     m = layout.num_micro_batches(global_batch_size)
-    compute_dtype = fsdp_param_dtype(amp_dtype, layout.zero_stage)
+    compute_dtype = fsdp_param_dtype(amp_dtype)
     best = None
     for pp_rank in range(layout.pp):
         state = state_bytes(table, layout, pp_rank, 0, optimizer)
-        acts, logits = activation_bytes(table, layout, pp_rank, seq_len, m, amp_dtype, device, routing_imbalance)
+        acts, logits = activation_bytes(table, layout, pp_rank, seq_len, m, amp_dtype, device, routing_imbalance,
+                                        fp32_residual)
         breakdown = MemoryBreakdown(state.params, state.grads, state.optimizer,
                                     gathered_bytes(table, layout, pp_rank, m, compute_dtype), acts, logits,
                                     int(optimizer.step_per_byte * state.params), overhead, pp_rank)

@@ -176,7 +176,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
         considered += 1
         memory = rank_memory(table, layout, seq_len=seq_len, global_batch_size=global_batch, amp_dtype=amp_dtype,
                              optimizer=optimizer, overhead=overhead_bytes, device="cpu" if on_cpu else "cuda",
-                             routing_imbalance=routing_imbalance)
+                             routing_imbalance=routing_imbalance, fp32_residual=run.fp32_residual)
         fits = memory.total <= memory_bytes
         too_big += not fits
         if not fits and not judge_all:
