@@ -77,7 +77,7 @@ def run_dry_run(cfg, world_size: int, as_json: bool) -> bool:
     unit, name = (GiB, "GiB") if rows[0]["dry_run"]["params"] >= GiB / 8 else (2**20, "MiB")
     print(f"dry run of {layout.short()} on {world_size} ranks ({table.model_type}, "
           f"{table.total_parameters / 1e6:,.1f}M parameters): bytes each rank holds between steps")
-    print(f"{'rank':>6} {'pp':>3} {'dp':>4}  {'params ' + name:>11} {'grads ' + name:>10} "
+    print(f"{'rank':>6} {'pp':>3} {'dp' if layout.cp == 1 else 'dpcp':>4}  {'params ' + name:>11} {'grads ' + name:>10} "
           f"{'optim ' + name:>10}  planner")
     for row in rows:
         got = row["dry_run"]

@@ -60,13 +60,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from libai_zoo import distributed
-from libai_zoo.distributed import local
-from libai_zoo.layers import Attention, LatentAttention, LMHead
+from libai_zoo.distributed import ContextParallel, local
+from libai_zoo.layers import LMHead, context_attention
 from libai_zoo.models import get_layer_stack
 from libai_zoo.parallel import to_residual
 
@@ -104,16 +105,6 @@ def sdpa_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_he
     return "fused"
 
 
-def gathered_kv_width(attention: nn.Module, tp: int) -> int:
-    """Elements per token of the keys and values a tp rank of `attention` computes (its KV heads,
-    one when tp exceeds them: each rank then holds a replica; a latent attention's per-head keys
-    and values of its heads)."""
-    if isinstance(attention, LatentAttention):
-        return attention.num_heads // tp * (attention.qk_head_dim + attention.v_head_dim)
-    kv_heads = attention.num_kv_heads // tp if attention.num_kv_heads % tp == 0 else 1
-    return 2 * kv_heads * attention.head_dim
-
-
 @dataclass(frozen=True)
 class Shapes:
     """What one rank's micro-batch looks like: the key of a measurement."""
@@ -138,9 +129,10 @@ class Shapes:
             raise ValueError(f"sequence parallelism needs a rank's seq_len / cp ({self.seq_len // self.cp}) "
                              f"divisible by tp ({self.tp})")
 
-    def local(self) -> Shapes:
-        """The shapes of one cp rank's part of the sequence, as a run without cp would have them."""
-        return replace(self, seq_len=self.seq_len // self.cp, cp=1)
+    @property
+    def local_seq_len(self) -> int:
+        """The tokens of each sample a rank runs: seq_len / cp."""
+        return self.seq_len // self.cp
 
 
 def module_signature(module: nn.Module) -> tuple:
@@ -250,6 +242,8 @@ class _TargetKernels(TorchFunctionMode):
 
     @staticmethod
     def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if isinstance(attn_mask, CausalBias):  # lower-right causal (cp's chunks): a flag to CUDA's fused kernels
+            attn_mask, is_causal = None, True
         if torch.is_autocast_enabled("cpu"):  # what autocast would do to SDPA's inputs
             dtype = torch.get_autocast_dtype("cpu")
             q, k, v = (t.to(dtype) for t in (q, k, v))
@@ -284,6 +278,23 @@ class _PlannedRouting(TorchFunctionMode):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+@contextmanager
+def _real_causal_biases() -> Iterator[None]:
+    """Attention under cp builds its lower-right causal masks (`causal_lower_right`, a tensor
+    subclass holding no data) outside the fake mode, which cannot make them."""
+    original = context_attention.causal_lower_right
+
+    def causal_lower_right(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    context_attention.causal_lower_right = causal_lower_right
+    try:
+        yield
+    finally:
+        context_attention.causal_lower_right = original
 
 
 @contextmanager
@@ -405,31 +416,16 @@ class SavedActivations:
             if checkpointed:
                 return m.layers_input[kind]
             return m.layers[kind] - (m.layers_cast[kind] if low_precision_weights else 0)
-        gathered = 0 if checkpointed else self.gathered_kv(kind, shapes)
-        return self._extended(pick, shapes.local(), part="layer") + gathered
-
-    def gathered_kv(self, kind: int, shapes: Shapes) -> int:
-        """Under cp, the keys and values of the other cp ranks' tokens that a layer's attention
-        all-gathers and keeps for backward ((cp − 1) × its own, in the compute dtype): counted, not
-        measured (the layer runs on a cp rank's tokens alone)."""
-        if shapes.cp == 1:
-            return 0
-        layer = get_layer_stack(self._probe)[kind]
-        width = sum(gathered_kv_width(m, shapes.tp) for m in layer.modules()
-                    if isinstance(m, (Attention, LatentAttention)))
-        dtype = shapes.amp_dtype or next(layer.parameters()).dtype
-        tokens = shapes.micro_batch * shapes.seq_len // shapes.cp
-        return (shapes.cp - 1) * tokens * width * dtype.itemsize
+        return self._extended(pick, shapes, part="layer")
 
     def embedding(self, shapes: Shapes, *, low_precision_weights: bool = False) -> int:
         """Bytes the first stage's own modules save (the first layer's input is that layer's)."""
-        return self._extended(lambda m: m.embedding - (m.embedding_cast if low_precision_weights else 0),
-                              shapes.local(), part="embedding")
+        return self._extended(lambda m: m.embedding - (m.embedding_cast if low_precision_weights else 0), shapes,
+                              part="embedding")
 
     def head(self, shapes: Shapes, *, low_precision_weights: bool = False) -> int:
         """Bytes the final norm, head and loss save."""
-        return self._extended(lambda m: m.head - (m.head_cast if low_precision_weights else 0), shapes.local(),
-                              part="head")
+        return self._extended(lambda m: m.head - (m.head_cast if low_precision_weights else 0), shapes, part="head")
 
     def _extended(self, pick, shapes: Shapes, part: str) -> int:
         """`pick` of the measurement at `shapes`, or extended linearly in the micro-batch size."""
@@ -438,7 +434,7 @@ class SavedActivations:
         if batch <= 2:
             return pick(self._measured(shapes, (batch,), head)[batch])
         if head and self._chunked(shapes, 2) != self._chunked(shapes, batch):
-            low = self._chunk_tokens(shapes) // shapes.seq_len + 1  # the first size that chunks
+            low = self._chunk_tokens(shapes) // shapes.local_seq_len + 1  # the first size that chunks
             if low + 1 >= batch:
                 return pick(self._measured(shapes, (batch,), head)[batch])
         else:
@@ -455,7 +451,7 @@ class SavedActivations:
         return max(1, head.chunk_bytes // (4 * (head.out_features // shapes.tp)))
 
     def _chunked(self, shapes: Shapes, batch: int) -> bool:
-        return self._lm_head is not None and batch * shapes.seq_len > self._chunk_tokens(shapes)
+        return self._lm_head is not None and batch * shapes.local_seq_len > self._chunk_tokens(shapes)
 
     def _measured(self, shapes: Shapes, batches: tuple[int, ...], head_only: bool) -> dict[int, _Measured]:
         """The measurements at `shapes` with each micro-batch size of `batches` (those missing from
@@ -474,27 +470,37 @@ class SavedActivations:
 
     def _measure(self, shapes: Shapes, batches: tuple[int, ...], head_only: bool) -> dict[int, _Measured]:
         """Micro-batches of each size in `batches` through embed, the layer kinds (unless
-        ``head_only``) and the head, on a fake model split as `shapes` says."""
-        with fake_world(shapes.tp * shapes.ep, 0, dp=shapes.ep, tp=shapes.tp, ep=shapes.ep,
+        ``head_only``) and the head, on a fake model split as `shapes` says (under cp, rank 0 of a
+        fake cp group: its attention all-gathers the keys and values of the whole sequence)."""
+        with fake_world(shapes.tp * shapes.ep * shapes.cp, 0, dp=shapes.ep, tp=shapes.tp, ep=shapes.ep, cp=shapes.cp,
                         sequence_parallel=shapes.sequence_parallel) as ctx:
             model = copy.deepcopy(self._probe)
             distributed.shard(model, ctx)
             _route_as_planned(model)
             casts = _FakeMode()
             with (casts, _TargetKernels() if shapes.device == "cuda" else nullcontext(),
-                  _symmetric_exchange(shapes.routing_imbalance)):
+                  _symmetric_exchange(shapes.routing_imbalance), _real_causal_biases()):
                 model.to_empty(device="cpu")
                 model.init_buffers()
                 model.train()
                 casts.parameters = {_storage(local(p))[0] for p in model.parameters()}
-                return {batch: self._run(model, batch, shapes, casts, head_only) for batch in batches}
+                return {batch: self._run(model, batch, shapes, casts, head_only, ctx.context_parallel)
+                        for batch in batches}
 
     @staticmethod
-    def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _FakeMode, head_only: bool) -> _Measured:
+    def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _FakeMode, head_only: bool,
+             cp: ContextParallel | None) -> _Measured:
+        # (imported here: the engine imports the planner, for dist.auto)
+        from libai_zoo.engine.training_data import context_parallel_part
+
         counter = _SavedCounter(casts.parameters, casts.casts)
         ids = torch.zeros(batch, shapes.seq_len, dtype=torch.long)
         labels = ids if model.loss_unit == "token" else torch.zeros(batch, dtype=torch.long)
-        inputs, targets = model.split_batch({"input_ids": ids, "labels": labels})
+        whole = {"input_ids": ids, "labels": labels}
+        inputs, targets = model.split_batch(whole if cp is None else context_parallel_part(whole, model, cp))
+        # unpacked samples: the layers take their tokens' global places themselves (fake positions
+        # could not tell the cp mask whether the sequence restarts)
+        inputs.pop("position_ids", None)
         layer_inputs = model.layer_inputs(inputs)
         stack = [] if head_only else get_layer_stack(model)
         inputs_bytes = []

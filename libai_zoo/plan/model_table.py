@@ -22,7 +22,7 @@ from libai_zoo.hf import apply_lora_config
 from libai_zoo.layers import Attention, LatentAttention
 from libai_zoo.models import check_trainable, get_layer_stack
 
-from .activations import SavedActivations, gathered_kv_width
+from .activations import SavedActivations
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,16 @@ class ModelTable:
                                   if key not in dims and self.parameters[i].tp_dim is not None)
             self._whole[tp] = whole
         return index in self._whole[tp]
+
+
+def gathered_kv_width(attention: nn.Module, tp: int) -> int:
+    """Elements per token of the keys and values a tp rank of `attention` computes (its KV heads,
+    one when tp exceeds them: each rank then holds a replica; a latent attention's per-head keys
+    and values of its heads)."""
+    if isinstance(attention, LatentAttention):
+        return attention.num_heads // tp * (attention.qk_head_dim + attention.v_head_dim)
+    kv_heads = attention.num_kv_heads // tp if attention.num_kv_heads % tp == 0 else 1
+    return 2 * kv_heads * attention.head_dim
 
 
 def _record_experts(model: nn.Module) -> set[int]:
