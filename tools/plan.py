@@ -6,7 +6,7 @@
 
 The config's model, sequence length (dataloader.train's seq_len or max_length), global batch,
 precision (train.amp) and optimizer are the input; overrides work as in tools/train.py. The
-planner enumerates every layout the model admits (dp × tp × pp, for a Mixture of Experts ep,
+planner enumerates every layout the model admits (dp × cp × tp × pp, for a Mixture of Experts ep,
 ZeRO 0-3, activation checkpointing, sequence parallelism, micro-batch size, pipeline schedule),
 drops those that do not fit in memory and ranks the rest by predicted step time: compute measured
 on this machine's device (cached in ~/.cache/libai_zoo/planner.json) or, for another device, its
