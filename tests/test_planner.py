@@ -187,6 +187,17 @@ def test_plan_table_names_the_best_layout(plan_tool, capsys):
     assert lines[2].startswith(f"  1  {Layout.from_config(cfg, 64).short()} ")  # the first row is the best
 
 
+@ROOFLINE
+def test_a_long_sequence_is_split_over_cp(plan_tool, capsys):
+    """--seq-len plans Llama 3 8B for 65,536-token sequences on 8 H100s: the fastest layout that
+    fits splits each sequence over the whole node."""
+    config = str(ROOT / "projects" / "layout_planning" / "llama3_8b.py")
+    code, out, _ = run_tool(plan_tool, capsys, config, "--world-size", "8", "--device", "h100", "--seq-len", "65536",
+                            "--top", "1", "train.global_batch_size=8")
+    assert code == 0
+    assert overrides_of(out.splitlines()[-1].removeprefix("best: "))["dist.cp"] == "8"
+
+
 # ------------------------------------------------------------------------------ --dry-run
 def test_dry_run_llama_70b_on_512_ranks_equals_the_planner(plan_tool, capsys):
     code, out, err = run_tool(plan_tool, capsys, LLAMA_70B, "--world-size", "512", "--dry-run",
@@ -441,7 +452,7 @@ def test_enumeration_includes_cp():
     with torch.device("meta"):
         table = ModelTable(GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=1024,
                                                       n_positions=24)))
-    layouts = list(enumerate_layouts(table, 16, 8, seq_len=24, gpus_per_node=8))
+    layouts = list(enumerate_layouts(table, 16, 8, seq_len=24, gpus_per_node=16))
     assert {layout.cp for layout in layouts} == {1, 2, 4}  # 24 tokens: 16 chunks do not divide them
     assert all(layout.world_size == layout.dp * layout.cp * layout.tp * layout.pp == 16 for layout in layouts)
     assert not any(layout.ep > 1 for layout in layouts)
@@ -451,6 +462,10 @@ def test_enumeration_includes_cp():
     assert Layout(1, 2, 1, 3, cp=8) not in layouts and Layout(2, 4, 1, 0, cp=2) in layouts
     assert "dist.cp=4" in Layout(1, 4, 1, 2, cp=4).overrides()
     assert Layout(1, 4, 1, 2, cp=4).short() == "dp1 cp4 tp4 pp1 z2 mb1"
+    # on nodes of 8 the cp group stays in the node beside tp's
+    in_nodes_of_8 = list(enumerate_layouts(table, 16, 8, seq_len=24, gpus_per_node=8))
+    assert {layout.cp * layout.tp for layout in in_nodes_of_8} == {1, 2, 4, 8}
+    assert {layout.cp for layout in in_nodes_of_8} == {1, 2, 4}
 
 
 def test_step_time_by_hand_under_cp():

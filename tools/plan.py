@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Mixture of Experts: the most loaded rank of an expert group receives F times its "
                              "share of the routed tokens (default 1.0: balanced routing), in its activations, "
                              "compute and all-to-all")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="N",
+                        help="plan for sequences of N tokens (default: the config's training data's); long ones "
+                             "bring context parallelism (cp) into the picks")
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     parser.add_argument("--json", action="store_true", help='print {"candidates": [...]} best first')
     parser.add_argument("--dry-run", action="store_true",
@@ -106,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan(cfg, args.world_size, gpus_per_node=gpus_per_node, device=args.device,
                   memory_bytes=int(args.memory * GiB) if args.memory is not None else None,
                   overhead_bytes=int(args.overhead * GiB) if args.overhead is not None else None,
-                  routing_imbalance=args.routing_imbalance)
+                  routing_imbalance=args.routing_imbalance, seq_len=args.seq_len)
     if args.json:
         print(json.dumps({"considered": result.considered, "too_big": result.too_big,
                           "memory_limit_bytes": result.memory_limit, "timing": result.timing, "notes": result.notes,

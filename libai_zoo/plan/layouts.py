@@ -100,12 +100,13 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
     """Every layout `table`'s model admits on `world_size` processes: tp inside a node and splitting
     every layer evenly (the layers' own `tp_problems`), cp a power of two whose 2·cp chunks split
     `seq_len` evenly and whose group stays in the node beside tp's (cp × tp ranks: the K/V
-    exchange of every layer at NVLink, as NVIDIA's recipes place it), pp ≤ layers, dp dividing the global batch, for an MoE model each ep dividing
-    dp whose expert group (ep × tp ranks) splits the experts evenly (ep 1 under cp), each
-    micro-batch size that divides a dp rank's share, ZeRO 0-3 (0 alone when dp × cp = 1),
-    activation checkpointing off/on, sequence parallelism off/on at tp > 1 (when tp divides a cp
-    rank's seq_len / cp tokens), and under pp each schedule the pipeline accepts for that many
-    micro-batches (one that can evaluate when the run `evaluates`: it has test data)."""
+    exchange of every layer at NVLink, as NVIDIA's recipes place it), pp ≤ layers, dp dividing
+    the global batch, for an MoE model each ep dividing dp whose expert group (ep × tp ranks)
+    splits the experts evenly (ep 1 under cp), each micro-batch size that divides a dp rank's
+    share, ZeRO 0-3 (0 alone when dp × cp = 1), activation checkpointing off/on, sequence
+    parallelism off/on at tp > 1 (when tp divides a cp rank's seq_len / cp tokens), and under pp
+    each schedule the pipeline accepts for that many micro-batches (one that can evaluate when
+    the run `evaluates`: it has test data)."""
     for tp in _divisors(world_size):
         if tp > gpus_per_node or gpus_per_node % tp or table.tp_problems(tp):
             continue

@@ -96,7 +96,8 @@ def _fabric(device_key: str, world_size: int, gpus_per_node: int) -> Fabric:
 
 def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: str | None = None,
          memory_bytes: int | None = None, overhead_bytes: int | None = None,
-         layouts: Iterable[Layout] | None = None, routing_imbalance: float = 1.0) -> Plan:
+         layouts: Iterable[Layout] | None = None, routing_imbalance: float = 1.0,
+         seq_len: int | None = None) -> Plan:
     """Every layout of `cfg`'s model at `world_size` that fits, best first.
 
     ``device``: a key of `DEVICES` (default: this machine's); its compute is measured when it is
@@ -107,7 +108,8 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     keeping those that do not fit (``Candidate.fits`` False). ``routing_imbalance``: for a Mixture
     of Experts, the stated assumption on its routing: the most loaded rank of an expert group
     receives that many times its share of the routed tokens (1.0: balanced), in its activations,
-    its experts' compute and the all-to-all.
+    its experts' compute and the all-to-all. ``seq_len``: plan for sequences of this many tokens
+    (default: the config's training data's).
     """
     if routing_imbalance < 1.0:
         raise ValueError(f"routing_imbalance = {routing_imbalance}: the most loaded rank receives at least its "
@@ -128,11 +130,12 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     if overhead_bytes is None:
         overhead_bytes = 0 if on_cpu else GPU_OVERHEAD
     run = run_settings(cfg)
-    if run.seq_len is None:
+    seq_len = seq_len or run.seq_len
+    if seq_len is None:
         raise ValueError("the planner needs the sequence length: give dataloader.train a seq_len (or max_length), "
                          "or choose the layout yourself (dist.auto=false)")
     table = ModelTable.from_config(cfg.model, run.lora)
-    seq_len, global_batch, amp_dtype = run.seq_len, run.global_batch_size, run.amp_dtype
+    global_batch, amp_dtype = run.global_batch_size, run.amp_dtype
     optimizer = OptimizerState.probe(cfg.optim)
     threads = 1 if on_cpu and world_size > 1 else None
     oversubscription = procs_per_node / (os.cpu_count() or 1) if on_cpu and world_size > 1 else 1.0

@@ -80,7 +80,8 @@ def table() -> str:
         ours = plan(cfg, recipe.world_size, device="h100").best
         layout = recipe.layout.short()
         if recipe.dry_run:
-            layout += " (dry run: " + ("equal to the planner" if _dry_run_equal(cfg, recipe.layout) else "DIFFERS") + ")"
+            equal = _dry_run_equal(cfg, recipe.layout)
+            layout += " (dry run: " + ("equal to the planner" if equal else "DIFFERS") + ")"
         lines.append(f"| {recipe.name}, {recipe.world_size}, {cfg.train.global_batch_size} × "
                      f"{cfg.dataloader.train.seq_len} | {layout} | {recipe.published} | "
                      f"{_figures(theirs, recipe.world_size)} | {ours.layout.short()} | "
