@@ -90,10 +90,11 @@ def one_meta_model(monkeypatch):
 
 
 def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads: int,
-                     *overrides: str) -> set[int]:
+                     *overrides: str) -> tuple[set[int], set[int]]:
     """Run the CLI for an H100 roofline with every candidate printed, and check each one: sorted by
     step time, its memory within the limit and the sum of its terms, its overrides a layout of
-    `world_size` ranks that applies to the config and that the trainer accepts. Returns the tp sizes."""
+    `world_size` ranks that applies to the config and that the trainer accepts. Returns the tp and
+    the cp sizes."""
     code, out, err = run_tool(tool, capsys, config, "--world-size", str(world_size), "--device", "h100", "--json",
                               "--top", "1000000", *overrides)
     assert code == 0, err
@@ -114,7 +115,7 @@ def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads
     seq_len = base.dataloader.train.seq_len
     items: set[str] = set()
     shapes: dict[tuple, str] = {}  # what check_layout reads -> one candidate's overrides with it
-    tps = set()
+    tps, cps = set(), set()
     for c in candidates:
         memory = c["memory_bytes"]
         assert set(memory) == {*STATE_TERMS, *BACKWARD_TERMS, "optimizer_step", "total"}
@@ -129,12 +130,14 @@ def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads
 
         keys = overrides_of(c["overrides"])
         assert set(keys) == set(LAYOUT_KEYS if keys["dist.pp"] == "1" else LAYOUT_KEYS + PIPELINE_KEYS)
-        dp, tp, pp = int(keys["dist.dp"]), int(keys["dist.tp"]), int(keys["dist.pp"])
+        dp, cp, tp, pp = (int(keys[f"dist.{name}"]) for name in ("dp", "cp", "tp", "pp"))
         micro_batch = int(keys["train.micro_batch_size"])
-        assert dp * tp * pp == world_size
+        assert dp * cp * tp * pp == world_size
         assert tp <= 8 and heads % tp == 0
+        assert seq_len % (2 * cp) == 0 and cp & (cp - 1) == 0  # a power of two: 2·cp chunks of every sample
         assert global_batch % (micro_batch * dp) == 0
         tps.add(tp)
+        cps.add(cp)
         items.update(c["overrides"].split())
         shapes.setdefault((tp, pp, keys.get("train.pipeline.schedule"), keys.get("train.pipeline.virtual_stages"),
                            global_batch // (micro_batch * dp)), c["overrides"])
@@ -150,7 +153,7 @@ def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads
         LazyConfig.apply_overrides(cfg, text.split())  # in place: pp = 1 leaves the pipeline keys, unread
         assert Layout.from_config(cfg, world_size).overrides() == text
         checks.check_layout(cfg, tp, pp, micro_batches)
-    return tps
+    return tps, cps
 
 
 ROOFLINE = pytest.mark.skipif(torch.cuda.is_available(), reason="an H100 here would be measured, not a roofline")
@@ -159,14 +162,17 @@ ROOFLINE = pytest.mark.skipif(torch.cuda.is_available(), reason="an H100 here wo
 @ROOFLINE
 def test_plan_json_llama_7b_on_64_h100(plan_tool, capsys, tmp_path, one_meta_model):
     # tp inside a node of 8 and dividing the 32 heads (and KV heads, MLP 11008, vocabulary 32000)
-    assert check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 64, 32) == {1, 2, 4, 8}
+    # cp splits the 4096 tokens over up to 64 ranks (ones that leave the 7B fitting)
+    tps, cps = check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 64, 32)
+    assert tps == {1, 2, 4, 8} and {1, 2, 4} <= cps
 
 
 @ROOFLINE
 def test_plan_json_refuses_tp_the_heads_do_not_divide(plan_tool, capsys, tmp_path, one_meta_model):
     # 12 heads of 128 (4 KV heads): tp 8 splits neither; 4 splits both
-    assert check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 64, 12, "model.config.hidden_size=1536",
-                            "model.config.num_attention_heads=12", "model.config.num_key_value_heads=4") == {1, 2, 4}
+    tps, _ = check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 64, 12, "model.config.hidden_size=1536",
+                              "model.config.num_attention_heads=12", "model.config.num_key_value_heads=4")
+    assert tps == {1, 2, 4}
 
 
 def test_plan_table_names_the_best_layout(plan_tool, capsys):
@@ -179,6 +185,17 @@ def test_plan_table_names_the_best_layout(plan_tool, capsys):
     best = lines[-1].removeprefix("best: ")
     cfg = LazyConfig.apply_overrides(LazyConfig.load(LLAMA_7B), best.split())
     assert lines[2].startswith(f"  1  {Layout.from_config(cfg, 64).short()} ")  # the first row is the best
+
+
+@ROOFLINE
+def test_a_long_sequence_is_split_over_cp(plan_tool, capsys):
+    """--seq-len plans Llama 3 8B for 65,536-token sequences on 8 H100s (one sequence a step, so
+    dp = 1): the fastest layout that fits splits it over the whole node."""
+    config = str(ROOT / "projects" / "layout_planning" / "llama3_8b.py")
+    code, out, _ = run_tool(plan_tool, capsys, config, "--world-size", "8", "--device", "h100", "--seq-len", "65536",
+                            "--top", "1", "train.global_batch_size=1")
+    assert code == 0
+    assert overrides_of(out.splitlines()[-1].removeprefix("best: "))["dist.cp"] == "8"
 
 
 # ------------------------------------------------------------------------------ --dry-run
@@ -219,6 +236,25 @@ def test_nothing_fits_names_the_memory(plan_tool, capsys):
     assert code == 1
     assert out.splitlines()[0].startswith(f"{result.considered} layouts considered, {result.considered} do not fit in "
                                           f"1.0 GiB per rank, 0 ranked")
+
+
+# ------------------------------------------------------------ a published long-sequence recipe
+@ROOFLINE
+def test_nvidias_llama3_70b_recipe_fits_an_h100():
+    """NVIDIA's Llama 3 70B recipe on 64 H100s (tp4, pp4 interleaved × 5, cp2, SP, micro-batch 1,
+    global 512 × 8192 tokens, the distributed optimizer: ZeRO-1, no recomputation) fits in 80 GB
+    (79.6 GiB as torch reports it); without cp (dp4) its activations would double and it would not."""
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(LLAMA_70B), ["train.global_batch_size=512"])
+    recipe = dict(tp=4, pp=4, zero_stage=1, sequence_parallel=True, schedule="interleaved_1f1b", virtual_stages=5)
+    with_cp, without = plan(cfg, 64, device="h100", layouts=[Layout(dp=2, cp=2, **recipe), Layout(dp=4, **recipe)]
+                            ).candidates
+    if with_cp.layout.cp == 1:
+        with_cp, without = without, with_cp
+    assert with_cp.fits and with_cp.memory.total < DEVICES["h100"].memory_bytes, with_cp.memory.as_dict()
+    assert not without.fits
+    # cp halves a rank's tokens; its attention keeps the whole sequence's keys and values besides
+    assert 1.5 * with_cp.memory.activations < without.memory.activations < 2 * with_cp.memory.activations
+    assert with_cp.time.cp_comm > 0 and without.time.cp_comm == 0
 
 
 # ------------------------------------------------- micro-batches in flight vs torch's schedules
@@ -407,6 +443,49 @@ def test_step_time_by_hand():
     assert got.bubble == pytest.approx(1 * (per_mb + pp_mb), rel=1e-12)  # pp − 1 slots
     assert got.tp_comm == got.dp_comm == got.optimizer == 0.0
     assert got.total == pytest.approx(32.55096, rel=1e-12)
+
+
+def test_enumeration_includes_cp():
+    """cp: powers of two whose 2·cp chunks split the sequence; they share a dp rank's samples (dp
+    alone divides the batch), ZeRO shards over dp × cp (so dp = 1 with cp > 1 offers ZeRO 1-3),
+    sequence parallelism splits a cp rank's seq_len / cp tokens, and ep stays 1 under cp."""
+    with torch.device("meta"):
+        table = ModelTable(GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=1024,
+                                                      n_positions=24)))
+    layouts = list(enumerate_layouts(table, 16, 8, seq_len=24, gpus_per_node=16))
+    assert {layout.cp for layout in layouts} == {1, 2, 4}  # 24 tokens: 16 chunks do not divide them
+    assert all(layout.world_size == layout.dp * layout.cp * layout.tp * layout.pp == 16 for layout in layouts)
+    assert not any(layout.ep > 1 for layout in layouts)
+    # 6 tokens a cp rank: tp 4 cannot split them (24 could be)
+    assert Layout(1, 4, 1, 2, cp=4) in layouts and Layout(1, 4, 1, 2, sequence_parallel=True, cp=4) not in layouts
+    assert Layout(4, 2, 1, 3, sequence_parallel=True, cp=2) in layouts  # 12 tokens a cp rank, 6 a tp rank
+    assert Layout(1, 2, 1, 3, cp=8) not in layouts and Layout(2, 4, 1, 0, cp=2) in layouts
+    assert "dist.cp=4" in Layout(1, 4, 1, 2, cp=4).overrides()
+    assert Layout(1, 4, 1, 2, cp=4).short() == "dp1 cp4 tp4 pp1 z2 mb1"
+    # on nodes of 8 the cp group stays in the node beside tp's
+    in_nodes_of_8 = list(enumerate_layouts(table, 16, 8, seq_len=24, gpus_per_node=8))
+    assert {layout.cp * layout.tp for layout in in_nodes_of_8} == {1, 2, 4, 8}
+    assert {layout.cp for layout in in_nodes_of_8} == {1, 2, 4}
+
+
+def test_step_time_by_hand_under_cp():
+    """cp 2 on one dp rank: per layer and micro-batch the keys and values of the whole sequence are
+    all-gathered forward and reduce-scattered backward over the cp group, the tp all-reduces carry
+    a cp rank's tokens, and the gradients are reduced over dp × cp = 2 ranks."""
+    table = ModelTable.from_config(LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
+        vocab_size=256, n_positions=16, n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0)))
+    assert table.kv_width(1) == 2 * 64 and table.kv_width(2) == 64  # K and V of 4 heads of 16
+    times = ComputeTimes(layer_forward=1.0, layer_backward=2.0, first=0.5, last=0.25)
+    link = Link(alpha=1e-3, beta=1e-6)
+    fabric = Fabric(link, Link(1.0, 1.0), gpus_per_node=8)
+    common = dict(device=DEVICES["cpu"], seq_len=16, global_batch_size=4, amp_dtype=None, optimizer_per_element=0.0)
+    plain, cp = (step_time(table, Layout(1, 2, 1, cp=c), times, fabric, **common) for c in (1, 2))
+    gather = link.all_gather(4 * 16 * 2 * 32, 2)  # fp32 K and V of 16 tokens, this tp rank's 2 heads
+    assert cp.cp_comm == pytest.approx(4 * 4 * 2 * gather, rel=1e-12) and plain.cp_comm == 0.0
+    assert cp.compute == plain.compute  # the compute a rank runs is the planner's (1/cp of the sequence's)
+    # two all-reduces forward and backward per layer (+ the embedding's and the head's), of 8 tokens, not 16
+    assert cp.tp_comm == pytest.approx(4 * (4 * 4 + 2) * link.all_reduce(4 * 8 * 64, 2), rel=1e-12)
+    assert plain.dp_comm == 0.0 and cp.dp_comm > 0.0  # the cp ranks reduce their gradients
 
 
 # ------------------------------------------------------------------- --auto-layout under torchrun

@@ -204,6 +204,54 @@ def test_measured_equals_real(case):
     check(measured, predicted, f"{kind} model")
 
 
+CP_CASES = [  # (kind, batch, seq, tp, sp, cp, amp)
+    ("llama", 2, 128, 1, False, 2, None),
+    ("llama", 1, 128, 2, True, 2, BF16),
+    ("llama", 2, 64, 1, False, 4, BF16),
+    ("sandwich", 1, 128, 1, False, 2, BF16),  # a window on every other layer: explicit masks per chunk
+]
+
+
+@pytest.mark.parametrize("case", CP_CASES, ids=[f"{c[0]}-B{c[1]}-S{c[2]}-tp{c[3]}{'-sp' if c[4] else ''}-cp{c[5]}"
+                                                f"-{'bf16' if c[6] else 'fp32'}" for c in CP_CASES])
+def test_measured_equals_real_under_cp(case):
+    """Under context parallelism a rank runs seq / cp tokens and its attention all-gathers the whole
+    sequence's keys and values (and keeps them for backward): the planner, measuring rank 0 of a fake
+    cp group, equals to the byte a real rank 0 (its collectives a fake group's), each layer kind alone
+    and the whole model on its part of the batch (unpacked samples: no position_ids, as the planner)."""
+    from libai_zoo.engine.training_data import context_parallel_part
+
+    kind, batch, seq, tp, sp, cp, amp = case
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = MODELS[kind](2)
+    model = MODELS[kind](2).train()
+    planner = SavedActivations(meta)
+    shapes = Shapes(batch, seq, tp, sp, amp, "cpu", cp=cp)
+    kinds = planner.layer_kinds
+    layer_bytes = {k: planner.layer(k, shapes) for k in set(kinds)}
+    predicted = planner.embedding(shapes) + planner.head(shapes) + sum(layer_bytes[k] for k in kinds)
+    # the whole sequence's keys and values, not only this rank's: more than a plain run at seq / cp
+    local = planner.layer(0, Shapes(batch, seq // cp, tp, sp, amp, "cpu"))
+    assert layer_bytes[0] > local
+    ids = torch.randint(3, VOCAB, (batch, seq))
+    stack = models.get_layer_stack(model)
+    with fake_world(tp * cp, 0, tp=tp, cp=cp, sequence_parallel=sp) as ctx:
+        distributed.shard(model, ctx)
+        for k in sorted(set(kinds)):
+            x = torch.randn(batch, seq // cp // (tp if sp else 1), 64, requires_grad=True)
+            with autocast(amp):
+                measured, out = saved_bytes(lambda: stack[kinds.index(k)](x), model)
+            out.float().sum().backward()
+            assert measured == layer_bytes[k], f"{kind} layer kind {k}: real {measured} B, planner {layer_bytes[k]} B"
+        part = context_parallel_part({"input_ids": ids, "labels": ids}, model, ctx.context_parallel)
+        part.pop("position_ids")
+        with autocast(amp):
+            measured, out = saved_bytes(lambda: model(**part, return_logits=False).loss, model)
+        out.backward()
+    assert measured == predicted, f"{kind} model: real {measured} B, planner {predicted} B"
+
+
 def test_attention_memory_on_cuda_is_linear_in_sequence():
     """Measured for CUDA (no GPU needed), attention dropout runs inside the fused kernels and
     dropout keeps bool masks: the bytes depend on the tokens B·S only, where CPU's math path keeps

@@ -80,6 +80,8 @@ LLAMA_CASES = [
     ("llama70b", L(16, 4, 8, 2, schedule="zbv", virtual_stages=2)),
     ("llama_mqa", L(1, 8, 1, 0)),                               # the KV head on each of 8 tp ranks
     ("llama_mqa", L(2, 4, 2, 3, schedule="1f1b")),
+    # NVIDIA's Llama 3 70B recipe on 64 ranks: ZeRO (the distributed optimizer) over dp × cp = 4
+    ("llama70b", L(2, 4, 4, 1, sequence_parallel=True, schedule="interleaved_1f1b", virtual_stages=5, cp=2)),
 ]
 GPT2_CASES = [
     L(2, 1, 2, 0, schedule="1f1b"),                             # each end holds a copy of the tied weight
@@ -89,6 +91,8 @@ GPT2_CASES = [
     L(3, 2, 1, 3),                                              # one copy of the tied weight, tp 2
     L(3, 1, 1, 1),
     L(3, 2, 2, 2, schedule="interleaved_1f1b", virtual_stages=2),
+    L(1, 1, 1, 3, cp=3),                                        # ZeRO over the cp ranks alone, rows padded
+    L(3, 1, 1, 1, cp=2),                                        # ... over dp × cp = 6
 ]
 
 
@@ -148,7 +152,7 @@ def test_tied_gpt2_state_bytes_equal_every_rank(layout, tables, optim):
     ranks = [dry_run_rank(cfg, layout, rank) for rank in range(layout.world_size)]
     table = tables("gpt2_tied")
     _check(table, layout, ranks, optimizer)
-    if layout.zero_stage >= 1 and layout.dp > 1:  # the rows do not divide: the last dp rank holds less
+    if layout.zero_stage >= 1 and layout.dp_cp > 1:  # the rows do not divide: the last dp × cp rank holds less
         first = [r for r in ranks if r.pp_rank == 0 and r.tp_rank == 0]
         assert first[-1].params < first[0].params
     if layout.schedule == "zbv":  # stages 0 and 2pp-1 both on pp rank 0: two copies of the tied weight

@@ -1,5 +1,6 @@
-"""The recipes under projects/ run: each for two steps (--fast-dev-run), and the README's main job
-(GPT-2 pretraining) long enough to show its loss falling."""
+"""The recipes under projects/ run: each for two steps (--fast-dev-run), the README's main job
+(GPT-2 pretraining) long enough to show its loss falling, and the long-context recipe's cp2 layout
+built under a fake process group (an 8k-token run is its README's, not a test's)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,16 @@ def test_gpt2_pretrain_loss_falls(workdir, tmp_path, monkeypatch):
     assert logged[0]["iteration"] == 1 and logged[-1]["iteration"] == 40
     assert logged[0]["loss"] > 8.5  # ln(8192) = 9.01: an untrained model
     assert logged[-1]["loss"] < logged[0]["loss"] - 1.5
+
+
+@pytest.mark.system
+def test_long_context_cp2_dry_run(workdir, capsys, monkeypatch):
+    """projects/long_context at its two cp ranks: built through the trainer's sharding under a fake
+    process group, each rank's parameters, gradients and optimizer state equal to the planner's."""
+    monkeypatch.chdir(ROOT)
+    code = load_tool("plan").main(["projects/long_context/config.py", f"model.path={workdir}/llama", "--world-size",
+                                   "2", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.startswith("dry run of dp1 cp2 tp1 pp1 z0 mb1 on 2 ranks (LlamaForCausalLM, 2.6M parameters)"), out
+    assert out.count("equal to the byte") == 2  # both cp ranks

@@ -6,7 +6,7 @@
 
 The config's model, sequence length (dataloader.train's seq_len or max_length), global batch,
 precision (train.amp) and optimizer are the input; overrides work as in tools/train.py. The
-planner enumerates every layout the model admits (dp × tp × pp, for a Mixture of Experts ep,
+planner enumerates every layout the model admits (dp × cp × tp × pp, for a Mixture of Experts ep,
 ZeRO 0-3, activation checkpointing, sequence parallelism, micro-batch size, pipeline schedule),
 drops those that do not fit in memory and ranks the rest by predicted step time: compute measured
 on this machine's device (cached in ~/.cache/libai_zoo/planner.json) or, for another device, its
@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Mixture of Experts: the most loaded rank of an expert group receives F times its "
                              "share of the routed tokens (default 1.0: balanced routing), in its activations, "
                              "compute and all-to-all")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="N",
+                        help="plan for sequences of N tokens (default: the config's training data's); long ones "
+                             "bring context parallelism (cp) into the picks")
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     parser.add_argument("--json", action="store_true", help='print {"candidates": [...]} best first')
     parser.add_argument("--dry-run", action="store_true",
@@ -77,7 +80,7 @@ def run_dry_run(cfg, world_size: int, as_json: bool) -> bool:
     unit, name = (GiB, "GiB") if rows[0]["dry_run"]["params"] >= GiB / 8 else (2**20, "MiB")
     print(f"dry run of {layout.short()} on {world_size} ranks ({table.model_type}, "
           f"{table.total_parameters / 1e6:,.1f}M parameters): bytes each rank holds between steps")
-    print(f"{'rank':>6} {'pp':>3} {'dp':>4}  {'params ' + name:>11} {'grads ' + name:>10} "
+    print(f"{'rank':>6} {'pp':>3} {'dp' if layout.cp == 1 else 'dpcp':>4}  {'params ' + name:>11} {'grads ' + name:>10} "
           f"{'optim ' + name:>10}  planner")
     for row in rows:
         got = row["dry_run"]
@@ -106,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan(cfg, args.world_size, gpus_per_node=gpus_per_node, device=args.device,
                   memory_bytes=int(args.memory * GiB) if args.memory is not None else None,
                   overhead_bytes=int(args.overhead * GiB) if args.overhead is not None else None,
-                  routing_imbalance=args.routing_imbalance)
+                  routing_imbalance=args.routing_imbalance, seq_len=args.seq_len)
     if args.json:
         print(json.dumps({"considered": result.considered, "too_big": result.too_big,
                           "memory_limit_bytes": result.memory_limit, "timing": result.timing, "notes": result.notes,

@@ -187,7 +187,7 @@ class DistConfig(Section):
     init_timeout: int = 600
     timeout: int = 300
     # True (tools/train.py --auto-layout): the layout planner (libai_zoo.plan, tools/plan.py) picks dp,
-    # tp, pp, sequence_parallel, train.zero_stage, train.activation_checkpoint, train.micro_batch_size
+    # cp, tp, pp, ep, sequence_parallel, train.zero_stage, train.activation_checkpoint, train.micro_batch_size
     # and train.pipeline for the launched world size at start-up, and logs what it chose and why.
     auto: bool = False
 

@@ -60,13 +60,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from libai_zoo import distributed
-from libai_zoo.distributed import local
-from libai_zoo.layers import LMHead
+from libai_zoo.distributed import ContextParallel, local
+from libai_zoo.layers import LMHead, context_attention
 from libai_zoo.models import get_layer_stack
 from libai_zoo.parallel import to_residual
 
@@ -109,7 +110,7 @@ class Shapes:
     """What one rank's micro-batch looks like: the key of a measurement."""
 
     micro_batch: int
-    seq_len: int
+    seq_len: int  # a sample's whole sequence (a rank holds seq_len / cp of it)
     tp: int = 1
     sequence_parallel: bool = False
     amp_dtype: torch.dtype | None = None
@@ -117,12 +118,21 @@ class Shapes:
     ep: int = 1  # expert parallelism: an MoE layer's experts over ep × tp ranks
     routing_imbalance: float = 1.0  # the most loaded rank of an expert group receives this × its fair share
     residual_dtype: torch.dtype | None = None  # the layers' hidden states under autocast (None: the embedding's)
+    cp: int = 1  # context parallelism: each sample's sequence split over cp ranks
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device {self.device!r}: activations are measured for 'cuda' or 'cpu'")
-        if self.sequence_parallel and self.tp > 1 and self.seq_len % self.tp:
-            raise ValueError(f"sequence parallelism needs seq_len ({self.seq_len}) divisible by tp ({self.tp})")
+        if self.seq_len % (2 * self.cp) and self.cp > 1:
+            raise ValueError(f"context parallelism needs seq_len ({self.seq_len}) divisible by 2·cp ({2 * self.cp})")
+        if self.sequence_parallel and self.tp > 1 and (self.seq_len // self.cp) % self.tp:
+            raise ValueError(f"sequence parallelism needs a rank's seq_len / cp ({self.seq_len // self.cp}) "
+                             f"divisible by tp ({self.tp})")
+
+    @property
+    def local_seq_len(self) -> int:
+        """The tokens of each sample a rank runs: seq_len / cp."""
+        return self.seq_len // self.cp
 
 
 def module_signature(module: nn.Module) -> tuple:
@@ -232,6 +242,8 @@ class _TargetKernels(TorchFunctionMode):
 
     @staticmethod
     def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if isinstance(attn_mask, CausalBias):  # lower-right causal (cp's chunks): a flag to CUDA's fused kernels
+            attn_mask, is_causal = None, True
         if torch.is_autocast_enabled("cpu"):  # what autocast would do to SDPA's inputs
             dtype = torch.get_autocast_dtype("cpu")
             q, k, v = (t.to(dtype) for t in (q, k, v))
@@ -266,6 +278,23 @@ class _PlannedRouting(TorchFunctionMode):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+@contextmanager
+def _real_causal_biases() -> Iterator[None]:
+    """Attention under cp builds its lower-right causal masks (`causal_lower_right`, a tensor
+    subclass holding no data) outside the fake mode, which cannot make them."""
+    original = context_attention.causal_lower_right
+
+    def causal_lower_right(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    context_attention.causal_lower_right = causal_lower_right
+    try:
+        yield
+    finally:
+        context_attention.causal_lower_right = original
 
 
 @contextmanager
@@ -405,7 +434,7 @@ class SavedActivations:
         if batch <= 2:
             return pick(self._measured(shapes, (batch,), head)[batch])
         if head and self._chunked(shapes, 2) != self._chunked(shapes, batch):
-            low = self._chunk_tokens(shapes) // shapes.seq_len + 1  # the first size that chunks
+            low = self._chunk_tokens(shapes) // shapes.local_seq_len + 1  # the first size that chunks
             if low + 1 >= batch:
                 return pick(self._measured(shapes, (batch,), head)[batch])
         else:
@@ -422,7 +451,7 @@ class SavedActivations:
         return max(1, head.chunk_bytes // (4 * (head.out_features // shapes.tp)))
 
     def _chunked(self, shapes: Shapes, batch: int) -> bool:
-        return self._lm_head is not None and batch * shapes.seq_len > self._chunk_tokens(shapes)
+        return self._lm_head is not None and batch * shapes.local_seq_len > self._chunk_tokens(shapes)
 
     def _measured(self, shapes: Shapes, batches: tuple[int, ...], head_only: bool) -> dict[int, _Measured]:
         """The measurements at `shapes` with each micro-batch size of `batches` (those missing from
@@ -441,27 +470,37 @@ class SavedActivations:
 
     def _measure(self, shapes: Shapes, batches: tuple[int, ...], head_only: bool) -> dict[int, _Measured]:
         """Micro-batches of each size in `batches` through embed, the layer kinds (unless
-        ``head_only``) and the head, on a fake model split as `shapes` says."""
-        with fake_world(shapes.tp * shapes.ep, 0, dp=shapes.ep, tp=shapes.tp, ep=shapes.ep,
+        ``head_only``) and the head, on a fake model split as `shapes` says (under cp, rank 0 of a
+        fake cp group: its attention all-gathers the keys and values of the whole sequence)."""
+        with fake_world(shapes.tp * shapes.ep * shapes.cp, 0, dp=shapes.ep, tp=shapes.tp, ep=shapes.ep, cp=shapes.cp,
                         sequence_parallel=shapes.sequence_parallel) as ctx:
             model = copy.deepcopy(self._probe)
             distributed.shard(model, ctx)
             _route_as_planned(model)
             casts = _FakeMode()
             with (casts, _TargetKernels() if shapes.device == "cuda" else nullcontext(),
-                  _symmetric_exchange(shapes.routing_imbalance)):
+                  _symmetric_exchange(shapes.routing_imbalance), _real_causal_biases()):
                 model.to_empty(device="cpu")
                 model.init_buffers()
                 model.train()
                 casts.parameters = {_storage(local(p))[0] for p in model.parameters()}
-                return {batch: self._run(model, batch, shapes, casts, head_only) for batch in batches}
+                return {batch: self._run(model, batch, shapes, casts, head_only, ctx.context_parallel)
+                        for batch in batches}
 
     @staticmethod
-    def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _FakeMode, head_only: bool) -> _Measured:
+    def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _FakeMode, head_only: bool,
+             cp: ContextParallel | None) -> _Measured:
+        # (imported here: the engine imports the planner, for dist.auto)
+        from libai_zoo.engine.training_data import context_parallel_part
+
         counter = _SavedCounter(casts.parameters, casts.casts)
         ids = torch.zeros(batch, shapes.seq_len, dtype=torch.long)
         labels = ids if model.loss_unit == "token" else torch.zeros(batch, dtype=torch.long)
-        inputs, targets = model.split_batch({"input_ids": ids, "labels": labels})
+        whole = {"input_ids": ids, "labels": labels}
+        inputs, targets = model.split_batch(whole if cp is None else context_parallel_part(whole, model, cp))
+        # unpacked samples: the layers take their tokens' global places themselves (fake positions
+        # could not tell the cp mask whether the sequence restarts)
+        inputs.pop("position_ids", None)
         layer_inputs = model.layer_inputs(inputs)
         stack = [] if head_only else get_layer_stack(model)
         inputs_bytes = []

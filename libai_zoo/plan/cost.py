@@ -17,6 +17,13 @@
               share for its own experts (1 / (ep·tp)) stays; the most loaded rank receives
               `routing_imbalance` times its share. Inside a node at NVLink, else the share bound
               for other nodes at InfiniBand (the slower of the two)
+    cp comm   per layer and micro-batch under context parallelism, the all-gather of the keys and
+              values of the whole sequence over the cp group (and again when checkpointing
+              recomputes the layer) and the reduce-scatter of their gradients backward, in the
+              activations' dtype; the cp group is the cp × tp consecutive ranks next to tp (the mesh
+              ("pp", "edp", "ep", "cp", "tp")): at NVLink when they fit in a node, else InfiniBand.
+              A cp rank computes 1/cp of every sample (its 2 of the 2·cp chunks: the causal
+              attention's work balanced too), so its compute is that of the whole sequence / cp
     pp comm   a point-to-point send of the boundary activations forward and of their gradient
               backward, per micro-batch, on every rank that has a neighbour
     (an MoE layer's experts compute top_k / num_experts of their parameters per token: the
@@ -26,7 +33,7 @@
               by the stages per rank for interleaved 1F1B, and by 3 × that for the zero-bubble
               schedules (their weight-gradient work fills two thirds of it: ZB-H1, Qi et al. 2023)
     dp comm   gradient all-reduce (ZeRO 0) or reduce-scatter (1-3) in float32, parameter
-              all-gather (1-3) in the compute dtype: once per step at ZeRO 0/1/2 and under
+              all-gather (1-3) in the compute dtype, over dp × cp: once per step at ZeRO 0/1/2 and under
               pipelines, each micro-batch at ZeRO 2/3 without them (ZeRO-3 gathers forward and
               backward); on a GPU the part that fits under the backward (forward, for gathers)
               it overlaps is hidden, on a CPU (gloo shares the compute cores) none is
@@ -154,10 +161,11 @@ class StepTime:
     dp_comm: float
     optimizer: float
     ep_comm: float = 0.0
+    cp_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm
+        return (self.compute + self.tp_comm + self.ep_comm + self.cp_comm + self.pp_comm + self.bubble + self.dp_comm
                 + self.optimizer)
 
     def as_dict(self) -> dict[str, float]:
@@ -206,12 +214,13 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
     `routing_imbalance`: the most loaded rank of an expert group receives that many times its share
     of the routed tokens."""
     m = layout.num_micro_batches(global_batch_size)
-    tp, dp, pp = layout.tp, layout.dp, layout.pp
-    act_bytes = (torch.tensor([], dtype=amp_dtype).element_size() if amp_dtype else 4) \
-        * layout.micro_batch_size * seq_len * table.hidden_size
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    element = amp_dtype.itemsize if amp_dtype else 4
+    act_bytes = element * layout.micro_batch_size * seq_len // cp * table.hidden_size
     tp_link = fabric.link(tp)
-    dp_link = fabric.link(tp * dp)
-    pp_link = fabric.link(tp * dp * pp)
+    cp_link = fabric.link(tp * cp)
+    dp_link = fabric.link(tp * cp * layout.dp)
+    pp_link = fabric.link(tp * cp * layout.dp * pp)
     slots = _bubble_slots(layout, m)
     contention = max(1.0, oversubscription * m / (m + slots))
     # activation checkpointing recomputes each layer's forward once; a split backward (zero bubble)
@@ -220,6 +229,9 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
     recomputes = (2 if split else 1) if layout.activation_checkpoint else 0
     syncs = 1 if table.parallel_block else 2
     layer_tp = (2 + recomputes) * syncs * tp_link.all_reduce(act_bytes, tp)
+    # the keys and values of the whole sequence: gathered forward (and in each recompute), reduce-scattered backward
+    layer_cp = (2 + recomputes) * cp_link.all_gather(element * layout.micro_batch_size * seq_len
+                                                     * table.kv_width(tp), cp)
     # an MoE layer's all-to-alls: this rank's tokens (1/tp of the micro-batch's) × top_k rows each way
     group = layout.ep * tp
     exchanges = 2 * (2 + recomputes)  # dispatch and combine; forward, backward and any recompute
@@ -234,16 +246,17 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
         per_mb += times.first * first + times.last * last
         per_mb *= contention
         tp_mb = layers * layer_tp + (first + last) * tp_link.all_reduce(act_bytes, tp)
+        cp_mb = layers * layer_cp
         ep_mb = sum(layer_ep.get(index, 0.0) for index in rank_layers(table, layout, pp_rank))
         boundaries = sum(2 - is_first - is_last for _, is_first, is_last in stages)  # each: a send each way
         pp_mb = 2 * boundaries * pp_link.send(act_bytes / (tp if layout.sequence_parallel else 1))
-        slot = per_mb + tp_mb + ep_mb + pp_mb
+        slot = per_mb + tp_mb + ep_mb + cp_mb + pp_mb
         dp_comm = _dp_exposed(table, layout, pp_rank, dp_link, device, m, amp_dtype, fsdp_op * contention,
                               forward=layers * times.layer_forward * contention,
                               backward=layers * times.layer_backward * contention)
         shard = state_bytes(table, layout, pp_rank).params / 4  # float32 parameters
         result = StepTime(m * per_mb, m * tp_mb, m * pp_mb, slots * slot, dp_comm,
-                          shard * optimizer_per_element * contention, m * ep_mb)
+                          shard * optimizer_per_element * contention, m * ep_mb, m * cp_mb)
         if worst is None or result.total > worst.total:
             worst = result
     return worst
@@ -254,14 +267,14 @@ def _dp_exposed(table: ModelTable, layout: Layout, pp_rank: int, link: Link, dev
     """Seconds of data-parallel communication not hidden under compute: each collective's latency
     (one per FSDP unit: a layer, or a stage's root, and under expert parallelism an MoE layer's
     experts; one per 25 MiB bucket at ZeRO 0) and FSDP's own work around it, plus the bytes a ring
-    moves ((n − 1)/n of them: the dense parameters' over dp, the experts' over edp = dp / ep), of
-    which a GPU hides what fits under the compute it overlaps."""
-    dp = layout.dp
+    moves ((n − 1)/n of them: the dense parameters' over dp × cp, the experts' over edp = dp / ep),
+    of which a GPU hides what fits under the compute it overlaps."""
+    dp = layout.dp_cp
     if dp == 1:
         return 0.0
     stages = rank_stages(table, layout, pp_rank)
     layers = sum(count for count, _, _ in stages)
-    edp = dp // layout.ep
+    edp = layout.dp // layout.ep
 
     def moved(element_size: int, trainable_only: bool = False) -> float:
         dense, experts = (unsharded_bytes(table, layout, pp_rank, element_size, trainable_only=trainable_only,

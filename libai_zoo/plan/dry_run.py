@@ -27,7 +27,7 @@ class RankBytes:
 
     rank: int
     pp_rank: int
-    dp_rank: int
+    dp_rank: int  # in the dp × cp group ZeRO shards over (dp rank × cp + cp rank)
     tp_rank: int
     params: int
     grads: int
@@ -38,7 +38,7 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
     """Build `rank` of `layout` under a fake process group and count its parameters, gradients
     and optimizer state (the config's AMP dtype, global batch and LoRA: `run_settings`)."""
     run = run_settings(cfg)
-    with fake_world(layout.world_size, rank, dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+    with fake_world(layout.world_size, rank, dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=layout.cp,
                     sequence_parallel=layout.sequence_parallel) as ctx:
         with torch.device("meta"):
             model = instantiate(cfg.model)
@@ -56,17 +56,17 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
                 param.grad = torch.zeros_like(param)
         optimizer = build_optimizer(cfg.optim, built.parts)
         optimizer.step()
-        return RankBytes(rank, ctx.pp_rank, ctx.dp_rank, ctx.tp_rank,
+        return RankBytes(rank, ctx.pp_rank, ctx.rank_in("dp_cp"), ctx.tp_rank,
                          sum(local_bytes(p) for p in params),
                          sum(local_bytes(p.grad) for p in params if p.grad is not None),
                          optimizer_state_bytes(optimizer))
 
 
 def dry_run(cfg: DictConfig, layout: Layout) -> list[RankBytes]:
-    """One rank per pipeline stage: dp rank 0 and tp rank 0 of each pp rank (FSDP2 gives dp rank 0
-    the most rows; the tp ranks hold equal slices), plus the last dp rank of the first stage (the
-    fewest rows)."""
-    ranks = [pp_rank * layout.dp * layout.tp for pp_rank in range(layout.pp)]
-    if layout.dp > 1:
-        ranks.append((layout.dp - 1) * layout.tp)
+    """One rank per pipeline stage: rank 0 of the dp × cp group and tp rank 0 of each pp rank
+    (FSDP2 gives rank 0 of its group the most rows; the tp ranks hold equal slices), plus the last
+    rank of the first stage's dp × cp group (the fewest rows)."""
+    ranks = [pp_rank * layout.dp_cp * layout.tp for pp_rank in range(layout.pp)]
+    if layout.dp_cp > 1:
+        ranks.append((layout.dp_cp - 1) * layout.tp)
     return [dry_run_rank(cfg, layout, rank) for rank in ranks]

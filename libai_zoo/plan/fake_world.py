@@ -17,7 +17,7 @@ from libai_zoo import distributed
 
 
 @contextmanager
-def fake_world(world_size: int, rank: int = 0, *, dp: int = -1, tp: int = 1, pp: int = 1, ep: int = 1,
+def fake_world(world_size: int, rank: int = 0, *, dp: int = -1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                sequence_parallel: bool = False) -> Iterator[distributed.ParallelContext]:
     """``with fake_world(512, dp=8, tp=8, pp=8) as ctx:`` the parallel context of `rank` in a fake
     world; on exit the fake process group is destroyed and the context forgotten. Refused when a
@@ -29,7 +29,7 @@ def fake_world(world_size: int, rank: int = 0, *, dp: int = -1, tp: int = 1, pp:
     os.environ["LOCAL_RANK"] = "0"  # rank 448 of a fake world still runs on this machine's first device
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield distributed.init(dp=dp, tp=tp, pp=pp, ep=ep, sequence_parallel=sequence_parallel)
+        yield distributed.init(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sequence_parallel)
     finally:
         distributed.destroy()
         if dist.is_initialized():

@@ -1,6 +1,7 @@
-"""The layouts a model admits at a world size: dp × tp × pp, ZeRO stage, activation checkpointing,
-sequence parallelism, micro-batch size and pipeline schedule, each as the overrides that run it
-(a layout may also split an MoE model's experts over ep, which divides dp)."""
+"""The layouts a model admits at a world size: dp × cp × tp × pp, ZeRO stage, activation
+checkpointing, sequence parallelism, micro-batch size and pipeline schedule, each as the overrides
+that run it (a layout may also split an MoE model's experts over ep, which divides dp; cp splits
+every sample's sequence over a context-parallel group)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ PIPELINE_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b":
 @dataclass(frozen=True)
 class Layout:
     """One way to run a step on `dp × cp × tp × pp` processes (`ep`: expert parallelism, a divisor of
-    dp; `cp`: context parallelism, each sequence split over cp ranks)."""
+    dp; `cp`: context parallelism, each sample's sequence split over cp ranks, which share its
+    samples: dp alone divides the batch, ZeRO shards over dp × cp)."""
 
     dp: int
     tp: int
@@ -50,6 +52,11 @@ class Layout:
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
+    @property
+    def dp_cp(self) -> int:
+        """The ranks ZeRO shards the dense parameters over (and reduces their gradients over): dp × cp."""
+        return self.dp * self.cp
+
     def num_micro_batches(self, global_batch_size: int) -> int:
         """Micro-batches each dp rank runs per step (accumulated, or pipelined under pp)."""
         per_step = self.micro_batch_size * self.dp
@@ -72,7 +79,8 @@ class Layout:
         return " ".join(parts)
 
     def short(self) -> str:
-        """A compact name for tables: dp2 tp2 pp2 z1 ac sp mb4 1f1b (dp4 ep2 tp2 ... with experts split over ep)."""
+        """A compact name for tables: dp2 tp2 pp2 z1 ac sp mb4 1f1b (dp4 ep2 tp2 ... with experts split over
+        ep, dp2 cp2 tp2 ... with the sequence split over cp)."""
         text = f"dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else "")
         text += f" tp{self.tp} pp{self.pp} z{self.zero_stage}"
         text += " ac" if self.activation_checkpoint else ""
@@ -90,32 +98,43 @@ def _divisors(n: int) -> list[int]:
 def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int, *, seq_len: int,
                       gpus_per_node: int = 8, evaluates: bool = False) -> Iterator[Layout]:
     """Every layout `table`'s model admits on `world_size` processes: tp inside a node and splitting
-    every layer evenly (the layers' own `tp_problems`), pp ≤ layers, dp dividing the global batch,
-    for an MoE model each ep dividing dp whose expert group (ep × tp ranks) splits the experts
-    evenly, each micro-batch size that divides a dp rank's share, ZeRO 0-3 (0 alone at dp = 1),
-    activation checkpointing off/on, sequence parallelism off/on at tp > 1 (when tp divides
-    `seq_len`), and under pp each schedule the pipeline accepts for that many micro-batches (one
-    that can evaluate when the run `evaluates`: it has test data)."""
+    every layer evenly (the layers' own `tp_problems`), cp a power of two whose 2·cp chunks split
+    `seq_len` evenly and whose group stays in the node beside tp's (cp × tp ranks: the K/V
+    exchange of every layer at NVLink, as NVIDIA's recipes place it), pp ≤ layers, dp dividing
+    the global batch, for an MoE model each ep dividing dp whose expert group (ep × tp ranks)
+    splits the experts evenly (ep 1 under cp), each micro-batch size that divides a dp rank's
+    share, ZeRO 0-3 (0 alone when dp × cp = 1), activation checkpointing off/on, sequence
+    parallelism off/on at tp > 1 (when tp divides a cp rank's seq_len / cp tokens), and under pp
+    each schedule the pipeline accepts for that many micro-batches (one that can evaluate when
+    the run `evaluates`: it has test data)."""
     for tp in _divisors(world_size):
         if tp > gpus_per_node or gpus_per_node % tp or table.tp_problems(tp):
             continue
-        for pp in _divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            if pp > table.num_layers or global_batch_size % dp:
+        for cp in _powers_of_two(min(world_size // tp, gpus_per_node // tp)):
+            if seq_len % (2 * cp):
                 continue
-            schedules = [(name, v) for name, v in PIPELINE_SCHEDULES.items()
-                         if not evaluates or schedule_evaluates(name)] if pp > 1 else [(None, 1)]
-            eps = [ep for ep in _divisors(dp) if not table.ep_problems(ep, tp)]
-            for micro_batch in _divisors(global_batch_size // dp):
-                micro_batches = global_batch_size // (dp * micro_batch)
-                for schedule, virtual in schedules:
-                    if schedule is not None and not _pipeline_runs(table, pp, schedule, virtual, micro_batches):
-                        continue
-                    for ep in eps:
-                        for zero in (range(4) if dp > 1 else [0]):
-                            for sp in ([False, True] if tp > 1 and seq_len % tp == 0 else [False]):
-                                for ac in (False, True):
-                                    yield Layout(dp, tp, pp, zero, ac, sp, micro_batch, schedule, virtual, ep)
+            for pp in _divisors(world_size // (tp * cp)):
+                dp = world_size // (tp * cp * pp)
+                if pp > table.num_layers or global_batch_size % dp:
+                    continue
+                schedules = [(name, v) for name, v in PIPELINE_SCHEDULES.items()
+                             if not evaluates or schedule_evaluates(name)] if pp > 1 else [(None, 1)]
+                eps = [ep for ep in _divisors(dp) if not table.ep_problems(ep, tp)] if cp == 1 else [1]
+                for micro_batch in _divisors(global_batch_size // dp):
+                    micro_batches = global_batch_size // (dp * micro_batch)
+                    for schedule, virtual in schedules:
+                        if schedule is not None and not _pipeline_runs(table, pp, schedule, virtual, micro_batches):
+                            continue
+                        for ep in eps:
+                            for zero in (range(4) if dp * cp > 1 else [0]):
+                                for sp in ([False, True] if tp > 1 and (seq_len // cp) % tp == 0 else [False]):
+                                    for ac in (False, True):
+                                        yield Layout(dp, tp, pp, zero, ac, sp, micro_batch, schedule, virtual, ep, cp)
+
+
+def _powers_of_two(n: int) -> list[int]:
+    """1, 2, 4, ... up to the largest power of two dividing `n`."""
+    return [1 << k for k in range(n.bit_length()) if n % (1 << k) == 0]
 
 
 def _pipeline_runs(table: ModelTable, pp: int, schedule: str, virtual: int, micro_batches: int) -> bool:

@@ -5,8 +5,9 @@ Static state is exact (the planner must equal `dry_run` and a real run to the by
     params     each parameter's tp slice (`ParameterInfo.tp_dim`), on the stages this pp rank runs
                (`split_layers`, `stage_ranks`; the first stage adds the embedding, the last the final
                norm and head, a tied weight held by both ends counted at each), and at ZeRO 1-3 this
-               dp rank's rows of it (FSDP2 cuts dim 0 of the tp slice as torch.chunk does, so dp
-               rank 0 holds the most: ceil(rows / dp))
+               rank's rows of it over dp × cp (FSDP2 cuts dim 0 of the tp slice as torch.chunk does,
+               so rank 0 of the group holds the most: ceil(rows / (dp·cp)); an expert tensor's
+               group is edp = dp / ep)
     grads      the same shapes, for trainable parameters: what a rank holds after its gradients
                are reduced (whole at ZeRO 0, sharded at 1-3)
     optimizer  the optimizer's state per parameter, probed once on a small tensor (AdamW: two
@@ -190,14 +191,18 @@ def _group(table: ModelTable, key: int | tuple[bool, bool]) -> list[ParameterInf
             if p.layer is None and (("first" in p.ends and first) or ("last" in p.ends and last))]
 
 
-@lru_cache(maxsize=65536)
 def _rank_groups(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int | tuple[bool, bool], int], ...]:
     """What `pp_rank` holds as (`_group` key, count): its layers by parameter group, then each of
     its stages' end modules ((holds the first stage's, holds the last's), 1)."""
+    return _stage_groups(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
+
+
+@lru_cache(maxsize=65536)
+def _stage_groups(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int,
+                  pp_rank: int) -> tuple[tuple[int | tuple[bool, bool], int], ...]:
     counts: dict[int, int] = {}
     ends = []
-    for layers, first, last in _rank_stage_layers(table.num_layers, layout.pp, layout.schedule,
-                                                  layout.virtual_stages, pp_rank):
+    for layers, first, last in _rank_stage_layers(table.num_layers, pp, schedule, virtual_stages, pp_rank):
         for index in layers:
             group = table.layer_groups[index]
             counts[group] = counts.get(group, 0) + 1
@@ -220,11 +225,18 @@ def _group_state(table: ModelTable, key: int | tuple[bool, bool], tp: int, dp: i
 
 def state_bytes(table: ModelTable, layout: Layout, pp_rank: int = 0, dp_rank: int = 0,
                 optimizer: OptimizerState = ADAMW) -> StateBytes:
-    """Parameters, gradients and optimizer state one rank holds between steps (exact)."""
+    """Parameters, gradients and optimizer state one rank holds between steps (exact); `dp_rank`:
+    its rank in the dp × cp group ZeRO shards over (dp rank × cp + cp rank)."""
+    return _state(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank, layout.tp, layout.dp_cp,
+                  layout.ep, layout.zero_stage, dp_rank, optimizer)
+
+
+@lru_cache(maxsize=65536)
+def _state(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int, tp: int, dp: int,
+           ep: int, zero_stage: int, dp_rank: int, optimizer: OptimizerState) -> StateBytes:
     params = grads = state = 0
-    sizes = (layout.tp, layout.dp, layout.ep, layout.zero_stage, dp_rank, optimizer)
-    for key, count in _rank_groups(table, layout, pp_rank):
-        group = _group_state(table, key, *sizes)
+    for key, count in _stage_groups(table, pp, schedule, virtual_stages, pp_rank):
+        group = _group_state(table, key, tp, dp, ep, zero_stage, dp_rank, optimizer)
         params += count * group.params
         grads += count * group.grads
         state += count * group.optimizer
@@ -251,9 +263,15 @@ def unsharded_bytes(table: ModelTable, layout: Layout, pp_rank: int, element_siz
                     trainable_only: bool = False, experts: bool | None = None) -> int:
     """All-gathered bytes of everything `pp_rank` holds (`element_size` None: the parameters' own;
     `experts` True/False: only the experts' tensors, or all but them)."""
-    return sum(count * _group_unsharded(table, key, layout.tp, layout.dp, layout.ep, element_size, trainable_only,
-                                        experts)
-               for key, count in _rank_groups(table, layout, pp_rank))
+    return _unsharded(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank, layout.tp, layout.dp_cp,
+                      layout.ep, element_size, trainable_only, experts)
+
+
+@lru_cache(maxsize=65536)
+def _unsharded(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int, tp: int, dp: int,
+               ep: int, element_size: int | None, trainable_only: bool, experts: bool | None) -> int:
+    return sum(count * _group_unsharded(table, key, tp, dp, ep, element_size, trainable_only, experts)
+               for key, count in _stage_groups(table, pp, schedule, virtual_stages, pp_rank))
 
 
 def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_batches: int,
@@ -265,13 +283,13 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
     through the step and accumulates whole float32 gradients, as ZeRO-1.
     Under pp the schedule syncs a stage once, after its last micro-batch: every ZeRO stage
     accumulates whole gradients, and ZeRO-3 keeps the stage gathered from its first backward."""
-    if layout.dp == 1 or (layout.zero_stage == 0 and compute_dtype is None):
+    if layout.dp_cp == 1 or (layout.zero_stage == 0 and compute_dtype is None):
         return 0
-    element = torch.tensor([], dtype=compute_dtype).element_size() if compute_dtype is not None else None
+    element = compute_dtype.itemsize if compute_dtype is not None else None
     if layout.zero_stage < 3 or layout.pp > 1:
         total = unsharded_bytes(table, layout, pp_rank, element)
     else:
-        sizes = (layout.tp, layout.dp, layout.ep, element)
+        sizes = (layout.tp, layout.dp_cp, layout.ep, element)
         groups = _rank_groups(table, layout, pp_rank)
         layers = [(_group_unsharded(table, key, *sizes), count) for key, count in groups if isinstance(key, int)]
         biggest = sorted((size for size, count in layers for _ in range(min(2, count))), reverse=True)[:2]
@@ -337,11 +355,13 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
                      routing_imbalance: float = 1.0, fp32_residual: bool = False) -> tuple[int, int]:
     """(activations of the layers and embedding, logits and loss of the head) held at the peak, on
     a "cuda" or "cpu" device (their attention kernels and dropout masks differ); MoE layers routed
-    as `Shapes.routing_imbalance` states."""
+    as `Shapes.routing_imbalance` states; under cp a rank's seq_len / cp tokens, its attention
+    holding the gathered keys and values of the whole sequence (`SavedActivations.gathered_kv`)."""
     shapes = Shapes(layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, device,
-                    layout.ep, routing_imbalance if table.moe else 1.0, residual_dtype(amp_dtype, fp32_residual))
+                    layout.ep, routing_imbalance if table.moe else 1.0, residual_dtype(amp_dtype, fp32_residual),
+                    layout.cp)
     # FSDP2 hands the layers bf16 parameters under bf16 autocast at every ZeRO stage: no matmul keeps a cast copy
-    low = layout.dp > 1 and fsdp_param_dtype(amp_dtype) is not None
+    low = layout.dp_cp > 1 and fsdp_param_dtype(amp_dtype) is not None
     in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
     stages = rank_stages(table, layout, pp_rank)
     kinds = _rank_layer_kinds(table, layout, pp_rank)
@@ -357,7 +377,8 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
     if any(last for _, _, last in stages):
         head = _activations(table, "head", shapes, 0, False, low)
         # backward makes the float32 logits' gradient (one chunk's when the loss runs in chunks)
-        head += min(layout.micro_batch_size * seq_len * table.vocab_size // layout.tp * 4, LMHead.chunk_bytes)
+        tokens = layout.micro_batch_size * seq_len // layout.cp
+        head += min(tokens * table.vocab_size // layout.tp * 4, LMHead.chunk_bytes)
         logits = head * (num_micro_batches if layout.schedule == "gpipe" else 1)
     return total, logits
 

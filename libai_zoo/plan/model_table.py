@@ -115,6 +115,7 @@ class ModelTable:
         #: of one layer, and whether its attention and MLP share one tp sync (a parallel block)
         self.hidden_size: int = attention[0].out.out_features
         self.attention_width: float = sum(m.attention_width for m in attention)
+        self._attention = attention
         self.parallel_block = bool(getattr(stack[0], "parallel_block", False))
         self.vocab_size: int = model.input_limits()["vocab_size"]
         self.flops_per_token = model.flops_per_token
@@ -173,6 +174,11 @@ class ModelTable:
                 total += math.prod(param.shape) * (top_k / experts if param.expert else 1)
         return total / self.num_layers
 
+    def kv_width(self, tp: int) -> int:
+        """Elements per token of the keys and values one tp rank's attention of a layer holds: what
+        context parallelism all-gathers over its group (`gathered_kv_width`)."""
+        return sum(gathered_kv_width(module, tp) for module in self._attention)
+
     @property
     def total_parameters(self) -> int:
         return sum(math.prod(p.shape) for p in self.parameters)
@@ -213,6 +219,16 @@ class ModelTable:
                                   if key not in dims and self.parameters[i].tp_dim is not None)
             self._whole[tp] = whole
         return index in self._whole[tp]
+
+
+def gathered_kv_width(attention: nn.Module, tp: int) -> int:
+    """Elements per token of the keys and values a tp rank of `attention` computes (its KV heads,
+    one when tp exceeds them: each rank then holds a replica; a latent attention's per-head keys
+    and values of its heads)."""
+    if isinstance(attention, LatentAttention):
+        return attention.num_heads // tp * (attention.qk_head_dim + attention.v_head_dim)
+    kv_heads = attention.num_kv_heads // tp if attention.num_kv_heads % tp == 0 else 1
+    return 2 * kv_heads * attention.head_dim
 
 
 def _record_experts(model: nn.Module) -> set[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import torch
 from omegaconf import DictConfig
@@ -96,7 +96,8 @@ def _fabric(device_key: str, world_size: int, gpus_per_node: int) -> Fabric:
 
 def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: str | None = None,
          memory_bytes: int | None = None, overhead_bytes: int | None = None,
-         layouts: Iterable[Layout] | None = None, routing_imbalance: float = 1.0) -> Plan:
+         layouts: Iterable[Layout] | None = None, routing_imbalance: float = 1.0,
+         seq_len: int | None = None) -> Plan:
     """Every layout of `cfg`'s model at `world_size` that fits, best first.
 
     ``device``: a key of `DEVICES` (default: this machine's); its compute is measured when it is
@@ -107,7 +108,8 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     keeping those that do not fit (``Candidate.fits`` False). ``routing_imbalance``: for a Mixture
     of Experts, the stated assumption on its routing: the most loaded rank of an expert group
     receives that many times its share of the routed tokens (1.0: balanced), in its activations,
-    its experts' compute and the all-to-all.
+    its experts' compute and the all-to-all. ``seq_len``: plan for sequences of this many tokens
+    (default: the config's training data's).
     """
     if routing_imbalance < 1.0:
         raise ValueError(f"routing_imbalance = {routing_imbalance}: the most loaded rank receives at least its "
@@ -128,11 +130,12 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     if overhead_bytes is None:
         overhead_bytes = 0 if on_cpu else GPU_OVERHEAD
     run = run_settings(cfg)
-    if run.seq_len is None:
+    seq_len = seq_len or run.seq_len
+    if seq_len is None:
         raise ValueError("the planner needs the sequence length: give dataloader.train a seq_len (or max_length), "
                          "or choose the layout yourself (dist.auto=false)")
     table = ModelTable.from_config(cfg.model, run.lora)
-    seq_len, global_batch, amp_dtype = run.seq_len, run.global_batch_size, run.amp_dtype
+    global_batch, amp_dtype = run.global_batch_size, run.amp_dtype
     optimizer = OptimizerState.probe(cfg.optim)
     threads = 1 if on_cpu and world_size > 1 else None
     oversubscription = procs_per_node / (os.cpu_count() or 1) if on_cpu and world_size > 1 else 1.0
@@ -144,7 +147,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     fsdp_ops: dict[tuple, float] = {}
 
     def fsdp_op(layout: Layout) -> float:
-        if layout.dp == 1 or not measured:
+        if layout.dp_cp == 1 or not measured:
             return 0.0
         key = (layout.tp, layout.micro_batch_size)
         if key not in fsdp_ops:
@@ -153,6 +156,8 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
         return fsdp_ops[key]
 
     def times(layout: Layout) -> ComputeTimes:
+        """A rank's compute per micro-batch: under cp 1/cp of the whole sequence's (its two chunks
+        of every sample: a balanced share of the causal attention, and of every per-token part)."""
         key = (layout.tp, layout.sequence_parallel, layout.micro_batch_size)
         if key not in compute:
             compute[key] = measure_compute(cfg.model, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
@@ -160,7 +165,8 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
                                            amp_dtype=amp_dtype, threads=threads) if measured \
                 else roofline_compute(table, spec, tp=layout.tp, micro_batch=layout.micro_batch_size,
                                       seq_len=seq_len, amp_dtype=amp_dtype, routing_imbalance=routing_imbalance)
-        return compute[key]
+        whole = compute[key]
+        return ComputeTimes(*(seconds / layout.cp for seconds in astuple(whole))) if layout.cp > 1 else whole
 
     peak = spec.peak_flops.get(amp_dtype or torch.float32)
     flops_per_token = table.flops_per_token(seq_len)
@@ -205,8 +211,8 @@ def format_table(result: Plan, top: int = 10) -> str:
              f"{result.memory_limit / GiB:.1f} GiB per rank, {len(result.candidates)} ranked; times "
              f"{result.timing} ({'; '.join(result.notes)})",
              f"{'#':>3}  {'layout':<38} {name:>6} {'params':>7} {'grads':>6} {'optim':>6} {'gather':>6} "
-             f"{'acts':>6} {'logits':>6} {'opt.st':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'ep':>7} {'dp':>7} "
-             f"{'bubble':>7}  "
+             f"{'acts':>6} {'logits':>6} {'opt.st':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'cp':>7} {'ep':>7} "
+             f"{'dp':>7} {'bubble':>7}  "
              f"{'tokens/s':>10} {'MFU':>6}"]
     for index, c in enumerate(result.candidates[:top], 1):
         m, t = c.memory, c.time
@@ -215,7 +221,7 @@ def format_table(result: Plan, top: int = 10) -> str:
             f"{index:>3}  {c.layout.short():<38} {m.total / unit:6.2f} {m.params / unit:7.2f} {m.grads / unit:6.2f} "
             f"{m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} {m.logits / unit:6.2f} "
             f"{m.optimizer_step / unit:6.2f}  "
-            f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.ep_comm:7.3f} {t.dp_comm:7.3f} "
+            f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.cp_comm:7.3f} {t.ep_comm:7.3f} {t.dp_comm:7.3f} "
             f"{t.bubble + t.pp_comm:7.3f}  "
             f"{c.tokens_per_second:10.0f} {mfu}")
     if result.candidates:
