@@ -231,9 +231,10 @@ def test_measured_equals_real_under_cp(case):
     kinds = planner.layer_kinds
     layer_bytes = {k: planner.layer(k, shapes) for k in set(kinds)}
     predicted = planner.embedding(shapes) + planner.head(shapes) + sum(layer_bytes[k] for k in kinds)
-    # the whole sequence's keys and values, not only this rank's: more than a plain run at seq / cp
-    local = planner.layer(0, Shapes(batch, seq // cp, tp, sp, amp, "cpu"))
-    assert layer_bytes[0] > local
+    # the whole sequence's keys and values, not only this rank's: a full-attention layer (the last kind;
+    # a window's chunk sees only the keys the window reaches) keeps more than a plain run at seq / cp
+    full = kinds[-1]
+    assert layer_bytes[full] > planner.layer(full, Shapes(batch, seq // cp, tp, sp, amp, "cpu"))
     ids = torch.randint(3, VOCAB, (batch, seq))
     stack = models.get_layer_stack(model)
     with fake_world(tp * cp, 0, tp=tp, cp=cp, sequence_parallel=sp) as ctx:
