@@ -1,6 +1,6 @@
-"""The layouts a model admits at a world size: dp × tp × pp, ZeRO stage, activation checkpointing,
-sequence parallelism, micro-batch size and pipeline schedule, each as the overrides that run it
-(a layout may also split an MoE model's experts over ep, which divides dp)."""
+"""The layouts a model admits at a world size: dp × tp × pp, ZeRO stage, recomputation (activation
+checkpointing), sequence parallelism, micro-batch size and pipeline schedule, each as the overrides
+that run it (a layout may also split an MoE model's experts over ep, which divides dp)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,18 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from libai_zoo import distributed
-from libai_zoo.config import run_settings
+from libai_zoo.config import FULL, Recompute, run_settings
 from libai_zoo.parallel import check_pipeline_layout, schedule_evaluates
 
 from .model_table import ModelTable
 
 #: The pipeline schedules the planner tries, with the stages per rank it gives each.
 PIPELINE_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1, "zbv": 2}
+#: The selective recomputations the planner tries: the cheap elementwise modules (Megatron's usual
+#: choice), and with the attention core (which pays where attention keeps S × S scores: dropout on
+#: CPU, soft-capping, sinks; a fused kernel keeps O(S)).
+SELECTIVE_CHOICES = (Recompute("selective", ("layernorm", "mlp_act"), None),
+                     Recompute("selective", ("core_attn", "layernorm", "mlp_act"), None))
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,7 @@ class Layout:
     tp: int
     pp: int
     zero_stage: int = 0
-    activation_checkpoint: bool = False
+    activation_checkpoint: Recompute | None = None  # what is recomputed; None: nothing
     sequence_parallel: bool = False
     micro_batch_size: int = 1
     schedule: str | None = None  # the pipeline schedule; None without pp
@@ -64,7 +69,8 @@ class Layout:
                  f"dist.cp={self.cp}",
                  f"dist.sequence_parallel={str(self.sequence_parallel).lower()}",
                  f"train.zero_stage={self.zero_stage}",
-                 f"train.activation_checkpoint.enabled={str(self.activation_checkpoint).lower()}",
+                 f"train.activation_checkpoint.enabled={str(self.activation_checkpoint is not None).lower()}",
+                 *(self.activation_checkpoint.overrides() if self.activation_checkpoint is not None else ()),
                  f"train.micro_batch_size={self.micro_batch_size}"]
         if self.pp > 1:  # the planner splits the layers evenly: a config's own boundaries would not fit
             parts += [f"train.pipeline.schedule={self.schedule}",
@@ -72,10 +78,11 @@ class Layout:
         return " ".join(parts)
 
     def short(self) -> str:
-        """A compact name for tables: dp2 tp2 pp2 z1 ac sp mb4 1f1b (dp4 ep2 tp2 ... with experts split over ep)."""
+        """A compact name for tables: dp2 tp2 pp2 z1 ac sp mb4 1f1b (dp4 ep2 tp2 ... with experts split over ep;
+        ac[layernorm,mlp_act] a selective recomputation, ac×2 the first 2 layers of each stage)."""
         text = f"dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else "")
         text += f" tp{self.tp} pp{self.pp} z{self.zero_stage}"
-        text += " ac" if self.activation_checkpoint else ""
+        text += f" {self.activation_checkpoint.short()}" if self.activation_checkpoint is not None else ""
         text += " sp" if self.sequence_parallel else ""
         text += f" mb{self.micro_batch_size}"
         if self.pp > 1:
@@ -93,7 +100,7 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
     every layer evenly (the layers' own `tp_problems`), pp ≤ layers, dp dividing the global batch,
     for an MoE model each ep dividing dp whose expert group (ep × tp ranks) splits the experts
     evenly, each micro-batch size that divides a dp rank's share, ZeRO 0-3 (0 alone at dp = 1),
-    activation checkpointing off/on, sequence parallelism off/on at tp > 1 (when tp divides
+    each recomputation of `recompute_choices`, sequence parallelism off/on at tp > 1 (when tp divides
     `seq_len`), and under pp each schedule the pipeline accepts for that many micro-batches (one
     that can evaluate when the run `evaluates`: it has test data)."""
     for tp in _divisors(world_size):
@@ -114,8 +121,17 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
                     for ep in eps:
                         for zero in (range(4) if dp > 1 else [0]):
                             for sp in ([False, True] if tp > 1 and seq_len % tp == 0 else [False]):
-                                for ac in (False, True):
+                                for ac in recompute_choices(table.num_layers, pp * virtual):
                                     yield Layout(dp, tp, pp, zero, ac, sp, micro_batch, schedule, virtual, ep)
+
+
+def recompute_choices(num_layers: int, num_stages: int) -> list[Recompute | None]:
+    """What the planner tries to recompute: nothing, every layer (full), the `SELECTIVE_CHOICES`,
+    and Megatron's block method (the first N layers of each of `num_stages` stages in full) at a
+    quarter, half and three quarters of a stage's layers."""
+    per_stage = -(-num_layers // num_stages)
+    blocks = sorted({per_stage * quarter // 4 for quarter in (1, 2, 3)} - {0, per_stage})
+    return [None, FULL, *SELECTIVE_CHOICES, *(Recompute("full", (), n) for n in blocks)]
 
 
 def _pipeline_runs(table: ModelTable, pp: int, schedule: str, virtual: int, micro_batches: int) -> bool:

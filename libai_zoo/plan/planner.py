@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from libai_zoo.config import run_settings
 
+from .activations import Shapes
 from .cost import DEVICES, LINKS, Device, Fabric, Link, StepTime, roofline_compute, step_time
 from .layouts import Layout, enumerate_layouts
 from .memory import GiB, MemoryBreakdown, OptimizerState, rank_memory
@@ -162,6 +163,20 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
                                       seq_len=seq_len, amp_dtype=amp_dtype, routing_imbalance=routing_imbalance)
         return compute[key]
 
+    shares: dict[tuple, float] = {}
+
+    def recompute_share(layout: Layout) -> float:
+        """The share of a recomputing layer's forward its backward runs again (measured: `recomputed_work`)."""
+        recompute = layout.activation_checkpoint
+        if recompute is None or recompute.granularity == "full":
+            return 1.0
+        key = (layout.tp, layout.sequence_parallel, layout.ep, recompute.modules)
+        if key not in shares:
+            shapes = Shapes(1, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, "cpu" if on_cpu else "cuda",
+                            layout.ep, routing_imbalance if table.moe else 1.0)
+            shares[key] = table.activations.recomputed_work(shapes, recompute).share(spec.flops_per_byte(amp_dtype))
+        return shares[key]
+
     peak = spec.peak_flops.get(amp_dtype or torch.float32)
     flops_per_token = table.flops_per_token(seq_len)
     candidates, considered, too_big = [], 0, 0
@@ -181,7 +196,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
         predicted = step_time(table, layout, times(layout), fabric, device=spec, seq_len=seq_len,
                               global_batch_size=global_batch, amp_dtype=amp_dtype, optimizer_per_element=per_element,
                               fsdp_op=fsdp_op(layout), oversubscription=oversubscription,
-                              routing_imbalance=routing_imbalance)
+                              routing_imbalance=routing_imbalance, recompute_share=recompute_share(layout))
         tokens = global_batch * seq_len / predicted.total
         mfu = tokens * flops_per_token / (peak * world_size) if peak else None
         candidates.append(Candidate(layout, memory, predicted, tokens, mfu, fits))
@@ -201,10 +216,11 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
 def format_table(result: Plan, top: int = 10) -> str:
     """The best `top` candidates as a text table, with their overrides."""
     unit, name = (GiB, "GiB") if any(c.memory.total >= GiB for c in result.candidates[:top]) else (2**20, "MiB")
+    width = max([38] + [len(c.layout.short()) for c in result.candidates[:top]])
     lines = [f"{result.considered} layouts considered, {result.too_big} do not fit in "
              f"{result.memory_limit / GiB:.1f} GiB per rank, {len(result.candidates)} ranked; times "
              f"{result.timing} ({'; '.join(result.notes)})",
-             f"{'#':>3}  {'layout':<38} {name:>6} {'params':>7} {'grads':>6} {'optim':>6} {'gather':>6} "
+             f"{'#':>3}  {'layout':<{width}} {name:>6} {'params':>7} {'grads':>6} {'optim':>6} {'gather':>6} "
              f"{'acts':>6} {'logits':>6} {'opt.st':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'ep':>7} {'dp':>7} "
              f"{'bubble':>7}  "
              f"{'tokens/s':>10} {'MFU':>6}"]
@@ -212,7 +228,7 @@ def format_table(result: Plan, top: int = 10) -> str:
         m, t = c.memory, c.time
         mfu = f"{100 * c.mfu:5.1f}%" if c.mfu is not None else "     -"
         lines.append(
-            f"{index:>3}  {c.layout.short():<38} {m.total / unit:6.2f} {m.params / unit:7.2f} {m.grads / unit:6.2f} "
+            f"{index:>3}  {c.layout.short():<{width}} {m.total / unit:6.2f} {m.params / unit:7.2f} {m.grads / unit:6.2f} "
             f"{m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} {m.logits / unit:6.2f} "
             f"{m.optimizer_step / unit:6.2f}  "
             f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.ep_comm:7.3f} {t.dp_comm:7.3f} "
