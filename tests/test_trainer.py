@@ -222,7 +222,8 @@ def test_activation_checkpointing_gives_equal_gradients():
     assert set(dict(plain.state_dict())) == set(dict(checkpointed.state_dict()))
 
 
-RECOMPUTATIONS = [FULL, Recompute("full", (), 1), *(Recompute("selective", (name,), None) for name in RECOMPUTE_MODULES),
+RECOMPUTATIONS = [FULL, Recompute("full", (), 1),
+                  *(Recompute("selective", (name,), None) for name in RECOMPUTE_MODULES),
                   Recompute("selective", ("core_attn", "layernorm", "mlp_act"), 1)]
 
 

@@ -19,5 +19,6 @@ from .lazy_config import LazyConfig, get_config
 from .schema import AdamWConfig, DataLoaderConfig, DistConfig, PipelineConfig, Section, TrainConfig, typed
 from .settings import AMP_DTYPES, FULL, RECOMPUTE_MODULES, PipelineSettings, Recompute, RunSettings, run_settings
 
-__all__ = ["AMP_DTYPES", "AdamWConfig", "ConfigError", "DataLoaderConfig", "DistConfig", "FULL", "LazyCall", "LazyConfig",
-           "PipelineConfig", "PipelineSettings", "RECOMPUTE_MODULES", "Recompute", "RunSettings", "Section", "TrainConfig", "get_config", "instantiate", "run_settings", "typed"]
+__all__ = ["AMP_DTYPES", "AdamWConfig", "ConfigError", "DataLoaderConfig", "DistConfig", "FULL", "LazyCall",
+           "LazyConfig", "PipelineConfig", "PipelineSettings", "RECOMPUTE_MODULES", "Recompute", "RunSettings",
+           "Section", "TrainConfig", "get_config", "instantiate", "run_settings", "typed"]

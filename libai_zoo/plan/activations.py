@@ -459,12 +459,12 @@ class SavedActivations:
         under `recompute` (the probe's layer kinds together; a full recomputation runs the forward
         again). Measured at one sample, cached."""
         shapes = replace(shapes, micro_batch=1)
-        key = (self._key, shapes, "work", recompute.modules)
-        if key not in _CACHE:
-            none, chosen = (self._work(shapes, modules) for modules in ((), recompute.modules))
-            _CACHE[key] = RecomputedWork(none.forward_flops, none.forward_bytes,
-                                         chosen.again_flops - none.again_flops, chosen.again_bytes - none.again_bytes)
-        work = _CACHE[key]
+        for modules in {(), recompute.modules}:
+            if (self._key, shapes, "work", modules) not in _CACHE:
+                _CACHE[self._key, shapes, "work", modules] = self._work(shapes, modules)
+        none, chosen = (_CACHE[self._key, shapes, "work", modules] for modules in ((), recompute.modules))
+        work = RecomputedWork(none.forward_flops, none.forward_bytes,
+                              chosen.again_flops - none.again_flops, chosen.again_bytes - none.again_bytes)
         if recompute.granularity == "full":
             return replace(work, again_flops=work.forward_flops, again_bytes=work.forward_bytes)
         return work
@@ -546,8 +546,15 @@ class SavedActivations:
                 yield model, casts
 
     def _work(self, shapes: Shapes, modules: tuple[str, ...]) -> RecomputedWork:
-        """The layers' forward work, and their backward's (``again_*``), recomputing `modules`."""
+        """The layers' forward work, and their backward's (``again_*``), recomputing `modules`.
+        Without dropout: a recompute replays the tp random stream, whose state a fake tensor cannot
+        hold (dropout changes the bytes written, not the FLOPs)."""
         with self._fake_model(shapes, modules) as (model, _):
+            for module in model.modules():
+                if isinstance(module, nn.Dropout):
+                    module.p = 0.0
+                elif isinstance(getattr(module, "dropout", None), float):
+                    module.dropout = 0.0
             ids = torch.zeros(shapes.micro_batch, shapes.seq_len, dtype=torch.long)
             labels = ids if model.loss_unit == "token" else torch.zeros(shapes.micro_batch, dtype=torch.long)
             inputs, _ = model.split_batch({"input_ids": ids, "labels": labels})

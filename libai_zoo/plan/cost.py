@@ -2,11 +2,12 @@
 
     compute   per micro-batch on a rank: its layers' forward and backward (+ what a recomputing
               layer runs again: its whole forward in full, the measured share of it selectively,
-              `activations.RecomputedWork`; twice under a split backward), the embedding on the first stage, the head and loss on
-              the last; measured on this machine's device (`profile.py`) or, for an absent device,
-              a roofline (matmul FLOPs at `Device.matmul_efficiency` of the peak, plus the
-              elementwise traffic at the memory bandwidth). On a CPU, `contention` stretches it:
-              a node running more single-threaded processes than it has cores shares them.
+              `activations.RecomputedWork`; twice under a split backward), the embedding on the
+              first stage, the head and loss on the last; measured on this machine's device
+              (`profile.py`) or, for an absent device, a roofline (matmul FLOPs at
+              `Device.matmul_efficiency` of the peak, plus the elementwise traffic at the memory
+              bandwidth). On a CPU, `contention` stretches it: a node running more
+              single-threaded processes than it has cores shares them.
     tp comm   per layer and micro-batch, Megatron's two all-reduces of the layer's activations
               forward and two backward (one each for a parallel block; all-gather +
               reduce-scatter of the same bytes under sequence parallelism; the forward's again when
@@ -15,10 +16,10 @@
     ep comm   per MoE layer and micro-batch, the expert group's all-to-alls (ep × tp ranks): the
               routed tokens sent to their experts and back (dispatch, combine) forward, and their
               gradients the reverse way backward (the forward's again when a layer recomputes it:
-              in full, or a selective "moe"): each a rank's tokens × top_k × hidden × the activations' bytes, of which the
-              share for its own experts (1 / (ep·tp)) stays; the most loaded rank receives
-              `routing_imbalance` times its share. Inside a node at NVLink, else the share bound
-              for other nodes at InfiniBand (the slower of the two)
+              in full, or a selective "moe"): each a rank's tokens × top_k × hidden × the
+              activations' bytes, of which the share for its own experts (1 / (ep·tp)) stays;
+              the most loaded rank receives `routing_imbalance` times its share. Inside a node at
+              NVLink, else the share bound for other nodes at InfiniBand (the slower of the two)
     pp comm   a point-to-point send of the boundary activations forward and of their gradient
               backward, per micro-batch, on every rank that has a neighbour
     (an MoE layer's experts compute top_k / num_experts of their parameters per token: the

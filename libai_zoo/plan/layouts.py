@@ -17,11 +17,10 @@ from .model_table import ModelTable
 
 #: The pipeline schedules the planner tries, with the stages per rank it gives each.
 PIPELINE_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1, "zbv": 2}
-#: The selective recomputations the planner tries: the cheap elementwise modules (Megatron's usual
-#: choice), and with the attention core (which pays where attention keeps S × S scores: dropout on
-#: CPU, soft-capping, sinks; a fused kernel keeps O(S)).
-SELECTIVE_CHOICES = (Recompute("selective", ("layernorm", "mlp_act"), None),
-                     Recompute("selective", ("core_attn", "layernorm", "mlp_act"), None))
+#: The selective recomputation the planner tries: the cheap elementwise modules, whose outputs are
+#: freed (the attention core pays only where attention keeps S × S scores, which a fused kernel does
+#: not: a config asks for it by name, and `plan(layouts=...)` judges it).
+SELECTIVE = Recompute("selective", ("layernorm", "mlp_act"), None)
 
 
 @dataclass(frozen=True)
@@ -126,12 +125,11 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
 
 
 def recompute_choices(num_layers: int, num_stages: int) -> list[Recompute | None]:
-    """What the planner tries to recompute: nothing, every layer (full), the `SELECTIVE_CHOICES`,
-    and Megatron's block method (the first N layers of each of `num_stages` stages in full) at a
-    quarter, half and three quarters of a stage's layers."""
-    per_stage = -(-num_layers // num_stages)
-    blocks = sorted({per_stage * quarter // 4 for quarter in (1, 2, 3)} - {0, per_stage})
-    return [None, FULL, *SELECTIVE_CHOICES, *(Recompute("full", (), n) for n in blocks)]
+    """What the planner tries to recompute: nothing, every layer (full), `SELECTIVE`, and
+    Megatron's block method (the first N layers of each of `num_stages` stages in full) at half a
+    stage's layers."""
+    half = -(-num_layers // num_stages) // 2
+    return [None, FULL, SELECTIVE, *([Recompute("full", (), half)] if half else [])]
 
 
 def _pipeline_runs(table: ModelTable, pp: int, schedule: str, virtual: int, micro_batches: int) -> bool:

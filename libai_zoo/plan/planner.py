@@ -170,12 +170,11 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
         recompute = layout.activation_checkpoint
         if recompute is None or recompute.granularity == "full":
             return 1.0
-        key = (layout.tp, layout.sequence_parallel, layout.ep, recompute.modules)
-        if key not in shares:
-            shapes = Shapes(1, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, "cpu" if on_cpu else "cuda",
-                            layout.ep, routing_imbalance if table.moe else 1.0)
-            shares[key] = table.activations.recomputed_work(shapes, recompute).share(spec.flops_per_byte(amp_dtype))
-        return shares[key]
+        if recompute.modules not in shares:  # a ratio of the layer's own work, which tp and ep split alike
+            shapes = Shapes(1, seq_len, amp_dtype=amp_dtype, device="cpu" if on_cpu else "cuda")
+            work = table.activations.recomputed_work(shapes, recompute)
+            shares[recompute.modules] = work.share(spec.flops_per_byte(amp_dtype))
+        return shares[recompute.modules]
 
     peak = spec.peak_flops.get(amp_dtype or torch.float32)
     flops_per_token = table.flops_per_token(seq_len)
@@ -228,8 +227,9 @@ def format_table(result: Plan, top: int = 10) -> str:
         m, t = c.memory, c.time
         mfu = f"{100 * c.mfu:5.1f}%" if c.mfu is not None else "     -"
         lines.append(
-            f"{index:>3}  {c.layout.short():<{width}} {m.total / unit:6.2f} {m.params / unit:7.2f} {m.grads / unit:6.2f} "
-            f"{m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} {m.logits / unit:6.2f} "
+            f"{index:>3}  {c.layout.short():<{width}} {m.total / unit:6.2f} {m.params / unit:7.2f} "
+            f"{m.grads / unit:6.2f} {m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} "
+            f"{m.logits / unit:6.2f} "
             f"{m.optimizer_step / unit:6.2f}  "
             f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.ep_comm:7.3f} {t.dp_comm:7.3f} "
             f"{t.bubble + t.pp_comm:7.3f}  "
