@@ -204,7 +204,7 @@ class Attention(ParallelLayer, nn.Module):
         sinks = local(self.sinks)
         if self.cp is not None:
             def core(q, k, v, mask):
-                return attend(self, q, k, v, mask, False, self.softmax_scale, self.softcap, sinks)
+                return self.core_attention(q, k, v, mask, False, self.softmax_scale, self.softcap, sinks)
 
             out = context_attention(self.cp, q, k, v, attention_mask, core, causal=self.causal,
                                     sliding_window=self.sliding_window,
@@ -212,8 +212,12 @@ class Attention(ParallelLayer, nn.Module):
         else:
             mask, is_causal = sdpa_mask(attention_mask, q.shape[2], k.shape[2], q.device, causal=self.causal,
                                         sliding_window=self.sliding_window)
-            out = attend(self, q, k, v, mask, is_causal, self.softmax_scale, self.softcap, sinks)
+            out = self.core_attention(q, k, v, mask, is_causal, self.softmax_scale, self.softcap, sinks)
         return self.out(out.transpose(1, 2).flatten(2))
+
+    def core_attention(self, *args) -> torch.Tensor:
+        """`attend` for this layer: the seam selective recomputation ("core_attn") checkpoints."""
+        return attend(self, *args)
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, S, groups, heads, d] and k normalised per head, or over this rank's part of the

@@ -75,6 +75,9 @@ class LatentAttention(ParallelLayer, nn.Module):
         """heads × the mean of the q·k and v head widths, as `Attention.attention_width` counts FLOPs."""
         return self.num_heads * (self.qk_head_dim + self.v_head_dim) / 2
 
+    #: `attend` for this layer: the seam selective recomputation ("core_attn") checkpoints.
+    core_attention = attend
+
     def tp_problems(self, tp_size: int) -> list[str]:
         return indivisible(self.num_heads, tp_size, "num_heads", "choose a tp that divides the number of heads")
 
@@ -123,10 +126,11 @@ class LatentAttention(ParallelLayer, nn.Module):
         scale = self.softmax_scale or self.qk_head_dim ** -0.5
         if self.cp is not None:  # the expanded per-head k and v gathered (their latents would be narrower)
             out = context_attention(self.cp, q, k, v, attention_mask,
-                                    lambda q, k, v, mask: attend(self, q, k, v, mask, False, scale), causal=self.causal)
+                                    lambda q, k, v, mask: self.core_attention(q, k, v, mask, False, scale),
+                                    causal=self.causal)
         else:
             mask, is_causal = sdpa_mask(attention_mask, q.shape[2], k.shape[2], q.device, causal=self.causal)
-            out = attend(self, q, k, v, mask, is_causal, scale)
+            out = self.core_attention(q, k, v, mask, is_causal, scale)
         return self.out(out.transpose(1, 2).flatten(2))
 
     def extra_repr(self) -> str:

@@ -76,8 +76,12 @@ class MLP(ParallelLayer, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is not None and self.sync_input:
             x, = column_inputs(self.tp, self.sp, (x, self.column_layers))
-        h = self.act(self.up(x)) if self.gate is None else gated(self.act, self.gate(x), self.up(x))
-        return self.down(h)
+        return self.down(self._activate(None if self.gate is None else self.gate(x), self.up(x)))
+
+    def _activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        """act(up), or act(gate) * up keeping only gate and up (`gated`): the seam selective
+        recomputation ("mlp_act") wraps."""
+        return self.act(up) if gate is None else gated(self.act, gate, up)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation_name}, gated={self.gate is not None}{self.parallel_repr()}"

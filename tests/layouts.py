@@ -10,13 +10,14 @@ row per layout. Every layout trains a global batch of 8 sequences.
 
 from __future__ import annotations
 
+from libai_zoo.config import FULL, Recompute
 from libai_zoo.plan.layouts import Layout
 
 GLOBAL_BATCH = 8
 
 
 def _layout(dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, mb: int = 8, schedule: str | None = None,
-            virtual: int = 1, ac: bool = False, sp: bool = False, ep: int = 1, cp: int = 1) -> Layout:
+            virtual: int = 1, ac: Recompute | None = None, sp: bool = False, ep: int = 1, cp: int = 1) -> Layout:
     return Layout(dp, tp, pp, zero, activation_checkpoint=ac, sequence_parallel=sp, micro_batch_size=mb,
                   schedule=schedule or ("1f1b" if pp > 1 else None), virtual_stages=virtual, ep=ep, cp=cp)
 
@@ -30,10 +31,11 @@ LAYOUTS: dict[str, Layout] = {
     "dp2_zero1": _layout(dp=2, zero=1, mb=4),
     "dp2_zero2": _layout(dp=2, zero=2, mb=4),
     "dp2_zero3": _layout(dp=2, zero=3, mb=4),
-    "dp2_accum_ac": _layout(dp=2, mb=1, ac=True),
+    "dp2_accum_ac": _layout(dp=2, mb=1, ac=FULL),
     "pp2_1f1b": _layout(pp=2, mb=4),
     "pp2_interleaved": _layout(pp=2, mb=2, schedule="interleaved_1f1b", virtual=2),
-    "pp2_1f1b_ac": _layout(pp=2, mb=2, ac=True),
+    # Megatron's block method: the first of each stage's two layers recomputed
+    "pp2_1f1b_ac": _layout(pp=2, mb=2, ac=Recompute("full", (), 1)),
     "pp2_zero_bubble": _layout(pp=2, mb=4, schedule="zero_bubble"),
     "ep2": _layout(dp=2, ep=2, mb=4),
     # each sequence split over cp ranks (2·cp load-balanced chunks), the same samples on a dp rank's cp ranks
@@ -45,7 +47,10 @@ LAYOUTS: dict[str, Layout] = {
     "dp2_tp2": _layout(dp=2, tp=2, mb=4),
     "dp2_tp2_zero1": _layout(dp=2, tp=2, zero=1, mb=4),
     "dp2_tp2_zero3": _layout(dp=2, tp=2, zero=3, mb=4),
-    "dp2_tp2_zero3_accum_ac": _layout(dp=2, tp=2, zero=3, mb=2, ac=True),
+    # selective recomputation: the attention core, and the norms' and activation's outputs discarded and
+    # recomputed under ZeRO-3 (FSDP gathers the norms' weights again before they are)
+    "dp2_tp2_zero3_accum_ac": _layout(dp=2, tp=2, zero=3, mb=2,
+                                      ac=Recompute("selective", ("core_attn", "mlp_act", "layernorm"), None)),
     "pp4_gpipe": _layout(pp=4, mb=2, schedule="gpipe"),
     "tp2_pp2": _layout(tp=2, pp=2, mb=4),
     "tp2_pp2_interleaved": _layout(tp=2, pp=2, mb=2, schedule="interleaved_1f1b", virtual=2),

@@ -15,8 +15,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 import libai_zoo.config
-from libai_zoo.config import (AdamWConfig, ConfigError, DataLoaderConfig, DistConfig, LazyCall, LazyConfig,
-                              PipelineSettings, Section, TrainConfig, get_config, instantiate, run_settings)
+from libai_zoo.config import (FULL, AdamWConfig, ConfigError, DataLoaderConfig, DistConfig, LazyCall, LazyConfig,
+                              PipelineSettings, Recompute, Section, TrainConfig, get_config, instantiate, run_settings)
 from libai_zoo.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,7 +267,8 @@ def test_get_config_train_has_the_contract_keys():
     assert OmegaConf.get_type(cfg.train) is TrainConfig  # typed once loaded
     assert LazyConfig.to_container(cfg.train) == dict(
         output_dir="output", max_iter=1000, seed=42, micro_batch_size=8, global_batch_size=8,
-        amp=dict(enabled=False, dtype="bf16", fp32_residual=False), activation_checkpoint=dict(enabled=False),
+        amp=dict(enabled=False, dtype="bf16", fp32_residual=False),
+        activation_checkpoint=dict(enabled=False, granularity="full", modules=["core_attn"], num_layers=None),
         zero_stage=0, zero_offload=False, compile=False, log_period=10,
         checkpoint=dict(period=500, max_to_keep=None, async_save=False),
         eval=dict(period=0, max_batches=None), clip_grad_norm=1.0, max_bad_steps=5, on_divergence="stop",
@@ -517,3 +518,25 @@ def test_run_settings_parse_what_the_trainer_and_the_planner_read():
         run_settings(LazyConfig.apply_overrides(defaults(), ["train.amp.enabled=true", "train.amp.dtype=fp8"]))
     with pytest.raises(ConfigError, match=r"dataloader\.train\.seq_len = 0 must be a positive number of tokens"):
         run_settings(OmegaConf.create({"dataloader": {"train": {"seq_len": 0}}}))
+
+
+def test_run_settings_parse_the_recomputation_choice():
+    """``enabled`` alone is today's full recomputation of every layer; selective takes Megatron's module
+    names (core_attn by default) and an unknown one is refused with the list."""
+    def parsed(*overrides):
+        return run_settings(LazyConfig.apply_overrides(defaults(), list(overrides))).activation_checkpoint
+    assert parsed() is None
+    assert parsed("train.activation_checkpoint.enabled=true") == FULL == Recompute("full", (), None)
+    assert parsed("train.activation_checkpoint.enabled=true", "train.activation_checkpoint.granularity=selective") \
+        == Recompute("selective", ("core_attn",), None)
+    assert parsed("train.activation_checkpoint.enabled=true", "train.activation_checkpoint.granularity=selective",
+                  "train.activation_checkpoint.modules=[layernorm,mlp_act]",
+                  "train.activation_checkpoint.num_layers=2") == Recompute("selective", ("layernorm", "mlp_act"), 2)
+    with pytest.raises(ConfigError, match=r"modules = \['attn'\] must name at least one of \['core_attn', "
+                                          r"'layernorm', 'mlp', 'mlp_act', 'moe'\]"):
+        parsed("train.activation_checkpoint.enabled=true", "train.activation_checkpoint.granularity=selective",
+               "train.activation_checkpoint.modules=[attn]")
+    with pytest.raises(ConfigError, match=r"granularity = 'block' must be 'full' or 'selective'"):
+        parsed("train.activation_checkpoint.enabled=true", "train.activation_checkpoint.granularity=block")
+    with pytest.raises(ConfigError, match=r"num_layers = 0 must be a positive number of layers"):
+        parsed("train.activation_checkpoint.enabled=true", "train.activation_checkpoint.num_layers=0")

@@ -43,6 +43,8 @@ BACKWARD_TERMS = ("gathered", "activations", "logits")
 LAYOUT_KEYS = ("dist.dp", "dist.tp", "dist.pp", "dist.ep", "dist.cp", "dist.sequence_parallel", "train.zero_stage",
                "train.activation_checkpoint.enabled", "train.micro_batch_size")
 PIPELINE_KEYS = ("train.pipeline.schedule", "train.pipeline.virtual_stages", "train.pipeline.boundaries")
+RECOMPUTE_KEYS = ("train.activation_checkpoint.granularity", "train.activation_checkpoint.modules",
+                  "train.activation_checkpoint.num_layers")
 
 
 def load_tool(name: str):
@@ -129,7 +131,8 @@ def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads
         assert 0 < c["mfu"] < 1
 
         keys = overrides_of(c["overrides"])
-        assert set(keys) == set(LAYOUT_KEYS if keys["dist.pp"] == "1" else LAYOUT_KEYS + PIPELINE_KEYS)
+        assert set(keys) == {*LAYOUT_KEYS, *(PIPELINE_KEYS if keys["dist.pp"] != "1" else ()),
+                             *(RECOMPUTE_KEYS if keys["train.activation_checkpoint.enabled"] == "true" else ())}
         dp, cp, tp, pp = (int(keys[f"dist.{name}"]) for name in ("dp", "cp", "tp", "pp"))
         micro_batch = int(keys["train.micro_batch_size"])
         assert dp * cp * tp * pp == world_size
@@ -146,7 +149,9 @@ def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads
     for item in sorted(items):
         key, value = item.split("=")
         cfg = LazyConfig.apply_overrides(copy.deepcopy(base), [item])
-        assert str(OmegaConf.select(cfg, key)).lower() == ("none" if value == "null" else value)
+        read = OmegaConf.select(cfg, key)
+        assert (f"[{','.join(read)}]" if OmegaConf.is_list(read) else str(read).lower()) == \
+            ("none" if value == "null" else value)
     # and each layout the trainer's check tells apart, applied whole, reads back as itself and passes it
     cfg = copy.deepcopy(base)
     for (tp, pp, _, _, micro_batches), text in shapes.items():

@@ -11,7 +11,8 @@ attention, rotary), GPT-NeoX (parallel residual), Qwen3 (q/k norms) and a decode
 model never knew (sandwich norms, q/k norms, soft-capped attention, sliding windows on every
 other layer: two layer kinds) and a Qwen3-MoE (a dense layer, then Mixture-of-Experts layers: in
 one process a layer's experts save as many rows whatever the routing); micro-batches past the three
-measured ones are extended linearly.
+measured ones are extended linearly. Recomputation (full, each selective module kind, Megatron's
+block method) is counted as a run wraps the layers: the planner equals the real layers to the byte.
 
 A column layer under sequence parallelism keeps only its input's shard (gathered again in backward):
 tests below check the bytes of one and of Llama and GPT layers at tp2 and tp8, against the old path
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 import transformers
 
 from libai_zoo import distributed, layers, models
+from libai_zoo.config import FULL, Recompute
 from libai_zoo.distributed.collectives import gather_from_sp
 from libai_zoo.layers import Experts
 from libai_zoo.layers import linear as linear_module
@@ -132,42 +134,59 @@ def no_process_group_left():
 
 
 BF16 = torch.bfloat16
-CASES = [  # (kind, layers, batch, seq, tp, sp, ckpt, amp, chunk_bytes)
-    ("gpt2", 2, 2, 128, 1, False, False, None, None),
-    ("gpt2", 2, 2, 128, 1, False, False, BF16, None),
-    ("gpt2", 2, 4, 64, 2, True, False, BF16, None),
-    ("gpt2", 3, 2, 128, 4, True, True, None, None),
-    ("gpt2", 2, 2, 128, 2, False, False, None, 64 * 1024),  # the loss in chunks
-    ("gpt2", 2, 1, 256, 2, True, False, None, None),  # the first layer keeps the whole embedding
-    ("gpt2", 2, 5, 64, 2, False, False, BF16, None),  # five samples: extended from the measured ones
-    ("gpt2_nodrop", 2, 1, 256, 4, True, False, BF16, None),
-    ("llama", 2, 2, 128, 1, False, False, None, None),
-    ("llama", 2, 2, 128, 1, False, False, BF16, None),
-    ("llama", 2, 2, 128, 2, True, False, BF16, None),
-    ("llama", 3, 4, 64, 4, True, True, BF16, None),
-    ("llama", 2, 1, 256, 2, True, False, BF16, None),
-    ("llama", 2, 1, 256, 4, False, False, None, 32 * 1024),  # the loss in chunks
-    ("llama", 2, 8, 64, 2, False, False, BF16, 256 * 1024),  # chunked from five samples on, not at two
-    ("llama_attn_dropout", 2, 1, 128, 1, False, False, BF16, None),  # CPU's math attention: S×S saved
-    ("gpt_neox", 2, 2, 128, 1, False, False, None, None),
-    ("gpt_neox", 2, 2, 128, 2, True, False, BF16, None),
-    ("qwen3", 2, 2, 128, 2, True, False, BF16, None),
-    ("qwen3", 2, 5, 64, 1, False, True, None, None),
-    ("sandwich", 2, 2, 128, 1, False, False, BF16, None),
-    ("sandwich", 2, 2, 128, 2, True, False, None, None),
-    ("sandwich", 2, 4, 64, 2, False, True, BF16, None),
-    ("qwen3_moe", 2, 2, 128, 1, False, False, None, None),  # one process: the routing does not change the bytes
-    ("qwen3_moe", 2, 3, 64, 1, False, False, BF16, None),
-    ("qwen3_moe_bf16", 2, 2, 64, 1, False, False, BF16, None),  # bf16 experts: the grouped GEMM
+
+
+def selective(*modules: str, num_layers: int | None = None) -> Recompute:
+    return Recompute("selective", modules, num_layers)
+
+
+CASES = [  # (kind, layers, batch, seq, tp, sp, recompute, amp, chunk_bytes)
+    ("gpt2", 2, 2, 128, 1, False, None, None, None),
+    ("gpt2", 2, 2, 128, 1, False, None, BF16, None),
+    ("gpt2", 2, 4, 64, 2, True, None, BF16, None),
+    ("gpt2", 3, 2, 128, 4, True, FULL, None, None),
+    ("gpt2", 2, 2, 128, 2, False, None, None, 64 * 1024),  # the loss in chunks
+    ("gpt2", 2, 1, 256, 2, True, None, None, None),  # the first layer keeps the whole embedding
+    ("gpt2", 2, 5, 64, 2, False, None, BF16, None),  # five samples: extended from the measured ones
+    ("gpt2_nodrop", 2, 1, 256, 4, True, None, BF16, None),
+    ("llama", 2, 2, 128, 1, False, None, None, None),
+    ("llama", 2, 2, 128, 1, False, None, BF16, None),
+    ("llama", 2, 2, 128, 2, True, None, BF16, None),
+    ("llama", 3, 4, 64, 4, True, FULL, BF16, None),
+    ("llama", 2, 1, 256, 2, True, None, BF16, None),
+    ("llama", 2, 1, 256, 4, False, None, None, 32 * 1024),  # the loss in chunks
+    ("llama", 2, 8, 64, 2, False, None, BF16, 256 * 1024),  # chunked from five samples on, not at two
+    ("llama_attn_dropout", 2, 1, 128, 1, False, None, BF16, None),  # CPU's math attention: S×S saved
+    ("gpt_neox", 2, 2, 128, 1, False, None, None, None),
+    ("gpt_neox", 2, 2, 128, 2, True, None, BF16, None),
+    ("qwen3", 2, 2, 128, 2, True, None, BF16, None),
+    ("qwen3", 2, 5, 64, 1, False, FULL, None, None),
+    ("sandwich", 2, 2, 128, 1, False, None, BF16, None),
+    ("sandwich", 2, 2, 128, 2, True, None, None, None),
+    ("sandwich", 2, 4, 64, 2, False, FULL, BF16, None),
+    ("qwen3_moe", 2, 2, 128, 1, False, None, None, None),  # one process: the routing does not change the bytes
+    ("qwen3_moe", 2, 3, 64, 1, False, None, BF16, None),
+    ("qwen3_moe_bf16", 2, 2, 64, 1, False, None, BF16, None),  # bf16 experts: the grouped GEMM
+    # recomputation: each selective module kind (the norms' and activations' outputs discarded), the
+    # block method (the first layer of three in full; the first of two selectively, at tp2 with SP)
+    ("llama", 2, 2, 128, 1, False, selective("core_attn"), BF16, None),
+    ("llama", 2, 2, 128, 1, False, selective("mlp"), None, None),
+    ("llama", 2, 2, 128, 1, False, selective("mlp_act"), BF16, None),
+    ("llama", 2, 2, 128, 1, False, selective("layernorm"), BF16, None),
+    ("llama", 3, 2, 128, 1, False, Recompute("full", (), 1), BF16, None),
+    ("llama", 2, 2, 128, 2, True, selective("layernorm", "mlp_act", num_layers=1), BF16, None),
+    ("gpt2", 2, 2, 128, 1, False, selective("core_attn", "layernorm", "mlp_act"), None, None),  # S×S kept
+    ("qwen3_moe", 2, 2, 64, 1, False, selective("moe", "mlp_act"), None, None),
 ]
 
 
 @pytest.mark.parametrize("case", CASES,
-                         ids=[f"{c[0]}-L{c[1]}-B{c[2]}-S{c[3]}-tp{c[4]}{'-sp' if c[5] else ''}{'-ckpt' if c[6] else ''}"
+                         ids=[f"{c[0]}-L{c[1]}-B{c[2]}-S{c[3]}-tp{c[4]}{'-sp' if c[5] else ''}"
+                              f"{'-' + c[6].short() if c[6] else ''}"
                               f"-{'bf16' if c[7] else 'fp32'}{'-chunked' if c[8] else ''}" for c in CASES])
 def test_measured_equals_real(case):
     """Each layer kind alone (a fresh input) and the whole model's loss, real against the planner."""
-    kind, num_layers, batch, seq, tp, sp, ckpt, amp, chunk_bytes = case
+    kind, num_layers, batch, seq, tp, sp, recompute, amp, chunk_bytes = case
     torch.manual_seed(0)
     with torch.device("meta"):
         meta = MODELS[kind](num_layers)
@@ -179,25 +198,28 @@ def test_measured_equals_real(case):
     stack = models.get_layer_stack(model)
     kinds = planner.layer_kinds
     assert len(set(kinds)) == (2 if kind in TWO_KINDS else 1)
+    recomputes = [recompute is not None and (recompute.num_layers is None or i < recompute.num_layers)
+                  for i in range(num_layers)]
+    layers_ = dict(zip(zip(kinds, recomputes), range(num_layers)))  # (kind, recomputes) -> a layer so
     # the planner first: it forms a fake world of its own
-    layer_bytes = {k: planner.layer(k, shapes, checkpointed=ckpt) for k in set(kinds)}
-    predicted = planner.embedding(shapes) + planner.head(shapes) + sum(layer_bytes[k] for k in kinds)
+    layer_bytes = {(k, r): planner.layer(k, shapes, recompute=recompute if r else None) for k, r in layers_}
+    predicted = planner.embedding(shapes) + planner.head(shapes) + sum(map(layer_bytes.get, zip(kinds, recomputes)))
     ids = torch.randint(3, VOCAB, (batch, seq), device=DEVICE)
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
         # on fake tensors the layer computes float32 experts one by one (their grouped GEMM runs in
         # bf16 only there, as on CUDA); this CPU would group them
         experts.grouped_mm = experts.gate_proj.dtype == torch.bfloat16
     with parallel(model, tp, sp):
-        if ckpt:
-            apply_activation_checkpointing(stack)
-        for k in sorted(set(kinds)):
-            layer = stack[kinds.index(k)]
+        if recompute is not None:
+            apply_activation_checkpointing(stack, recompute)
+        for (k, r), index in sorted(layers_.items()):
+            layer = stack[index]
             x = torch.randn(batch, seq // tp if sp else seq, 64, dtype=next(stack[0].parameters()).dtype,
                             device=DEVICE, requires_grad=True)
             with autocast(amp):
                 measured, out = saved_bytes(lambda: layer(x), model)
             out.float().sum().backward()  # the graph is whole: backward runs (on garbage values)
-            check(measured, layer_bytes[k], f"{kind} layer kind {k}")
+            check(measured, layer_bytes[k, r], f"{kind} layer kind {k}{' recomputing' if r else ''}")
         with autocast(amp):
             measured, out = saved_bytes(lambda: model(input_ids=ids, labels=ids, return_logits=False).loss, model)
         out.backward()
@@ -302,7 +324,12 @@ def test_identical_layers_share_one_kind():
         table = ModelTable(SandwichForCausalLM(llama_config(6)))
     assert table.activations.layer_kinds == (0, 1, 0, 1, 0, 1)
     pipeline = Layout(1, 1, 2, schedule="1f1b")  # layers 0-2 and 3-5
-    assert [_rank_layer_kinds(table, pipeline, rank) for rank in (0, 1)] == [((0, 2), (1, 1)), ((0, 1), (1, 2))]
+    assert [_rank_layer_kinds(table, pipeline, rank) for rank in (0, 1)] == [((0, False, 2), (1, False, 1)),
+                                                                             ((0, False, 1), (1, False, 2))]
+    # the block method recomputes the first two layers of each stage: 0 (kind 0), 1 (1); 3 (1), 4 (0)
+    block = Layout(1, 1, 2, activation_checkpoint=Recompute("full", (), 2), schedule="1f1b")
+    assert [_rank_layer_kinds(table, block, rank) for rank in (0, 1)] == [((0, False, 1), (0, True, 1), (1, True, 1)),
+                                                                          ((0, True, 1), (1, False, 1), (1, True, 1))]
 
 
 def _gathering_linears(inputs, tp, projections, dim=1):
@@ -423,3 +450,17 @@ def test_the_residual_stream_has_the_stated_precision(fp32):
                for d in (torch.bfloat16, torch.float32)}
     check(measured, 2 * planned[dtype], "two layers")
     assert planned[torch.float32] - planned[torch.bfloat16] == 4 * batch * seq * 64
+
+
+def test_selective_recomputation_frees_what_megatron_frees():
+    """A float32 Llama layer (h 64, F 192, 256 tokens), whose gated activation and norms already keep
+    only their inputs: recomputing its MLP activation frees the product the down projection reads
+    (tokens × F floats); its two RMSNorms free, each, the output the next linear reads (tokens × h
+    floats); a fully recomputed layer keeps only its input."""
+    with torch.device("meta"):
+        planner = SavedActivations(models.LlamaForCausalLM(llama_config(1)))
+    shapes, tokens, h, ffn = Shapes(2, 128, device="cpu"), 256, 64, 192
+    none = planner.layer(0, shapes)
+    assert none - planner.layer(0, shapes, recompute=selective("mlp_act")) == tokens * ffn * 4
+    assert none - planner.layer(0, shapes, recompute=selective("layernorm")) == 2 * tokens * h * 4
+    assert planner.layer(0, shapes, recompute=FULL) == tokens * h * 4

@@ -1,6 +1,7 @@
 """Dropout under tensor parallelism (2 gloo processes): split activations draw masks from each tp
 rank's own stream, replicated ones from the shared default stream, and activation
-checkpointing replays both exactly."""
+checkpointing replays both exactly, whole layers or selected modules (the attention core's dropout
+draws from the tp stream)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from distributed_runner import run_distributed
 from libai_zoo import distributed, layers
+from libai_zoo.config import Recompute
 from libai_zoo.parallel import apply_activation_checkpointing
 
 pytestmark = pytest.mark.slow
@@ -30,19 +32,22 @@ def _checks() -> dict:
     for sp in (False, True):
         torch.manual_seed(1)
         layer = layers.TransformerLayer(16, 4, 32, attention_dropout=0.3, hidden_dropout=0.2, causal=True)
-        checkpointed = copy.deepcopy(layer)
-        distributed.shard(layer, ctx, sequence_parallel=sp)
-        distributed.shard(checkpointed, ctx, sequence_parallel=sp)
+        checkpointed, selective = copy.deepcopy(layer), copy.deepcopy(layer)
+        for module in (layer, checkpointed, selective):
+            distributed.shard(module, ctx, sequence_parallel=sp)
         apply_activation_checkpointing([checkpointed])
+        apply_activation_checkpointing([selective], Recompute("selective", ("core_attn", "layernorm", "mlp_act"),
+                                                              None))
         x = torch.randn(2, 8 if not sp else 4, 16)
         grads = []
         start = layer.tp.rng.get_state()
-        for module in (layer, checkpointed):  # same default and tp streams for both
+        for module in (layer, checkpointed, selective):  # same default and tp streams for each
             torch.manual_seed(2)
             module.tp.rng.set_state(start)
             module(x.clone().requires_grad_()).sum().backward()
             grads.append(torch.cat([p.grad.to_local().flatten() for p in module.parameters()]))
         results["grad_diff", sp] = (grads[0] - grads[1]).abs().max().item()
+        results["selective_grad_diff", sp] = (grads[0] - grads[2]).abs().max().item()
         # a zero-bubble schedule splits backward: the input's gradient, then the weights' (recomputing twice)
         torch.manual_seed(2)
         checkpointed.tp.rng.set_state(start)
@@ -70,6 +75,11 @@ def test_each_tp_rank_has_its_own_stream_and_the_shared_one_is_untouched(ranks):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_activation_checkpointing_replays_the_dropout_masks(ranks, sequence_parallel):
     assert all(rank["grad_diff", sequence_parallel] <= 1e-6 for rank in ranks)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_selective_recomputation_replays_the_attention_dropout(ranks, sequence_parallel):
+    assert all(rank["selective_grad_diff", sequence_parallel] <= 1e-6 for rank in ranks)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

@@ -1,6 +1,6 @@
 """DefaultTrainer end to end on a tiny GPT-2 and a slice of the shipped corpus (one process):
 resume equals an uninterrupted run, a crash while checkpointing resumes from the previous
-checkpoint, accumulation and activation checkpointing change no numbers, AMP works on CPU,
+checkpoint, accumulation and activation checkpointing (full, selective, block) change no numbers, AMP works on CPU,
 and the run writes config.yaml and metrics.json."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from libai_zoo.config import LazyConfig
+from libai_zoo.config import FULL, RECOMPUTE_MODULES, LazyConfig, Recompute
 from libai_zoo.engine import DefaultTrainer, StepResult, TrainStep
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel
 from libai_zoo.parallel import apply_activation_checkpointing
+from libai_zoo.plan.activations import saved_bytes
 from model_cases import zoo_model
 from trainer_runs import losses, records, run_trainer
 
@@ -219,6 +220,41 @@ def test_activation_checkpointing_gives_equal_gradients():
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= 1e-6, name
     assert set(dict(plain.state_dict())) == set(dict(checkpointed.state_dict()))
+
+
+RECOMPUTATIONS = [FULL, Recompute("full", (), 1),
+                  *(Recompute("selective", (name,), None) for name in RECOMPUTE_MODULES),
+                  Recompute("selective", ("core_attn", "layernorm", "mlp_act"), 1)]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen3_moe"])
+def test_each_recomputation_gives_equal_losses_and_gradients(name):
+    """Every recomputation choice (full, block, each selective module) gives the loss and gradients
+    of none with attention dropout on (the recompute draws the forward's masks) and keeps fewer bytes
+    for backward; GPT-2: LayerNorm, GELU; Qwen3-MoE: a dense layer, then an MoE one (q/k norms, SwiGLU
+    experts); what exactly each keeps is test_planner_activations'."""
+    torch.manual_seed(0)
+    base = zoo_model(name, attn_pdrop=0.3) if name == "gpt2" else zoo_model(name, attention_dropout=0.3)
+    base.train()
+    ids = torch.randint(3, base.config.vocab_size, (2, 12))
+
+    def run(recompute):
+        model = copy.deepcopy(base)
+        stack = model.transformer.h if name == "gpt2" else model.model.layers
+        if recompute is not None:
+            assert apply_activation_checkpointing(stack, recompute) == len(stack[:recompute.num_layers])
+        torch.manual_seed(1)
+        kept, loss = saved_bytes(lambda: model(input_ids=ids, labels=ids).loss, model)
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), kept
+
+    loss, grads, kept = run(None)
+    for recompute in RECOMPUTATIONS:
+        if recompute.modules == ("moe",) and name == "gpt2":
+            continue
+        other, other_grads, other_kept = run(recompute)
+        assert other == loss and (other_grads - grads).abs().max().item() <= 1e-6, recompute
+        assert other_kept < kept, (recompute, other_kept, kept)
 
 
 def test_bf16_autocast_trains_on_cpu():

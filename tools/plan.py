@@ -7,7 +7,9 @@
 The config's model, sequence length (dataloader.train's seq_len or max_length), global batch,
 precision (train.amp) and optimizer are the input; overrides work as in tools/train.py. The
 planner enumerates every layout the model admits (dp × cp × tp × pp, for a Mixture of Experts ep,
-ZeRO 0-3, activation checkpointing, sequence parallelism, micro-batch size, pipeline schedule),
+ZeRO 0-3, recomputation: none, full, selective (train.activation_checkpoint.modules: layernorm and
+mlp_act) or Megatron's block method (num_layers: half of each stage), sequence parallelism,
+micro-batch size, pipeline schedule),
 drops those that do not fit in memory and ranks the rest by predicted step time: compute measured
 on this machine's device (cached in ~/.cache/libai_zoo/planner.json) or, for another device, its
 roofline; the collectives of an alpha-beta model (NVLink/InfiniBand presets, or a gloo sweep on a

@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "schedule, loss scale, RNG and data position)")
     parser.add_argument("--auto-layout", action="store_true",
                         help="let the layout planner (tools/plan.py) pick dist.dp/tp/pp, sequence parallelism, ZeRO, "
-                             "activation checkpointing, micro-batch size and pipeline schedule for the launched "
+                             "recomputation (train.activation_checkpoint: full, selective, block), micro-batch size "
+                             "and pipeline schedule for the launched "
                              "world size (same as dist.auto=true); the log says what it chose and why")
     parser.add_argument("--eval-only", action="store_true",
                         help="evaluate on dataloader.test (the newest checkpoint, or train.load_weight) and exit")

@@ -78,7 +78,19 @@ class AmpConfig(Section):
 
 @dataclass
 class ActivationCheckpointConfig(Section):
-    enabled: bool = False               # recompute layer activations in backward to save memory
+    """Recompute activations in backward instead of keeping them (Megatron-LM's recomputation).
+
+    ``full``: a checkpointed layer keeps only its input and runs again in backward. ``selective``:
+    only ``modules`` of it are recomputed (`settings.RECOMPUTE_MODULES`: "core_attn", "mlp",
+    "mlp_act", "layernorm", "moe"), the rest keeps what it saves. ``num_layers``: only the first
+    that many layers of each pipeline stage (model chunk) are checkpointed, the others keep
+    everything (Megatron's ``block`` method), so spare memory buys speed."""
+
+    enabled: bool = False               # recompute in backward to save memory
+    granularity: str = "full"           # "full" or "selective"
+    # selective: the modules recomputed (Megatron's --recompute-modules and its default)
+    modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    num_layers: Optional[int] = None    # the first N layers of each pipeline stage; None: every layer
 
 
 @dataclass

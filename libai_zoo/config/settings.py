@@ -23,6 +23,19 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: The arguments of a dataset recipe (``dataloader.train``) that give its samples' length in tokens:
 #: the zoo's builders take ``seq_len`` (packed sequences) or ``max_length`` (padded or truncated samples).
 SEQUENCE_LENGTH_ARGUMENTS = ("seq_len", "max_length")
+#: What selective recomputation (``train.activation_checkpoint.modules``) can recompute, Megatron's
+#: names. Checkpointed: only the module's inputs are kept. Output discarded: also its output, kept by
+#: the module that reads it, is freed when the layer's forward ends and recomputed when its backward
+#: begins.
+RECOMPUTE_MODULES = {
+    "core_attn": "the attention core (SDPA, or the explicit scores and softmax), checkpointed: it keeps q, k, v; "
+                 "with a fused kernel (flash, CPU's flash) that saves only O(s) it buys little (Megatron-LM 464)",
+    "mlp": "a dense MLP block, checkpointed: it keeps its input",
+    "moe": "a Mixture-of-Experts block (router, token exchange, experts), checkpointed: it keeps its input",
+    "mlp_act": "the MLP activation (act(gate) * up, or act(up); the experts' too: Megatron's moe_act), "
+               "output discarded",
+    "layernorm": "the layer's input norms (before attention and MLP), output discarded",
+}
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,33 @@ class PipelineSettings:
     schedule: str
     virtual_stages: int
     boundaries: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """``train.activation_checkpoint`` when enabled: what the checkpointed layers recompute
+    (``granularity`` "full", or "selective" of ``modules``, names of `RECOMPUTE_MODULES`) and how
+    many layers of each pipeline stage are checkpointed (``num_layers``: the first N; None: all)."""
+
+    granularity: str
+    modules: tuple[str, ...]
+    num_layers: int | None
+
+    def short(self) -> str:
+        """A compact name: ac (full, every layer), ac[core_attn,mlp_act], ac×2 (the first 2 layers per stage)."""
+        text = "ac" if self.granularity == "full" else f"ac[{','.join(self.modules)}]"
+        return text + (f"×{self.num_layers}" if self.num_layers is not None else "")
+
+    def overrides(self) -> list[str]:
+        """The `key=value` overrides that run it."""
+        modules = "[" + ",".join(self.modules) + "]"
+        return [f"train.activation_checkpoint.granularity={self.granularity}",
+                f"train.activation_checkpoint.modules={modules}",
+                f"train.activation_checkpoint.num_layers={'null' if self.num_layers is None else self.num_layers}"]
+
+
+#: Megatron's full recomputation of every layer: what ``train.activation_checkpoint.enabled=true`` alone runs.
+FULL = Recompute("full", (), None)
 
 
 @dataclass(frozen=True)
@@ -49,7 +89,8 @@ class RunSettings:
     micro_batch_size: int
     global_batch_size: int
     zero_stage: int
-    activation_checkpoint: bool
+    #: What activation checkpointing recomputes; None: nothing.
+    activation_checkpoint: Recompute | None
     sequence_parallel: bool
     #: ``dist.cp``: the ranks each sample's sequence is split over (1: none).
     context_parallel: int
@@ -74,11 +115,32 @@ def run_settings(cfg: DictConfig) -> RunSettings:
         micro_batch_size=train.micro_batch_size,
         global_batch_size=train.global_batch_size,
         zero_stage=train.zero_stage,
-        activation_checkpoint=train.activation_checkpoint.enabled,
+        activation_checkpoint=_recompute(train.activation_checkpoint),
         sequence_parallel=run.dist.sequence_parallel,
         context_parallel=run.dist.cp,
         lora=OmegaConf.to_container(train.lora, resolve=True),
     )
+
+
+def _recompute(section: DictConfig) -> Recompute | None:
+    """``train.activation_checkpoint`` parsed; a granularity, module name or layer count no run can
+    use is a `ConfigError` naming the choices."""
+    if not section.enabled:
+        return None
+    key = "train.activation_checkpoint"
+    if section.granularity not in ("full", "selective"):
+        raise ConfigError(f"{key}.granularity = {section.granularity!r} must be 'full' or 'selective'")
+    modules = ()
+    if section.granularity == "selective":
+        modules = tuple(dict.fromkeys(section.modules or ()))
+        unknown = [name for name in modules if name not in RECOMPUTE_MODULES]
+        if unknown or not modules:
+            raise ConfigError(f"{key}.modules = {list(section.modules or ())} must name at least one of "
+                              f"{sorted(RECOMPUTE_MODULES)}" + (f" ({unknown} are not)" if unknown else ""))
+    if section.num_layers is not None and section.num_layers < 1:
+        raise ConfigError(f"{key}.num_layers = {section.num_layers} must be a positive number of layers per "
+                          f"pipeline stage, or null for every layer")
+    return Recompute(section.granularity, modules, section.num_layers)
 
 
 def _sequence_length(dataloader: Mapping | None) -> int | None:

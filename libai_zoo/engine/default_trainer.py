@@ -153,7 +153,7 @@ class DefaultTrainer(TrainerBase):
         self.add_lora(cfg, model)
         built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
                             pipeline=self.settings.pipeline,
-                            activation_checkpoint=cfg.train.activation_checkpoint.enabled,
+                            activation_checkpoint=self.settings.activation_checkpoint,
                             compile_with=cfg.train.compile,
                             residual=residual_dtype(self.amp_dtype, self.settings.fp32_residual))
         model, parts, pipeline = built.model, built.parts, built.pipeline

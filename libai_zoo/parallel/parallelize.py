@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from libai_zoo import distributed
-from libai_zoo.config import PipelineSettings
+from libai_zoo.config import PipelineSettings, Recompute
 from libai_zoo.models import check_trainable, get_layer_stack
 
 from .activation_checkpoint import apply_activation_checkpointing
@@ -44,10 +44,11 @@ class Parallelized:
 
 def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_parallel: DataParallel, *,
                 num_micro_batches: int = 1, pipeline: PipelineSettings | None = None,
-                activation_checkpoint: bool = False, compile_with: bool | str = False,
+                activation_checkpoint: Recompute | None = None, compile_with: bool | str = False,
                 residual: torch.dtype | None = None) -> Parallelized:
     """`distributed.shard` over tp; at pp > 1 this rank's stages (``pipeline``: `run_settings(cfg).pipeline`);
-    the residual stream in `residual` under autocast (`cast_residual`), activation checkpointing and
+    the residual stream in `residual` under autocast (`cast_residual`), activation checkpointing
+    (`run_settings(cfg).activation_checkpoint`: in each stage's stack) and
     torch.compile (True: inductor, or a backend name) per layer of the layer stack; then
     `data_parallel.wrap` of the model or of each stage."""
     check_trainable(model)
@@ -64,8 +65,9 @@ def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_paralle
     stacks = [list(get_layer_stack(part)) for part in parts]
     layers = [layer for stack in stacks for layer in stack]
     cast_residual(layers, residual)
-    if activation_checkpoint:
-        logger.info("activation checkpointing on %d layers", apply_activation_checkpointing(layers))
+    if activation_checkpoint is not None:
+        count = sum(apply_activation_checkpointing(stack, activation_checkpoint) for stack in stacks)
+        logger.info("activation checkpointing (%s) on %d layers", activation_checkpoint.short(), count)
     if compile_with:
         for layer in layers:
             layer.compile(backend="inductor" if compile_with is True else compile_with)

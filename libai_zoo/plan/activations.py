@@ -14,8 +14,14 @@ it runs, with no planner change.
   keeps beyond its input is charged to the embedding, so a layer's figure is any layer's.
 - ``low_precision_weights`` (FSDP2's bf16 parameters under bf16 autocast): the autocast copies
   of parameters, recorded as the casts happen, are left out.
-- ``checkpointed``: a checkpointed layer (non-reentrant `torch.utils.checkpoint`) keeps the
-  tensors it is called with: the storage of its input hidden states.
+- ``recompute`` (`config.Recompute`): a fully checkpointed layer (non-reentrant
+  `torch.utils.checkpoint`) keeps the tensors it is called with: the storage of its input hidden
+  states. Selective recomputation is measured as it runs: the layers of the fake model are
+  wrapped as a run wraps them (`parallel.apply_activation_checkpointing`), a checkpointed module
+  saves its inputs, and each storage is counted at its size when the forward is done, so an output
+  discarded by then counts nothing. What backward then runs again (`recomputed_work`) is counted
+  the same way: the FLOPs of torch's formulas (matmuls, attention) and the bytes the other ops
+  write, of the layers' forward and of the backward's extra work over no recomputation.
 - Micro-batches of 1 and 2 samples are measured; larger ones are extended linearly from them when
   every storage saved at two samples is twice or once its size at one (per sample, or shared),
   else from 2 and 3 measured (at one sample a view may keep a larger storage). An LM head's loss
@@ -64,12 +70,15 @@ from torch.nn.attention.bias import CausalBias
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from libai_zoo import distributed
+from libai_zoo.config import Recompute
 from libai_zoo.distributed import ContextParallel, local
 from libai_zoo.layers import LMHead, context_attention
 from libai_zoo.models import get_layer_stack
-from libai_zoo.parallel import to_residual
+from libai_zoo.parallel import apply_activation_checkpointing, to_residual
 
 from .fake_world import fake_world
 
@@ -165,20 +174,24 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def saved_bytes(run: Callable[[], object], model: nn.Module) -> tuple[int, object]:
-    """(bytes of the distinct storages autograd saves for backward while `run()` runs, `model`'s
-    parameters left out; run's result): what a forward on real tensors keeps, as the planner counts it."""
+    """(bytes of the distinct storages autograd saves for backward while `run()` runs, at their size
+    when it returns (an output discarded by then counts nothing), `model`'s parameters left out;
+    run's result): what a forward on real tensors keeps, as the planner counts it."""
     parameters = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
+    saved: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            seen.setdefault(storage.data_ptr(), storage.nbytes())
+        saved.append(tensor)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         result = run()
-    return sum(seen.values()), result
+    storages = {}
+    for tensor in saved:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in parameters:
+            storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values()), result
 
 
 def first_layer_saved_bytes(model: nn.Module, micro_batch: int, seq_len: int, tp: int = 1) -> int:
@@ -330,27 +343,37 @@ def _planned_forward(forward, *args, **kwargs):
 
 
 class _SavedCounter:
-    """Charges each storage saved for backward to the part running when it was first saved."""
+    """Charges each storage saved for backward to the part running when it was first saved, at its
+    size once the forward is done (`count`)."""
 
     def __init__(self, parameters: set[int], casts: dict[int, torch.Tensor]):
         self.parameters, self.casts = parameters, casts
         self.kept: list[torch.Tensor] = []  # every tensor saved, alive until the count is done
         self.owner: dict[int, object] = {}  # storage -> the part it is charged to
+        self.first: list[torch.Tensor] = []  # the first tensor saved of each storage, in order
         self.sizes: list[tuple[bool, int, int]] = []  # (by the head, storage bytes, view bytes) of each, in order
         self.total: dict[object, int] = {}
         self.cast: dict[object, int] = {}
         self.part: object = None
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key, size = _storage(tensor)
+        key = _storage(tensor)[0]
         self.kept.append(tensor)
         if key not in self.parameters and key not in self.owner:
             self.owner[key] = self.part
-            self.sizes.append((self.part == "head", size, tensor.numel() * tensor.element_size()))
-            self.total[self.part] += size
-            if key in self.casts:
-                self.cast[self.part] = self.cast.get(self.part, 0) + size
+            self.first.append(tensor)
         return tensor
+
+    def count(self) -> None:
+        """Add up each storage saved at its size now (a discarded output: 0)."""
+        for tensor in self.first:
+            key, size = _storage(tensor)
+            part = self.owner[key]
+            if size:
+                self.sizes.append((part == "head", size, tensor.numel() * tensor.element_size()))
+            self.total[part] += size
+            if key in self.casts:
+                self.cast[part] = self.cast.get(part, 0) + size
 
     @contextmanager
     def charging(self, part: object) -> Iterator[None]:
@@ -363,6 +386,46 @@ class _SavedCounter:
         if self.owner.get(key) == source:
             self.total[source] -= size
             self.total[target] += size
+
+
+class _Work(TorchDispatchMode):
+    """FLOPs (torch's formulas: matmuls, attention) and bytes written (every other op but views)
+    of the ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops, self.bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func._overloadpacket in flop_registry:
+            self.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+        elif "scaled_dot_product" in func.__name__:  # CPU's flash kernel: not in torch's formulas
+            backward = func.__name__.split(".")[0].endswith("_backward")  # (grad_out, q, k, ...): 2.5× the work
+            q, k = args[1 + backward], args[2 + backward]
+            self.flops += int(4 * (2.5 if backward else 1) * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+                              * q.shape[3])
+        elif not func.is_view:
+            self.bytes += sum(t.numel() * t.element_size() for t in pytree.tree_leaves(out)
+                              if isinstance(t, torch.Tensor))
+        return out
+
+
+@dataclass(frozen=True)
+class RecomputedWork:
+    """One micro-batch's work of the layers' forward, and of what backward runs again under a
+    recomputation choice: FLOPs and bytes written (`_Work`)."""
+
+    forward_flops: int
+    forward_bytes: int
+    again_flops: int
+    again_bytes: int
+
+    def share(self, flops_per_byte: float) -> float:
+        """The recomputed share of the forward's time, a byte written costing `flops_per_byte` FLOPs."""
+        return ((self.again_flops + flops_per_byte * self.again_bytes)
+                / (self.forward_flops + flops_per_byte * self.forward_bytes))
 
 
 @dataclass(frozen=True)
@@ -409,14 +472,31 @@ class SavedActivations:
         heads = [m for m in self._probe.modules() if isinstance(m, LMHead)]
         self._lm_head = heads[0] if heads else None
 
-    def layer(self, kind: int, shapes: Shapes, *, checkpointed: bool = False,
+    def layer(self, kind: int, shapes: Shapes, *, recompute: Recompute | None = None,
               low_precision_weights: bool = False) -> int:
-        """Bytes one layer of this kind saves for one micro-batch (checkpointed: what the checkpoint keeps)."""
+        """Bytes one layer of this kind saves for one micro-batch when it recomputes what `recompute`
+        says (None: nothing; ``num_layers`` is the caller's: this layer is one of those checkpointed)."""
         def pick(m: _Measured) -> int:
-            if checkpointed:
+            if recompute is not None and recompute.granularity == "full":
                 return m.layers_input[kind]
             return m.layers[kind] - (m.layers_cast[kind] if low_precision_weights else 0)
-        return self._extended(pick, shapes, part="layer")
+        modules = recompute.modules if recompute is not None else ()
+        return self._extended(pick, shapes, part="layer", modules=modules)
+
+    def recomputed_work(self, shapes: Shapes, recompute: Recompute) -> RecomputedWork:
+        """The layers' forward work for one micro-batch of `shapes` and what backward runs again
+        under `recompute` (the probe's layer kinds together; a full recomputation runs the forward
+        again). Measured at one sample, cached."""
+        shapes = replace(shapes, micro_batch=1)
+        for modules in {(), recompute.modules}:
+            if (self._key, shapes, "work", modules) not in _CACHE:
+                _CACHE[self._key, shapes, "work", modules] = self._work(shapes, modules)
+        none, chosen = (_CACHE[self._key, shapes, "work", modules] for modules in ((), recompute.modules))
+        work = RecomputedWork(none.forward_flops, none.forward_bytes,
+                              chosen.again_flops - none.again_flops, chosen.again_bytes - none.again_bytes)
+        if recompute.granularity == "full":
+            return replace(work, again_flops=work.forward_flops, again_bytes=work.forward_bytes)
+        return work
 
     def embedding(self, shapes: Shapes, *, low_precision_weights: bool = False) -> int:
         """Bytes the first stage's own modules save (the first layer's input is that layer's)."""
@@ -427,22 +507,24 @@ class SavedActivations:
         """Bytes the final norm, head and loss save."""
         return self._extended(lambda m: m.head - (m.head_cast if low_precision_weights else 0), shapes, part="head")
 
-    def _extended(self, pick, shapes: Shapes, part: str) -> int:
-        """`pick` of the measurement at `shapes`, or extended linearly in the micro-batch size."""
+    def _extended(self, pick, shapes: Shapes, part: str, modules: tuple[str, ...] = ()) -> int:
+        """`pick` of the measurement at `shapes` (layers recomputing `modules` selectively), or
+        extended linearly in the micro-batch size."""
         batch = shapes.micro_batch
         head = part == "head"
+        measured = functools.partial(self._measured, shapes, head_only=head, modules=modules)
         if batch <= 2:
-            return pick(self._measured(shapes, (batch,), head)[batch])
+            return pick(measured((batch,))[batch])
         if head and self._chunked(shapes, 2) != self._chunked(shapes, batch):
             low = self._chunk_tokens(shapes) // shapes.local_seq_len + 1  # the first size that chunks
             if low + 1 >= batch:
-                return pick(self._measured(shapes, (batch,), head)[batch])
+                return pick(measured((batch,))[batch])
         else:
-            points = self._measured(shapes, (1, 2), head)
+            points = measured((1, 2))
             low = 1 if points[2].scales_from(points[1], head) else 2
             if batch == 3 and low == 2:
-                return pick(self._measured(shapes, (3,), head)[3])
-        points = self._measured(shapes, (low, low + 1), head)
+                return pick(measured((3,))[3])
+        points = measured((low, low + 1))
         a, b = pick(points[low]), pick(points[low + 1])
         return b + (batch - low - 1) * (b - a)
 
@@ -453,30 +535,38 @@ class SavedActivations:
     def _chunked(self, shapes: Shapes, batch: int) -> bool:
         return self._lm_head is not None and batch * shapes.local_seq_len > self._chunk_tokens(shapes)
 
-    def _measured(self, shapes: Shapes, batches: tuple[int, ...], head_only: bool) -> dict[int, _Measured]:
+    def _measured(self, shapes: Shapes, batches: tuple[int, ...], head_only: bool,
+                  modules: tuple[str, ...] = ()) -> dict[int, _Measured]:
         """The measurements at `shapes` with each micro-batch size of `batches` (those missing from
-        the cache measured on one fake model); ``head_only``: only the head's figures are read."""
+        the cache measured on one fake model); ``head_only``: only the head's figures are read;
+        ``modules``: the layers recompute them (selective)."""
         found = {}
         for batch in batches:
-            full = (self._key, replace(shapes, micro_batch=batch), False)
-            key = full if full in _CACHE or not head_only else full[:2] + (True,)
+            full = (self._key, replace(shapes, micro_batch=batch), False, modules)
+            key = full if full in _CACHE or not head_only else (*full[:2], True, modules)
             if key in _CACHE:
                 found[batch] = _CACHE[key]
         missing = tuple(batch for batch in batches if batch not in found)
         if missing:
-            for batch, measured in self._measure(shapes, missing, head_only).items():
-                found[batch] = _CACHE[self._key, replace(shapes, micro_batch=batch), head_only] = measured
+            with self._fake_model(shapes, modules) as (model, casts, cp):
+                for batch in missing:
+                    found[batch] = _CACHE[self._key, replace(shapes, micro_batch=batch), head_only, modules] = \
+                        self._run(model, batch, shapes, casts, head_only, cp)
         return found
 
-    def _measure(self, shapes: Shapes, batches: tuple[int, ...], head_only: bool) -> dict[int, _Measured]:
-        """Micro-batches of each size in `batches` through embed, the layer kinds (unless
-        ``head_only``) and the head, on a fake model split as `shapes` says (under cp, rank 0 of a
-        fake cp group: its attention all-gathers the keys and values of the whole sequence)."""
+    @contextmanager
+    def _fake_model(self, shapes: Shapes, modules: tuple[str, ...]
+                    ) -> Iterator[tuple[nn.Module, _FakeMode, ContextParallel | None]]:
+        """The probe on fake tensors, split as `shapes` says, its layers recomputing `modules`
+        (selective), in train mode, inside its fake mode; with the fake group's cp (under cp, rank 0
+        of a fake cp group: its attention all-gathers the keys and values of the whole sequence)."""
         with fake_world(shapes.tp * shapes.ep * shapes.cp, 0, dp=shapes.ep, tp=shapes.tp, ep=shapes.ep, cp=shapes.cp,
                         sequence_parallel=shapes.sequence_parallel) as ctx:
             model = copy.deepcopy(self._probe)
             distributed.shard(model, ctx)
             _route_as_planned(model)
+            if modules:
+                apply_activation_checkpointing(get_layer_stack(model), Recompute("selective", modules, None))
             casts = _FakeMode()
             with (casts, _TargetKernels() if shapes.device == "cuda" else nullcontext(),
                   _symmetric_exchange(shapes.routing_imbalance), _real_causal_biases()):
@@ -484,8 +574,32 @@ class SavedActivations:
                 model.init_buffers()
                 model.train()
                 casts.parameters = {_storage(local(p))[0] for p in model.parameters()}
-                return {batch: self._run(model, batch, shapes, casts, head_only, ctx.context_parallel)
-                        for batch in batches}
+                yield model, casts, ctx.context_parallel
+
+    def _work(self, shapes: Shapes, modules: tuple[str, ...]) -> RecomputedWork:
+        """The layers' forward work, and their backward's (``again_*``), recomputing `modules`.
+        Without dropout: a recompute replays the tp random stream, whose state a fake tensor cannot
+        hold (dropout changes the bytes written, not the FLOPs)."""
+        with self._fake_model(shapes, modules) as (model, _, _):
+            for module in model.modules():
+                if isinstance(module, nn.Dropout):
+                    module.p = 0.0
+                elif isinstance(getattr(module, "dropout", None), float):
+                    module.dropout = 0.0
+            ids = torch.zeros(shapes.micro_batch, shapes.seq_len, dtype=torch.long)
+            labels = ids if model.loss_unit == "token" else torch.zeros(shapes.micro_batch, dtype=torch.long)
+            inputs, _ = model.split_batch({"input_ids": ids, "labels": labels})
+            layer_inputs = model.layer_inputs(inputs)
+            amp = shapes.amp_dtype
+            forward, backward = _Work(), _Work()
+            with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+                hidden = model.embed(inputs).detach().requires_grad_()
+                with forward:
+                    for layer in get_layer_stack(model):
+                        hidden = layer(hidden, **layer_inputs)
+            with backward:
+                hidden.float().sum().backward()
+        return RecomputedWork(forward.flops, forward.bytes, backward.flops, backward.bytes)
 
     @staticmethod
     def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _FakeMode, head_only: bool,
@@ -517,13 +631,14 @@ class SavedActivations:
                 inputs_bytes.append(hidden.numel() * hidden.element_size())
                 with counter.charging(kind):
                     hidden = layer(hidden, **layer_inputs)
-            # the first layer's input is the embedding's output: of a larger storage it is a view of
-            # (one sample under sequence parallelism), what exceeds the input is the embedding's
-            counter.move(key, size - own, 0, "embedding")
             if head_only:
                 hidden = hidden.clone()  # a fresh storage, as the last layer's output is
             with counter.charging("head"):
                 model.head_loss(model.final_norm(hidden), targets)
+        counter.count()
+        # the first layer's input is the embedding's output: of a larger storage it is a view of
+        # (one sample under sequence parallelism), what exceeds the input is the embedding's
+        counter.move(key, size - own, 0, "embedding")
         total, cast = counter.total, counter.cast
         kinds = range(len(stack))
         return _Measured(total["embedding"], cast.get("embedding", 0), tuple(total[k] for k in kinds),

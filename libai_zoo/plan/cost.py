@@ -1,25 +1,28 @@
 """The time model: seconds of one training step under a layout, term by term.
 
-    compute   per micro-batch on a rank: its layers' forward and backward (+ one more forward under
-              activation checkpointing), the embedding on the first stage, the head and loss on
-              the last; measured on this machine's device (`profile.py`) or, for an absent device,
-              a roofline (matmul FLOPs at `Device.matmul_efficiency` of the peak, plus the
-              elementwise traffic at the memory bandwidth). On a CPU, `contention` stretches it:
-              a node running more single-threaded processes than it has cores shares them.
+    compute   per micro-batch on a rank: its layers' forward and backward (+ what a recomputing
+              layer runs again: its whole forward in full, the measured share of it selectively,
+              `activations.RecomputedWork`; twice under a split backward), the embedding on the
+              first stage, the head and loss on the last; measured on this machine's device
+              (`profile.py`) or, for an absent device, a roofline (matmul FLOPs at
+              `Device.matmul_efficiency` of the peak, plus the elementwise traffic at the memory
+              bandwidth). On a CPU, `contention` stretches it: a node running more
+              single-threaded processes than it has cores shares them.
     tp comm   per layer and micro-batch, Megatron's two all-reduces of the layer's activations
               forward and two backward (one each for a parallel block; all-gather +
               reduce-scatter of the same bytes under sequence parallelism; the forward's again when
-              checkpointing recomputes it), one for the embedding and one for the head
+              a layer recomputes it: in full, or the MLP's under a selective "mlp"), one for the
+              embedding and one for the head
     ep comm   per MoE layer and micro-batch, the expert group's all-to-alls (ep × tp ranks): the
               routed tokens sent to their experts and back (dispatch, combine) forward, and their
-              gradients the reverse way backward (the forward's again when checkpointing recomputes
-              it): each a rank's tokens × top_k × hidden × the activations' bytes, of which the
-              share for its own experts (1 / (ep·tp)) stays; the most loaded rank receives
-              `routing_imbalance` times its share. Inside a node at NVLink, else the share bound
-              for other nodes at InfiniBand (the slower of the two)
+              gradients the reverse way backward (the forward's again when a layer recomputes it:
+              in full, or a selective "moe"): each a rank's tokens × top_k × hidden × the
+              activations' bytes, of which the share for its own experts (1 / (ep·tp)) stays;
+              the most loaded rank receives `routing_imbalance` times its share. Inside a node at
+              NVLink, else the share bound for other nodes at InfiniBand (the slower of the two)
     cp comm   per layer and micro-batch under context parallelism, the all-gather of the keys and
-              values of the whole sequence over the cp group (and again when checkpointing
-              recomputes the layer) and the reduce-scatter of their gradients backward, in the
+              values of the whole sequence over the cp group (and again when a layer
+              recomputes in full) and the reduce-scatter of their gradients backward, in the
               activations' dtype; the cp group is the cp × tp consecutive ranks next to tp (the mesh
               ("pp", "edp", "ep", "cp", "tp")): at NVLink when they fit in a node, else InfiniBand.
               A cp rank computes 1/cp of every sample (its 2 of the 2·cp chunks: the causal
@@ -56,7 +59,7 @@ from libai_zoo.parallel import splits_backward
 from libai_zoo.parallel.data_parallel import BUCKET_BYTES
 
 from .layouts import Layout
-from .memory import GiB, rank_layers, rank_stages, state_bytes, unsharded_bytes
+from .memory import GiB, rank_layers, rank_stages, recomputed_layers, state_bytes, unsharded_bytes
 from .model_table import ModelTable
 from .profile import ComputeTimes
 
@@ -71,6 +74,13 @@ class Device:
     memory_bytes: int
     matmul_efficiency: float = 0.7
     overlaps_communication: bool = True
+
+    def flops_per_byte(self, dtype: torch.dtype | None) -> float:
+        """The FLOPs a matmul does in the time elementwise work writes a byte: the roofline's ridge
+        (an H100 in bf16: 207); a CPU, with no stated figures, 10 (a core's ~50 GFLOP/s over ~5 GB/s)."""
+        if not self.memory_bandwidth:
+            return 10.0
+        return self.peak_flops[dtype or torch.float32] * self.matmul_efficiency / self.memory_bandwidth
 
 
 #: Datasheet figures (SXM parts); memory as torch reports it (H100 79.6 GiB, H200 140.4 GiB, A100
@@ -207,8 +217,10 @@ def _bubble_slots(layout: Layout, num_micro_batches: int) -> float:
 
 def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fabric, *, device: Device,
               seq_len: int, global_batch_size: int, amp_dtype: torch.dtype | None, optimizer_per_element: float,
-              fsdp_op: float = 0.0, oversubscription: float = 1.0, routing_imbalance: float = 1.0) -> StepTime:
-    """The step time of the slowest pp rank under `layout` (see the module docstring). `fsdp_op`:
+              fsdp_op: float = 0.0, oversubscription: float = 1.0, routing_imbalance: float = 1.0,
+              recompute_share: float = 1.0) -> StepTime:
+    """The step time of the slowest pp rank under `layout` (see the module docstring). `recompute_share`:
+    the share of a recomputing layer's forward its backward runs again (1.0: full). `fsdp_op`:
     FSDP2's own seconds around one unit's collective; `oversubscription`: on a CPU, processes per
     core of a node (compute stretches by it times the share of the step a rank is busy, at least 1);
     `routing_imbalance`: the most loaded rank of an expert group receives that many times its share
@@ -223,31 +235,37 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
     pp_link = fabric.link(tp * cp * layout.dp * pp)
     slots = _bubble_slots(layout, m)
     contention = max(1.0, oversubscription * m / (m + slots))
-    # activation checkpointing recomputes each layer's forward once; a split backward (zero bubble)
-    # runs the recompute for the input and again for the weight gradients
-    split = layout.pp > 1 and splits_backward(layout.schedule)
-    recomputes = (2 if split else 1) if layout.activation_checkpoint else 0
+    # a recomputing layer runs (part of) its forward again; a split backward (zero bubble) runs the
+    # recompute for the input and again for the weight gradients
+    recompute = layout.activation_checkpoint
+    passes = 2 if layout.pp > 1 and splits_backward(layout.schedule) else 1
+    full = recompute is not None and recompute.granularity == "full"
     syncs = 1 if table.parallel_block else 2
-    layer_tp = (2 + recomputes) * syncs * tp_link.all_reduce(act_bytes, tp)
-    # the keys and values of the whole sequence: gathered forward (and in each recompute), reduce-scattered backward
-    layer_cp = (2 + recomputes) * cp_link.all_gather(element * layout.micro_batch_size * seq_len
-                                                     * table.kv_width(tp), cp)
-    # an MoE layer's all-to-alls: this rank's tokens (1/tp of the micro-batch's) × top_k rows each way
+    resyncs = syncs if full else int(recompute is not None and "mlp" in recompute.modules)
+    # the keys and values of the whole sequence: gathered forward (and again where a layer recomputes
+    # in full), reduce-scattered backward
+    kv_exchange = cp_link.all_gather(element * layout.micro_batch_size * seq_len * table.kv_width(tp), cp)
+    # an MoE layer's all-to-alls: this rank's tokens (1/tp of the micro-batch's) × top_k rows each way:
+    # dispatch and combine, forward and backward, and again where the layer recomputes them
     group = layout.ep * tp
-    exchanges = 2 * (2 + recomputes)  # dispatch and combine; forward, backward and any recompute
-    layer_ep = {index: exchanges * fabric.all_to_all(act_bytes / tp * top_k * routing_imbalance, group)
+    exchange = {index: 2 * fabric.all_to_all(act_bytes / tp * top_k * routing_imbalance, group)
                 for index, (_, top_k) in table.moe.items()} if group > 1 else {}
+    reexchanges = full or (recompute is not None and "moe" in recompute.modules)
+    all_reduce = tp_link.all_reduce(act_bytes, tp)
     worst = None
     for pp_rank in range(pp):
         stages = rank_stages(table, layout, pp_rank)
         layers = sum(count for count, _, _ in stages)
+        again = recomputed_layers(table, layout, pp_rank)
         first, last = any(s[1] for s in stages), any(s[2] for s in stages)
-        per_mb = layers * (times.layer_forward * (1 + recomputes) + times.layer_backward)
+        per_mb = layers * (times.layer_forward + times.layer_backward)
+        per_mb += len(again) * passes * recompute_share * times.layer_forward
         per_mb += times.first * first + times.last * last
         per_mb *= contention
-        tp_mb = layers * layer_tp + (first + last) * tp_link.all_reduce(act_bytes, tp)
-        cp_mb = layers * layer_cp
-        ep_mb = sum(layer_ep.get(index, 0.0) for index in rank_layers(table, layout, pp_rank))
+        tp_mb = (2 * syncs * layers + passes * resyncs * len(again) + first + last) * all_reduce
+        cp_mb = (2 * layers + passes * full * len(again)) * kv_exchange
+        ep_mb = sum(exchange.get(index, 0.0) * (2 + passes * (reexchanges and index in again))
+                    for index in rank_layers(table, layout, pp_rank))
         boundaries = sum(2 - is_first - is_last for _, is_first, is_last in stages)  # each: a send each way
         pp_mb = 2 * boundaries * pp_link.send(act_bytes / (tp if layout.sequence_parallel else 1))
         slot = per_mb + tp_mb + ep_mb + cp_mb + pp_mb

@@ -1,7 +1,7 @@
-"""The layouts a model admits at a world size: dp × cp × tp × pp, ZeRO stage, activation
-checkpointing, sequence parallelism, micro-batch size and pipeline schedule, each as the overrides
-that run it (a layout may also split an MoE model's experts over ep, which divides dp; cp splits
-every sample's sequence over a context-parallel group)."""
+"""The layouts a model admits at a world size: dp × cp × tp × pp, ZeRO stage, recomputation
+(activation checkpointing), sequence parallelism, micro-batch size and pipeline schedule, each as the
+overrides that run it (a layout may also split an MoE model's experts over ep, which divides dp; cp
+splits every sample's sequence over a context-parallel group)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,17 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from libai_zoo import distributed
-from libai_zoo.config import run_settings
+from libai_zoo.config import FULL, Recompute, run_settings
 from libai_zoo.parallel import check_pipeline_layout, schedule_evaluates
 
 from .model_table import ModelTable
 
 #: The pipeline schedules the planner tries, with the stages per rank it gives each.
 PIPELINE_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1, "zbv": 2}
+#: The selective recomputation the planner tries: the cheap elementwise modules, whose outputs are
+#: freed (the attention core pays only where attention keeps S × S scores, which a fused kernel does
+#: not: a config asks for it by name, and `plan(layouts=...)` judges it).
+SELECTIVE = Recompute("selective", ("layernorm", "mlp_act"), None)
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class Layout:
     tp: int
     pp: int
     zero_stage: int = 0
-    activation_checkpoint: bool = False
+    activation_checkpoint: Recompute | None = None  # what is recomputed; None: nothing
     sequence_parallel: bool = False
     micro_batch_size: int = 1
     schedule: str | None = None  # the pipeline schedule; None without pp
@@ -71,7 +75,8 @@ class Layout:
                  f"dist.cp={self.cp}",
                  f"dist.sequence_parallel={str(self.sequence_parallel).lower()}",
                  f"train.zero_stage={self.zero_stage}",
-                 f"train.activation_checkpoint.enabled={str(self.activation_checkpoint).lower()}",
+                 f"train.activation_checkpoint.enabled={str(self.activation_checkpoint is not None).lower()}",
+                 *(self.activation_checkpoint.overrides() if self.activation_checkpoint is not None else ()),
                  f"train.micro_batch_size={self.micro_batch_size}"]
         if self.pp > 1:  # the planner splits the layers evenly: a config's own boundaries would not fit
             parts += [f"train.pipeline.schedule={self.schedule}",
@@ -79,11 +84,12 @@ class Layout:
         return " ".join(parts)
 
     def short(self) -> str:
-        """A compact name for tables: dp2 tp2 pp2 z1 ac sp mb4 1f1b (dp4 ep2 tp2 ... with experts split over
-        ep, dp2 cp2 tp2 ... with the sequence split over cp)."""
+        """A compact name for tables: dp2 tp2 pp2 z1 ac sp mb4 1f1b (dp4 ep2 tp2 ... with experts split over ep,
+        dp2 cp2 tp2 ... with the sequence split over cp; ac[layernorm,mlp_act] a selective recomputation,
+        ac×2 the first 2 layers of each stage)."""
         text = f"dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else "")
         text += f" tp{self.tp} pp{self.pp} z{self.zero_stage}"
-        text += " ac" if self.activation_checkpoint else ""
+        text += f" {self.activation_checkpoint.short()}" if self.activation_checkpoint is not None else ""
         text += " sp" if self.sequence_parallel else ""
         text += f" mb{self.micro_batch_size}"
         if self.pp > 1:
@@ -103,7 +109,8 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
     exchange of every layer at NVLink, as NVIDIA's recipes place it), pp ≤ layers, dp dividing
     the global batch, for an MoE model each ep dividing dp whose expert group (ep × tp ranks)
     splits the experts evenly (ep 1 under cp), each micro-batch size that divides a dp rank's
-    share, ZeRO 0-3 (0 alone when dp × cp = 1), activation checkpointing off/on, sequence
+    share, ZeRO 0-3 (0 alone when dp × cp = 1), each recomputation of
+    `recompute_choices`,, sequence
     parallelism off/on at tp > 1 (when tp divides a cp rank's seq_len / cp tokens), and under pp
     each schedule the pipeline accepts for that many micro-batches (one that can evaluate when
     the run `evaluates`: it has test data)."""
@@ -128,13 +135,21 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
                         for ep in eps:
                             for zero in (range(4) if dp * cp > 1 else [0]):
                                 for sp in ([False, True] if tp > 1 and (seq_len // cp) % tp == 0 else [False]):
-                                    for ac in (False, True):
+                                    for ac in recompute_choices(table.num_layers, pp * virtual):
                                         yield Layout(dp, tp, pp, zero, ac, sp, micro_batch, schedule, virtual, ep, cp)
 
 
 def _powers_of_two(n: int) -> list[int]:
     """1, 2, 4, ... up to the largest power of two dividing `n`."""
     return [1 << k for k in range(n.bit_length()) if n % (1 << k) == 0]
+
+
+def recompute_choices(num_layers: int, num_stages: int) -> list[Recompute | None]:
+    """What the planner tries to recompute: nothing, every layer (full), `SELECTIVE`, and
+    Megatron's block method (the first N layers of each of `num_stages` stages in full) at half a
+    stage's layers."""
+    half = -(-num_layers // num_stages) // 2
+    return [None, FULL, SELECTIVE, *([Recompute("full", (), half)] if half else [])]
 
 
 def _pipeline_runs(table: ModelTable, pp: int, schedule: str, virtual: int, micro_batches: int) -> bool:

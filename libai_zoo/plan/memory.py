@@ -26,8 +26,11 @@ Transient terms, at the step's peak:
                  flight on this rank (gpipe: all; 1F1B: pp − rank; interleaved 1F1B: torch's
                  warm-up count + 1, in chunks of 1/v; zero bubble: the first rank's count on every
                  rank, a chunk being held until its weight gradients; ZBV: the chunks run before
-                 the first weight gradient), plus one layer recomputed whole under activation
-                 checkpointing
+                 the first weight gradient), each layer as it recomputes (`Layout.activation_checkpoint`:
+                 the first N layers of each stage, or all, fully or selectively; the others keep
+                 everything), plus the backward of one layer (its gradients, about what it saved)
+                 and what recomputation brings back of one layer (all it saves but its input, in
+                 full; what its recomputed modules save, selectively)
     logits       the last stage's head and loss for one micro-batch (all of them under gpipe), and
                  the logits' gradient backward makes
     optimizer_step  the optimizer step's temporaries (`OptimizerState.step_per_byte`); the step
@@ -45,6 +48,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from libai_zoo.config import Recompute
 from libai_zoo.layers import LMHead
 from libai_zoo.optim import build_optimizer
 from libai_zoo.parallel import fsdp_param_dtype, residual_dtype, split_layers, stage_ranks
@@ -326,25 +330,36 @@ def micro_batches_in_flight(layout: Layout, pp_rank: int, num_micro_batches: int
 
 
 @lru_cache(maxsize=65536)
-def _rank_layer_kinds(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int, int], ...]:
-    """(layer kind, how many of the layers `pp_rank` runs are of it) for each kind it runs."""
+def _rank_layer_kinds(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int, bool, int], ...]:
+    """(layer kind, recomputed, how many of the layers `pp_rank` runs are of it and recompute so or
+    not) for each kind it runs: a stage recomputes its first ``num_layers`` layers (all when None)."""
     kinds = table.activations.layer_kinds
-    counts: dict[int, int] = {}
-    for layers, _, _ in _rank_stage_layers(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages,
-                                           pp_rank):
-        for index in layers:
-            counts[kinds[index]] = counts.get(kinds[index], 0) + 1
-    return tuple(sorted(counts.items()))
+    recomputed = recomputed_layers(table, layout, pp_rank)
+    counts: dict[tuple[int, bool], int] = {}
+    for index in rank_layers(table, layout, pp_rank):
+        key = kinds[index], index in recomputed
+        counts[key] = counts.get(key, 0) + 1
+    return tuple((kind, recomputes, count) for (kind, recomputes), count in sorted(counts.items()))
+
+
+def recomputed_layers(table: ModelTable, layout: Layout, pp_rank: int) -> frozenset[int]:
+    """The indices of the layers `pp_rank` runs that recompute: the first ``num_layers`` of each of
+    its stages (all when None), none without `Layout.activation_checkpoint`."""
+    recompute = layout.activation_checkpoint
+    if recompute is None:
+        return frozenset()
+    stages = _rank_stage_layers(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
+    return frozenset(index for layers, _, _ in stages for index in layers[:recompute.num_layers])
 
 
 @lru_cache(maxsize=65536)
-def _activations(table: ModelTable, part: str, shapes: Shapes, kind: int, checkpointed: bool,
+def _activations(table: ModelTable, part: str, shapes: Shapes, kind: int, recompute: Recompute | None,
                  low_precision_weights: bool) -> int:
-    """One micro-batch's saved bytes of a layer of `kind`, the "embedding" or the "head" (cached:
-    the planner asks the same shapes of thousands of layouts)."""
+    """One micro-batch's saved bytes of a layer of `kind` (recomputing what `recompute` says), the
+    "embedding" or the "head" (cached: the planner asks the same shapes of thousands of layouts)."""
     saved = table.activations
     if part == "layer":
-        return saved.layer(kind, shapes, checkpointed=checkpointed, low_precision_weights=low_precision_weights)
+        return saved.layer(kind, shapes, recompute=recompute, low_precision_weights=low_precision_weights)
     if part == "embedding":
         return saved.embedding(shapes, low_precision_weights=low_precision_weights)
     return saved.head(shapes, low_precision_weights=low_precision_weights)
@@ -365,17 +380,23 @@ def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: i
     in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
     stages = rank_stages(table, layout, pp_rank)
     kinds = _rank_layer_kinds(table, layout, pp_rank)
-    held = sum(count * _activations(table, "layer", shapes, kind, layout.activation_checkpoint, low)
-               for kind, count in kinds)
+    recompute = layout.activation_checkpoint
+
+    def layer(kind: int, recomputed: bool) -> int:
+        return _activations(table, "layer", shapes, kind, recompute if recomputed else None, low)
+
+    held = sum(count * layer(kind, recomputed) for kind, recomputed, count in kinds)
     if any(first for _, first, _ in stages):
-        held += _activations(table, "embedding", shapes, 0, False, low)
-    # a layer's backward makes gradients of about the size of what it saved; under checkpointing it
-    # first recomputes the layer whole
-    whole_layer = max((_activations(table, "layer", shapes, kind, False, low) for kind, _ in kinds), default=0)
-    total = int(in_flight * held) + whole_layer * (1 + layout.activation_checkpoint)
+        held += _activations(table, "embedding", shapes, 0, None, low)
+    # a layer's backward makes gradients of about the size of what it saved; a recomputing layer
+    # first brings back what it did not keep
+    whole_layer = max((layer(kind, False) for kind, _, _ in kinds), default=0)
+    brought_back = max((layer(kind, False) - layer(kind, True) for kind, recomputed, _ in kinds if recomputed),
+                       default=0)
+    total = int(in_flight * held) + whole_layer + brought_back
     logits = 0
     if any(last for _, _, last in stages):
-        head = _activations(table, "head", shapes, 0, False, low)
+        head = _activations(table, "head", shapes, 0, None, low)
         # backward makes the float32 logits' gradient (one chunk's when the loss runs in chunks)
         tokens = layout.micro_batch_size * seq_len // layout.cp
         head += min(tokens * table.vocab_size // layout.tp * 4, LMHead.chunk_bytes)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from libai_zoo.config import run_settings
 
+from .activations import Shapes
 from .cost import DEVICES, LINKS, Device, Fabric, Link, StepTime, roofline_compute, step_time
 from .layouts import Layout, enumerate_layouts
 from .memory import GiB, MemoryBreakdown, OptimizerState, rank_memory
@@ -168,6 +169,19 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
         whole = compute[key]
         return ComputeTimes(*(seconds / layout.cp for seconds in astuple(whole))) if layout.cp > 1 else whole
 
+    shares: dict[tuple, float] = {}
+
+    def recompute_share(layout: Layout) -> float:
+        """The share of a recomputing layer's forward its backward runs again (measured: `recomputed_work`)."""
+        recompute = layout.activation_checkpoint
+        if recompute is None or recompute.granularity == "full":
+            return 1.0
+        if recompute.modules not in shares:  # a ratio of the layer's own work, which tp and ep split alike
+            shapes = Shapes(1, seq_len, amp_dtype=amp_dtype, device="cpu" if on_cpu else "cuda")
+            work = table.activations.recomputed_work(shapes, recompute)
+            shares[recompute.modules] = work.share(spec.flops_per_byte(amp_dtype))
+        return shares[recompute.modules]
+
     peak = spec.peak_flops.get(amp_dtype or torch.float32)
     flops_per_token = table.flops_per_token(seq_len)
     candidates, considered, too_big = [], 0, 0
@@ -187,7 +201,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
         predicted = step_time(table, layout, times(layout), fabric, device=spec, seq_len=seq_len,
                               global_batch_size=global_batch, amp_dtype=amp_dtype, optimizer_per_element=per_element,
                               fsdp_op=fsdp_op(layout), oversubscription=oversubscription,
-                              routing_imbalance=routing_imbalance)
+                              routing_imbalance=routing_imbalance, recompute_share=recompute_share(layout))
         tokens = global_batch * seq_len / predicted.total
         mfu = tokens * flops_per_token / (peak * world_size) if peak else None
         candidates.append(Candidate(layout, memory, predicted, tokens, mfu, fits))
@@ -207,10 +221,11 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
 def format_table(result: Plan, top: int = 10) -> str:
     """The best `top` candidates as a text table, with their overrides."""
     unit, name = (GiB, "GiB") if any(c.memory.total >= GiB for c in result.candidates[:top]) else (2**20, "MiB")
+    width = max([38] + [len(c.layout.short()) for c in result.candidates[:top]])
     lines = [f"{result.considered} layouts considered, {result.too_big} do not fit in "
              f"{result.memory_limit / GiB:.1f} GiB per rank, {len(result.candidates)} ranked; times "
              f"{result.timing} ({'; '.join(result.notes)})",
-             f"{'#':>3}  {'layout':<38} {name:>6} {'params':>7} {'grads':>6} {'optim':>6} {'gather':>6} "
+             f"{'#':>3}  {'layout':<{width}} {name:>6} {'params':>7} {'grads':>6} {'optim':>6} {'gather':>6} "
              f"{'acts':>6} {'logits':>6} {'opt.st':>6}  {'step s':>8} {'comp':>7} {'tp':>7} {'cp':>7} {'ep':>7} "
              f"{'dp':>7} {'bubble':>7}  "
              f"{'tokens/s':>10} {'MFU':>6}"]
@@ -218,8 +233,9 @@ def format_table(result: Plan, top: int = 10) -> str:
         m, t = c.memory, c.time
         mfu = f"{100 * c.mfu:5.1f}%" if c.mfu is not None else "     -"
         lines.append(
-            f"{index:>3}  {c.layout.short():<38} {m.total / unit:6.2f} {m.params / unit:7.2f} {m.grads / unit:6.2f} "
-            f"{m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} {m.logits / unit:6.2f} "
+            f"{index:>3}  {c.layout.short():<{width}} {m.total / unit:6.2f} {m.params / unit:7.2f} "
+            f"{m.grads / unit:6.2f} {m.optimizer / unit:6.2f} {m.gathered / unit:6.2f} {m.activations / unit:6.2f} "
+            f"{m.logits / unit:6.2f} "
             f"{m.optimizer_step / unit:6.2f}  "
             f"{t.total:8.3f} {t.compute:7.3f} {t.tp_comm:7.3f} {t.cp_comm:7.3f} {t.ep_comm:7.3f} {t.dp_comm:7.3f} "
             f"{t.bubble + t.pp_comm:7.3f}  "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from libai_zoo.config import LazyConfig
+from libai_zoo.config import FULL, LazyConfig
 from libai_zoo.plan import Layout, plan
 from libai_zoo.plan.memory import GiB
 
@@ -21,19 +21,19 @@ HERE = Path(__file__).parent
 #: (name, config, overrides, world size, device, published layout, what the paper reports)
 PUBLISHED = [
     ("GPT-3 175B, Megatron-LM (Narayanan et al. 2021)", "gpt3_175b.py", [], 1024, "a100",
-     Layout(dp=16, tp=8, pp=8, zero_stage=0, activation_checkpoint=True, micro_batch_size=1,
+     Layout(dp=16, tp=8, pp=8, zero_stage=0, activation_checkpoint=FULL, micro_batch_size=1,
             schedule="interleaved_1f1b", virtual_stages=2),
      "tp8 pp8 dp16, interleaved, full recompute: 153 TFLOP/s per GPU (49% of peak counting recompute)"),
     ("GPT-3 175B, MegaScale (Jiang et al. 2024)", "gpt3_175b.py", ["train.global_batch_size=6144"], 12288, "a100",
-     Layout(dp=192, tp=8, pp=8, zero_stage=1, activation_checkpoint=False, sequence_parallel=True,
+     Layout(dp=192, tp=8, pp=8, zero_stage=1, activation_checkpoint=None, sequence_parallel=True,
             micro_batch_size=1, schedule="interleaved_1f1b", virtual_stages=2),
      "tp8 pp8 dp192, 55.2% MFU (parallel block, sliding-window attention, LAMB, overlapped comm)"),
     ("Llama 3 70B, Megatron-LM / NeMo recipe", "llama_70b.py", [], 64, "h100",
-     Layout(dp=2, tp=4, pp=4, zero_stage=1, activation_checkpoint=False, sequence_parallel=True,
+     Layout(dp=2, tp=4, pp=4, zero_stage=1, activation_checkpoint=None, sequence_parallel=True,
             micro_batch_size=1, schedule="interleaved_1f1b", virtual_stages=5, cp=2),
      "tp4 pp4 (virtual 5) cp2 sp, distributed optimizer (ZeRO-1)"),
     ("DeepSeek-V3 671B (DeepSeek-AI 2024)", "deepseek_v3.py", [], 2048, "h800",
-     Layout(dp=128, tp=1, pp=16, zero_stage=1, activation_checkpoint=False, micro_batch_size=1, schedule="zbv",
+     Layout(dp=128, tp=1, pp=16, zero_stage=1, activation_checkpoint=None, micro_batch_size=1, schedule="zbv",
             virtual_stages=2, ep=64),
      "pp16 ep64 (8 nodes) ZeRO-1, DualPipe (-> ZBV, the nearest bidirectional schedule here), FP8 GEMMs, "
      "all-to-all overlapped with compute: about 180K H800 GPU hours per trillion tokens"),
