@@ -39,7 +39,7 @@ from libai_zoo.layers import Experts
 from libai_zoo.layers import linear as linear_module
 from libai_zoo.models.decoder import DecoderForCausalLM
 from libai_zoo.models.llama import LlamaModel, llama_layer, llama_spec
-from libai_zoo.parallel import apply_activation_checkpointing, cast_residual, residual_dtype
+from libai_zoo.parallel import apply_activation_checkpointing, cast_residual, context_parallel_part, residual_dtype
 from libai_zoo.plan.activations import (SavedActivations, Shapes, first_layer_saved_bytes, reference_layer_bytes,
                                         saved_bytes)
 from libai_zoo.plan.fake_world import fake_world
@@ -241,7 +241,6 @@ def test_measured_equals_real_under_cp(case):
     sequence's keys and values (and keeps them for backward): the planner, measuring rank 0 of a fake
     cp group, equals to the byte a real rank 0 (its collectives a fake group's), each layer kind alone
     and the whole model on its part of the batch (unpacked samples: no position_ids, as the planner)."""
-    from libai_zoo.engine.training_data import context_parallel_part
 
     kind, batch, seq, tp, sp, cp, amp = case
     torch.manual_seed(0)

@@ -12,9 +12,8 @@ from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
 from libai_zoo.distributed import ContextParallel
-from libai_zoo.parallel import Pipeline
+from libai_zoo.parallel import Pipeline, context_parallel_part
 
-from .training_data import context_parallel_part
 
 
 class Evaluator:

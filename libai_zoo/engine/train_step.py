@@ -19,9 +19,8 @@ from torch import nn
 from libai_zoo import distributed
 from libai_zoo.layers import MoE
 from libai_zoo.optim import clip_grad_norm_, unique_parameters
-from libai_zoo.parallel import DataParallel, Pipeline
+from libai_zoo.parallel import DataParallel, Pipeline, context_parallel_part
 
-from .training_data import context_parallel_part
 
 logger = logging.getLogger("libai_zoo")
 

@@ -1,6 +1,5 @@
 """The training batches of a run and where they stand: read on from any step (after a resume or
-a rollback) exactly as an uninterrupted run would have read them, map-style data or a stream; and
-under context parallelism each cp rank's part of a micro-batch (`context_parallel_part`)."""
+a rollback) exactly as an uninterrupted run would have read them, map-style data or a stream."""
 
 from __future__ import annotations
 
@@ -8,12 +7,9 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 
-import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from libai_zoo.data import Prefetcher
-from libai_zoo.distributed import ContextParallel
-from libai_zoo.models import TrainableModel
 
 logger = logging.getLogger("libai_zoo")
 
@@ -96,26 +92,3 @@ class TrainingData:
             samples += self.samples_per_read
             self.position.stream, self.position.stream_samples = state, samples
             yield batch
-
-
-def context_parallel_part(batch: dict[str, torch.Tensor], model: TrainableModel,
-                          cp: ContextParallel) -> dict[str, torch.Tensor]:
-    """This cp rank's part of a causal LM's micro-batch (every cp rank of a dp rank reads the same
-    samples): each [B, S] input cut into the rank's two chunks along the sequence (`cp.split`), the
-    targets shifted over the whole sequence first and then cut (``shift_labels``: a shift inside a
-    chunk would score its last token against the next chunk's first), and the global positions
-    (``position_ids``: the batch's own, restarting for packed samples, else 0..S-1), which rotary
-    and learned positions, and attention's causal rule, then read."""
-    inputs, targets = model.split_batch(batch)
-    ids = inputs[model.main_input_name]
-    if "position_ids" not in inputs:
-        inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    for key, value in inputs.items():
-        if value.shape[:2] != ids.shape:
-            raise ValueError(f"under context parallelism every input is cut along the sequence, but {key} has "
-                             f"shape {tuple(value.shape)}, not [batch, sequence] = {tuple(ids.shape)} (a 2-D "
-                             f"attention_mask of padding is; mark packed samples by restarting position_ids, not a "
-                             f"4-D mask)")
-    part = {key: cp.split(value, 1) for key, value in inputs.items()}
-    part["shift_labels"] = cp.split(targets, 1)
-    return part

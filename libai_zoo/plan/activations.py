@@ -78,7 +78,7 @@ from libai_zoo.config import Recompute
 from libai_zoo.distributed import ContextParallel, local
 from libai_zoo.layers import LMHead, context_attention
 from libai_zoo.models import get_layer_stack
-from libai_zoo.parallel import apply_activation_checkpointing, to_residual
+from libai_zoo.parallel import apply_activation_checkpointing, context_parallel_part, to_residual
 
 from .fake_world import fake_world
 
@@ -604,9 +604,6 @@ class SavedActivations:
     @staticmethod
     def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _FakeMode, head_only: bool,
              cp: ContextParallel | None) -> _Measured:
-        # (imported here: the engine imports the planner, for dist.auto)
-        from libai_zoo.engine.training_data import context_parallel_part
-
         counter = _SavedCounter(casts.parameters, casts.casts)
         ids = torch.zeros(batch, shapes.seq_len, dtype=torch.long)
         labels = ids if model.loss_unit == "token" else torch.zeros(batch, dtype=torch.long)
