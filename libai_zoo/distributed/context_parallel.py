@@ -22,17 +22,14 @@ from torch import nn
 from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 
+from .tensor_parallel import MeshGroup
 
-class ContextParallel:
+
+class ContextParallel(MeshGroup):
     """The cp mesh a sequence is split over, with its group, size and this rank's index."""
 
     def __init__(self, mesh: DeviceMesh):
-        if mesh.ndim != 1:
-            raise ValueError(f"the context-parallel mesh must be 1-D, got {mesh.ndim}-D")
-        self.mesh = mesh
-        self.group = mesh.get_group()
-        self.size = mesh.size()
-        self.rank = mesh.get_local_rank()
+        super().__init__(mesh, "context-parallel")
 
     @property
     def chunks(self) -> tuple[int, int]:

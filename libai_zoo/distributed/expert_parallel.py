@@ -38,20 +38,15 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .tensor_parallel import TensorParallel, distribute_parameter
+from .tensor_parallel import MeshGroup, TensorParallel, distribute_parameter
 
 
-class ExpertParallel:
+class ExpertParallel(MeshGroup):
     """The ept mesh experts are split over (ep × tp ranks), with its group, size, this rank's index,
     the ep and tp sizes, and the tp group whose ranks join it (None at tp = 1)."""
 
     def __init__(self, mesh: DeviceMesh, *, ep: int, tensor_parallel: TensorParallel | None):
-        if mesh.ndim != 1:
-            raise ValueError(f"the expert-parallel mesh must be 1-D, got {mesh.ndim}-D")
-        self.mesh = mesh
-        self.group = mesh.get_group()
-        self.size = mesh.size()
-        self.rank = mesh.get_local_rank()
+        super().__init__(mesh, "expert-parallel")
         self.ep = ep
         self.tensor_parallel = tensor_parallel
         self.tp = tensor_parallel.size if tensor_parallel is not None else 1

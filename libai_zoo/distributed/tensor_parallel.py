@@ -15,16 +15,23 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from .rng import ParallelRNG, tensor_parallel_rng
 
 
-class TensorParallel:
-    """The tp mesh a layer is split over, with its group, size and this rank's index."""
+class MeshGroup:
+    """A 1-D mesh of one parallel dimension, with its process group, size and this rank's index."""
 
-    def __init__(self, mesh: DeviceMesh, *, sequence_parallel: bool = False):
+    def __init__(self, mesh: DeviceMesh, what: str):
         if mesh.ndim != 1:
-            raise ValueError(f"the tensor-parallel mesh must be 1-D, got {mesh.ndim}-D")
+            raise ValueError(f"the {what} mesh must be 1-D, got {mesh.ndim}-D")
         self.mesh = mesh
         self.group = mesh.get_group()
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
+
+
+class TensorParallel(MeshGroup):
+    """The tp mesh a layer is split over, with its group, size and this rank's index."""
+
+    def __init__(self, mesh: DeviceMesh, *, sequence_parallel: bool = False):
+        super().__init__(mesh, "tensor-parallel")
         self.sequence_parallel = sequence_parallel
         self._rng: ParallelRNG | None = None
 
