@@ -25,11 +25,13 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 BUDGET = Path(__file__).with_name("durations_budget.json")
-# Seconds a module may take: its recorded time × SLACK + GRACE (machine noise), DEFAULT_BUDGET for a
-# module with no record. LIBAI_ZOO_DURATIONS_SLACK=0 turns the check off (a loaded machine);
+# Seconds a module may take: its recorded time × SLACK + GRACE, DEFAULT_BUDGET for a module with no
+# record. The slack is wide because under `-n 2` a module's time depends on which module shares the
+# cores with it (gloo's collectives slow several-fold beside another module's processes): 57 s
+# against a record of 32.5 s in one CI run. A new matrix of layouts still costs several times that. LIBAI_ZOO_DURATIONS_SLACK=0 turns the check off (a loaded machine);
 # LIBAI_ZOO_RECORD_DURATIONS=1 writes this run's times of the modules it ran into the budget.
-SLACK = float(os.environ.get("LIBAI_ZOO_DURATIONS_SLACK", "1.5"))
-GRACE, DEFAULT_BUDGET = 5.0, 20.0
+SLACK = float(os.environ.get("LIBAI_ZOO_DURATIONS_SLACK", "2"))
+GRACE, DEFAULT_BUDGET = 10.0, 20.0
 _module_seconds: dict[str, float] = defaultdict(float)
 _over_budget: list[str] = []
 

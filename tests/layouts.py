@@ -41,10 +41,8 @@ LAYOUTS: dict[str, Layout] = {
     # each sequence split over cp ranks (2·cp load-balanced chunks), the same samples on a dp rank's cp ranks
     "cp2": _layout(cp=2),
     # 4 processes
-    "dp4": _layout(dp=4, mb=2),
     "tp4": _layout(tp=4),
     "dp4_zero3": _layout(dp=4, zero=3, mb=2),
-    "dp2_tp2": _layout(dp=2, tp=2, mb=4),
     "dp2_tp2_zero1": _layout(dp=2, tp=2, zero=1, mb=4),
     "dp2_tp2_zero3": _layout(dp=2, tp=2, zero=3, mb=4),
     # selective recomputation: the attention core, and the norms' and activation's outputs discarded and
@@ -54,7 +52,6 @@ LAYOUTS: dict[str, Layout] = {
     "pp4_gpipe": _layout(pp=4, mb=2, schedule="gpipe"),
     "tp2_pp2": _layout(tp=2, pp=2, mb=4),
     "tp2_pp2_interleaved": _layout(tp=2, pp=2, mb=2, schedule="interleaved_1f1b", virtual=2),
-    "dp2_pp2": _layout(dp=2, pp=2, mb=2),
     "dp2_pp2_zero1_1f1b": _layout(dp=2, pp=2, zero=1, mb=2),
     "dp2_pp2_zero2": _layout(dp=2, pp=2, zero=2, mb=2),
     "dp2_pp2_zero2_gpipe": _layout(dp=2, pp=2, zero=2, mb=2, schedule="gpipe"),
