@@ -1,5 +1,5 @@
 """LoRA at every kind of layout equals one process: the same tiny GPT-2 and Llama with rank-4
-adapters trained 10 steps under dp (ZeRO 0-3), tp (with sequence parallelism), pp (1F1B,
+adapters trained 4 steps under dp (ZeRO 0-3), tp (with sequence parallelism), pp (1F1B,
 zero-bubble, whose split backward meets frozen weights) and their mixes log the one-process loss at
 every step; the frozen base holds no gradient and no optimizer state on any rank (its bytes per
 rank against full fine-tuning are recorded). The config and the run helper are
