@@ -41,7 +41,7 @@ Transient terms, at the step's peak:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -166,10 +166,15 @@ def _rank_stages(num_layers: int, pp: int, schedule: str | None, virtual_stages:
                  for layers, first, last in _rank_stage_layers(num_layers, pp, schedule, virtual_stages, pp_rank))
 
 
-def rank_layers(table: ModelTable, layout: Layout, pp_rank: int) -> list[int]:
+def rank_layers(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[int, ...]:
     """The indices of the layers `pp_rank` runs."""
-    return [index for layers, _, _ in _rank_stage_layers(table.num_layers, layout.pp, layout.schedule,
-                                                         layout.virtual_stages, pp_rank) for index in layers]
+    return _rank_layers(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
+
+
+@lru_cache(maxsize=65536)
+def _rank_layers(num_layers: int, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int) -> tuple[int, ...]:
+    return tuple(index for layers, _, _ in _rank_stage_layers(num_layers, pp, schedule, virtual_stages, pp_rank)
+                 for index in layers)
 
 
 @lru_cache(maxsize=65536)
@@ -195,15 +200,11 @@ def _group(table: ModelTable, key: int | tuple[bool, bool]) -> list[ParameterInf
             if p.layer is None and (("first" in p.ends and first) or ("last" in p.ends and last))]
 
 
-def _rank_groups(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int | tuple[bool, bool], int], ...]:
-    """What `pp_rank` holds as (`_group` key, count): its layers by parameter group, then each of
-    its stages' end modules ((holds the first stage's, holds the last's), 1)."""
-    return _stage_groups(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
-
-
 @lru_cache(maxsize=65536)
 def _stage_groups(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int,
                   pp_rank: int) -> tuple[tuple[int | tuple[bool, bool], int], ...]:
+    """What `pp_rank` holds as (`_group` key, count): its layers by parameter group, then each of
+    its stages' end modules ((holds the first stage's, holds the last's), 1)."""
     counts: dict[int, int] = {}
     ends = []
     for layers, first, last in _rank_stage_layers(table.num_layers, pp, schedule, virtual_stages, pp_rank):
@@ -287,20 +288,28 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
     through the step and accumulates whole float32 gradients, as ZeRO-1.
     Under pp the schedule syncs a stage once, after its last micro-batch: every ZeRO stage
     accumulates whole gradients, and ZeRO-3 keeps the stage gathered from its first backward."""
-    if layout.dp_cp == 1 or (layout.zero_stage == 0 and compute_dtype is None):
+    return _gathered(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank, layout.tp, layout.dp_cp,
+                     layout.ep, layout.zero_stage, num_micro_batches > 1, compute_dtype)
+
+
+@lru_cache(maxsize=65536)
+def _gathered(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int, tp: int, dp: int,
+              ep: int, zero_stage: int, accumulates: bool, compute_dtype: torch.dtype | None) -> int:
+    if dp == 1 or (zero_stage == 0 and compute_dtype is None):
         return 0
     element = compute_dtype.itemsize if compute_dtype is not None else None
-    if layout.zero_stage < 3 or layout.pp > 1:
-        total = unsharded_bytes(table, layout, pp_rank, element)
+    position = (table, pp, schedule, virtual_stages, pp_rank, tp, dp, ep)
+    if zero_stage < 3 or pp > 1:
+        total = _unsharded(*position, element, False, None)
     else:
-        sizes = (layout.tp, layout.dp_cp, layout.ep, element)
-        groups = _rank_groups(table, layout, pp_rank)
+        sizes = (tp, dp, ep, element)
+        groups = _stage_groups(table, pp, schedule, virtual_stages, pp_rank)
         layers = [(_group_unsharded(table, key, *sizes), count) for key, count in groups if isinstance(key, int)]
         biggest = sorted((size for size, count in layers for _ in range(min(2, count))), reverse=True)[:2]
         total = sum(biggest) + sum(_group_unsharded(table, key, *sizes)
                                    for key, _ in groups if not isinstance(key, int))
-    if num_micro_batches > 1 and (layout.zero_stage <= 1 or layout.pp > 1):
-        total += unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)  # float32: FSDP's reduce dtype
+    if accumulates and (zero_stage <= 1 or pp > 1):
+        total += _unsharded(*position, 4, True, None)  # float32: FSDP's reduce dtype
     return total
 
 
@@ -329,14 +338,20 @@ def micro_batches_in_flight(layout: Layout, pp_rank: int, num_micro_batches: int
     return min(warmup + 1, m * v) / v
 
 
-@lru_cache(maxsize=65536)
 def _rank_layer_kinds(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int, bool, int], ...]:
     """(layer kind, recomputed, how many of the layers `pp_rank` runs are of it and recompute so or
     not) for each kind it runs: a stage recomputes its first ``num_layers`` layers (all when None)."""
+    return _stage_layer_kinds(table, layout.pp, layout.schedule, layout.virtual_stages, layout.activation_checkpoint,
+                              pp_rank)
+
+
+@lru_cache(maxsize=65536)
+def _stage_layer_kinds(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int,
+                       recompute: Recompute | None, pp_rank: int) -> tuple[tuple[int, bool, int], ...]:
     kinds = table.activations.layer_kinds
-    recomputed = recomputed_layers(table, layout, pp_rank)
+    recomputed = _recomputed_layers(table.num_layers, pp, schedule, virtual_stages, recompute, pp_rank)
     counts: dict[tuple[int, bool], int] = {}
-    for index in rank_layers(table, layout, pp_rank):
+    for index in _rank_layers(table.num_layers, pp, schedule, virtual_stages, pp_rank):
         key = kinds[index], index in recomputed
         counts[key] = counts.get(key, 0) + 1
     return tuple((kind, recomputes, count) for (kind, recomputes), count in sorted(counts.items()))
@@ -345,10 +360,16 @@ def _rank_layer_kinds(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[
 def recomputed_layers(table: ModelTable, layout: Layout, pp_rank: int) -> frozenset[int]:
     """The indices of the layers `pp_rank` runs that recompute: the first ``num_layers`` of each of
     its stages (all when None), none without `Layout.activation_checkpoint`."""
-    recompute = layout.activation_checkpoint
+    return _recomputed_layers(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages,
+                              layout.activation_checkpoint, pp_rank)
+
+
+@lru_cache(maxsize=65536)
+def _recomputed_layers(num_layers: int, pp: int, schedule: str | None, virtual_stages: int,
+                       recompute: Recompute | None, pp_rank: int) -> frozenset[int]:
     if recompute is None:
         return frozenset()
-    stages = _rank_stage_layers(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
+    stages = _rank_stage_layers(num_layers, pp, schedule, virtual_stages, pp_rank)
     return frozenset(index for layers, _, _ in stages for index in layers[:recompute.num_layers])
 
 
@@ -365,43 +386,54 @@ def _activations(table: ModelTable, part: str, shapes: Shapes, kind: int, recomp
     return saved.head(shapes, low_precision_weights=low_precision_weights)
 
 
-def activation_bytes(table: ModelTable, layout: Layout, pp_rank: int, seq_len: int, num_micro_batches: int,
-                     amp_dtype: torch.dtype | None, device: str = "cuda",
-                     routing_imbalance: float = 1.0, fp32_residual: bool = False) -> tuple[int, int]:
-    """(activations of the layers and embedding, logits and loss of the head) held at the peak, on
-    a "cuda" or "cpu" device (their attention kernels and dropout masks differ); MoE layers routed
-    as `Shapes.routing_imbalance` states; under cp a rank's seq_len / cp tokens, its attention
-    holding the gathered keys and values of the whole sequence (`SavedActivations.gathered_kv`)."""
+def activation_bytes(table: ModelTable, layout: Layout, seq_len: int, num_micro_batches: int,
+                     amp_dtype: torch.dtype | None, device: str = "cuda", routing_imbalance: float = 1.0,
+                     fp32_residual: bool = False) -> tuple[tuple[int, int], ...]:
+    """(activations of the layers and embedding, logits and loss of the head) held at the peak by
+    each pp rank, on a "cuda" or "cpu" device (their attention kernels and dropout masks differ);
+    MoE layers routed as `Shapes.routing_imbalance` states; under cp a rank's seq_len / cp tokens,
+    its attention holding the gathered keys and values of the whole sequence
+    (`SavedActivations.gathered_kv`). Cached by what they depend on: the ZeRO stage changes nothing
+    but whether FSDP2's bf16 parameters are there, which every stage at dp × cp > 1 has."""
     shapes = Shapes(layout.micro_batch_size, seq_len, layout.tp, layout.sequence_parallel, amp_dtype, device,
                     layout.ep, routing_imbalance if table.moe else 1.0, residual_dtype(amp_dtype, fp32_residual),
                     layout.cp)
     # FSDP2 hands the layers bf16 parameters under bf16 autocast at every ZeRO stage: no matmul keeps a cast copy
     low = layout.dp_cp > 1 and fsdp_param_dtype(amp_dtype) is not None
-    in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
-    stages = rank_stages(table, layout, pp_rank)
-    kinds = _rank_layer_kinds(table, layout, pp_rank)
+    return _activation_bytes(table, replace(layout, zero_stage=0), shapes, low, num_micro_batches)
+
+
+@lru_cache(maxsize=65536)
+def _activation_bytes(table: ModelTable, layout: Layout, shapes: Shapes, low: bool,
+                      num_micro_batches: int) -> tuple[tuple[int, int], ...]:
     recompute = layout.activation_checkpoint
 
     def layer(kind: int, recomputed: bool) -> int:
         return _activations(table, "layer", shapes, kind, recompute if recomputed else None, low)
 
-    held = sum(count * layer(kind, recomputed) for kind, recomputed, count in kinds)
-    if any(first for _, first, _ in stages):
-        held += _activations(table, "embedding", shapes, 0, None, low)
-    # a layer's backward makes gradients of about the size of what it saved; a recomputing layer
-    # first brings back what it did not keep
-    whole_layer = max((layer(kind, False) for kind, _, _ in kinds), default=0)
-    brought_back = max((layer(kind, False) - layer(kind, True) for kind, recomputed, _ in kinds if recomputed),
-                       default=0)
-    total = int(in_flight * held) + whole_layer + brought_back
-    logits = 0
-    if any(last for _, _, last in stages):
-        head = _activations(table, "head", shapes, 0, None, low)
-        # backward makes the float32 logits' gradient (one chunk's when the loss runs in chunks)
-        tokens = layout.micro_batch_size * seq_len // layout.cp
-        head += min(tokens * table.vocab_size // layout.tp * 4, LMHead.chunk_bytes)
-        logits = head * (num_micro_batches if layout.schedule == "gpipe" else 1)
-    return total, logits
+    ranks = []
+    for pp_rank in range(layout.pp):
+        in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
+        stages = rank_stages(table, layout, pp_rank)
+        kinds = _rank_layer_kinds(table, layout, pp_rank)
+        held = sum(count * layer(kind, recomputed) for kind, recomputed, count in kinds)
+        if any(first for _, first, _ in stages):
+            held += _activations(table, "embedding", shapes, 0, None, low)
+        # a layer's backward makes gradients of about the size of what it saved; a recomputing layer
+        # first brings back what it did not keep
+        whole_layer = max((layer(kind, False) for kind, _, _ in kinds), default=0)
+        brought_back = max((layer(kind, False) - layer(kind, True) for kind, recomputed, _ in kinds if recomputed),
+                           default=0)
+        total = int(in_flight * held) + whole_layer + brought_back
+        logits = 0
+        if any(last for _, _, last in stages):
+            head = _activations(table, "head", shapes, 0, None, low)
+            # backward makes the float32 logits' gradient (one chunk's when the loss runs in chunks)
+            tokens = layout.micro_batch_size * shapes.seq_len // layout.cp
+            head += min(tokens * table.vocab_size // layout.tp * 4, LMHead.chunk_bytes)
+            logits = head * (num_micro_batches if layout.schedule == "gpipe" else 1)
+        ranks.append((total, logits))
+    return tuple(ranks)
 
 
 def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch_size: int,
@@ -413,11 +445,10 @@ def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch
     `routing_imbalance` × its share of the routed tokens."""
     m = layout.num_micro_batches(global_batch_size)
     compute_dtype = fsdp_param_dtype(amp_dtype)
+    activations = activation_bytes(table, layout, seq_len, m, amp_dtype, device, routing_imbalance, fp32_residual)
     best = None
-    for pp_rank in range(layout.pp):
+    for pp_rank, (acts, logits) in enumerate(activations):
         state = state_bytes(table, layout, pp_rank, 0, optimizer)
-        acts, logits = activation_bytes(table, layout, pp_rank, seq_len, m, amp_dtype, device, routing_imbalance,
-                                        fp32_residual)
         breakdown = MemoryBreakdown(state.params, state.grads, state.optimizer,
                                     gathered_bytes(table, layout, pp_rank, m, compute_dtype), acts, logits,
                                     int(optimizer.step_per_byte * state.params), overhead, pp_rank)
