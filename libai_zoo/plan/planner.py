@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from omegaconf import DictConfig
@@ -167,7 +167,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
                 else roofline_compute(table, spec, tp=layout.tp, micro_batch=layout.micro_batch_size,
                                       seq_len=seq_len, amp_dtype=amp_dtype, routing_imbalance=routing_imbalance)
         whole = compute[key]
-        return ComputeTimes(*(seconds / layout.cp for seconds in astuple(whole))) if layout.cp > 1 else whole
+        return ComputeTimes(*(getattr(whole, f.name) / layout.cp for f in fields(whole))) if layout.cp > 1 else whole
 
     shares: dict[tuple, float] = {}
 
