@@ -52,9 +52,11 @@ come from `LINKS` (stated presets) or, for gloo on this machine, a short sweep (
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
 import torch
 
+from libai_zoo.config import Recompute
 from libai_zoo.parallel import splits_backward
 from libai_zoo.parallel.data_parallel import BUCKET_BYTES
 
@@ -255,22 +257,20 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
     all_reduce = tp_link.all_reduce(act_bytes, tp)
     worst = None
     for pp_rank in range(pp):
-        stages = rank_stages(table, layout, pp_rank)
-        layers = sum(count for count, _, _ in stages)
-        again = recomputed_layers(table, layout, pp_rank)
-        first, last = any(s[1] for s in stages), any(s[2] for s in stages)
+        work = _rank_work(table, pp, layout.schedule, layout.virtual_stages, recompute, pp_rank)
+        layers, again, first, last = work.layers, work.recomputed, work.first, work.last
         per_mb = layers * (times.layer_forward + times.layer_backward)
-        per_mb += len(again) * passes * recompute_share * times.layer_forward
+        per_mb += again * passes * recompute_share * times.layer_forward
         per_mb += times.first * first + times.last * last
         per_mb *= contention
-        tp_mb = (2 * syncs * layers + passes * resyncs * len(again) + first + last) * all_reduce
-        cp_mb = (2 * layers + passes * full * len(again)) * kv_exchange
-        ep_mb = sum(exchange.get(index, 0.0) * (2 + passes * (reexchanges and index in again))
-                    for index in rank_layers(table, layout, pp_rank))
-        boundaries = sum(2 - is_first - is_last for _, is_first, is_last in stages)  # each: a send each way
-        pp_mb = 2 * boundaries * pp_link.send(act_bytes / (tp if layout.sequence_parallel else 1))
+        tp_mb = (2 * syncs * layers + passes * resyncs * again + first + last) * all_reduce
+        cp_mb = (2 * layers + passes * full * again) * kv_exchange
+        # the other layers add 0.0 each, which leaves the sum as it is
+        ep_mb = sum((exchange.get(index, 0.0) * (2 + passes * (reexchanges and recomputes))
+                     for index, recomputes in work.moe_layers), 0.0)
+        pp_mb = 2 * work.boundaries * pp_link.send(act_bytes / (tp if layout.sequence_parallel else 1))
         slot = per_mb + tp_mb + ep_mb + cp_mb + pp_mb
-        dp_comm = _dp_exposed(table, layout, pp_rank, dp_link, device, m, amp_dtype, fsdp_op * contention,
+        dp_comm = _dp_exposed(table, layout, pp_rank, work, dp_link, device, m, amp_dtype, fsdp_op * contention,
                               forward=layers * times.layer_forward * contention,
                               backward=layers * times.layer_backward * contention)
         shard = state_bytes(table, layout, pp_rank).params / 4  # float32 parameters
@@ -281,7 +281,33 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
     return worst
 
 
-def _dp_exposed(table: ModelTable, layout: Layout, pp_rank: int, link: Link, device: Device, m: int,
+@dataclass(frozen=True)
+class _RankWork:
+    """What a pp rank runs per micro-batch, as the time model counts it (the same for every layout
+    with its pipeline and recomputation: cached)."""
+
+    layers: int
+    recomputed: int  # of its layers, those that recompute
+    first: bool  # it holds the first stage's modules
+    last: bool
+    boundaries: int  # stage boundaries it sends across, each way
+    units: int  # its stages: one FSDP root unit each
+    moe_layers: tuple[tuple[int, bool], ...]  # (index, recomputes) of its MoE layers, in order
+
+
+@lru_cache(maxsize=65536)
+def _rank_work(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, recompute: Recompute | None,
+               pp_rank: int) -> _RankWork:
+    position = Layout(1, 1, pp, activation_checkpoint=recompute, schedule=schedule, virtual_stages=virtual_stages)
+    stages = rank_stages(table, position, pp_rank)
+    again = recomputed_layers(table, position, pp_rank)
+    return _RankWork(sum(count for count, _, _ in stages), len(again), any(s[1] for s in stages),
+                     any(s[2] for s in stages), sum(2 - is_first - is_last for _, is_first, is_last in stages),
+                     len(stages), tuple((index, index in again) for index in rank_layers(table, position, pp_rank)
+                                        if index in table.moe))
+
+
+def _dp_exposed(table: ModelTable, layout: Layout, pp_rank: int, work: _RankWork, link: Link, device: Device, m: int,
                 amp_dtype: torch.dtype | None, fsdp_op: float, *, forward: float, backward: float) -> float:
     """Seconds of data-parallel communication not hidden under compute: each collective's latency
     (one per FSDP unit: a layer, or a stage's root, and under expert parallelism an MoE layer's
@@ -291,28 +317,17 @@ def _dp_exposed(table: ModelTable, layout: Layout, pp_rank: int, link: Link, dev
     dp = layout.dp_cp
     if dp == 1:
         return 0.0
-    stages = rank_stages(table, layout, pp_rank)
-    layers = sum(count for count, _, _ in stages)
-    edp = layout.dp // layout.ep
-
-    def moved(element_size: int, trainable_only: bool = False) -> float:
-        dense, experts = (unsharded_bytes(table, layout, pp_rank, element_size, trainable_only=trainable_only,
-                                          experts=which) for which in (False, True))
-        return (dp - 1) / dp * dense + (edp - 1) / edp * experts
-
-    grads = moved(4, trainable_only=True)  # reduced in float32
-    gathered = moved(2 if amp_dtype == torch.bfloat16 else 4)
-    whole_grads = unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)
-    expert_units = sum(index in table.moe for index in rank_layers(table, layout, pp_rank)) \
-        if layout.ep * layout.tp > 1 else 0
+    grads, gathered, whole_grads = _dp_bytes(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank,
+                                             layout.tp, layout.dp, layout.cp, layout.ep, amp_dtype)
+    expert_units = len(work.moe_layers) if layout.ep * layout.tp > 1 else 0
     per_step = layout.pp > 1 or layout.zero_stage < 2
     reductions = 1 if per_step else m
     if layout.zero_stage == 0:
-        calls = -(-whole_grads // BUCKET_BYTES) + len(stages) + expert_units
+        calls = -(-whole_grads // BUCKET_BYTES) + work.units + expert_units
         reduce = reductions * (calls * (2 * (dp - 1) * link.alpha + fsdp_op) + 2 * grads * link.beta)
         gather = 0.0
     else:
-        units = layers + len(stages) + expert_units
+        units = work.layers + work.units + expert_units
         if layout.zero_stage < 3 or (layout.pp > 1 and splits_backward(layout.schedule)):
             gathers = 1
         else:
@@ -324,3 +339,21 @@ def _dp_exposed(table: ModelTable, layout: Layout, pp_rank: int, link: Link, dev
     hidden_reduce = backward * reductions
     hidden_gather = (forward + (backward if layout.zero_stage == 3 else 0)) * (1 if per_step else m)
     return max(0.0, reduce - hidden_reduce) + max(0.0, gather - hidden_gather)
+
+
+@lru_cache(maxsize=65536)
+def _dp_bytes(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int, tp: int, dp: int,
+              cp: int, ep: int, amp_dtype: torch.dtype | None) -> tuple[float, float, int]:
+    """(gradient bytes a ring moves, parameter bytes it gathers, whole gradient bytes) of a pp rank's
+    data-parallel collectives: the same for every layout with its pipeline position and group sizes."""
+    layout = Layout(dp, tp, pp, schedule=schedule, virtual_stages=virtual_stages, ep=ep, cp=cp)
+    dp_cp, edp = layout.dp_cp, dp // ep
+
+    def moved(element_size: int, trainable_only: bool = False) -> float:
+        dense, experts = (unsharded_bytes(table, layout, pp_rank, element_size, trainable_only=trainable_only,
+                                          experts=which) for which in (False, True))
+        return (dp_cp - 1) / dp_cp * dense + (edp - 1) / edp * experts
+
+    grads = moved(4, trainable_only=True)  # reduced in float32
+    gathered = moved(2 if amp_dtype == torch.bfloat16 else 4)
+    return grads, gathered, unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)
