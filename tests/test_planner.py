@@ -146,16 +146,20 @@ def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads
                            global_batch // (micro_batch * dp)), c["overrides"])
 
     # apply_overrides sets its items one by one: each item of every candidate applies, with its value
+    # (in place on one copy, each read back as it is set)
+    cfg = copy.deepcopy(base)
     for item in sorted(items):
         key, value = item.split("=")
-        cfg = LazyConfig.apply_overrides(copy.deepcopy(base), [item])
-        read = OmegaConf.select(cfg, key)
+        read = OmegaConf.select(LazyConfig.apply_overrides(cfg, [item]), key)
         assert (f"[{','.join(read)}]" if OmegaConf.is_list(read) else str(read).lower()) == \
             ("none" if value == "null" else value)
     # and each layout the trainer's check tells apart, applied whole, reads back as itself and passes it
     cfg = copy.deepcopy(base)
+    held: dict[str, str] = {}  # key -> the item cfg holds of it: setting it again would change nothing
     for (tp, pp, _, _, micro_batches), text in shapes.items():
-        LazyConfig.apply_overrides(cfg, text.split())  # in place: pp = 1 leaves the pipeline keys, unread
+        changed = [item for item in text.split() if held.get(item.split("=")[0]) != item]
+        LazyConfig.apply_overrides(cfg, changed)  # in place: pp = 1 leaves the pipeline keys, unread
+        held.update((item.split("=")[0], item) for item in changed)
         assert Layout.from_config(cfg, world_size).overrides() == text
         checks.check_layout(cfg, tp, pp, micro_batches)
     return tps, cps
