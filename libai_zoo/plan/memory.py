@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 from omegaconf import DictConfig
@@ -407,6 +407,7 @@ def _activation_bytes(table: ModelTable, layout: Layout, shapes: Shapes, low: bo
                       num_micro_batches: int) -> tuple[tuple[int, int], ...]:
     recompute = layout.activation_checkpoint
 
+    @cache  # asked of every pp rank: a local table spares hashing the shapes each time
     def layer(kind: int, recomputed: bool) -> int:
         return _activations(table, "layer", shapes, kind, recompute if recomputed else None, low)
 
