@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from distributed_runner import run_distributed
 from libai_zoo import distributed, layers
+from libai_zoo.plan import fake_world
 
 
 @pytest.fixture(autouse=True)
@@ -121,6 +123,16 @@ def _layouts() -> dict:
                      "context_parallel": context and (context.size, context.rank),
                      "layer_cp": layer.cp and layer.cp.size}
     return out
+
+
+def test_a_dtensor_result_lives_on_the_current_contexts_mesh():
+    """DTensor caches its sharding decisions by mesh, and meshes of one shape compare equal whatever
+    their process groups: after a context is destroyed, a new one of the same shape must not get
+    results on the old mesh, whose groups are gone (a forked run after a fake-world plan did)."""
+    for _ in range(2):
+        with fake_world(4, dp=2, tp=2) as ctx:
+            x = distribute_tensor(torch.ones(4, 4), ctx.submesh("tp"), [Shard(0)])
+            assert (x + x).device_mesh is x.device_mesh
 
 
 @pytest.mark.slow

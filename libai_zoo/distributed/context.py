@@ -20,6 +20,8 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from .context_parallel import ContextParallel
 from .expert_parallel import ExpertParallel
@@ -264,3 +266,8 @@ def destroy() -> None:
         dist.destroy_process_group()
     forget()
     _current, _connected = None, False
+    # DTensor caches sharding decisions by mesh, and meshes compare equal by shape and ranks, not by
+    # their process groups: a later context of the same shape (a real run after a fake-world plan)
+    # would be handed specs whose meshes name this context's destroyed groups.
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
