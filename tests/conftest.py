@@ -28,7 +28,8 @@ BUDGET = Path(__file__).with_name("durations_budget.json")
 # Seconds a module may take: its recorded time × SLACK + GRACE, DEFAULT_BUDGET for a module with no
 # record. The slack is wide because under `-n 2` a module's time depends on which module shares the
 # cores with it (gloo's collectives slow several-fold beside another module's processes): 57 s
-# against a record of 32.5 s in one CI run. A new matrix of layouts still costs several times that. LIBAI_ZOO_DURATIONS_SLACK=0 turns the check off (a loaded machine);
+# against a record of 32.5 s in one CI run. A new matrix of layouts still costs several times that.
+# LIBAI_ZOO_DURATIONS_SLACK=0 turns the check off (a loaded machine);
 # LIBAI_ZOO_RECORD_DURATIONS=1 writes this run's times of the modules it ran into the budget.
 SLACK = float(os.environ.get("LIBAI_ZOO_DURATIONS_SLACK", "2"))
 GRACE, DEFAULT_BUDGET = 10.0, 20.0
@@ -37,15 +38,24 @@ _over_budget: list[str] = []
 
 
 def _budget_key(report) -> str:
-    """A module's tests in one tier: `path` (one-process), `path::slow` (multi-process),
-    `path::system` (the slowest end-to-end ones): each tier of the README command sees whole keys."""
-    tier = "system" if "system" in report.keywords else "slow" if "slow" in report.keywords else None
+    """A module's tests of one kind: `path` (one-process), `path::slow` (multi-process),
+    `path::system` (the slowest end-to-end ones), so `-m "not slow"` or `-m "not system"` sees whole keys."""
+    kind = "system" if "system" in report.keywords else "slow" if "slow" in report.keywords else None
     module = report.nodeid.split("::")[0]
-    return f"{module}::{tier}" if tier else module
+    return f"{module}::{kind}" if kind else module
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The longest modules first, by their recorded seconds: `--dist loadfile --no-loadscope-reorder`
+    hands modules to the workers in this order, so no long module starts last beside an idle core."""
+    seconds: dict[str, float] = defaultdict(float)
+    for key, recorded in json.loads(BUDGET.read_text()).items():
+        seconds[key.split("::")[0]] += recorded
+    items.sort(key=lambda item: -seconds[item.nodeid.split("::")[0]])
 
 
 def pytest_runtest_logreport(report) -> None:
-    """Sum set-up, call and tear-down seconds per module and tier (under xdist, on the controller)."""
+    """Sum set-up, call and tear-down seconds per module and kind (under xdist, on the controller)."""
     _module_seconds[_budget_key(report)] += report.duration
 
 
