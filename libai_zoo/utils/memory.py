@@ -71,7 +71,10 @@ class TensorMemoryPeak(TorchDispatchMode):
                     before = older[1] if older is not None and not older[0].expired() else 0
                     self._live[storage._cdata] = (StorageWeakRef(storage), before)
         self._live = {key: entry for key, entry in self._live.items() if not entry[0].expired()}
-        held = sum(max(0, torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() - before)
-                   for ref, before in self._live.values())
+        held = 0
+        for ref, before in self._live.values():
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if storage is not None:  # None: freed since the filter above (a garbage collection ran)
+                held += max(0, storage.nbytes() - before)
         self.bytes = max(self.bytes, held)
         return out
