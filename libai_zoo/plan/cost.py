@@ -265,7 +265,7 @@ def step_time(table: ModelTable, layout: Layout, times: ComputeTimes, fabric: Fa
         per_mb *= contention
         tp_mb = (2 * syncs * layers + passes * resyncs * again + first + last) * all_reduce
         cp_mb = (2 * layers + passes * full * again) * kv_exchange
-        # the other layers add 0.0 each, which leaves the sum as it is
+        # only MoE layers exchange tokens (summed from 0.0, as a sum over every layer adding 0.0 would be)
         ep_mb = sum((exchange.get(index, 0.0) * (2 + passes * (reexchanges and recomputes))
                      for index, recomputes in work.moe_layers), 0.0)
         pp_mb = 2 * work.boundaries * pp_link.send(act_bytes / (tp if layout.sequence_parallel else 1))
