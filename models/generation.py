@@ -31,7 +31,8 @@ class GenerationMixin:
         ``pad_token_id`` (default: the config's, else eos)."""
         if any(isinstance(m, ParallelLayer) and m.sp for m in self.modules()):
             raise ValueError("generate does not run under sequence parallelism (new tokens come one at a "
-                             "time): shard the model for generation with distributed.shard(model, sequence_parallel=False)")
+                             "time): generate inside `with distributed.whole_sequences(model):`, which lifts it, or "
+                             "shard the model with distributed.shard(model, sequence_parallel=False)")
         if eos_token_id is None:
             eos_token_id = getattr(self.config, "eos_token_id", None)
         if isinstance(eos_token_id, list):

@@ -88,6 +88,11 @@ def _tp2(root: str, name: str) -> dict:
     if name in SEQUENCE_PARALLEL_CASES:
         sp = distributed.shard(case.zoo_class.from_pretrained(path / "single"), sequence_parallel=True)
         results["sequence_parallel"] = _run_case(sp, case, ref)
+        if case.generates:  # the trainer's end-of-run sample: the same model, sequences whole for generation
+            ids, mask = ref["prompt"]
+            with distributed.whole_sequences(sp.eval()):
+                generated = sp.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None)
+            results["sequence_parallel"]["generate"] = torch.equal(generated, ref["generated"])
     return results
 
 
@@ -161,6 +166,7 @@ def test_tp2_sequence_parallel_equals_transformers(tp_results, name):
         r = rank_results["sequence_parallel"]
         assert r["output"] <= TOL and r["loss"] <= TOL and r["grads"] <= TOL and r.get("router_logits", 0) <= TOL
         assert r["grad_norm"] <= 1e-5 * ref["grad_norm"]
+        assert r.get("generate", not CASES[name].generates)  # generated with SP lifted (`whole_sequences`)
 
 
 @pytest.mark.parametrize("name", [n for n in TP_CASES if CASES[n].generates])

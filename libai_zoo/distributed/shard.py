@@ -66,17 +66,25 @@ def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
 
 @contextmanager
 def whole_sequences(model: nn.Module) -> Iterator[nn.Module]:
-    """Within the block, `model`'s layers run on whole sequences, as at cp = 1 (their ``cp`` unset),
-    so that each cp rank can run a sample alone: generation, where every rank of the cp group
-    generates the same tokens, as the tp ranks do. A no-op without context parallelism."""
+    """Within the block, `model`'s layers run on whole sequences: unsplit over cp (their ``cp``
+    unset) and over tp (sequence parallelism off on their tp groups, the layers splitting heads
+    and columns as before), so that each rank can run a sample alone: generation, where every rank
+    of the cp and tp groups generates the same tokens one at a time. A no-op without context or
+    sequence parallelism."""
     split = [(layer, layer.cp) for layer in model.modules() if getattr(layer, "cp", None) is not None]
+    groups = {id(tp): tp for layer in model.modules() if isinstance(tp := getattr(layer, "tp", None), TensorParallel)
+              and tp.sequence_parallel}.values()
     for layer, _ in split:
         layer.cp = None
+    for tp in groups:
+        tp.sequence_parallel = False
     try:
         yield model
     finally:
         for layer, cp in split:
             layer.cp = cp
+        for tp in groups:
+            tp.sequence_parallel = True
 
 
 def tp_problems(model: nn.Module, tp_size: int) -> list[str]:
