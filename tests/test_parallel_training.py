@@ -2,7 +2,7 @@
 4 steps under data, tensor and pipeline parallelism and ZeRO 1-3 logs the one-process loss at
 every step (≤ 1e-5 relative), for a tiny GPT-2, a tiny Llama (and one with a single KV head),
 each other family's tiny model (tests/model_cases.py, its distinguishing features on) at a pipeline
-under ZeRO-3, and a Mixture of Experts (Mixtral, 8 experts, an uneven router) with its experts
+under ZeRO-3 (Llama and the families read from Hugging Face directories, as the recipes start), and a Mixture of Experts (Mixtral, 8 experts, an uneven router) with its experts
 split over ep; a checkpoint written at dp2×tp2 with ZeRO-3 resumes at other layouts, the MoE's
 written at ep2 resumes at ep4 and in one process; bad layouts fail before the first step.
 
@@ -26,7 +26,7 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
 from libai_zoo.engine import DefaultTrainer, TrainStep
 from libai_zoo.layers import LMHead
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel, MixtralForCausalLM
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralForCausalLM
 from libai_zoo.parallel import DataParallel, materialize, parallelize
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from layouts import LAYOUTS, overrides
@@ -45,8 +45,8 @@ SAVED_AT = 2  # the checkpoints the resume cases start from: the rest of the run
 CONFIG = '''
 from libai_zoo.config import LazyCall, get_config
 from libai_zoo.data import build_gpt_dataset
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from model_cases import uneven_router, zoo_model
+from libai_zoo.models import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from model_cases import uneven_router
 
 train = get_config("common/train.py").train
 dist = get_config("common/train.py").dist
@@ -55,13 +55,11 @@ models = dict(
     gpt2=LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
         vocab_size=8192, n_positions=32, n_embd=32, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0,
         embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)),
-    llama=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
-        vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
+    llama=LazyCall(AutoModelForCausalLM.from_pretrained)(path="{hf}/llama"),
     mqa=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
         vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
-    **{{family: LazyCall(zoo_model)(name=family, vocab_size=8192, num_hidden_layers=4) for family in {families!r}}},
+    **{{family: LazyCall(AutoModelForCausalLM.from_pretrained)(path=f"{hf}/{{family}}") for family in {families!r}}},
     moe=LazyCall(uneven_router)(name="mixtral", vocab_size=8192, num_hidden_layers=4, num_local_experts=8),
 )
 model = models["gpt2"]
@@ -141,12 +139,19 @@ def loss_in_chunks():
 
 
 def write_config(root: Path) -> tuple[Path, list[str]]:
-    """CONFIG over the corpus's first 200 documents, written in `root`; (its path, the documents)."""
+    """CONFIG over the corpus's first 200 documents, written in `root`, and the Hugging Face directories
+    its Llama and families load (as the recipes start, so that every layout reads its part of a
+    directory); (its path, the documents)."""
     documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:200]
     (root / "text.txt").write_text("\n\n".join(documents))
+    LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32,
+                                 bos_token_id=0, eos_token_id=0)).save_pretrained(root / "hf" / "llama")
+    for family in FAMILY_LAYOUTS:
+        zoo_model(family, vocab_size=8192, num_hidden_layers=4).save_pretrained(root / "hf" / family)
     config_file = root / "config.py"
     config_file.write_text(CONFIG.format(text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
-                                         cache=root / "cache", families=tuple(FAMILY_LAYOUTS)))
+                                         cache=root / "cache", hf=root / "hf", families=tuple(FAMILY_LAYOUTS)))
     return config_file, documents
 
 
@@ -162,7 +167,8 @@ def setup(root: Path) -> None:
     indexed_data = f'LazyCall(build_indexed_gpt_dataset)(prefixes=["{root}/corpus_text_document"], seq_len=16,'
     indexed = CONFIG.replace(text_data, indexed_data).replace(
         "import build_gpt_dataset", "import build_gpt_dataset, build_indexed_gpt_dataset")
-    (root / "config_indexed.py").write_text(indexed.format(cache=root / "cache", families=tuple(FAMILY_LAYOUTS)))
+    (root / "config_indexed.py").write_text(indexed.format(cache=root / "cache", hf=root / "hf",
+                                                           families=tuple(FAMILY_LAYOUTS)))
 
 
 def _run(root: str, name: str, model: str, layout: str, config: str = "config.py", extra: tuple = ()) -> dict:

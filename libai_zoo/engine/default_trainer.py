@@ -305,10 +305,11 @@ class DefaultTrainer(TrainerBase):
         path = Path(path)
         if (path / "config.json").is_file():
             aliases = self.pipeline.tied_aliases() if self.pipeline is not None else None
+            weight_map = self.whole_model.hf_weight_map()  # every stage's names
             with HFWeightReader(path) as reader:
-                check_hf_weights(self.whole_model, reader)  # every rank, every stage's names: all fail alike
+                check_hf_weights(self.whole_model, reader, weight_map=weight_map)  # every rank: all fail alike
                 for part in self.model_parts:
-                    load_hf_weights(part, reader, aliases=aliases)
+                    load_hf_weights(part, reader, aliases=aliases, weight_map=weight_map)
         else:
             self.checkpointer.check_adapters(path, self.whole_model)
             self.checkpointer.load(path)

@@ -27,7 +27,7 @@ from libai_zoo import distributed
 from libai_zoo.layers import is_adapter_parameter
 
 from .reader import Container, HFWeightReader
-from .rules import Either
+from .rules import Either, WeightMap
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +77,20 @@ def load_pretrained(cls: type[nn.Module], path: str | Path, *, dtype: torch.dtyp
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = True,
-                    aliases: dict[str, str] | None = None) -> dict:
+                    aliases: dict[str, str] | None = None, weight_map: WeightMap | None = None) -> dict:
     """Fill the parameters `model` holds (whole, or this rank's shards; a pipeline stage holds only
     its own) from Hugging Face tensors. ``aliases``: this model's name of a parameter -> the name
     whose rule makes it (a pipeline's last stage holds a copy of the embedding tied to its head).
+    ``weight_map``: the whole model's, for a pipeline stage (whose own map knows only its layers,
+    so the other stages' tensors would be unexpected); default ``model.hf_weight_map()``.
     Each rank reads, one parameter at a time, only its part of each tensor it needs: the
     tensor-parallel slice, and of it only the rows its ZeRO shard keeps (a fused QKV's tp slice is
     read whole and cut). Returns {"missing_keys",
     "unexpected_keys", "not_loaded", "skipped_keys"}: checkpoint names the parameters need but the files lack,
     names in the files no parameter uses, the parameters (model names) left as they were, and the
     names of a container's other parts (a vision tower) that were not read."""
-    params, held, available, missing, unexpected = check_hf_weights(model, reader, strict=strict, aliases=aliases)
+    params, held, available, missing, unexpected = check_hf_weights(model, reader, strict=strict, aliases=aliases,
+                                                                   weight_map=weight_map)
     if missing or unexpected:
         logger.warning("%s: initialised %s; ignored %s", type(model).__name__, missing or "nothing",
                        unexpected or "nothing")
@@ -114,13 +117,13 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
 
 
 def check_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = True,
-                     aliases: dict[str, str] | None = None) -> tuple:
+                     aliases: dict[str, str] | None = None, weight_map: WeightMap | None = None) -> tuple:
     """Match `model`'s parameters with the checkpoint's names and shapes, reading no tensor; raise
     one error naming every misshaped tensor (and, if `strict`, every missing and unexpected one).
     Call it on the whole model on every rank before any rank loads its part, so that all fail
     alike. Returns (params by rule name, the rules of the held parameters, model name ->
     checkpoint name, missing, unexpected)."""
-    weight_map = model.hf_weight_map()
+    weight_map = weight_map or model.hf_weight_map()
     params = checkpoint_tensors(model)
     for own, aliased in (aliases or {}).items():
         if own in params:

@@ -75,9 +75,10 @@ def materialize(part: nn.Module, device: torch.device, *, seed: int, model: nn.M
     if source is None:
         init_parameters(part, seed, model=model, aliases=aliases)
         return {}
+    weight_map = model.hf_weight_map()  # the whole model's: a pipeline stage's names only its own layers
     with HFWeightReader(source.path) as reader:
-        check_hf_weights(model, reader, strict=source.strict)  # the whole model: every rank fails alike
-        info = load_hf_weights(part, reader, strict=source.strict, aliases=aliases)
+        check_hf_weights(model, reader, strict=source.strict, weight_map=weight_map)  # every rank fails alike
+        info = load_hf_weights(part, reader, strict=source.strict, aliases=aliases, weight_map=weight_map)
         info["bytes_read"] = reader.bytes_read
     fresh = set(info["not_loaded"]) | {name for name, _ in part.named_parameters() if is_adapter_parameter(name)}
     if fresh:

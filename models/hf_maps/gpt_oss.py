@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from libai_zoo.hf.rules import Rule, Same, Strided, WeightMap, linear
 
-from .llama import llama_weight_map
+from .llama import indexed_layers, llama_weight_map
 
 
 def gpt_oss_moe_rules(z: str, h: str) -> list[Rule]:
@@ -25,7 +25,7 @@ def gpt_oss_moe_rules(z: str, h: str) -> list[Rule]:
 
 def gpt_oss_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
     weight_map = llama_weight_map(body, prefix, lm_head)
-    layers = [f"{prefix}layers.{i}." for i in range(len(body.layers))]
+    layers = [f"{prefix}layers.{i}." for i, _ in indexed_layers(body.layers)]
     weight_map.rules = [rule for rule in weight_map.rules if not rule.zoo.startswith(tuple(z + "mlp." for z in layers))]
     for z in layers:
         weight_map.rules += gpt_oss_moe_rules(z + "mlp.", z + "mlp.")

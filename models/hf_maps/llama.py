@@ -73,11 +73,17 @@ def latent_attention_rules(attn: LatentAttention, z: str, a: str) -> list[Rule]:
             for rule in linear(z + name, a + name, bias=getattr(getattr(attn, name), "bias", None) is not None)]
 
 
+def indexed_layers(layers) -> list[tuple[int, object]]:
+    """(index in the whole model, layer) of a layer stack: a pipeline stage's keeps its layers'
+    own indices (`parallel.pipeline.StageLayers`), which their positions in it are not."""
+    return [(int(name), layer) for name, layer in layers.named_children()]
+
+
 def llama_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
     """The rules of a `DecoderModel` body named as Llama is (its parameters after `prefix`)."""
     p = prefix
     rules = [Same(f"{p}embed_tokens.weight", f"{p}embed_tokens.weight")]
-    for i, layer in enumerate(body.layers):
+    for i, layer in indexed_layers(body.layers):
         z = h = f"{p}layers.{i}."
         a, attn, mlp = h + "self_attn.", layer.attn, layer.mlp
         for zoo, hf in NORM_NAMES[layer.norm_position].items():

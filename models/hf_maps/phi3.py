@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from libai_zoo.hf.rules import PackedQKV, Part, WeightMap
 
-from .llama import llama_weight_map
+from .llama import indexed_layers, llama_weight_map
 
 
 def phi3_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
     fused = {}
-    for i, layer in enumerate(body.layers):
+    for i, layer in indexed_layers(body.layers):
         z, h = f"{prefix}layers.{i}.", f"{prefix}layers.{i}."
         fused[z + "attn.qkv.weight"] = PackedQKV(z + "attn.qkv.weight", h + "self_attn.qkv_proj.weight",
                                                  layer.attn.num_heads, layer.attn.num_kv_heads)
