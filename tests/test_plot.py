@@ -85,6 +85,20 @@ def test_a_mixture_of_experts_run_draws_its_expert_balance(tmp_path):
     assert dropped[1].get_ydata().tolist() == [0.0, 12.0, 0.0, 0.0]
 
 
+def test_a_run_has_one_colour_in_every_panel(tmp_path):
+    """A panel missing a run (gpt2 logs no aux_loss) keeps the other runs' colours, so the one legend
+    holds: MoE's aux_loss is drawn in MoE's loss colour (the cycle's 2nd), not in gpt2's (its 1st)."""
+    from matplotlib.colors import to_hex
+
+    runs = {"gpt2": lm_records(range(10, 30, 10)),
+            "moe": [{**record, "aux_loss": 0.02} for record in lm_records(range(10, 30, 10))]}
+    colours = {title: {line.get_label(): to_hex(line.get_color()) for line in lines}
+               for title, lines in lines_by_panel(plot.draw(runs)).items()}
+    assert colours["training loss"] == {"gpt2": to_hex("C0"), "moe": to_hex("C1")} == {
+        "gpt2": "#1f77b4", "moe": "#ff7f0e"}
+    assert colours["auxiliary loss (as added to the loss)"] == {"moe": "#ff7f0e"}
+
+
 def test_curves_spanning_decades_get_a_log_scale(tmp_path):
     records = [{"iteration": 100, "loss": 9.0, "eval/perplexity": 8000.0}, {"iteration": 200, "loss": 6.0},
                {"iteration": 300, "loss": 5.0, "eval/perplexity": 300.0}]

@@ -79,7 +79,8 @@ def panels(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
 
 def draw(runs: dict[str, list[dict]], x: str = "iteration") -> Figure:
     """A matplotlib Figure (not registered with pyplot; saved through Agg): one panel per metric
-    `panels` finds, one line per run (label: the run's name) with the points that recorded it.
+    `panels` finds, one line per run (label: the run's name; colour: its place in `runs`, the same in
+    every panel) with the points that recorded it.
     `x`: "iteration" or "time" (goodput/wall_s)."""
     x_key = "iteration" if x == "iteration" else TIME_KEY
     if x_key == TIME_KEY:
@@ -97,11 +98,12 @@ def draw(runs: dict[str, list[dict]], x: str = "iteration") -> Figure:
     for index, (key, title) in enumerate(chosen, 1):
         axes = figure.add_subplot(rows, columns, index, sharex=first)  # eval points sit under the training steps
         first = first or axes
-        for name, records in runs.items():
+        for run, (name, records) in enumerate(runs.items()):
             points = [(r[x_key], r[key]) for r in records if key in r]
-            if points:
+            if points:  # colour by the run's place, not the panel's: a panel may lack some runs
                 xs, ys = zip(*points)
-                axes.plot(xs, ys, label=name, marker="o" if len(points) <= 10 else None, markersize=4)
+                axes.plot(xs, ys, label=name, color=f"C{run}", marker="o" if len(points) <= 10 else None,
+                          markersize=4)
         axes.set_title(title)
         axes.set_xlabel("iteration" if x == "iteration" else "wall time (s)")
         if key in ("loss", "eval/loss", "eval/perplexity") and _spans_decades(axes):
