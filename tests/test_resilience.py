@@ -349,3 +349,61 @@ def test_goodput_file_is_json_and_accounts_saves_and_evaluations(config_file, tm
     assert account["checkpoint_s"] > 0 and account["eval_s"] > 0 and list(account["productive_at"]) == ["2"]
     evaluated = [r["iteration"] for r in records(out) if "eval/loss" in r]
     assert evaluated == [1, 2]
+
+
+class GoodputClock:
+    """Drives the `Goodput` hook without a trainer: `now` is what time.time() returns in goodput.py."""
+
+    def __init__(self, monkeypatch, out: Path):
+        from types import SimpleNamespace
+
+        from libai_zoo.engine import goodput
+        self.now, self.out, self.namespace = 1000.0, out, SimpleNamespace
+        monkeypatch.setattr(goodput, "time", SimpleNamespace(time=lambda: self.now))
+
+    def attempt(self, start_iter: int = 0):
+        """A process starts now, builds for 1 s and begins training (`before_train`)."""
+        from libai_zoo.engine.goodput import Goodput
+        hook = Goodput(self.out, self.now, self.namespace(last_saved=None))
+        hook.trainer = self.namespace(start_iter=start_iter, resumes=True, iter=start_iter, step_time=0.0,
+                                      storage=self.namespace(put_scalars=lambda **scalars: None))
+        self.now += 1.0
+        hook.before_train()
+        return hook
+
+    def step(self, hook, seconds: float = 0.5) -> None:
+        self.now += seconds
+        hook.trainer.step_time = seconds
+        hook.after_step()
+        hook.trainer.iter += 1
+
+
+def test_goodput_idle_time_between_jobs_is_no_restart(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)  # plain `python tools/train.py`: new jobs
+    clock = GoodputClock(monkeypatch, tmp_path)
+    first = clock.attempt()
+    clock.step(first)
+    first.after_train()
+    clock.now += 900.0  # idle until the next command, which resumes from the checkpoint
+    second = clock.attempt(start_iter=1)
+    clock.step(second)
+    figures = second.figures()
+    assert figures["restarts"] == 0 and figures["restart_lost_s"] == 0.0
+    assert figures["wall_s"] == 1.5 and figures["productive_s"] == 0.5 and figures["ratio"] == 0.5 / 1.5
+
+
+def test_goodput_torchrun_restarts_count_the_measured_gap_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    clock = GoodputClock(monkeypatch, tmp_path)
+    clock.step(clock.attempt())  # one step (last sign of life at 1001.5), then the attempt dies
+    clock.now += 8.5
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = clock.attempt()  # no checkpoint: goes back to step 0
+    assert restarted.figures()["restarts"] == 1 and restarted.figures()["restart_lost_s"] == 9.5
+    clock.now += 9.0  # this attempt dies before its first step
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    again = clock.attempt()
+    clock.step(again)
+    figures = again.figures()
+    assert figures["restarts"] == 2 and figures["restart_lost_s"] == 9.5 + 10.0
+    assert figures["replayed_steps"] == 1 and figures["wall_s"] == 21.5 >= figures["restart_lost_s"]

@@ -2,11 +2,15 @@
 
     effective training time ratio = time in steps that were kept / wall time since the job started
 
-Time is lost to restarts (from the last sign of life of the failed attempt until the next one
-starts training again), to replayed steps (those done after the checkpoint a restart or a
-rollback went back to: their time is lost, the steps are done again), to checkpoint stalls and to
-evaluation. ``output_dir/goodput.json`` carries the account across restarts; its figures go into
-metrics.json as ``goodput/*`` and the end of the run reports them.
+A job is one launch of the command; the attempts torchrun restarts its workers for
+(``TORCHELASTIC_RESTART_COUNT`` > 0) belong to it. Time is lost to restarts (from the last sign of
+life of the failed attempt until the next one starts training again), to replayed steps (those done
+after the checkpoint a restart or a rollback went back to: their time is lost, the steps are done
+again), to checkpoint stalls and to evaluation. ``output_dir/goodput.json`` carries the account
+across restarts; any other start (a rerun, even one that resumes from a checkpoint) is a new job
+with a new account, so idle time between jobs is no restart and the lost time is within the job's
+wall time. Steps replayed across a crash and a manual rerun are not counted (they fall in two jobs).
+Its figures go into metrics.json as ``goodput/*`` and the end of the run reports them.
 """
 
 from __future__ import annotations
@@ -43,18 +47,21 @@ class Goodput(HookBase):
     def before_train(self) -> None:
         start_iter = self.trainer.start_iter
         resumes = self.trainer.resumes  # False: a new run over an old directory
-        previous = json.loads(self.path.read_text()) if self.path.is_file() and resumes else None
-        if previous is None:  # a new job
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted this job
+        if restarted and resumes and self.path.is_file():
+            self.account = json.loads(self.path.read_text())
+            now = time.time()
+            lost = now - self.account["last_time"]
+            self.account["restarts"] += 1
+            self.account["restart_lost_s"] += lost
+            self.account["last_time"] = now  # an attempt that dies before its first step is not counted twice
+            self._go_back(start_iter)
+            logger.info("goodput: restart %d of this job; %.1f s lost since the last attempt's last sign of life",
+                        self.account["restarts"], lost)
+        else:  # a new job (attempt 0), even when it resumes from a checkpoint
             self.account = {"job_start": self.started_at, "productive_s": 0.0, "restarts": 0, "restart_lost_s": 0.0,
                             "replayed_steps": 0, "replayed_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0,
                             "productive_at": {}, "last_iter": start_iter, "last_time": self.started_at}
-        else:
-            self.account = previous
-            self.account["restarts"] += 1
-            self.account["restart_lost_s"] += time.time() - previous["last_time"]
-            self._go_back(start_iter)
-            logger.info("goodput: restart %d of this job; %.1f s lost since the last attempt's last step",
-                        self.account["restarts"], time.time() - previous["last_time"])
         self._save()
 
     def checkpointed(self, iteration: int) -> None:
