@@ -270,7 +270,7 @@ def test_inspect_libai_zoo_checkpoints(runs):
     root, _ = runs
     out = ok("inspect", root / "run_dp4_zero3")
     assert "last_checkpoint -> model_0000003" in out
-    assert "layout (config.yaml): dp=4 tp=1 pp=1 zero_stage=3" in out
+    assert "layout (its config.yaml): dp=4 tp=1 pp=1 zero_stage=3" in out
     assert "iteration = 3" in out
     assert "4 chunks (4 along dim 0)" in out  # FSDP's dim-0 shards, one per rank
     assert "model.transformer.h.0.attn.qkv.weight" in out and "optim.state.transformer.wte.weight.exp_avg" in out

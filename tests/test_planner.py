@@ -517,7 +517,7 @@ def test_auto_layout_under_torchrun(tmp_path):
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
-    logs = [(out / name).read_text() for name in ("log.txt", "log.txt.rank1")]
+    logs = [(out / "fast_dev_run" / name).read_text() for name in ("log.txt", "log.txt.rank1")]
     chosen = []
     for rank, log in enumerate(logs):
         assert log.count("dist.auto: ") == 1

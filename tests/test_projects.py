@@ -59,9 +59,9 @@ def test_recipe_fast_dev_run(recipe, workdir, tmp_path, monkeypatch):
     overrides = [o.format(root=workdir, cache=workdir / "cache") for o in RECIPES[recipe]]
     load_tool("train").main([f"projects/{recipe}/config.py", f"train.output_dir={tmp_path}", *overrides,
                              "--fast-dev-run"])
-    logged = records(tmp_path)
+    logged = records(tmp_path / "fast_dev_run")
     assert [r["iteration"] for r in logged] == [1, 2] and "eval/loss" in logged[-1]
-    assert (tmp_path / "config.yaml").is_file()
+    assert (tmp_path / "fast_dev_run" / "config.yaml").is_file()
     if recipe.startswith("moe_"):  # the expert balance tools/plot.py draws
         assert {"aux_loss", "moe/imbalance", "moe/dropped_tokens"} <= set(logged[-1])
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from libai_zoo.config import FULL, RECOMPUTE_MODULES, LazyConfig, Recompute
+from omegaconf import OmegaConf
+
+from libai_zoo.config import FULL, RECOMPUTE_MODULES, ConfigError, LazyConfig, Recompute, instantiate
 from libai_zoo.engine import DefaultTrainer, StepResult, TrainStep
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel
 from libai_zoo.parallel import apply_activation_checkpointing
@@ -151,9 +154,9 @@ def test_train_tool_fast_dev_run_and_eval_only(config_file, straight, tmp_path):
     tool = load_train_tool()
     batch_sizes = ["train.micro_batch_size=4", "train.global_batch_size=4"]
     tool.main([str(config_file), f"train.output_dir={tmp_path}", *batch_sizes, "--fast-dev-run"])
-    logged = records(tmp_path)
+    logged = records(tmp_path / "fast_dev_run")  # its own folder: nothing a real run reads
     assert [r["iteration"] for r in logged] == [1, 2] and "eval/loss" in logged[-1]
-    assert not list(tmp_path.glob("model_*"))
+    assert not list(tmp_path.rglob("model_*")) and sorted(p.name for p in tmp_path.iterdir()) == ["fast_dev_run"]
     results = tool.main([str(config_file), f"train.output_dir={straight}", *batch_sizes, "train.eval.max_batches=2",
                          "--eval-only"])  # the newest checkpoint, without a flag
     assert set(results) == {"loss", "perplexity"} and results["loss"] < 9.0  # below ln(8192): it learned
@@ -173,6 +176,50 @@ def test_train_tool_resume_insists_on_a_checkpoint(config_file, straight, tmp_pa
         tool.parse_args([str(config_file), "--resume", "--no-resume"])
     default = tool.parse_args([str(config_file)])
     assert not default.resume and not default.no_resume  # the default: resume when there is a checkpoint
+
+
+def test_a_runs_records_say_what_trained_its_checkpoints(config_file, straight, tmp_path):
+    """--eval-only, a start with nothing left to train, --fast-dev-run and a refused start (another model's
+    checkpoint in the directory, named in one line with the two ways out) leave the run's config.yaml,
+    metrics.json and goodput.json as its training wrote them; each checkpoint keeps the config that wrote it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    records_of = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "metrics.json", "goodput.json")}
+    tool = load_train_tool()
+    common = [str(config_file), f"train.output_dir={run_dir}", "train.micro_batch_size=4", "train.global_batch_size=4"]
+    tool.main([*common, "train.max_iter=40", "train.eval.max_batches=1", "--eval-only"])
+    tool.main([*common, "train.max_iter=20"])  # nothing to train: no hook runs, no sample, no goodput restart
+    tool.main([*common, "--fast-dev-run"])
+    assert [r["iteration"] for r in records(run_dir / "fast_dev_run")] == [1, 2]
+    with pytest.raises(ConfigError) as refused:
+        tool.main([*common, "train.max_iter=22", "model.config.n_layer=3"])
+    assert str(refused.value) == (
+        f"{run_dir / 'model_0000020'} was written by another model than this run's (2 layers in it, 3 in this "
+        f"model): start over in this directory with --no-resume (its checkpoints are then replaced), or give this "
+        f"run its own train.output_dir")
+    assert tool.is_config_error(refused.value)  # tools/train.py prints it as one line and exits 2
+    assert {name: (run_dir / name).read_bytes() for name in records_of} == records_of
+    assert LazyConfig.load(str(run_dir / "model_0000005" / "config.yaml")).train.max_iter == 20
+
+
+def test_a_resumed_run_takes_the_configs_learning_rate(config_file, straight, tmp_path):
+    """The schedule's base lr and the optimizer's settings come from the config, not the checkpoint
+    (Megatron's --override-opt_param-scheduler): a changed optim.lr applies from the resumed step."""
+    shutil.copytree(straight, tmp_path, dirs_exist_ok=True)  # 20 steps at lr 1e-3
+    for record in ("metrics.json", "log.txt"):
+        (tmp_path / record).unlink()
+    run(config_file, tmp_path, "train.max_iter=24", "optim.lr=2e-3", "optim.params.weight_decay=0.05", resume=True)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+    schedule = instantiate({**OmegaConf.to_container(LazyConfig.load(str(config_file)).train.scheduler),
+                            "optimizer": optimizer, "max_iter": 24})
+    expected = []
+    for _ in range(24):
+        expected.append(optimizer.param_groups[0]["lr"])
+        schedule.step()
+    assert [r["lr"] for r in records(tmp_path)] == pytest.approx(expected[20:], rel=1e-12)
+    assert ("group 0 lr: 0.001 -> 0.002; group 0 weight_decay: 0.01 -> 0.05; group 1 lr: 0.001 -> 0.002)"
+            in (tmp_path / "log.txt").read_text())  # the no-decay group keeps its weight decay of 0
+    assert LazyConfig.load(str(tmp_path / "config.yaml")).optim.lr == 2e-3
 
 
 def test_train_tool_help():

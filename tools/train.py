@@ -10,9 +10,10 @@ A run resumes by itself from the newest intact checkpoint in train.output_dir (a
 none and starts fresh), so a restarted or requeued job simply runs the same command again;
 `--resume` insists on a checkpoint (an error if there is none), `--no-resume` starts over.
 Exit codes: 0 done; 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT after saving a checkpoint: run it
-again to resume (under torchrun each worker exits 75 and torchrun itself non-zero); 1 anything
-else (with several processes the process exits at once, without the teardown a dead peer could
-hang, so torchrun can restart the job).
+again to resume (under torchrun each worker exits 75 and torchrun itself non-zero); 2 the config,
+or a file it names, is wrong (the one line printed says which key and the fix); 1 anything else
+(with several processes the process exits at once, without the teardown a dead peer could hang,
+so torchrun can restart the job).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from libai_zoo import distributed
 from libai_zoo.checkpoint import commit
-from libai_zoo.config import LazyConfig
+from libai_zoo.config import ConfigError, LazyConfig
 from libai_zoo.engine import DefaultTrainer, Preempted
 
 
@@ -95,16 +96,37 @@ def main(argv: list[str] | None = None) -> dict | None:
     return None
 
 
+def is_config_error(error: BaseException) -> bool:
+    """A `ConfigError` about the config or the files it names, whose message is all a user needs;
+    not one wrapping a bug in code the config called (every error of its chain is a ConfigError
+    or an OSError), whose traceback is wanted."""
+    chain = error
+    while chain is not None:
+        if not isinstance(chain, (ConfigError, OSError)):
+            return False
+        chain = chain.__cause__
+    return isinstance(error, ConfigError)
+
+
 if __name__ == "__main__":
     try:
         main()
     except Preempted as stop:
         sys.exit(stop.exit_code)
-    except BaseException:
-        if distributed.launched_world_size() == 1:
+    except BaseException as error:
+        alone = distributed.launched_world_size() == 1
+        if is_config_error(error):
+            if int(os.environ.get("RANK", "0")) == 0:  # every rank refuses alike: one line, not one a rank
+                print(f"tools/train.py: error: {error}", file=sys.stderr)
+            code = 2
+        elif alone:
             raise
-        traceback.print_exc()
+        else:
+            traceback.print_exc()
+            code = 1
         for handler in logging.getLogger("libai_zoo").handlers:
             handler.flush()
         sys.stderr.flush()
-        os._exit(1)  # skip interpreter teardown: threads waiting on a dead peer would keep the process alive
+        if alone:
+            sys.exit(code)
+        os._exit(code)  # skip interpreter teardown: threads waiting on a dead peer would keep the process alive

@@ -5,8 +5,8 @@
                              its own shards; DTensors keep their global shapes, so a checkpoint
                              loads at another dp × tp × pp) and trainer_state_rank{r}.pt
                              (iteration, RNG states, and the state of the run's other stateful
-                             objects: LR schedule, loss scaler); manifest.json (every file's size
-                             and CRC-32)
+                             objects: LR schedule, loss scaler); config.yaml (the config of the
+                             run that wrote it); manifest.json (every file's size and CRC-32)
       last_checkpoint        the name of the newest complete checkpoint
 
 A checkpoint counts only once complete (`commit`: written under ``<name>.tmp``, renamed when every
@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import datetime
 import logging
+import re
 import shutil
 import time
 import warnings
@@ -52,9 +53,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from libai_zoo.config import ConfigError
 from libai_zoo.layers import is_adapter_parameter
 from libai_zoo.utils import rng_state, set_rng_state
 
@@ -106,7 +109,8 @@ class Checkpointer:
     def __init__(self, output_dir: str | Path, model_parts: Sequence[nn.Module],
                  optimizer: torch.optim.Optimizer | None = None, *, stateful: dict[str, object] | None = None,
                  aliases: dict[str, str] | None = None, async_save: bool = False, stage_in_background: bool = False,
-                 timeout: float | None = None, group: dist.ProcessGroup | None = None):
+                 record: str | None = None, model: nn.Module | None = None, timeout: float | None = None,
+                 group: dist.ProcessGroup | None = None):
         if stage_in_background and not async_save:
             raise ValueError("stage_in_background=True needs async_save=True: a synchronous save copies nothing")
         self.output_dir = Path(output_dir)
@@ -114,8 +118,14 @@ class Checkpointer:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.model = _one_module(list(model_parts))
+        whole = model if model is not None else model_parts[0]
+        #: What a checkpoint this run loads must hold: the whole model's tensors, not only this rank's stages
+        self.expected = {name: tuple(tensor.shape) for name, tensor in _tensors(whole if model is not None
+                                                                                  else self.model)}
+        self.layer_stack: str | None = getattr(whole, "layer_stack", None)  # names the layers in errors
         self.optimizer = optimizer
         self.stateful = stateful or {}
+        self.record = record
         self.aliases = aliases or {}
         self.async_save = async_save
         self.stage_in_background = stage_in_background
@@ -148,6 +158,12 @@ class Checkpointer:
         optimizers = self._sharded_optimizers(with_optimizer)
         model_state, optim_state = get_state_dict(self.model, optimizers)
         return {"model": model_state, "optim": optim_state} if optimizers else {"model": model_state}
+
+    def _write_own_files(self, staged: Path, trainer_state: dict) -> None:
+        """This rank's files beside its shards: its trainer state, and on rank 0 the run's config (`record`)."""
+        torch.save(trainer_state, staged / f"trainer_state_rank{self.rank}.pt")
+        if self.rank == 0 and self.record is not None:
+            (staged / commit.CONFIG).write_text(self.record)
 
     def _trainer_state(self, iteration: int) -> dict:
         """What trainer_state_rank{r}.pt holds, copied now (a later step must not change it)."""
@@ -199,7 +215,7 @@ class Checkpointer:
         with _one_process_ok():
             dcp.save(self._state(), checkpoint_id=str(staged), process_group=self.run_group,
                      no_dist=self.run_group is None)
-        torch.save(self._trainer_state(iteration), staged / f"trainer_state_rank{self.rank}.pt")
+        self._write_own_files(staged, self._trainer_state(iteration))
         self._commit(final, iteration, pointer, _report(self.rank, lambda: commit.record_files(staged, self.rank)))
         return final
 
@@ -218,19 +234,17 @@ class Checkpointer:
             staged_future, upload = None, response
         else:
             staged_future, upload = response.staging_completion, response.upload_completion
-        rank = self.rank
-
         def finish_rank() -> dict:
             try:
                 upload.result()
             finally:
                 if stager is not None:
                     stager.close()
-            torch.save(trainer_state, staged / f"trainer_state_rank{rank}.pt")
-            return commit.record_files(staged, rank)
+            self._write_own_files(staged, trainer_state)
+            return commit.record_files(staged, self.rank)
 
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="libai_zoo_checkpoint")
-        written = executor.submit(_report, rank, finish_rank)
+        written = executor.submit(_report, self.rank, finish_rank)
         executor.shutdown(wait=False)
         return _PendingSave(final, iteration, pointer, staged_future, written, started)
 
@@ -364,8 +378,15 @@ class Checkpointer:
         state = self._state(with_optimizer)
         if "optim" in state:
             _rename_state(state["optim"], self.aliases)
-        # LoRA adapters put on a model whose checkpoint had none keep their fresh values
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        # LoRA adapters put on a model whose weights had none keep their fresh values (a resumed run has them all)
+        differences = _differences(saved, self.expected, self.layer_stack, new_adapters_ok=not with_optimizer)
+        if differences:
+            fix = ("start over in this directory with --no-resume (its checkpoints are then replaced), or give this "
+                   "run its own train.output_dir" if with_optimizer else
+                   "point train.load_weight at a checkpoint of this model")
+            raise ConfigError(f"{path} was written by another model than this run's ({'; '.join(differences)}): "
+                              f"{fix}")
         new_adapters = [name for name in state["model"] if f"model.{name}" not in saved and is_adapter_parameter(name)]
         for name in new_adapters:
             del state["model"][name]
@@ -410,6 +431,43 @@ class Checkpointer:
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         return state["iteration"]
+
+
+def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of `model`'s state dict by name (tied ones under each name; global shapes)."""
+    buffers = [(name, buffer) for name, buffer in model.named_buffers()
+               if name.rpartition(".")[2] not in model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set]
+    return [*model.named_parameters(remove_duplicate=False), *buffers]
+
+
+def _differences(saved: dict, ours: dict[str, tuple], layer_stack: str | None, *, new_adapters_ok: bool) -> list[str]:
+    """How the model of a checkpoint's metadata (`saved`: DCP's state_dict_metadata) differs from
+    `ours` (the model's tensor names -> global shapes), in a few words each: layers, LoRA adapters,
+    other tensors missing or extra, shapes. Empty: they fit. ``new_adapters_ok``: adapters the
+    checkpoint lacks altogether are no difference (fresh ones on loaded weights)."""
+    theirs = {key.removeprefix("model."): tuple(md.size) for key, md in saved.items()
+              if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    layer = re.compile(rf"{re.escape(layer_stack)}\.(\d+)\.") if layer_stack else None
+    differences, told = [], []  # told: what a line already accounts for
+    if layer is not None:
+        counts = [len({m.group(1) for name in names if (m := layer.match(name))}) for names in (theirs, ours)]
+        if counts[0] != counts[1]:
+            differences.append(f"{counts[0]} layers in it, {counts[1]} in this model")
+            told.append(lambda name: layer.match(name) is not None)
+    adapters = [sum(is_adapter_parameter(name) for name in names) for names in (theirs, ours)]
+    if adapters[0] != adapters[1] and not (new_adapters_ok and adapters[0] == 0):
+        differences.append(f"LoRA adapter tensors: {adapters[0]} in it, {adapters[1]} in this model (train.lora)")
+    if adapters[0] != adapters[1]:
+        told.append(is_adapter_parameter)
+    for names, other, what in ((ours, theirs, "of this model not in it"), (theirs, ours, "in it this model lacks")):
+        lacking = [name for name in names if name not in other and not any(rule(name) for rule in told)]
+        if lacking:
+            differences.append(f"{len(lacking)} tensor(s) {what}, e.g. {lacking[0]}")
+    shapes = [f"{name} {theirs[name]} in it, {shape} in this model" for name, shape in ours.items()
+              if name in theirs and theirs[name] != shape]
+    if shapes:
+        differences.append(f"{len(shapes)} tensor(s) of other shapes, e.g. {shapes[0]}")
+    return differences
 
 
 def _report(rank: int, records: Callable[[], dict[str, dict]]) -> dict:

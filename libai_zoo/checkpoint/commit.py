@@ -28,6 +28,7 @@ from pathlib import Path
 
 POINTER = "last_checkpoint"
 MANIFEST = "manifest.json"
+CONFIG = "config.yaml"  # the config of the run that wrote the checkpoint
 MANIFEST_FORMAT = "libai_zoo checkpoint manifest 1"
 METADATA = ".metadata"
 CHUNK_BYTES = 4 << 20
@@ -88,11 +89,12 @@ def checksum(path: Path) -> str:
 
 def files_of_rank(staged: Path, rank: int) -> list[Path]:
     """The files rank `rank` wrote into a checkpoint directory: its torch.distributed.checkpoint
-    shards (``__{rank}_*.distcp``), its trainer state, and on rank 0 the checkpoint's ``.metadata``."""
+    shards (``__{rank}_*.distcp``), its trainer state, and on rank 0 the checkpoint's ``.metadata``
+    and the config of the run that wrote it."""
     files = sorted(staged.glob(f"__{rank}_*.distcp"))
     files += [file for file in [staged / f"trainer_state_rank{rank}.pt"] if file.is_file()]
     if rank == 0:
-        files.append(staged / METADATA)
+        files += [staged / METADATA, *[file for file in [staged / CONFIG] if file.is_file()]]
     return files
 
 

@@ -29,7 +29,9 @@ TUPLE_TYPES: tuple[type, ...] = (tuple, omegaconf.TupleConfig) if hasattr(omegac
 
 
 class ConfigError(ValueError):
-    """A config that cannot be loaded, overridden, built or saved; the message names the key."""
+    """A config that cannot be loaded, overridden, built or saved, or that the run's files do not
+    fit (a checkpoint of another model in train.output_dir); the message names the key and the fix,
+    so `tools/train.py` prints it as one line."""
 
 
 class LazyCall:

@@ -79,10 +79,15 @@ class LazyConfig:
         `ConfigError` naming its key rather than writing a file that would not load the same:
         save the config before filling such values in.
         """
-        text = OmegaConf.to_yaml(OmegaConf.create(LazyConfig.to_container(cfg)))
+        text = LazyConfig.to_yaml(cfg)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+
+    @staticmethod
+    def to_yaml(cfg: DictConfig) -> str:
+        """The YAML text `save` writes."""
+        return OmegaConf.to_yaml(OmegaConf.create(LazyConfig.to_container(cfg)))
 
     @staticmethod
     def to_container(cfg: Any) -> Any:

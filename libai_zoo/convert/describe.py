@@ -19,7 +19,7 @@ import torch
 import yaml
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from libai_zoo.checkpoint.commit import POINTER
+from libai_zoo.checkpoint.commit import CONFIG, POINTER
 from libai_zoo.hf import HFWeightReader, read_config
 
 from .hf_zoo import resolve_checkpoint
@@ -82,7 +82,7 @@ def _chunks(chunks) -> str:
 
 
 def _run_layout(config_file: Path) -> str | None:
-    """dp/tp/pp (and the ZeRO stage) from a run's or a conversion's config.yaml."""
+    """dp/tp/pp (and the ZeRO stage) from the config.yaml a checkpoint keeps (its run's or conversion's)."""
     if not config_file.is_file():
         return None
     config = yaml.safe_load(config_file.read_text()) or {}
@@ -106,9 +106,9 @@ def describe_dcp(path: str | Path) -> str:
     lines = [f"libai_zoo checkpoint {path} (torch.distributed.checkpoint)",
              f"  data files: {len(files)} ({', '.join(files[:4])}{', ...' if len(files) > 4 else ''}): one per "
              f"writing rank"]
-    layout = _run_layout(path.parent / "config.yaml")
+    layout = _run_layout(path / CONFIG)
     if layout:
-        lines.append(f"  layout (config.yaml): {layout}")
+        lines.append(f"  layout (its config.yaml): {layout}")
     if states:
         state = torch.load(states[0], map_location="cpu", weights_only=True)
         summary = ", ".join(f"{k} = {state[k]}" for k in ("iteration", "consumed_samples") if k in state)

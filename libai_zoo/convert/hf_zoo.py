@@ -2,7 +2,7 @@
 
     hf_to_zoo("hf_dir", "out", dp=2, tp=2, pp=1)   # out/model_0000000 + last_checkpoint + config.yaml
     zoo_to_hf("output/run", "hf_out")             # the newest checkpoint of a run, any layout
-    export_to_hf("output/run/model_0001000", "hf_out")   # one checkpoint; model from the run's config.yaml
+    export_to_hf("output/run/model_0001000", "hf_out")   # one checkpoint; its model from its config.yaml
 
 A libai_zoo checkpoint is a torch.distributed.checkpoint (DCP) directory: tensors are stored with
 their global shapes and each rank of a later run reads only its own slices. The checkpoint is
@@ -12,10 +12,12 @@ here rather than after a large run has started, and recorded in config.yaml.
 
     out/
       model_0000000/       .metadata + __0_0.distcp: {"model": <the model's state dict>}, as the
-                           trainer's Checkpointer writes it (train.load_weight=out/model_0000000)
+                           trainer's Checkpointer writes it (train.load_weight=out/model_0000000),
+                           and config.yaml: model (LazyCall of the libai_zoo class and its config),
+                           dist (the target layout), conversion (source); `export_to_hf` rebuilds
+                           the model from it, as from a run's checkpoint
       last_checkpoint      "model_0000000"
-      config.yaml          model (LazyCall of the libai_zoo class and its config), dist (the target
-                           layout), conversion (source); `export_to_hf` rebuilds the model from it
+      config.yaml          the same, the conversion's record as a run's config.yaml is its run's
       hf_config.json       the source's config.json, unchanged (not named config.json, which would
                            make the directory look like a Hugging Face one)
 """
@@ -142,7 +144,8 @@ def write_zoo_checkpoint(model: nn.Module, output_dir: Path, *, source: str | Pa
         "conversion": {"source": str(Path(source).resolve()), "model_class": cls.__name__, "world_size": dp * tp * pp,
                        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
     }
-    LazyConfig.save(record, output_dir / "config.yaml")
+    LazyConfig.save(record, output_dir / commit.CONFIG)  # the conversion's record, as a run's
+    LazyConfig.save(record, staged / commit.CONFIG)  # and the checkpoint's own, as the trainer writes it
     commit.write_manifest(staged, commit.record_files(staged, 0), iteration=0, world_size=1)
     commit.finish(final)
     logger.info("wrote %s from %s", final, source)
@@ -178,27 +181,29 @@ def zoo_to_hf(checkpoint: str | Path, output_dir: str | Path, *, max_shard_size:
     a Hugging Face directory, LoRA adapters merged into the weights, or with `adapter` only its
     adapters as a PEFT directory (`save_peft_adapter`); return (the checkpoint read, the model)."""
     checkpoint = resolve_checkpoint(checkpoint)
-    if not (checkpoint.parent / "config.yaml").is_file():
-        raise FileNotFoundError(f"no {checkpoint.parent / 'config.yaml'}: the model is rebuilt from the config.yaml "
-                                f"that the trainer (or hf-to-zoo) writes next to its checkpoints; copy the run's "
-                                f"config.yaml there")
+    checkpoint_config(checkpoint)
     output_dir = check_output_dir(output_dir, overwrite)
     if adapter:
         return checkpoint, export_adapter(checkpoint, output_dir)
     return checkpoint, export_to_hf(checkpoint, output_dir, max_shard_size=max_shard_size)
 
 
+def checkpoint_config(checkpoint: Path) -> Path:
+    """The config.yaml of the run (or the hf-to-zoo conversion) that wrote `checkpoint`, kept inside it."""
+    config = checkpoint / commit.CONFIG
+    if not config.is_file():
+        raise FileNotFoundError(f"no {config}: the model is rebuilt from the config the trainer (and hf-to-zoo) "
+                                f"writes into each checkpoint; pass the model to load into instead")
+    return config
+
+
 def load_checkpoint_model(checkpoint: str | Path, model: nn.Module | None = None) -> nn.Module:
     """The model of a trainer checkpoint, whole, in this process. Without `model` it is built from
-    the run's config.yaml (next to the checkpoint); the checkpoint's sharded tensors are read into
-    it whatever layout wrote them (torch.distributed.checkpoint reshards on load)."""
+    the config.yaml inside the checkpoint; the checkpoint's sharded tensors are read into it
+    whatever layout wrote them (torch.distributed.checkpoint reshards on load)."""
     checkpoint = Path(checkpoint)
     if model is None:
-        config = checkpoint.parent / "config.yaml"
-        if not config.is_file():
-            raise FileNotFoundError(f"no {config}: pass the model to load into, or keep the run's config.yaml "
-                                    f"next to its checkpoints")
-        cfg = LazyConfig.load(str(config))
+        cfg = LazyConfig.load(str(checkpoint_config(checkpoint)))
         model = instantiate(cfg.model)
         if "train" in cfg:  # a run's (typed) config; hf-to-zoo's has no train and no adapters
             apply_lora_config(model, cfg.train.lora)
@@ -224,6 +229,6 @@ def export_adapter(checkpoint: str | Path, output_dir: str | Path) -> nn.Module:
     ``peft.PeftModel.from_pretrained(base, output_dir)`` loads over the run's base model (its
     ``from_pretrained`` path is recorded as ``base_model_name_or_path``); returns the model."""
     model = load_checkpoint_model(checkpoint)
-    base = LazyConfig.load(str(Path(checkpoint).parent / "config.yaml")).model.get("path")  # a from_pretrained run's
+    base = LazyConfig.load(str(checkpoint_config(Path(checkpoint)))).model.get("path")  # a from_pretrained run's
     save_peft_adapter(model, output_dir, base_model_name_or_path=base)
     return model

@@ -113,9 +113,14 @@ class ParallelContext:
         that waits longer raises on gloo, aborts the process on NCCL). Every rank calls it."""
         if self.mesh is None:
             return
-        # no collective is in flight while the timeout changes
-        dist.barrier(self.world_group, device_ids=[self.local_rank] if self.device.type == "cuda" else None)
+        self.barrier()  # no collective is in flight while the timeout changes
         _bound(self._submeshes.values(), seconds)
+
+    def barrier(self) -> None:
+        """Every rank of the run waits for the others (rank 0 prepared a directory they write into); a
+        no-op in a one-process run."""
+        if self.mesh is not None:
+            dist.barrier(self.world_group, device_ids=[self.local_rank] if self.device.type == "cuda" else None)
 
     def __repr__(self) -> str:
         return (f"ParallelContext(world_size={self.world_size}, dp={self.dp}, tp={self.tp}, "

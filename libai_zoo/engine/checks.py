@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from libai_zoo import distributed
-from libai_zoo.config import RunSettings, instantiate, run_settings
+from libai_zoo.config import ConfigError, RunSettings, instantiate, run_settings
 from libai_zoo.models import CausalLM, get_layer_stack
 from libai_zoo.parallel import check_pipeline_layout
 
@@ -19,7 +19,7 @@ def accumulation_steps(train: DictConfig, dp: int) -> int:
     """The micro-batches each rank accumulates per step: global_batch_size / (micro_batch_size × dp)."""
     per_step = train.micro_batch_size * dp
     if train.global_batch_size % per_step:
-        raise ValueError(f"train.global_batch_size = {train.global_batch_size} is not a multiple of "
+        raise ConfigError(f"train.global_batch_size = {train.global_batch_size} is not a multiple of "
                          f"micro_batch_size × dp = {train.micro_batch_size} × {dp} = {per_step}: change one "
                          f"of them (the quotient is the number of accumulated micro-batches)")
     return train.global_batch_size // per_step
@@ -35,10 +35,10 @@ def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: 
         check_context_parallel(model, cp, tp, run_settings(cfg))
     problems = distributed.tp_problems(model, tp) if tp > 1 else []
     if problems:
-        raise ValueError(f"the model cannot be split over dist.tp = {tp}:\n  " + "\n  ".join(problems))
+        raise ConfigError(f"the model cannot be split over dist.tp = {tp}:\n  " + "\n  ".join(problems))
     problems = distributed.expert_problems(model, ep, tp) if ep * tp > 1 else []
     if problems:
-        raise ValueError(f"the model's experts cannot be split over dist.ep × dist.tp = {ep} × {tp}:\n  "
+        raise ConfigError(f"the model's experts cannot be split over dist.ep × dist.tp = {ep} × {tp}:\n  "
                          + "\n  ".join(problems))
     if pp > 1:
         pipe = run_settings(cfg).pipeline
@@ -54,16 +54,16 @@ def check_context_parallel(model: nn.Module, cp: int, tp: int, settings: RunSett
     load-balanced chunks), nor, under sequence parallelism, of cp × tp."""
     name = type(model).__name__
     if not isinstance(model, CausalLM):
-        raise ValueError(f"dist.cp = {cp} splits a causal language model's sequences, and {name} is not one (a "
+        raise ConfigError(f"dist.cp = {cp} splits a causal language model's sequences, and {name} is not one (a "
                          f"masked LM or a classifier scores tokens against the whole sequence): set dist.cp=1")
     problems = distributed.cp_problems(model, cp)
     if problems:
-        raise ValueError(f"{name} cannot run with its sequences split over dist.cp = {cp}:\n  " + "\n  ".join(problems))
+        raise ConfigError(f"{name} cannot run with its sequences split over dist.cp = {cp}:\n  " + "\n  ".join(problems))
     seq_len = settings.seq_len
     if seq_len is not None and seq_len % (2 * cp):
-        raise ValueError(f"the sequence length {seq_len} does not split into 2·cp = {2 * cp} equal chunks (dist.cp "
+        raise ConfigError(f"the sequence length {seq_len} does not split into 2·cp = {2 * cp} equal chunks (dist.cp "
                          f"= {cp}): make the data's sequence length a multiple of {2 * cp}, or change dist.cp")
     if seq_len is not None and settings.sequence_parallel and seq_len % (cp * tp):
-        raise ValueError(f"the sequence length {seq_len} does not split over cp × tp = {cp} × {tp} ranks (context "
+        raise ConfigError(f"the sequence length {seq_len} does not split over cp × tp = {cp} × {tp} ranks (context "
                          f"and sequence parallelism): make it a multiple of {cp * tp}, or set "
                          f"dist.sequence_parallel=false")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from libai_zoo.hf import (HFWeightReader, apply_lora_config, check_hf_weights, l
                           read_peft_adapter)
 from libai_zoo.layers import lora_adapters
 from libai_zoo.models import get_layer_stack
-from libai_zoo.optim import build_optimizer
+from libai_zoo.optim import ConfiguredSettings, build_optimizer
 from libai_zoo.plan import agree_on_layout
 from libai_zoo.parallel import (DataParallel, Parallelized, fsdp_param_dtype, layer_by_layer, materialize, parallelize,
                                 residual_dtype)
@@ -90,8 +91,15 @@ class DefaultTrainer(TrainerBase):
         self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp, ep=cfg.dist.ep, cp=cfg.dist.cp,
                                     sequence_parallel=cfg.dist.sequence_parallel,
                                     timeout=cfg.dist.init_timeout)
-        self.output_dir = Path(train.output_dir)
+        # a smoke test writes nowhere a real run reads: its own directory, emptied at each start
+        self.output_dir = Path(train.output_dir) / "fast_dev_run" if fast_dev_run else Path(train.output_dir)
+        if fast_dev_run and self.ctx.is_main_process:
+            shutil.rmtree(self.output_dir, ignore_errors=True)
+        self.ctx.barrier()
         setup_logging(self.output_dir, self.ctx.rank)
+        if fast_dev_run:
+            logger.info("--fast-dev-run: 2 steps from the start, into %s (%s itself is not read or written)",
+                        self.output_dir, train.output_dir)
         if auto_layout is not None:
             logger.info("dist.auto: %s", auto_layout)
         logger.info("%s; %d micro-batch(es) of %d per step, global batch %d", self.ctx, self.accumulation,
@@ -109,6 +117,7 @@ class DefaultTrainer(TrainerBase):
         check_dataset(self.train_dataset, **self.whole_model.input_limits())
         self.optimizer = self.build_optimizer(cfg, self.model_parts)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
+        self.configured = ConfiguredSettings(self.optimizer, self.scheduler)  # what a resume keeps of the config
         self.step = TrainStep(self.model_parts, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
                               clip_grad_norm=train.clip_grad_norm, data_parallel=self.data_parallel,
                               pipeline=self.pipeline, expert_bias_update_rate=train.expert_bias_update_rate)
@@ -120,7 +129,8 @@ class DefaultTrainer(TrainerBase):
                                     stateful={"scheduler": self.scheduler, "scaler": self.step.scaler,
                                               "data": self.data.position},
                                     aliases=self.pipeline.tied_aliases() if self.pipeline else None,
-                                    async_save=train.checkpoint.async_save,
+                                    async_save=train.checkpoint.async_save, record=LazyConfig.to_yaml(cfg),
+                                    model=self.whole_model,
                                     timeout=cfg.dist.timeout, group=self.ctx.world_group)
         self.checkpoints = CheckpointManager(checkpointer, period=None if fast_dev_run else train.checkpoint.period,
                                              max_to_keep=train.checkpoint.max_to_keep,
@@ -132,8 +142,6 @@ class DefaultTrainer(TrainerBase):
         self.goodput: Goodput | None = None  # build_hooks makes it (the main process's time account)
         self.register_hooks(self.build_hooks())
         self.resumes = True  # resume_or_load(resume=False) starts a new run over the directory
-        if self.ctx.is_main_process:  # only a run that passed every check leaves more than its log
-            LazyConfig.save(cfg, self.output_dir / "config.yaml")
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -286,6 +294,7 @@ class DefaultTrainer(TrainerBase):
         if restored is not None:
             path, self.start_iter = restored
             logger.info("resumed from %s at iteration %d", path, self.start_iter)
+            self.configured.reapply()
             return
         if resume:
             logger.info("no checkpoint in %s: starting from scratch", self.output_dir)
@@ -320,9 +329,12 @@ class DefaultTrainer(TrainerBase):
         """Train from `start_iter` (set by resume_or_load) to ``train.max_iter``. A collective that
         fails or times out is reported with the ranks it waited for (their last heartbeats)."""
         max_iter = self.start_iter + 2 if self.fast_dev_run else self.cfg.train.max_iter
-        if self.start_iter >= max_iter:
+        if self.start_iter >= max_iter:  # no hook runs: the run's records stay those of what trained
             logger.info("the run is already at train.max_iter = %d: nothing to train (raise train.max_iter to go on, "
                         "or start over with --no-resume)", max_iter)
+            return
+        if self.ctx.is_main_process:  # the record of what trains (each checkpoint keeps its own)
+            LazyConfig.save(self.cfg, self.output_dir / "config.yaml")
         try:
             self.data.open(self.start_iter)
             with self.preemption.catching():

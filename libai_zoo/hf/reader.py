@@ -31,7 +31,9 @@ def read_config(path: str | Path) -> dict:
     if not config_file.is_file():
         what = "does not exist" if not path.exists() else f"has no {CONFIG}"
         raise FileNotFoundError(f"{path} {what}: a Hugging Face model directory holds {CONFIG} and the weights "
-                                f"({SAFETENSORS}, or shards with {SAFETENSORS_INDEX})")
+                                f"({SAFETENSORS}, or shards with {SAFETENSORS_INDEX}); the recipes' stand-ins are "
+                                f"written by `python tools/make_tiny_hf_model.py KIND {path}` (each recipe's "
+                                f"docstring gives its line)")
     try:
         return json.loads(config_file.read_text())
     except json.JSONDecodeError as error:

@@ -1,9 +1,10 @@
 """libai_zoo.optim: parameter groups, LAMB, and the learning-rate schedules of the trainer."""
 
 from .clip_grad import clip_grad_norm_
+from .configured import ConfiguredSettings
 from .lamb import Lamb
 from .lr_schedulers import ConstantLR, WarmupCosineLR, WarmupLinearLR
 from .param_groups import build_optimizer, param_groups, unique_parameters
 
 __all__ = ["build_optimizer", "param_groups", "unique_parameters", "clip_grad_norm_", "Lamb", "WarmupCosineLR",
-           "WarmupLinearLR", "ConstantLR"]
+           "WarmupLinearLR", "ConstantLR", "ConfiguredSettings"]
