@@ -136,6 +136,12 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _processes(count: int) -> str:
+    """How to launch `count` processes of tools/train.py."""
+    return "one process (python tools/train.py ...)" if count == 1 else \
+        f"{count} processes (torchrun --nproc_per_node={count} ...)"
+
+
 def resolve_sizes(world_size: int, dp: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> tuple[int, int, int]:
     """Check the degrees against the world size (dp × cp × tp × pp) and infer dp=-1 (ep splits
     dp: it must divide it; ep > 1 with cp > 1 is refused for now); raise a ValueError that says the fix."""
@@ -157,7 +163,7 @@ def resolve_sizes(world_size: int, dp: int, tp: int, pp: int, ep: int = 1, cp: i
     if dp * rest != world_size:
         raise ValueError(
             f"world size {world_size} does not match dp×{names} = {dp}×{values} = {dp * rest}: "
-            f"launch {dp * rest} processes (torchrun --nproc_per_node={dp * rest} ...) or "
+            f"launch {_processes(dp * rest)} or "
             f"choose dp, {names.replace('×', ', ')} whose product is {world_size} (dp=-1 infers dp)")
     if dp % ep:
         raise ValueError(

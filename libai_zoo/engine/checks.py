@@ -5,6 +5,9 @@ sequences over cp. (The parsed settings, AMP dtype and sequence length included,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from omegaconf import DictConfig
 from torch import nn
@@ -15,13 +18,25 @@ from libai_zoo.models import CausalLM, get_layer_stack
 from libai_zoo.parallel import check_pipeline_layout
 
 
+@contextmanager
+def refusals() -> Iterator[None]:
+    """What the checks inside refuse is the config's to fix, whichever part of the engine found it: a
+    `ConfigError`, which tools/train.py prints as one line."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def accumulation_steps(train: DictConfig, dp: int) -> int:
     """The micro-batches each rank accumulates per step: global_batch_size / (micro_batch_size × dp)."""
     per_step = train.micro_batch_size * dp
     if train.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size = {train.global_batch_size} is not a multiple of "
-                         f"micro_batch_size × dp = {train.micro_batch_size} × {dp} = {per_step}: change one "
-                         f"of them (the quotient is the number of accumulated micro-batches)")
+                          f"micro_batch_size × dp = {train.micro_batch_size} × {dp} = {per_step}: change one "
+                          f"of them (the quotient is the number of accumulated micro-batches)")
     return train.global_batch_size // per_step
 
 
@@ -39,7 +54,7 @@ def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: 
     problems = distributed.expert_problems(model, ep, tp) if ep * tp > 1 else []
     if problems:
         raise ConfigError(f"the model's experts cannot be split over dist.ep × dist.tp = {ep} × {tp}:\n  "
-                         + "\n  ".join(problems))
+                          + "\n  ".join(problems))
     if pp > 1:
         pipe = run_settings(cfg).pipeline
         check_pipeline_layout(len(get_layer_stack(model)), pp, schedule=pipe.schedule,
@@ -55,15 +70,15 @@ def check_context_parallel(model: nn.Module, cp: int, tp: int, settings: RunSett
     name = type(model).__name__
     if not isinstance(model, CausalLM):
         raise ConfigError(f"dist.cp = {cp} splits a causal language model's sequences, and {name} is not one (a "
-                         f"masked LM or a classifier scores tokens against the whole sequence): set dist.cp=1")
+                          f"masked LM or a classifier scores tokens against the whole sequence): set dist.cp=1")
     problems = distributed.cp_problems(model, cp)
     if problems:
         raise ConfigError(f"{name} cannot run with its sequences split over dist.cp = {cp}:\n  " + "\n  ".join(problems))
     seq_len = settings.seq_len
     if seq_len is not None and seq_len % (2 * cp):
         raise ConfigError(f"the sequence length {seq_len} does not split into 2·cp = {2 * cp} equal chunks (dist.cp "
-                         f"= {cp}): make the data's sequence length a multiple of {2 * cp}, or change dist.cp")
+                          f"= {cp}): make the data's sequence length a multiple of {2 * cp}, or change dist.cp")
     if seq_len is not None and settings.sequence_parallel and seq_len % (cp * tp):
         raise ConfigError(f"the sequence length {seq_len} does not split over cp × tp = {cp} × {tp} ranks (context "
-                         f"and sequence parallelism): make it a multiple of {cp * tp}, or set "
-                         f"dist.sequence_parallel=false")
+                          f"and sequence parallelism): make it a multiple of {cp * tp}, or set "
+                          f"dist.sequence_parallel=false")
