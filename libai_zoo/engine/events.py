@@ -40,11 +40,13 @@ class EventStorage:
 
 
 class ConsoleWriter:
-    """One line per logged iteration: progress (of the running loop's max_iter), ETA, loss, lr, grad
-    norm, throughput, MFU, memory, step time and, with several ranks, its spread over them (the
-    fastest and the slowest rank's median step time, and which rank is the slowest)."""
+    """One line per logged iteration: progress (of the running loop's max_iter), ETA, loss, a Mixture
+    of Experts' auxiliary loss and expert imbalance, lr, grad norm, throughput, MFU, memory, step
+    time and, with several ranks, its spread over them (the fastest and the slowest rank's median
+    step time, and which rank is the slowest)."""
 
-    FIELDS = (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.3e}"), ("grad_norm", "grad_norm", "{:.3f}"),
+    FIELDS = (("loss", "loss", "{:.4f}"), ("aux_loss", "aux_loss", "{:.4f}"), ("moe/imbalance", "imbalance", "{:.2f}"),
+              ("lr", "lr", "{:.3e}"), ("grad_norm", "grad_norm", "{:.3f}"),
               ("samples_per_s", "samples/s", "{:.1f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
               ("mfu", "mfu", "{:.1%}"), ("max_mem_mb", "max_mem", "{:.0f}M"), ("loss_scale", "loss_scale", "{:g}"))
 
