@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 
 import torch
 from bench_common import DTYPES, alternate, peak_memory_mb, run_meta, write_json
@@ -136,7 +137,9 @@ def main() -> None:
           f"{'HF eager':>9} {'HF grouped':>10} {'g/loop':>6} {'g/HF':>6} {'g/HFg':>6} {'TFLOP/s':>7} {'diff':>8} "
           f"{'peak MB g/loop/HF':>18}", flush=True)
     results = []
-    for size in sizes:
+    for index, size in enumerate(sizes, 1):
+        print(f"# size {index}/{len(sizes)}: {size} ({a.rounds} rounds of {a.iters} steps of each run)...",
+              file=sys.stderr, flush=True)  # a size takes a minute or more on a CPU
         r = measure(size, a, DTYPES[a.dtype])
         results.append(r)
         mem = "" if r["grouped_peak_mb"] is None else \

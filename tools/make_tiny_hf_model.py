@@ -1,7 +1,11 @@
 """Write a small, randomly initialised Hugging Face model directory with `transformers` itself.
 
 The Hugging Face hub is out of reach on the machines this project is built on, so the fine-tuning
-recipes start from one of these; with a real checkpoint, point the recipe at it instead.
+recipes start from one of these; with a real checkpoint, point the recipe at it instead. A text
+model's directory holds its tokenizer too, as a hub directory does: the shipped one (data/tokenizer,
+whose 8192 ids the model's vocabulary is), with Qwen's ChatML chat template for the Qwen kinds, so
+that the recipes' "your own model" commands (model.path and tokenizer_dir the same directory) run
+on the stand-in as written.
 
     python tools/make_tiny_hf_model.py bert output/tiny_bert       # or roberta, and fine-tune it with
                                                                    # projects/bert_finetune model.path=...
@@ -14,11 +18,16 @@ recipes start from one of these; with a real checkpoint, point the recipe at it 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 import transformers
 
+TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer"
 VOCAB = 8192  # data/tokenizer
+#: Qwen's chat template (ChatML), as the Qwen tokenizers on the hub carry it
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def make_config(kind: str, hidden: int, layers: int, heads: int, experts: int = 8) -> transformers.PretrainedConfig:
@@ -71,6 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     config = make_config(args.kind, args.hidden, args.layers, args.heads, args.experts)
     getattr(transformers, MODELS[args.kind])(config).save_pretrained(args.output_dir)
+    if args.kind != "vit":
+        tokenizer = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
+        if args.kind.startswith("qwen"):
+            tokenizer.chat_template = CHATML
+        tokenizer.save_pretrained(args.output_dir)
     print(f"wrote a random {MODELS[args.kind]} to {args.output_dir}")
 
 

@@ -1,9 +1,8 @@
 """A zoo causal LM (GPT-2, Llama/Qwen2, GPT-NeoX, ...) trained by your own loop under Hugging Face accelerate.
 
     python tools/make_tiny_hf_model.py llama output/tiny_llama      # or any causal LM directory the zoo loads
-    accelerate launch --multi_gpu --num_processes 2 projects/accelerate_loop/train_loop.py --model output/tiny_llama
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 projects/accelerate_loop/train_loop.py \
-        --model output/tiny_llama                                     # the same on a machine without GPUs (gloo)
+        --model output/tiny_llama                        # gloo; on GPUs: without ACCELERATE_USE_CPU=1 (NCCL)
     python projects/accelerate_loop/train_loop.py --model output/tiny_llama         # one process
 
 The data are the shipped corpus cut into --seq-len token windows. Each step takes
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -53,9 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
-    if accelerator.num_processes != int(os.environ.get("WORLD_SIZE", "1")):
-        raise SystemExit("accelerate runs each launched process alone on a machine without GPUs unless told to use "
-                         "the CPU: launch with ACCELERATE_USE_CPU=1")
+    if accelerator.num_processes != int(os.environ.get("WORLD_SIZE", "1")):  # every process finds it: one says it
+        if os.environ.get("RANK", "0") == "0":
+            print("accelerate runs each launched process alone on a machine without GPUs unless told to use the CPU: "
+                  "launch with ACCELERATE_USE_CPU=1", file=sys.stderr)
+        raise SystemExit(1)
     set_seed(args.seed)
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
