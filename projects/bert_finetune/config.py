@@ -3,7 +3,8 @@ text in its natural word order, or shuffled? (data/corpus, via `datasets`).
 
     python tools/make_tiny_hf_model.py bert output/tiny_bert     # a stand-in: the hub is offline here
     python tools/train.py projects/bert_finetune/config.py
-    python tools/train.py projects/bert_finetune/config.py model.path=/path/to/your/bert
+    python tools/train.py projects/bert_finetune/config.py model.path=/path/to/bert \
+        train.output_dir=output/bert_finetune_yours                  # your own
 
 A new classification head is initialised (strict=False) and the best checkpoint by validation
 accuracy is kept as output_dir/model_best.

@@ -1,7 +1,8 @@
 """Pretrain a tiny GPT-2 on the shipped corpus (Python standard-library docstrings), on CPU.
 
     python tools/train.py projects/gpt2_pretrain/config.py
-    python tools/train.py projects/gpt2_pretrain/config.py train.max_iter=2000 model.config.n_layer=6
+    python tools/train.py projects/gpt2_pretrain/config.py train.max_iter=2000 model.config.n_layer=6 \
+    train.output_dir=output/gpt2_6_layers          # another model: another directory
 """
 
 from libai_zoo.config import LazyCall, get_config

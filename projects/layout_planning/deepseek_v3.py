@@ -6,7 +6,7 @@ The multi-token-prediction layer is not part of the model (transformers skips it
 
     python tools/plan.py projects/layout_planning/deepseek_v3.py --world-size 1024 --device h100
     python tools/plan.py projects/layout_planning/deepseek_v3.py --world-size 1024 --dry-run \\
-        dist.dp=128 dist.ep=64 dist.tp=8 dist.pp=1 train.zero_stage=3
+        dist.dp=128 dist.ep=32 dist.tp=8 dist.pp=1 train.zero_stage=3
 
 The training data is the shipped corpus cut at this sequence length (a stand-in: the recipe is
 for planning; train it on your own data).

@@ -2,7 +2,8 @@
 
     python tools/make_tiny_hf_model.py llama output/tiny_llama   # a stand-in: the hub is offline here
     python tools/train.py projects/llama_finetune/config.py
-    torchrun --nproc_per_node=2 tools/train.py projects/llama_finetune/config.py dist.tp=2
+    torchrun --nproc_per_node=2 tools/train.py projects/llama_finetune/config.py dist.tp=2 \
+        train.output_dir=output/llama_finetune_tp2
 
 The tokenizer must be the model's own: data/tokenizer for the stand-in (vocabulary 8192).
 """

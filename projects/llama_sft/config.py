@@ -2,7 +2,8 @@
 
     python tools/make_tiny_hf_model.py llama output/tiny_llama   # a stand-in: the hub is offline here
     python tools/train.py projects/llama_sft/config.py
-    torchrun --nproc_per_node=2 tools/train.py projects/llama_sft/config.py dist.tp=2 dist.sequence_parallel=true
+    torchrun --nproc_per_node=2 tools/train.py projects/llama_sft/config.py dist.tp=2 dist.sequence_parallel=true \
+        train.output_dir=output/llama_sft_tp2
 
 Conversations ({"messages": [{"role", "content"}, ...]}, data/chat) are rendered by the chat
 template below, the loss is on the assistant's tokens only, and whole conversations are packed

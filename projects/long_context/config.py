@@ -3,7 +3,8 @@ each sequence split over two ranks (dist.cp=2), which all-gather each layer's ke
 
     python tools/make_tiny_hf_model.py llama output/tiny_llama   # a stand-in: the hub is offline here
     torchrun --nproc_per_node=2 tools/train.py projects/long_context/config.py
-    python tools/train.py projects/long_context/config.py dist.cp=1   # the same run in one process
+    python tools/train.py projects/long_context/config.py dist.cp=1 \
+        train.output_dir=output/long_context_cp1       # the same run in one process
 
 Each rank holds 4,096 of every sample's 8,192 tokens (chunks r and 3 − r of four: the causal
 attention's work balanced), so its activations are about half of a one-process run's; ZeRO would

@@ -3,7 +3,8 @@ experts of which a token takes 2, with transformers' load-balancing loss in the 
 
     python tools/train.py projects/moe_pretrain/config.py
     python tools/plot.py output/moe_pretrain          # loss, aux_loss (expert balance), lr, throughput
-    torchrun --nproc_per_node=2 tools/train.py projects/moe_pretrain/config.py dist.tp=2
+    torchrun --nproc_per_node=2 tools/train.py projects/moe_pretrain/config.py dist.tp=2 \
+        train.output_dir=output/moe_pretrain_tp2
 """
 
 from libai_zoo.config import LazyCall

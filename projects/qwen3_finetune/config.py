@@ -3,7 +3,8 @@ training of projects/llama_finetune, the model read from the directory by `AutoM
 
     python tools/make_tiny_hf_model.py qwen3 output/tiny_qwen3   # a stand-in: the hub is offline here
     python tools/train.py projects/qwen3_finetune/config.py
-    torchrun --nproc_per_node=2 tools/train.py projects/qwen3_finetune/config.py dist.tp=2 dist.sequence_parallel=true
+    torchrun --nproc_per_node=2 tools/train.py projects/qwen3_finetune/config.py dist.tp=2 dist.sequence_parallel=true \
+        train.output_dir=output/qwen3_finetune_tp2
 
 The tokenizer must be the model's own: data/tokenizer for the stand-in (vocabulary 8192).
 """

@@ -5,7 +5,8 @@ schedule and sample of projects/llama_sft, rank-16 adapters on every attention a
     python tools/make_tiny_hf_model.py qwen3 output/tiny_qwen3   # a stand-in: the hub is offline here
     python tools/train.py projects/qwen3_sft/config.py
     python tools/convert zoo-to-hf output/qwen3_sft output/qwen3_sft_adapter --adapter   # peft loads it
-    torchrun --nproc_per_node=2 tools/train.py projects/qwen3_sft/config.py dist.tp=2 dist.sequence_parallel=true
+    torchrun --nproc_per_node=2 tools/train.py projects/qwen3_sft/config.py dist.tp=2 dist.sequence_parallel=true \
+        train.output_dir=output/qwen3_sft_tp2
 
 The tokenizer must be the model's own: data/tokenizer for the stand-in (vocabulary 8192), which has
 no chat template (llama_sft's is used). A real Qwen3 tokenizer brings Qwen's ChatML template:
