@@ -18,6 +18,7 @@ per-expert adapters train at dp4 with ep2 under ZeRO-3 (split and sharded with t
 from __future__ import annotations
 
 import pytest
+from safetensors.torch import load_file
 
 from cases import Case, Cases
 from layouts import LAYOUTS, overrides
@@ -114,8 +115,9 @@ runs = RUNS.fixture()
     for model, layout, variant in RUNS_AT])
 def test_lora_layout_equals_one_process(runs, case, model, variant):
     expected = runs(f"one_{model}_{variant}")
-    if variant == "plain":
-        assert expected[STEPS] < expected[1] - 1e-3  # the adapters learn: the losses move
+    if variant == "plain":  # the adapters learn: their B, zero at the start, moved (the reference's export)
+        exported = load_file(runs.root / f"adapter_{model}" / "adapter_model.safetensors")
+        assert max(t.abs().max().item() for name, t in exported.items() if "lora_B" in name) > 1e-3
     _assert_same(runs(case), expected, range(1, STEPS + 1))
 
 

@@ -144,6 +144,7 @@ def write_config(root: Path) -> tuple[Path, list[str]]:
     directory); (its path, the documents)."""
     documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:200]
     (root / "text.txt").write_text("\n\n".join(documents))
+    torch.manual_seed(0)  # the directories' weights, whatever the session ran before
     LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32,
                                  bos_token_id=0, eos_token_id=0)).save_pretrained(root / "hf" / "llama")
