@@ -16,7 +16,7 @@ import transformers
 from safetensors.torch import save_file
 from torch import nn
 
-from libai_zoo.config import LazyConfig
+from libai_zoo.config import ConfigError, LazyConfig
 from libai_zoo.convert import load_checkpoint_model
 from libai_zoo.hf import apply_lora_config, load_peft_adapter, read_peft_adapter, save_peft_adapter
 from libai_zoo.layers import Experts, Linear, MoE, apply_lora, is_adapter_parameter, merge_lora
@@ -427,5 +427,5 @@ def test_lora_on_a_full_fine_tuning_checkpoint_starts_its_adapters_fresh(config_
     lora_checkpoint = f"train.load_weight={run.output_dir / 'model_0000000'}"
     run.checkpointer.save("model_0000000", 0)
     run.checkpointer.wait()
-    with pytest.raises(ValueError, match="holds LoRA adapters the model lacks"):
+    with pytest.raises(ConfigError, match=r"LoRA adapter tensors: \d+ in it, 0 in this model: set train.lora"):
         lora_run(config_file, tmp_path / "plain", "train.max_iter=0", "train.lora.rank=0", lora_checkpoint)

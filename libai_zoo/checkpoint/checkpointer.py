@@ -97,6 +97,10 @@ class Checkpointer:
     ``aliases``: this rank's name of a parameter -> the name its optimizer state may be saved
     under instead (a pipeline's last stage holds a copy of the embedding tied to its head; a
     layout without that copy saves the state under the embedding's name).
+    ``record``: the run's config as YAML, written into every checkpoint as ``config.yaml`` (what the
+    export and `tools/convert inspect` read). ``model``: the whole model the parts are of (required
+    with several parts: a pipeline rank's stages), whose tensors a checkpoint it loads must hold: one
+    of another model is refused, naming what differs.
     ``async_save``: write in the background (see the module docstring); with a process group,
     constructing the Checkpointer is then a collective (it creates two gloo groups).
     ``stage_in_background``: with `async_save`, copy the state in the background too; the
@@ -117,11 +121,15 @@ class Checkpointer:
         self.run_group = group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
+        if model is None and len(model_parts) > 1:
+            raise ValueError("several model parts (pipeline stages): pass model=, the whole model they are of, "
+                             "whose tensors the checkpoints hold")
         self.model = _one_module(list(model_parts))
-        whole = model if model is not None else model_parts[0]
-        #: What a checkpoint this run loads must hold: the whole model's tensors, not only this rank's stages
-        self.expected = {name: tuple(tensor.shape) for name, tensor in _tensors(whole if model is not None
-                                                                                  else self.model)}
+        whole = model if model is not None else self.model
+        #: What a checkpoint this run loads must hold: the whole model's tensors (names as DCP saves them,
+        #: tied ones under each name; global shapes), not only this rank's stages
+        self.expected = {name: tuple(tensor.shape) for name, tensor in whole.state_dict(keep_vars=True).items()
+                         if isinstance(tensor, torch.Tensor)}
         self.layer_stack: str | None = getattr(whole, "layer_stack", None)  # names the layers in errors
         self.optimizer = optimizer
         self.stateful = stateful or {}
@@ -397,20 +405,6 @@ class Checkpointer:
         set_state_dict(self.model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=not new_adapters))
 
-    @staticmethod
-    def check_adapters(path: str | Path, model: nn.Module) -> None:
-        """Refuse a checkpoint that holds LoRA adapters `model` (the whole model) lacks: loading it
-        would drop what the run trained without a word."""
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        names = {name for name, _ in model.named_parameters()}
-        lacking = sorted(key.removeprefix("model.") for key in saved
-                         if key.startswith("model.") and is_adapter_parameter(key)
-                         and key.removeprefix("model.") not in names)
-        if lacking:
-            raise ValueError(f"{path} holds LoRA adapters the model lacks ({len(lacking)}, e.g. {lacking[0]}): set "
-                             f"train.lora as the run that wrote it had it (its config.yaml), or export it with "
-                             f"the adapters merged (tools/convert zoo-to-hf) and start from that")
-
     def resume(self, path: str | Path) -> int:
         """Restore everything a run saved in checkpoint `path` (model, optimizer, stateful objects,
         RNG states); return the number of steps it had done. Waits for a pending save first."""
@@ -433,13 +427,6 @@ class Checkpointer:
         return state["iteration"]
 
 
-def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of `model`'s state dict by name (tied ones under each name; global shapes)."""
-    buffers = [(name, buffer) for name, buffer in model.named_buffers()
-               if name.rpartition(".")[2] not in model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set]
-    return [*model.named_parameters(remove_duplicate=False), *buffers]
-
-
 def _differences(saved: dict, ours: dict[str, tuple], layer_stack: str | None, *, new_adapters_ok: bool) -> list[str]:
     """How the model of a checkpoint's metadata (`saved`: DCP's state_dict_metadata) differs from
     `ours` (the model's tensor names -> global shapes), in a few words each: layers, LoRA adapters,
@@ -456,7 +443,9 @@ def _differences(saved: dict, ours: dict[str, tuple], layer_stack: str | None, *
             told.append(lambda name: layer.match(name) is not None)
     adapters = [sum(is_adapter_parameter(name) for name in names) for names in (theirs, ours)]
     if adapters[0] != adapters[1] and not (new_adapters_ok and adapters[0] == 0):
-        differences.append(f"LoRA adapter tensors: {adapters[0]} in it, {adapters[1]} in this model (train.lora)")
+        differences.append(f"LoRA adapter tensors: {adapters[0]} in it, {adapters[1]} in this model: set train.lora "
+                           f"as the run that wrote it had it (its config.yaml), or export it with the adapters merged "
+                           f"(tools/convert zoo-to-hf) and start from that")
     if adapters[0] != adapters[1]:
         told.append(is_adapter_parameter)
     for names, other, what in ((ours, theirs, "of this model not in it"), (theirs, ours, "in it this model lacks")):

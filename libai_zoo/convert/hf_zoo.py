@@ -207,8 +207,7 @@ def load_checkpoint_model(checkpoint: str | Path, model: nn.Module | None = None
         model = instantiate(cfg.model)
         if "train" in cfg:  # a run's (typed) config; hf-to-zoo's has no train and no adapters
             apply_lora_config(model, cfg.train.lora)
-    Checkpointer.check_adapters(checkpoint, model)
-    Checkpointer(checkpoint.parent, [model]).load(checkpoint)
+    Checkpointer(checkpoint.parent, [model]).load(checkpoint)  # refuses one of another model (adapters too)
     return model.eval()
 
 

@@ -321,8 +321,7 @@ class DefaultTrainer(TrainerBase):
                 for part in self.model_parts:
                     load_hf_weights(part, reader, aliases=aliases, weight_map=weight_map)
         else:
-            self.checkpointer.check_adapters(path, self.whole_model)
-            self.checkpointer.load(path)
+            self.checkpointer.load(path)  # refuses another model's checkpoint, adapters included
         logger.info("loaded weights from %s", path)
 
     # ------------------------------------------------------------------------------- the loop
