@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+from libai_zoo.config import ConfigError
+
 from .context_parallel import ContextParallel
 from .expert_parallel import ExpertParallel
 from .rendezvous import attempt_store, forget, shares_agent_store
@@ -144,35 +146,35 @@ def _processes(count: int) -> str:
 
 def resolve_sizes(world_size: int, dp: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> tuple[int, int, int]:
     """Check the degrees against the world size (dp × cp × tp × pp) and infer dp=-1 (ep splits
-    dp: it must divide it; ep > 1 with cp > 1 is refused for now); raise a ValueError that says the fix."""
+    dp: it must divide it; ep > 1 with cp > 1 is refused for now); raise a ConfigError that says the fix."""
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
         if value < 1:
-            raise ValueError(f"{name}={value} is invalid: parallel sizes are positive integers")
+            raise ConfigError(f"{name}={value} is invalid: parallel sizes are positive integers")
     # cp named only where it is used, so that the messages of runs without it stay as they were
     rest = cp * tp * pp
     names, values = ("cp×tp×pp", f"{cp}×{tp}×{pp}") if cp > 1 else ("tp×pp", f"{tp}×{pp}")
     if dp == -1:
         if world_size % rest:
-            raise ValueError(
+            raise ConfigError(
                 f"world size {world_size} is not divisible by {names} = {values} = {rest}, so dp "
                 f"cannot be inferred: launch a multiple of {rest} processes "
                 f"(torchrun --nproc_per_node={rest} ...) or change {names.replace('×', '/')}")
         dp = world_size // rest
     elif dp < 1:
-        raise ValueError(f"dp={dp} is invalid: use a positive integer, or -1 to infer it from the world size")
+        raise ConfigError(f"dp={dp} is invalid: use a positive integer, or -1 to infer it from the world size")
     if dp * rest != world_size:
-        raise ValueError(
+        raise ConfigError(
             f"world size {world_size} does not match dp×{names} = {dp}×{values} = {dp * rest}: "
             f"launch {_processes(dp * rest)} or "
             f"choose dp, {names.replace('×', ', ')} whose product is {world_size} (dp=-1 infers dp)")
     if dp % ep:
-        raise ValueError(
+        raise ConfigError(
             f"dp = {dp} is not a multiple of ep = {ep}: expert parallelism splits the data-parallel ranks "
             f"into groups of ep, so choose an ep that divides {dp}, or launch ep × tp × pp × k processes "
             f"so that dp is a multiple of {ep}")
     if ep > 1 and cp > 1:
-        raise ValueError(f"ep = {ep} with cp = {cp}: experts split over ep under context parallelism are not "
-                         f"supported yet: set dist.ep=1 (the experts then split over tp alone) or dist.cp=1")
+        raise ConfigError(f"ep = {ep} with cp = {cp}: experts split over ep under context parallelism are not "
+                          f"supported yet: set dist.ep=1 (the experts then split over tp alone) or dist.cp=1")
     return dp, tp, pp
 
 
@@ -206,7 +208,7 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, ep: int = 1, cp: int = 1, se
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     dp, tp, pp = resolve_sizes(world_size, dp, tp, pp, ep, cp)
     if sequence_parallel and tp == 1:
-        raise ValueError("sequence_parallel=True needs tp > 1: it splits the sequence over the tp group")
+        raise ConfigError("sequence_parallel=True needs tp > 1: it splits the sequence over the tp group")
 
     device = _default_device(local_rank)
     mesh = None

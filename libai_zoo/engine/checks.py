@@ -5,9 +5,6 @@ sequences over cp. (The parsed settings, AMP dtype and sequence length included,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from omegaconf import DictConfig
 from torch import nn
@@ -16,18 +13,6 @@ from libai_zoo import distributed
 from libai_zoo.config import ConfigError, RunSettings, instantiate, run_settings
 from libai_zoo.models import CausalLM, get_layer_stack
 from libai_zoo.parallel import check_pipeline_layout
-
-
-@contextmanager
-def refusals() -> Iterator[None]:
-    """What the checks inside refuse is the config's to fix, whichever part of the engine found it: a
-    `ConfigError`, which tools/train.py prints as one line."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
 
 
 def accumulation_steps(train: DictConfig, dp: int) -> int:

@@ -40,7 +40,7 @@ from libai_zoo.parallel import (DataParallel, Parallelized, fsdp_param_dtype, la
 from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
 from . import hooks
-from .checks import accumulation_steps, check_layout, refusals
+from .checks import accumulation_steps, check_layout
 from .divergence import DivergenceError, DivergenceWatch
 from .evaluator import Evaluator, context_parallel_forward, pipelined_forward, run_evaluation
 from .events import ConsoleWriter, JSONWriter, TensorBoardWriter
@@ -81,14 +81,14 @@ class DefaultTrainer(TrainerBase):
             overrides, auto_layout = agree_on_layout(cfg, timeout=cfg.dist.init_timeout)
             LazyConfig.apply_overrides(cfg, overrides.split())
         # What can be refused without a process group is refused before one exists (checks.py).
-        with refusals():
-            dp, tp, pp = distributed.resolve_sizes(distributed.launched_world_size(), cfg.dist.dp, cfg.dist.tp,
-                                                   cfg.dist.pp, cfg.dist.ep, cfg.dist.cp)
-            self.accumulation = accumulation_steps(train, dp)
-            self.settings = run_settings(cfg)  # what the config means (sequence length, AMP dtype, pipeline)
-            self.amp_dtype = self.settings.amp_dtype
-            self.divergence = DivergenceWatch(train.on_divergence, train.max_bad_steps)
-            check_layout(cfg, tp, pp, self.accumulation, cfg.dist.ep, cfg.dist.cp)
+        # (every refusal is a ConfigError naming the fix: tools/train.py prints it as one line)
+        dp, tp, pp = distributed.resolve_sizes(distributed.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp,
+                                               cfg.dist.ep, cfg.dist.cp)
+        self.accumulation = accumulation_steps(train, dp)
+        self.settings = run_settings(cfg)  # what the config means (sequence length, AMP dtype, pipeline)
+        self.amp_dtype = self.settings.amp_dtype
+        self.divergence = DivergenceWatch(train.on_divergence, train.max_bad_steps)
+        check_layout(cfg, tp, pp, self.accumulation, cfg.dist.ep, cfg.dist.cp)
         self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp, ep=cfg.dist.ep, cp=cfg.dist.cp,
                                     sequence_parallel=cfg.dist.sequence_parallel,
                                     timeout=cfg.dist.init_timeout)
@@ -107,9 +107,8 @@ class DefaultTrainer(TrainerBase):
                     train.micro_batch_size, train.global_batch_size)
         self.heartbeat = Heartbeat(distributed.progress_store(), self.ctx.rank, self.ctx.world_size)
         seed_all(train.seed)
-        with refusals():  # a ZeRO stage without data parallelism, offload without a GPU
-            self.data_parallel = DataParallel(self.ctx, train.zero_stage, offload=train.zero_offload,
-                                              param_dtype=fsdp_param_dtype(self.amp_dtype))
+        self.data_parallel = DataParallel(self.ctx, train.zero_stage, offload=train.zero_offload,
+                                          param_dtype=fsdp_param_dtype(self.amp_dtype))
         built = self.build_model(cfg)
         self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
         self.whole_model = built.model

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from libai_zoo.checkpoint import CheckpointManager
+from libai_zoo.config import ConfigError
 
 from .train_step import StepResult
 from .training_data import DataPosition
@@ -27,9 +28,9 @@ class DivergenceWatch:
 
     def __init__(self, on_divergence: str = "stop", max_bad_steps: int = 5):
         if on_divergence not in ("stop", "rollback"):
-            raise ValueError(f"train.on_divergence = {on_divergence!r} must be 'stop' or 'rollback'")
+            raise ConfigError(f"train.on_divergence = {on_divergence!r} must be 'stop' or 'rollback'")
         if max_bad_steps < 1:
-            raise ValueError(f"train.max_bad_steps = {max_bad_steps} must be at least 1")
+            raise ConfigError(f"train.max_bad_steps = {max_bad_steps} must be at least 1")
         self.on_divergence, self.max_bad_steps = on_divergence, max_bad_steps
         self._bad_steps: list[int] = []  # the iterations of the current run of bad steps
         self._rollbacks: dict[int, int] = {}  # checkpoint iteration -> rollbacks to it

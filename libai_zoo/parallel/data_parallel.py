@@ -43,6 +43,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from libai_zoo.config import ConfigError
 from libai_zoo.distributed import ParallelContext
 from libai_zoo.utils import parameter_bytes
 
@@ -103,15 +104,15 @@ class DataParallel:
     def __init__(self, ctx: ParallelContext, zero_stage: int = 0, *, offload: bool = False,
                  param_dtype: torch.dtype | None = None):
         if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"train.zero_stage = {zero_stage} must be 0, 1, 2 or 3")
+            raise ConfigError(f"train.zero_stage = {zero_stage} must be 0, 1, 2 or 3")
         if zero_stage and ctx.data_parallel_size == 1:
-            raise ValueError(f"train.zero_stage = {zero_stage} shards over data parallelism, but dist.dp = 1: "
-                             f"use train.zero_stage=0, or more processes with dist.dp > 1 (or dist.cp > 1)")
+            raise ConfigError(f"train.zero_stage = {zero_stage} shards over data parallelism, but dist.dp = 1: "
+                              f"use train.zero_stage=0, or more processes with dist.dp > 1 (or dist.cp > 1)")
         if offload and zero_stage < 2:
-            raise ValueError("train.zero_offload=True offloads FSDP's shards to CPU: it needs train.zero_stage 2 or 3")
+            raise ConfigError("train.zero_offload=True offloads FSDP's shards to CPU: it needs train.zero_stage 2 or 3")
         if offload and ctx.device.type == "cpu":
-            raise ValueError("train.zero_offload=True keeps FSDP's shards in CPU memory while an accelerator "
-                             "computes; this run is already on the CPU: set train.zero_offload=false")
+            raise ConfigError("train.zero_offload=True keeps FSDP's shards in CPU memory while an accelerator "
+                              "computes; this run is already on the CPU: set train.zero_offload=false")
         self.ctx, self.zero_stage, self.offload, self.param_dtype = ctx, zero_stage, offload, param_dtype
         #: The dense parameters' data-parallel group, dp × cp ranks ("dp_cp"); None when it is one rank.
         self.group = ctx.group("dp_cp") if ctx.data_parallel_size > 1 else None

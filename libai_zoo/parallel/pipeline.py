@@ -44,7 +44,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor
 
-from libai_zoo.config import PipelineConfig
+from libai_zoo.config import ConfigError, PipelineConfig
 from libai_zoo.distributed import ContextParallel, ExpertParallel, ParallelContext, TensorParallel
 from libai_zoo.layers import uncounted
 from libai_zoo.models import check_trainable, get_layer_stack
@@ -90,10 +90,10 @@ def split_layers(num_layers: int, num_stages: int, boundaries: list[int] | None 
     the end stages fewer layers, e.g. ``[3, 7, 11]`` for 14 layers on 4 stages.
     """
     if num_stages < 1:
-        raise ValueError(f"the number of pipeline stages must be positive, got {num_stages}")
+        raise ConfigError(f"the number of pipeline stages must be positive, got {num_stages}")
     if num_stages > num_layers:
-        raise ValueError(f"pp × virtual stages = {num_stages} is larger than the number of layers {num_layers}: "
-                         f"every stage needs at least one layer; lower pp or the virtual stages per rank")
+        raise ConfigError(f"pp × virtual stages = {num_stages} is larger than the number of layers {num_layers}: "
+                          f"every stage needs at least one layer; lower pp or the virtual stages per rank")
     if boundaries is None:
         per_stage, extra = divmod(num_layers, num_stages)
         sizes = [per_stage + (s < extra) for s in range(num_stages)]
@@ -101,12 +101,12 @@ def split_layers(num_layers: int, num_stages: int, boundaries: list[int] | None 
         return [range(start, start + size) for start, size in zip(starts, sizes)]
     boundaries = [int(b) for b in boundaries]
     if len(boundaries) != num_stages - 1:
-        raise ValueError(f"boundaries {boundaries} must give the first layer of stages 1..{num_stages - 1}: "
-                         f"{num_stages - 1} indices for {num_stages} stages, got {len(boundaries)}")
+        raise ConfigError(f"boundaries {boundaries} must give the first layer of stages 1..{num_stages - 1}: "
+                          f"{num_stages - 1} indices for {num_stages} stages, got {len(boundaries)}")
     edges = [0, *boundaries, num_layers]
     if any(a >= b for a, b in zip(edges, edges[1:])):
-        raise ValueError(f"boundaries {boundaries} must increase strictly within 1..{num_layers - 1} "
-                         f"({num_layers} layers), so that every stage holds at least one layer")
+        raise ConfigError(f"boundaries {boundaries} must increase strictly within 1..{num_layers - 1} "
+                          f"({num_layers} layers), so that every stage holds at least one layer")
     return [range(a, b) for a, b in zip(edges, edges[1:])]
 
 
@@ -310,14 +310,14 @@ def _stage_ranks(pp: int, num_stages: int, placement: str) -> list[int]:
 
 def _check_micro_batches(name: str, n: int, pp: int) -> None:
     if n < 1:
-        raise ValueError(f"num_micro_batches must be at least 1, got {n}")
+        raise ConfigError(f"num_micro_batches must be at least 1, got {n}")
     if name == "1f1b" and n < pp:
-        raise ValueError(f"1F1B needs at least pp = {pp} micro-batches per step, got {n}: "
-                         f"raise train.global_batch_size or lower micro_batch_size")
+        raise ConfigError(f"1F1B needs at least pp = {pp} micro-batches per step, got {n}: "
+                          f"raise train.global_batch_size or lower micro_batch_size")
     if name in ("interleaved_1f1b", "zero_bubble"):
         rounds = max(1, n // pp)
         if n % rounds:
-            raise ValueError(
+            raise ConfigError(
                 f"{name} runs the micro-batches in rounds of about pp = {pp}: torch needs num_micro_batches "
                 f"divisible by the number of rounds max(1, num_micro_batches // pp) = {rounds}, got {n}; "
                 f"use a multiple of pp = {pp} (or fewer than 2 × pp)")
@@ -326,16 +326,16 @@ def _check_micro_batches(name: str, n: int, pp: int) -> None:
 def check_pipeline_layout(num_layers: int, pp: int, *, schedule: str, num_micro_batches: int,
                           virtual_stages: int = PipelineConfig.virtual_stages,
                           boundaries: Sequence[int] | None = None) -> None:
-    """Refuse a pipeline layout that cannot run (a ValueError that names the fix); needs no process
+    """Refuse a pipeline layout that cannot run (a ConfigError that names the fix); needs no process
     group, so a run can be refused before it starts one."""
     if schedule not in _KINDS:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {sorted(_KINDS)}")
+        raise ConfigError(f"unknown pipeline schedule {schedule!r}: choose one of {sorted(_KINDS)}")
     kind = _KINDS[schedule]
     if virtual_stages < kind.min_virtual or (kind.max_virtual is not None and virtual_stages > kind.max_virtual):
         wanted = (f"exactly {kind.min_virtual}" if kind.min_virtual == kind.max_virtual
                   else f"at least {kind.min_virtual}")
-        raise ValueError(f"schedule {schedule!r} runs {wanted} virtual stage(s) per rank, got "
-                         f"virtual_stages={virtual_stages}")
+        raise ConfigError(f"schedule {schedule!r} runs {wanted} virtual stage(s) per rank, got "
+                          f"virtual_stages={virtual_stages}")
     _check_micro_batches(schedule, num_micro_batches, pp)
     split_layers(num_layers, pp * virtual_stages, boundaries)
 
