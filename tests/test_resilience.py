@@ -407,3 +407,18 @@ def test_goodput_torchrun_restarts_count_the_measured_gap_once(tmp_path, monkeyp
     figures = again.figures()
     assert figures["restarts"] == 2 and figures["restart_lost_s"] == 9.5 + 10.0
     assert figures["replayed_steps"] == 1 and figures["wall_s"] == 21.5 >= figures["restart_lost_s"]
+
+
+def test_goodput_a_restart_does_not_continue_an_earlier_jobs_account(tmp_path, monkeypatch):
+    """Attempt 0 of a torchrun job died before it trained (before its goodput.json): its restart finds an
+    earlier job's account, of another torchrun agent, and starts this job's own."""
+    from libai_zoo.engine import goodput
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    clock = GoodputClock(monkeypatch, tmp_path)
+    clock.step(clock.attempt())  # the earlier job
+    clock.now += 3600.0
+    monkeypatch.setattr(goodput.os, "getppid", lambda: -1)  # this job's torchrun agent
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    figures = clock.attempt().figures()
+    assert figures["restarts"] == 0 and figures["restart_lost_s"] == 0.0 and figures["wall_s"] == 1.0

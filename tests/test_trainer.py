@@ -202,13 +202,16 @@ def test_a_runs_records_say_what_trained_its_checkpoints(config_file, straight, 
     assert LazyConfig.load(str(run_dir / "model_0000005" / "config.yaml")).train.max_iter == 20
 
 
-def test_a_resumed_run_takes_the_configs_learning_rate(config_file, straight, tmp_path):
+def test_a_resumed_run_takes_the_configs_learning_rate(config_file, straight, tmp_path, monkeypatch):
     """The schedule's base lr and the optimizer's settings come from the config, not the checkpoint
-    (Megatron's --override-opt_param-scheduler): a changed optim.lr applies from the resumed step."""
+    (Megatron's --override-opt_param-scheduler): a changed optim.lr applies from the resumed step, and
+    again after a divergence rolls the run back to the earlier run's checkpoint."""
     shutil.copytree(straight, tmp_path, dirs_exist_ok=True)  # 20 steps at lr 1e-3
     for record in ("metrics.json", "log.txt"):
         (tmp_path / record).unlink()
-    run(config_file, tmp_path, "train.max_iter=24", "optim.lr=2e-3", "optim.params.weight_decay=0.05", resume=True)
+    monkeypatch.setenv("LIBAI_ZOO_FAULT", "nan:rank=0:step=22:count=1")  # back to step 20 after step 22
+    run(config_file, tmp_path, "train.max_iter=24", "optim.lr=2e-3", "optim.params.weight_decay=0.05",
+        "train.max_bad_steps=1", "train.on_divergence=rollback", resume=True)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
     schedule = instantiate({**OmegaConf.to_container(LazyConfig.load(str(config_file)).train.scheduler),
                             "optimizer": optimizer, "max_iter": 24})
@@ -216,7 +219,9 @@ def test_a_resumed_run_takes_the_configs_learning_rate(config_file, straight, tm
     for _ in range(24):
         expected.append(optimizer.param_groups[0]["lr"])
         schedule.step()
-    assert [r["lr"] for r in records(tmp_path)] == pytest.approx(expected[20:], rel=1e-12)
+    logged = records(tmp_path)
+    assert [r["iteration"] for r in logged] == [21, 21, 22, 23, 24]  # step 22 diverged: 21 again from step 20's state
+    assert [r["lr"] for r in logged] == pytest.approx([expected[20], *expected[20:]], rel=1e-12)
     assert ("group 0 lr: 0.001 -> 0.002; group 0 weight_decay: 0.01 -> 0.05; group 1 lr: 0.001 -> 0.002)"
             in (tmp_path / "log.txt").read_text())  # the no-decay group keeps its weight decay of 0
     assert LazyConfig.load(str(tmp_path / "config.yaml")).optim.lr == 2e-3

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +35,13 @@ class CheckpointManager:
     ``period``: save ``model_{steps:07d}`` every `period` steps and after the last (0: only the
     last; None: never, a fast dev run); ``max_to_keep`` of them stay (None: all). ``best_metric`` (an evaluation result's name)
     and ``best_mode`` ("max" or "min"): save ``model_best`` whenever an evaluation improved it.
+    ``on_restore``: called after every restore (a resume, a rollback), before anything is saved
+    again: the trainer puts the config's optimizer settings back over the checkpoint's.
     """
 
     def __init__(self, checkpointer: Checkpointer, *, period: int | None, max_to_keep: int | None = None,
-                 best_metric: str | None = None, best_mode: str = "max"):
+                 best_metric: str | None = None, best_mode: str = "max",
+                 on_restore: Callable[[], object] | None = None):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"train.checkpoint.max_to_keep = {max_to_keep} must be at least 1 (None keeps all)")
         if best_mode not in ("max", "min"):
@@ -46,6 +50,7 @@ class CheckpointManager:
         self.best_metric, self.best_mode = best_metric, best_mode
         self.best = -math.inf if best_mode == "max" else math.inf
         self.last_saved: Saved | None = None  # the save the latest `after_step` started, if any
+        self.on_restore = on_restore
 
     def after_step(self, done: int, *, last: bool) -> Saved | None:
         """After `done` steps (`last`: the run's final one): the periodic save when it is due, then
@@ -96,7 +101,12 @@ class CheckpointManager:
         """Restore the newest intact checkpoint (of at most `at_most` steps): (its path, its steps),
         or None when there is none."""
         path = self.checkpointer.find_resumable(at_most=at_most)
-        return None if path is None else (path, self.checkpointer.resume(path))
+        if path is None:
+            return None
+        iteration = self.checkpointer.resume(path)
+        if self.on_restore is not None:
+            self.on_restore()
+        return path, iteration
 
     def resave_as_newest(self, path: Path, iteration: int) -> None:
         """Make the restored checkpoint `path` the run's newest: delete those after it (a restart

@@ -134,7 +134,8 @@ class DefaultTrainer(TrainerBase):
                                     timeout=cfg.dist.timeout, group=self.ctx.world_group)
         self.checkpoints = CheckpointManager(checkpointer, period=None if fast_dev_run else train.checkpoint.period,
                                              max_to_keep=train.checkpoint.max_to_keep,
-                                             best_metric=train.best_metric, best_mode=train.best_mode)
+                                             best_metric=train.best_metric, best_mode=train.best_mode,
+                                             on_restore=self.configured.reapply)  # the config's settings win
         self.preemption = Preemption(self.ctx.device, self.ctx.world_group)
         self.test_loader = self.build_test_loader(cfg)
         self.evaluator = self.build_evaluator(cfg)
@@ -294,7 +295,6 @@ class DefaultTrainer(TrainerBase):
         if restored is not None:
             path, self.start_iter = restored
             logger.info("resumed from %s at iteration %d", path, self.start_iter)
-            self.configured.reapply()
             return
         if resume:
             logger.info("no checkpoint in %s: starting from scratch", self.output_dir)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -48,8 +49,9 @@ class Goodput(HookBase):
         start_iter = self.trainer.start_iter
         resumes = self.trainer.resumes  # False: a new run over an old directory
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted this job
-        if restarted and resumes and self.path.is_file():
-            self.account = json.loads(self.path.read_text())
+        previous = json.loads(self.path.read_text()) if restarted and resumes and self.path.is_file() else None
+        if previous is not None and previous.get("job") == _job():  # not an earlier job's, whose attempt 0 died early
+            self.account = previous
             now = time.time()
             lost = now - self.account["last_time"]
             self.account["restarts"] += 1
@@ -59,9 +61,9 @@ class Goodput(HookBase):
             logger.info("goodput: restart %d of this job; %.1f s lost since the last attempt's last sign of life",
                         self.account["restarts"], lost)
         else:  # a new job (attempt 0), even when it resumes from a checkpoint
-            self.account = {"job_start": self.started_at, "productive_s": 0.0, "restarts": 0, "restart_lost_s": 0.0,
-                            "replayed_steps": 0, "replayed_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0,
-                            "productive_at": {}, "last_iter": start_iter, "last_time": self.started_at}
+            self.account = {"job": _job(), "job_start": self.started_at, "productive_s": 0.0, "restarts": 0,
+                            "restart_lost_s": 0.0, "replayed_steps": 0, "replayed_s": 0.0, "checkpoint_s": 0.0,
+                            "eval_s": 0.0, "productive_at": {}, "last_iter": start_iter, "last_time": self.started_at}
         self._save()
 
     def checkpointed(self, iteration: int) -> None:
@@ -121,3 +123,9 @@ class Goodput(HookBase):
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.account))
         os.replace(tmp, self.path)
+
+
+def _job() -> str:
+    """Which job this process belongs to: the attempts torchrun restarts share their agent (their
+    parent process) on this host."""
+    return f"{socket.gethostname()}:{os.getppid()}"

@@ -25,11 +25,13 @@ DERIVED = ("params", "lr", "initial_lr")
 
 class ConfiguredSettings:
     """The optimizer's and schedule's settings as the config made them; `reapply` puts them back
-    after a checkpoint's state replaced them."""
+    after a checkpoint's state replaced them. For the zoo's schedules (a `LambdaLR`: lr = base ×
+    factor(step)); another schedule keeps the checkpoint's settings, as its own state decides the lr."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler):
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.base_lrs = list(scheduler.base_lrs)
+        self.applies = isinstance(scheduler, LambdaLR)
+        self.base_lrs = list(scheduler.base_lrs) if self.applies else []
         self.groups = [{key: value for key, value in group.items() if key not in DERIVED}
                        for group in optimizer.param_groups]
 
@@ -37,6 +39,10 @@ class ConfiguredSettings:
         """Put the config's settings back, the learning rate at the schedule's current step
         recomputed from them; returns what the checkpoint had differently ("group 0 lr: 0.002 ->
         0.001"), which is also logged."""
+        if not self.applies:
+            logger.info("resumed with the checkpoint's optimizer settings and learning rates: %s is not one of the "
+                        "zoo's schedules, whose base lr the config could set", type(self.scheduler).__name__)
+            return []
         changes = []
         for index, (group, configured, base) in enumerate(zip(self.optimizer.param_groups, self.groups,
                                                               self.base_lrs)):
@@ -48,10 +54,8 @@ class ConfiguredSettings:
                     changes.append(f"group {index} {key}: {group.get(key)} -> {value}")
                     group[key] = value
             self.scheduler.base_lrs[index] = group["initial_lr"] = base
-            if isinstance(self.scheduler, LambdaLR):  # the zoo's schedules: lr = base × factor(step)
-                group["lr"] = base * self.scheduler.lr_lambdas[index](self.scheduler.last_epoch)
-            elif saved_base:  # another schedule: a multiplicative one keeps its factor
-                group["lr"] *= base / saved_base
+            group["lr"] = base * self.scheduler.lr_lambdas[index](self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # get_last_lr()'s
         if changes:
             logger.info("resumed with the config's optimizer settings, not the checkpoint's (%s): they apply from "
                         "this step on", "; ".join(changes))
