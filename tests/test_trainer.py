@@ -166,7 +166,7 @@ def test_train_tool_resume_insists_on_a_checkpoint(config_file, straight, tmp_pa
     """--resume (LiBai's and detectron2's flag) resumes, and fails before building anything when there is nothing
     to resume; resuming stays the default and --no-resume starts over."""
     tool = load_train_tool()
-    with pytest.raises(SystemExit, match=f"--resume: {tmp_path} holds no checkpoint.*without --resume"):
+    with pytest.raises(ConfigError, match=f"--resume: {tmp_path} holds no checkpoint.*without --resume"):
         tool.main([str(config_file), f"train.output_dir={tmp_path}", "--resume"])
     assert list(tmp_path.iterdir()) == []  # refused before the trainer wrote anything
     results = tool.main([str(config_file), f"train.output_dir={straight}", "train.micro_batch_size=4",

@@ -58,18 +58,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-only", action="store_true",
                         help="evaluate on dataloader.test (the newest checkpoint, or train.load_weight) and exit")
     parser.add_argument("--fast-dev-run", action="store_true",
-                        help="smoke test: 2 training steps, logging every step, 2 evaluation batches, "
-                             "no checkpoints")
-    return parser.parse_intermixed_args(argv)
+                        help="smoke test: 2 training steps from the start (the recipe's weights), logging every "
+                             "step, 2 evaluation batches, no checkpoints, everything in train.output_dir/fast_dev_run "
+                             "(emptied first; the run's own files are neither read nor written)")
+    args = parser.parse_intermixed_args(argv)
+    if args.fast_dev_run and (args.resume or args.eval_only):
+        parser.error("--fast-dev-run starts from the recipe's weights in a folder of its own: it resumes and "
+                     "evaluates no checkpoint (drop --resume / --eval-only)")
+    return args
 
 
 def require_checkpoint(output_dir: Path) -> None:
     """`--resume`: refuse to start when `output_dir` holds no committed checkpoint (before any process
     group or model is built)."""
     if not commit.resumable_candidates(output_dir):
-        raise SystemExit(f"--resume: {output_dir} holds no checkpoint to resume from (no {commit.POINTER} "
-                         f"naming one): check train.output_dir, or start fresh by running without --resume "
-                         f"(or with --no-resume to start over a directory that holds checkpoints)")
+        raise ConfigError(f"--resume: {output_dir} holds no checkpoint to resume from (no {commit.POINTER} "
+                          f"naming one): check train.output_dir, or start fresh by running without --resume "
+                          f"(or with --no-resume to start over a directory that holds checkpoints)")
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -116,8 +121,9 @@ if __name__ == "__main__":
     except BaseException as error:
         alone = distributed.launched_world_size() == 1
         if is_config_error(error):
-            if int(os.environ.get("RANK", "0")) == 0:  # every rank refuses alike: one line, not one a rank
-                print(f"tools/train.py: error: {error}", file=sys.stderr)
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # the ranks refuse alike: one message a node
+                rank = os.environ.get("RANK", "0")
+                print(f"tools/train.py: error{'' if rank == '0' else f' (rank {rank})'}: {error}", file=sys.stderr)
             code = 2
         elif alone:
             raise

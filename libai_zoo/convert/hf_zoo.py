@@ -189,12 +189,18 @@ def zoo_to_hf(checkpoint: str | Path, output_dir: str | Path, *, max_shard_size:
 
 
 def checkpoint_config(checkpoint: Path) -> Path:
-    """The config.yaml of the run (or the hf-to-zoo conversion) that wrote `checkpoint`, kept inside it."""
+    """The config.yaml of the run (or the hf-to-zoo conversion) that wrote `checkpoint`, kept inside it;
+    for a checkpoint written before they kept one, its run's config.yaml beside it."""
     config = checkpoint / commit.CONFIG
-    if not config.is_file():
-        raise FileNotFoundError(f"no {config}: the model is rebuilt from the config the trainer (and hf-to-zoo) "
-                                f"writes into each checkpoint; pass the model to load into instead")
-    return config
+    if config.is_file():
+        return config
+    run_config = checkpoint.parent / commit.CONFIG
+    if not run_config.is_file():
+        raise FileNotFoundError(f"no {config} nor {run_config}: the model is rebuilt from the config the trainer "
+                                f"(and hf-to-zoo) writes into each checkpoint; copy the run's config.yaml there")
+    logger.warning("%s keeps no config.yaml (an older checkpoint): the model is rebuilt from its run's %s, the "
+                   "config of the run's latest start", checkpoint, run_config)
+    return run_config
 
 
 def load_checkpoint_model(checkpoint: str | Path, model: nn.Module | None = None) -> nn.Module:

@@ -69,8 +69,9 @@ def whole_sequences(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, `model`'s layers run on whole sequences: unsplit over cp (their ``cp``
     unset) and over tp (sequence parallelism off on their tp groups, the layers splitting heads
     and columns as before), so that each rank can run a sample alone: generation, where every rank
-    of the cp and tp groups generates the same tokens one at a time. A no-op without context or
-    sequence parallelism."""
+    of the cp and tp groups generates the same tokens one at a time. The tp groups are the parallel
+    context's, so any other model on them runs without sequence parallelism inside the block too.
+    A no-op without context or sequence parallelism."""
     split = [(layer, layer.cp) for layer in model.modules() if getattr(layer, "cp", None) is not None]
     groups = {id(tp): tp for layer in model.modules() if isinstance(tp := getattr(layer, "tp", None), TensorParallel)
               and tp.sequence_parallel}.values()

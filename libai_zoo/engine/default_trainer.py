@@ -29,8 +29,7 @@ from libai_zoo import distributed
 from libai_zoo.checkpoint import CheckpointManager, Checkpointer
 from libai_zoo.config import LazyConfig, instantiate, run_settings, typed
 from libai_zoo.data import MicroBatchSampler, check_dataset, stream_micro_batches
-from libai_zoo.hf import (HFWeightReader, apply_lora_config, check_hf_weights, load_hf_weights, load_peft_adapter,
-                          read_peft_adapter)
+from libai_zoo.hf import HFWeightReader, apply_lora_config, load_hf_parts, load_peft_adapter, read_peft_adapter
 from libai_zoo.layers import lora_adapters
 from libai_zoo.models import get_layer_stack
 from libai_zoo.optim import ConfiguredSettings, build_optimizer
@@ -94,9 +93,10 @@ class DefaultTrainer(TrainerBase):
                                     timeout=cfg.dist.init_timeout)
         # a smoke test writes nowhere a real run reads: its own directory, emptied at each start
         self.output_dir = Path(train.output_dir) / "fast_dev_run" if fast_dev_run else Path(train.output_dir)
-        if fast_dev_run and self.ctx.is_main_process:
-            shutil.rmtree(self.output_dir, ignore_errors=True)
-        self.ctx.barrier()
+        if fast_dev_run:
+            if self.ctx.is_main_process:
+                shutil.rmtree(self.output_dir, ignore_errors=True)
+            self.ctx.barrier()  # emptied before any rank writes its log there
         setup_logging(self.output_dir, self.ctx.rank)
         if fast_dev_run:
             logger.info("--fast-dev-run: 2 steps from the start, into %s (%s itself is not read or written)",
@@ -314,11 +314,8 @@ class DefaultTrainer(TrainerBase):
         path = Path(path)
         if (path / "config.json").is_file():
             aliases = self.pipeline.tied_aliases() if self.pipeline is not None else None
-            weight_map = self.whole_model.hf_weight_map()  # every stage's names
             with HFWeightReader(path) as reader:
-                check_hf_weights(self.whole_model, reader, weight_map=weight_map)  # every rank: all fail alike
-                for part in self.model_parts:
-                    load_hf_weights(part, reader, aliases=aliases, weight_map=weight_map)
+                load_hf_parts(self.whole_model, self.model_parts, reader, aliases=aliases)
         else:
             self.checkpointer.load(path)  # refuses another model's checkpoint, adapters included
         logger.info("loaded weights from %s", path)
@@ -406,9 +403,9 @@ class DefaultTrainer(TrainerBase):
         """(the model ready for `generate`, in eval mode inside the block, gathering at most one layer at a
         time under ZeRO (`parallel.layer_by_layer`); the device its inputs go to), or None when this
         rank holds pipeline stages. The block autocasts as the training forward does (``train.amp``).
-        Under context parallelism each cp rank generates the whole sequence itself
-        (`distributed.whole_sequences`): a prompt and its tokens are short, and a KV cache split over
-        cp would be another design."""
+        Under context parallelism each cp rank generates the whole sequence itself, and under sequence
+        parallelism each tp rank (`distributed.whole_sequences`: new tokens come one at a time): a
+        prompt and its tokens are short, and a KV cache split over cp would be another design."""
         if self.pipeline is not None:
             yield None
             return

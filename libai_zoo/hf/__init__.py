@@ -11,12 +11,12 @@ This package moves tensors; what each model calls its tensors is its `WeightMap`
 `libai_zoo.distributed` and `libai_zoo.layers` and below the models, which call it.
 """
 
-from .loading import check_hf_weights, load_hf_weights, load_pretrained
+from .loading import check_hf_weights, load_hf_parts, load_hf_weights, load_pretrained
 from .peft import apply_lora_config, load_peft_adapter, read_peft_adapter, save_peft_adapter
 from .reader import Container, HFWeightReader, read_config
 from .rules import WeightMap
 from .saving import save_pretrained
 
-__all__ = ["read_config", "Container", "HFWeightReader", "load_pretrained", "load_hf_weights", "check_hf_weights",
-           "save_pretrained", "WeightMap", "save_peft_adapter", "read_peft_adapter", "load_peft_adapter",
+__all__ = ["read_config", "Container", "HFWeightReader", "load_pretrained", "load_hf_weights", "load_hf_parts",
+           "check_hf_weights", "save_pretrained", "WeightMap", "save_peft_adapter", "read_peft_adapter", "load_peft_adapter",
            "apply_lora_config"]

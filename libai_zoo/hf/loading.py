@@ -116,6 +116,16 @@ def load_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = 
     return {"missing_keys": missing, "unexpected_keys": unexpected, "not_loaded": not_loaded, "skipped_keys": skipped}
 
 
+def load_hf_parts(model: nn.Module, parts: list[nn.Module], reader: HFWeightReader, *, strict: bool = True,
+                  aliases: dict[str, str] | None = None) -> list[dict]:
+    """Fill `parts` (this rank's parts of the whole `model`: itself, or its pipeline stages) from a
+    Hugging Face directory: the whole model checked first, so that every rank fails alike, then each
+    part's tensors read by the whole model's weight map. Returns each part's `load_hf_weights` report."""
+    weight_map = model.hf_weight_map()
+    check_hf_weights(model, reader, strict=strict, weight_map=weight_map)
+    return [load_hf_weights(part, reader, strict=strict, aliases=aliases, weight_map=weight_map) for part in parts]
+
+
 def check_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool = True,
                      aliases: dict[str, str] | None = None, weight_map: WeightMap | None = None) -> tuple:
     """Match `model`'s parameters with the checkpoint's names and shapes, reading no tensor; raise
@@ -123,7 +133,7 @@ def check_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool =
     Call it on the whole model on every rank before any rank loads its part, so that all fail
     alike. Returns (params by rule name, the rules of the held parameters, model name ->
     checkpoint name, missing, unexpected)."""
-    weight_map = weight_map or model.hf_weight_map()
+    weight_map = model.hf_weight_map() if weight_map is None else weight_map
     params = checkpoint_tensors(model)
     for own, aliased in (aliases or {}).items():
         if own in params:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from libai_zoo.distributed import fill_shard_, parameter_uses, retie
-from libai_zoo.hf import HFWeightReader, check_hf_weights, load_hf_weights
+from libai_zoo.hf import HFWeightReader, load_hf_parts
 from libai_zoo.layers import LoRA, is_adapter_parameter
 
 
@@ -75,10 +75,8 @@ def materialize(part: nn.Module, device: torch.device, *, seed: int, model: nn.M
     if source is None:
         init_parameters(part, seed, model=model, aliases=aliases)
         return {}
-    weight_map = model.hf_weight_map()  # the whole model's: a pipeline stage's names only its own layers
     with HFWeightReader(source.path) as reader:
-        check_hf_weights(model, reader, strict=source.strict, weight_map=weight_map)  # every rank fails alike
-        info = load_hf_weights(part, reader, strict=source.strict, aliases=aliases, weight_map=weight_map)
+        info, = load_hf_parts(model, [part], reader, strict=source.strict, aliases=aliases)
         info["bytes_read"] = reader.bytes_read
     fresh = set(info["not_loaded"]) | {name for name, _ in part.named_parameters() if is_adapter_parameter(name)}
     if fresh:

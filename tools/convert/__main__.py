@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(what its layers need divisible by tp: heads, KV heads, MLP size, vocabulary; layers >= pp)\n"
                     "and recorded in OUT_DIR/config.yaml.\n\n"
                     "    OUT_DIR/model_0000000/   the checkpoint (a run starts from it with\n"
-                    "                             train.load_weight=OUT_DIR/model_0000000)\n"
+                    "                             train.load_weight=OUT_DIR/model_0000000), and its config.yaml\n"
                     "    OUT_DIR/last_checkpoint  names it\n"
                     "    OUT_DIR/config.yaml      the model (libai_zoo class + config) and the target layout\n"
                     "    OUT_DIR/hf_config.json   the source's config.json")
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "zoo-to-hf", formatter_class=raw,
         help="libai_zoo checkpoint (any layout, ZeRO or not) -> Hugging Face directory",
         description="Write a libai_zoo checkpoint as a Hugging Face directory that transformers loads. The model is\n"
-                    "rebuilt from the run's config.yaml next to the checkpoint and read whole in one process,\n"
+                    "rebuilt from the config.yaml the checkpoint keeps and read whole in one process,\n"
                     "whatever dp/tp/pp/ZeRO layout wrote it. A LoRA run's adapters are merged into the weights,\n"
                     "or with --adapter written alone as a PEFT adapter directory (adapter_config.json +\n"
                     "adapter_model.safetensors) that peft.PeftModel.from_pretrained(base_model, OUT_DIR) loads.")
