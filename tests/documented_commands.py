@@ -76,9 +76,9 @@ def _commands(lines: list[tuple[int, str]], source: str) -> tuple[Command, ...]:
 def _markdown_blocks(path: Path) -> list[Block]:
     source, blocks, fence = str(path.relative_to(ROOT)), [], None
     for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.startswith("```"):
+        if line.lstrip().startswith("```"):  # a fence, also indented under a list item
             if fence is None:
-                fence = (number, line[3:].strip(), [])
+                fence = (number, line.strip()[3:].strip(), [])
             else:
                 if fence[1] in ("bash", "sh", "shell"):
                     commands = _commands(fence[2], source)

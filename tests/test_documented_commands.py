@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import os
 import runpy
+import json
 import shlex
-import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from documented_commands import ROOT, Block, Command, documented_blocks
@@ -76,6 +77,18 @@ SHORTER = {
     "projects/accelerate_loop/train_loop.py": ["--steps", "2"],
 }
 STEPS = 2
+DEADLINE_S = 300  # a multi-process command that hangs fails here, not at CI's limit
+
+
+def _moe_pretrain_records(output: Path) -> None:
+    """A Mixture of Experts' step logs its expert balance: in metrics.json and on the console line."""
+    record = json.loads((output / "moe_pretrain" / "metrics.json").read_text().splitlines()[-1])
+    assert {"aux_loss", "moe/imbalance", "moe/dropped_tokens"} <= set(record), record
+    assert "  aux_loss: " in (output / "moe_pretrain" / "log.txt").read_text()
+
+
+#: what a block's run must also have written, by the file that documents it
+AFTER = {"projects/moe_pretrain/README.md": _moe_pretrain_records}
 
 
 def _substituted(text: str) -> str:
@@ -102,14 +115,9 @@ RUN = {block.name: block for block in BLOCKS if not _covered(block, BLOCKS)
        and any(c.text not in NOT_RUN for c in block.commands)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(words: list[str]) -> tuple[int, dict[str, str], list[str]]:
-    """(processes, environment, [script, *args]) of a command as written."""
+    """(processes, environment, [script, *args]) of a command as written; a launcher option this test
+    does not know fails, rather than being misread."""
     env = {}
     while "=" in words[0] and words[0].split("=")[0].isupper():
         key, value = words.pop(0).split("=", 1)
@@ -117,16 +125,24 @@ def _launch(words: list[str]) -> tuple[int, dict[str, str], list[str]]:
     program, rest = words[0], words[1:]
     if program in ("python", "python3"):
         return 1, env, rest
+    nproc, options = 1, []
     if program == "torchrun":
-        script = next(i for i, word in enumerate(rest) if not word.startswith("--"))
-        nproc = next(int(w.split("=")[1]) for w in rest[:script] if w.startswith("--nproc_per_node="))
-        return nproc, env, rest[script:]
-    if program == "accelerate" and rest[0] == "launch":
-        rest, nproc = rest[1:], 1
         while rest[0].startswith("--"):
-            option = rest.pop(0)
-            if option == "--num_processes":
-                nproc = int(rest.pop(0))
+            options.append(rest.pop(0))
+        for option in options:
+            key, _, value = option.partition("=")
+            assert key in ("--nproc_per_node", "--nproc-per-node", "--standalone"), \
+                f"torchrun {option}: teach test_documented_commands.py what it means here"
+            nproc = int(value) if value else nproc
+        return nproc, env, rest
+    if program == "accelerate" and rest[0] == "launch":
+        rest = rest[1:]
+        while rest[0].startswith("--"):
+            key, _, value = rest.pop(0).partition("=")
+            assert key in ("--multi_gpu", "--num_processes"), \
+                f"accelerate launch {key}: teach test_documented_commands.py what it means here"
+            if key == "--num_processes":
+                nproc = int(value or rest.pop(0))
         return nproc, env, rest
     raise AssertionError(f"no launcher for {program!r}: teach test_documented_commands.py to run it")
 
@@ -156,24 +172,40 @@ def _run_script(argv: list[str]) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, env: dict[str, str], argv: list[str]) -> None:
+    """A worker as torchrun starts it: its ranks, and the agent's store (the test's) to meet in."""
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     torch.set_num_threads(1)
     _run_script(argv)
 
 
-def run_command(command: Command, monkeypatch: pytest.MonkeyPatch) -> None:
+def _run_workers(nproc: int, env: dict[str, str], argv: list[str]) -> None:
+    """`argv` in `nproc` forked workers meeting in a store this process holds, as torchrun's agent
+    does (no port to race for); a run past the deadline is killed and fails."""
+    store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
+    workers = mp.start_processes(_worker, args=(nproc, store.port, env, argv), nprocs=nproc, start_method="fork",
+                                 join=False)
+    deadline = time.monotonic() + DEADLINE_S
+    while not workers.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            raise AssertionError(f"{shlex.join(argv)} on {nproc} processes ran past {DEADLINE_S} s")
+
+
+def run_command(command: Command) -> None:
     """Run one documented command (placeholders substituted, shortened) in the current directory."""
     nproc, env, argv = _launch(shlex.split(_substituted(command.text)))
     argv = _shortened(argv)
     start = time.perf_counter()
     if nproc == 1:
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        _run_script(argv)
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            _run_script(argv)
     else:
-        mp.start_processes(_worker, args=(nproc, _free_port(), env, argv), nprocs=nproc, start_method="fork")
+        _run_workers(nproc, env, argv)
     print(f"$ {' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(argv)}  ({nproc} process(es), "
           f"{time.perf_counter() - start:.1f} s)", flush=True)
 
@@ -194,7 +226,10 @@ def test_documented_block_runs(name, shared, tmp_path, monkeypatch):
     monkeypatch.setenv("LIBAI_ZOO_CACHE", str(shared / "planner.json"))
     for command in RUN[name].commands:
         if command.text not in NOT_RUN:
-            run_command(command, monkeypatch)
+            run_command(command)
+    check = AFTER.get(RUN[name].source)
+    if check is not None:
+        check(tmp_path / "output")
 
 
 def test_every_recipe_is_documented_and_every_table_entry_is_used():
@@ -206,3 +241,4 @@ def test_every_recipe_is_documented_and_every_table_entry_is_used():
     assert not {text for text in NOT_RUN if text not in texts}
     assert not {p for p in PLACEHOLDERS if not any(p in text for text in texts)}
     assert not {name for name in SHORTER if not any(name in text for text in texts)}
+    assert not {source for source in AFTER if not any(block.source == source for block in RUN.values())}
