@@ -242,6 +242,7 @@ class Checkpointer:
             staged_future, upload = None, response
         else:
             staged_future, upload = response.staging_completion, response.upload_completion
+
         def finish_rank() -> dict:
             try:
                 upload.result()

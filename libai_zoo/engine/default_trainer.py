@@ -329,8 +329,8 @@ class DefaultTrainer(TrainerBase):
             logger.info("the run is already at train.max_iter = %d: nothing to train (raise train.max_iter to go on, "
                         "or start over with --no-resume)", max_iter)
             return
-        if self.ctx.is_main_process:  # the record of what trains (each checkpoint keeps its own)
-            LazyConfig.save(self.cfg, self.output_dir / "config.yaml")
+        if self.ctx.is_main_process:  # the record of what trains, as each checkpoint keeps it
+            (self.output_dir / "config.yaml").write_text(self.checkpointer.record)
         try:
             self.data.open(self.start_iter)
             with self.preemption.catching():
