@@ -34,9 +34,10 @@ from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel
 from .roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
 from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM, SmolLM3Model
+from .transformers_model import TransformersModel, instantiate_model, is_transformers_model, trainable
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
-__all__ = ["PreTrainedModel", "TrainableModel", "CausalLM", "check_trainable", "get_layer_stack", "GPT2Config",
+__all__ = ["PreTrainedModel", "TrainableModel", "TransformersModel", "trainable", "instantiate_model", "is_transformers_model", "CausalLM", "check_trainable", "get_layer_stack", "GPT2Config",
            "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM",
            "BertForSequenceClassification",
            "ViTConfig", "ViTModel", "ViTForImageClassification", "LlamaConfig", "LlamaModel", "LlamaForCausalLM",

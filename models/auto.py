@@ -14,14 +14,27 @@ classes are named, not imported, so this file imports no model.
 from __future__ import annotations
 
 import importlib
+import logging
 from pathlib import Path
 from typing import ClassVar
 
+from torch import nn
 from transformers import PretrainedConfig
 
 from libai_zoo.hf import read_config
 
 from .pretrained import PreTrainedModel
+from .transformers_model import transformers_from_config, transformers_from_pretrained
+
+logger = logging.getLogger("libai_zoo")
+
+
+def _without(kwargs: dict, key: str) -> dict:
+    """`kwargs` less `key` (an option only the zoo's own classes take)."""
+    if kwargs.get(key):
+        raise ValueError(f"{key}={kwargs[key]!r} is for the zoo's own classes; a transformers model is split by the "
+                         f"trainer (parallelize)")
+    return {k: v for k, v in kwargs.items() if k != key}
 
 # model_type -> {task -> class name in libai_zoo.models}
 MODELS: dict[str, dict[str, str]] = {
@@ -119,16 +132,26 @@ class AutoModel:
         return model_class(model_type, cls.task, source=source)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs) -> PreTrainedModel:
-        """`PreTrainedModel.from_pretrained` of the class for the directory's model_type (the same
-        keyword arguments: shard, dtype, strict, config overrides; under ``torch.device("meta")`` it
-        reads only config.json, as the trainer wants)."""
+    def from_pretrained(cls, path: str | Path, *, trust_remote_code: bool = False, **kwargs) -> nn.Module:
+        """`PreTrainedModel.from_pretrained` of the zoo class for the directory's model_type (the
+        same keyword arguments: shard, dtype, strict, config overrides; under ``torch.device("meta")``
+        it reads only config.json, as the trainer wants); a model type the zoo has no class for is
+        transformers' own model, made trainable (`transformers_from_pretrained`; code outside
+        transformers runs only with ``trust_remote_code=True``)."""
         model_type = read_config(path).get("model_type")
+        if model_type not in MODELS:
+            logger.info("%s: model_type %r has no libai_zoo class: transformers' own model, made trainable",
+                        path, model_type)
+            return transformers_from_pretrained(cls.task, path, trust_remote_code=trust_remote_code,
+                                                **_without(kwargs, "shard"))
         return cls.model_class(model_type, source=f"{path}/config.json").from_pretrained(path, **kwargs)
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig) -> PreTrainedModel:
-        """A randomly initialised model of the config's model_type."""
+    def from_config(cls, config: PretrainedConfig, *, trust_remote_code: bool = False) -> nn.Module:
+        """A randomly initialised model of the config's model_type: the zoo's class, else
+        transformers' own model made trainable."""
+        if config.model_type not in MODELS:
+            return transformers_from_config(cls.task, config, trust_remote_code=trust_remote_code)
         return cls.model_class(config.model_type, source=type(config).__name__)(config)
 
 

@@ -170,7 +170,7 @@ class BertTaskModel(PreTrainedModel):
     def embed(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.body.embed(inputs["input_ids"], inputs.get("token_type_ids"), inputs.get("position_ids"))
 
-    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def layer_inputs(self, inputs: dict[str, torch.Tensor], hidden: torch.Tensor | None = None) -> dict:
         return {"attention_mask": inputs.get("attention_mask")}
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

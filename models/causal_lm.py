@@ -99,7 +99,7 @@ class CausalLM(GenerationMixin, TrainableModel):
         inputs = {key: value for key, value in batch.items() if key not in TARGET_KEYS}
         return inputs, self.targets(batch.get("labels"), batch.get("shift_labels"))
 
-    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def layer_inputs(self, inputs: dict[str, torch.Tensor], hidden: torch.Tensor | None = None) -> dict:
         """The attention mask (a packed sample's block-diagonal causal mask, made here once for all the
         stage's layers) and the positions (rotary; learned positions ignore them here)."""
         position_ids = inputs.get("position_ids")

@@ -9,7 +9,7 @@ under data, tensor and pipeline parallelism like the zoo's. How one step uses th
     one process or dp/tp:  model(**batch, return_logits=False).loss      (mean over the targets)
     pipeline stages:
       first stage   hidden = model.embed(inputs)
-      every stage   hidden = layer(hidden, **model.layer_inputs(inputs))  for its layers of the stack
+      every stage   hidden = layer(hidden, **model.layer_inputs(inputs, hidden))  for its layers of the stack
       last stage    model.head_loss(model.final_norm(hidden), targets, reduction="sum")
                     (= model.loss(model.head(hidden), ...), summed over the targets)
     routed experts  stats = model.router_stats(inputs) (None without MoE layers) travels with the
@@ -75,9 +75,11 @@ class TrainableModel(ABC):
         """First stage: the model inputs -> the hidden states the first layer takes."""
 
     @abstractmethod
-    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def layer_inputs(self, inputs: dict[str, torch.Tensor], hidden: torch.Tensor | None = None) -> dict:
         """The keyword arguments every layer of the stack takes besides the hidden states (e.g. the
-        attention mask), from the model inputs; every pipeline stage receives them."""
+        attention mask), from the model inputs and `hidden`, the hidden states entering this
+        stage's stack (for a model that makes them from their shape and dtype, as a transformers
+        body makes its masks); every pipeline stage computes them."""
 
     @abstractmethod
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -96,6 +98,10 @@ class TrainableModel(ABC):
         """``loss(head(hidden), targets, reduction)``; a model with a large head overrides it to
         never hold all of the head's outputs (a causal LM computes it in chunks of tokens)."""
         return self.loss(self.head(hidden), targets, reduction)
+
+    def pipeline_problems(self) -> list[str]:
+        """Why this model cannot be cut into pipeline stages ([] when it can: default)."""
+        return []
 
     def router_stats(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """First stage: the tensor the stack's Mixture-of-Experts layers add their routing statistics

@@ -127,7 +127,7 @@ class ViTForImageClassification(PreTrainedModel, Classifier):
     def embed(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.vit.embed(inputs["pixel_values"])
 
-    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def layer_inputs(self, inputs: dict[str, torch.Tensor], hidden: torch.Tensor | None = None) -> dict:
         return {}
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

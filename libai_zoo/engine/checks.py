@@ -10,8 +10,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from libai_zoo import distributed
-from libai_zoo.config import ConfigError, RunSettings, instantiate, run_settings
-from libai_zoo.models import CausalLM, get_layer_stack
+from libai_zoo.config import ConfigError, RunSettings, run_settings
+from libai_zoo.models import CausalLM, get_layer_stack, instantiate_model
 from libai_zoo.parallel import check_pipeline_layout
 
 
@@ -30,7 +30,7 @@ def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: 
     cannot be cut into pp stages, or whose sequences cannot be split over cp (it is built on the meta
     device: no memory, nothing read but a config)."""
     with torch.device("meta"):
-        model = instantiate(cfg.model)
+        model = instantiate_model(cfg.model)
     if cp > 1:
         check_context_parallel(model, cp, tp, run_settings(cfg))
     problems = distributed.tp_problems(model, tp) if tp > 1 else []
@@ -40,6 +40,9 @@ def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: 
     if problems:
         raise ConfigError(f"the model's experts cannot be split over dist.ep × dist.tp = {ep} × {tp}:\n  "
                           + "\n  ".join(problems))
+    problems = model.pipeline_problems() if pp > 1 else []
+    if problems:
+        raise ConfigError(f"the model cannot be cut into dist.pp = {pp} pipeline stages:\n  " + "\n  ".join(problems))
     if pp > 1:
         pipe = run_settings(cfg).pipeline
         check_pipeline_layout(len(get_layer_stack(model)), pp, schedule=pipe.schedule,

@@ -31,7 +31,7 @@ from libai_zoo.config import LazyConfig, instantiate, run_settings, typed
 from libai_zoo.data import MicroBatchSampler, check_dataset, stream_micro_batches
 from libai_zoo.hf import HFWeightReader, apply_lora_config, load_hf_parts, load_peft_adapter, read_peft_adapter
 from libai_zoo.layers import lora_adapters
-from libai_zoo.models import get_layer_stack
+from libai_zoo.models import TransformersModel, get_layer_stack, instantiate_model
 from libai_zoo.optim import ConfiguredSettings, build_optimizer
 from libai_zoo.plan import agree_on_layout
 from libai_zoo.parallel import (DataParallel, Parallelized, fsdp_param_dtype, layer_by_layer, materialize, parallelize,
@@ -156,9 +156,11 @@ class DefaultTrainer(TrainerBase):
         then each rank allocates only its own shards and fills them (`materialize`: the checkpoint's
         slices, or fresh weights drawn alike at every layout from ``train.seed``); in train mode."""
         with torch.device("meta"):
-            model = instantiate(cfg.model)
+            model = instantiate_model(cfg.model)
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
+        if isinstance(model, TransformersModel):
+            logger.info("%s is transformers' own model, made trainable: %s", type(model).__name__, model.describe())
         self.add_lora(cfg, model)
         built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
                             pipeline=self.settings.pipeline,

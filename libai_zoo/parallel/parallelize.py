@@ -13,7 +13,7 @@ from torch import nn
 
 from libai_zoo import distributed
 from libai_zoo.config import PipelineSettings, Recompute
-from libai_zoo.models import check_trainable, get_layer_stack
+from libai_zoo.models import check_trainable, get_layer_stack, trainable
 
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel
@@ -51,6 +51,7 @@ def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_paralle
     (`run_settings(cfg).activation_checkpoint`: in each stage's stack) and
     torch.compile (True: inductor, or a backend name) per layer of the layer stack; then
     `data_parallel.wrap` of the model or of each stage."""
+    model = trainable(model)
     check_trainable(model)
     model = distributed.shard(model, ctx)
     stages = None

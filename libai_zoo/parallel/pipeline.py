@@ -10,7 +10,7 @@ clipping and sharded checkpoints see the same names whatever the pp layout. This
 are its model parts (`Pipeline.model_parts`), real modules the trainer hands to the optimizer.
 
     stage 0      model.embed(inputs) -> layers[0:a]
-    stage s      layers[a:b]             each layer(x, **model.layer_inputs(inputs))
+    stage s      layers[a:b]             each layer(x, **model.layer_inputs(inputs, x))
     stage S-1    layers[c:L] -> model.head_loss(model.final_norm(x), targets, "sum") x loss_scale
                  (the head and its loss inside the stage: a causal LM's in chunks of tokens)
 
@@ -253,7 +253,7 @@ class PipelineStageModule(nn.Module):
             x = model.embed(first_inputs)
         else:
             stats = carried[0] if carried else None
-        layer_inputs = model.layer_inputs(inputs)
+        layer_inputs = model.layer_inputs(inputs, x)
         for layer in get_layer_stack(model):
             if stats is None:
                 x = layer(x, **layer_inputs)
@@ -369,6 +369,9 @@ class Pipeline:
                  num_micro_batches: int, virtual_stages: int = PipelineConfig.virtual_stages,
                  boundaries: Sequence[int] | None = None):
         layers = _full_layer_stack(model)
+        problems = model.pipeline_problems()
+        if problems:
+            raise ConfigError(f"{type(model).__name__} cannot run at pp = {ctx.pp}: " + "; ".join(problems))
         check_pipeline_layout(len(layers), ctx.pp, schedule=schedule, num_micro_batches=num_micro_batches,
                               virtual_stages=virtual_stages, boundaries=boundaries)
         if ctx.mesh is None:

@@ -26,9 +26,11 @@ forward does.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
+from types import MethodType
 from typing import NamedTuple
 
 import torch
@@ -83,9 +85,25 @@ def layer_by_layer(model: nn.Module, data_parallel: DataParallel) -> Iterator[nn
         set_forward_prefetch(layers, True)
 
 
-class _WithoutRootHooks:
+class _ModelClassAttributes(type):
+    """A proxy class whose missing class attributes are its model class's (transformers' generate
+    looks its decoding method up on ``type(self)``)."""
+
+    def __getattr__(cls, name: str):
+        model_class = cls.__dict__.get("model_class")
+        if model_class is None:
+            raise AttributeError(name)
+        return getattr(model_class, name)
+
+
+class _WithoutRootHooks(metaclass=_ModelClassAttributes):
     """`model` as `generate` sees it: a call runs ``model.forward`` itself, so FSDP's root unit
     (embeddings, final norm, head together) is not gathered; everything else is the model's."""
+
+    def __new__(cls, model: nn.Module):
+        proxy_class = _ModelClassAttributes(f"{type(model).__name__}WithoutRootHooks", (cls,),
+                                            {"model_class": type(model)})
+        return object.__new__(proxy_class)
 
     def __init__(self, model: nn.Module):
         self._model = model
@@ -94,6 +112,9 @@ class _WithoutRootHooks:
         return self._model.forward(*args, **kwargs)
 
     def __getattr__(self, name: str):
+        attribute = getattr(type(self._model), name, None)
+        if inspect.isfunction(attribute):  # a method runs on the proxy: its own calls skip the root hooks too
+            return MethodType(attribute, self)
         return getattr(self._model, name)
 
     def generate(self, *args, **kwargs) -> torch.Tensor:

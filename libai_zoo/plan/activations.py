@@ -589,11 +589,11 @@ class SavedActivations:
             ids = torch.zeros(shapes.micro_batch, shapes.seq_len, dtype=torch.long)
             labels = ids if model.loss_unit == "token" else torch.zeros(shapes.micro_batch, dtype=torch.long)
             inputs, _ = model.split_batch({"input_ids": ids, "labels": labels})
-            layer_inputs = model.layer_inputs(inputs)
             amp = shapes.amp_dtype
             forward, backward = _Work(), _Work()
             with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
                 hidden = model.embed(inputs).detach().requires_grad_()
+                layer_inputs = model.layer_inputs(inputs, hidden)
                 with forward:
                     for layer in get_layer_stack(model):
                         hidden = layer(hidden, **layer_inputs)
@@ -612,7 +612,6 @@ class SavedActivations:
         # unpacked samples: the layers take their tokens' global places themselves (fake positions
         # could not tell the cp mask whether the sequence restarts)
         inputs.pop("position_ids", None)
-        layer_inputs = model.layer_inputs(inputs)
         stack = [] if head_only else get_layer_stack(model)
         inputs_bytes = []
         amp = shapes.amp_dtype
@@ -620,6 +619,7 @@ class SavedActivations:
               torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor)):
             with counter.charging("embedding"):
                 hidden = model.embed(inputs)
+            layer_inputs = model.layer_inputs(inputs, hidden)
             embedded = hidden  # alive while its storage's identity is used below
             key, size = _storage(embedded)
             own = embedded.numel() * embedded.element_size()

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from libai_zoo.config import PipelineSettings, instantiate, run_settings
+from libai_zoo.config import PipelineSettings, run_settings
+from libai_zoo.models import instantiate_model
 from libai_zoo.hf import apply_lora_config
 from libai_zoo.optim import build_optimizer, unique_parameters
 from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize, residual_dtype
@@ -41,7 +42,7 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
     with fake_world(layout.world_size, rank, dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=layout.cp,
                     sequence_parallel=layout.sequence_parallel) as ctx:
         with torch.device("meta"):
-            model = instantiate(cfg.model)
+            model = instantiate_model(cfg.model)
             apply_lora_config(model, run.lora)
         data_parallel = DataParallel(ctx, layout.zero_stage,
                                      param_dtype=fsdp_param_dtype(run.amp_dtype))

@@ -17,10 +17,9 @@ from omegaconf import DictConfig
 from torch import nn
 
 from libai_zoo import distributed
-from libai_zoo.config import instantiate
 from libai_zoo.hf import apply_lora_config
 from libai_zoo.layers import Attention, LatentAttention
-from libai_zoo.models import check_trainable, get_layer_stack
+from libai_zoo.models import check_trainable, get_layer_stack, instantiate_model
 
 from .activations import SavedActivations
 
@@ -159,7 +158,7 @@ class ModelTable:
         """Instantiate a model recipe (a LazyCall, or a from_pretrained call, which reads nothing)
         on the meta device, with the LoRA adapters ``train.lora`` puts on it (its base frozen)."""
         with torch.device("meta"):
-            model = instantiate(model_cfg)
+            model = instantiate_model(model_cfg)
             apply_lora_config(model, lora or {})
             return cls(model)
 

@@ -27,8 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import fully_shard
 
 from libai_zoo import distributed
-from libai_zoo.config import instantiate
-from libai_zoo.models import get_layer_stack
+from libai_zoo.models import get_layer_stack, instantiate_model
 from libai_zoo.optim import build_optimizer
 
 from .fake_world import fake_world
@@ -119,7 +118,7 @@ def _one_layer_model(model_cfg, ctx: distributed.ParallelContext, micro_batch: i
     of its stack (they are alike), allocated on the device with random weights, in train mode, and
     a random batch of token ids (labelled per token, or per sample for a classifier)."""
     with torch.device("meta"):
-        model = instantiate(model_cfg)
+        model = instantiate_model(model_cfg)
     model = distributed.shard(model, ctx)
     del get_layer_stack(model)[1:]
     model.to_empty(device=ctx.device)
@@ -139,7 +138,6 @@ def _measure_compute(model_cfg, tp: int, sequence_parallel: bool, micro_batch: i
     with fake_world(tp, 0, tp=tp, sequence_parallel=sequence_parallel) as ctx:
         model, inputs, targets = _one_layer_model(model_cfg, ctx, micro_batch, seq_len)
         layer = get_layer_stack(model)[0]
-        layer_inputs = model.layer_inputs(inputs)
         autocast = torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
         def embed():
@@ -148,6 +146,7 @@ def _measure_compute(model_cfg, tp: int, sequence_parallel: bool, micro_batch: i
 
         with torch.no_grad(), autocast:
             hidden = model.embed(inputs).detach()
+        layer_inputs = model.layer_inputs(inputs, hidden)
 
         def layer_forward():
             with autocast:
@@ -185,7 +184,7 @@ def _measure_fsdp_op(model_cfg, tp: int, micro_batch: int, seq_len: int, repeats
         model, inputs, _ = _one_layer_model(model_cfg, ctx, micro_batch, seq_len)
         with torch.no_grad():
             hidden = model.embed(inputs)
-        layer_inputs = model.layer_inputs(inputs)
+        layer_inputs = model.layer_inputs(inputs, hidden)
         layer = get_layer_stack(model)[0]
 
         def step():

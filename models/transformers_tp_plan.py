@@ -1,0 +1,121 @@
+"""A transformers model's tensor-parallel plan (``_tp_plan``), carried out with the zoo's parallel
+layers: LiBai's swap of a transformers model's linear layers for its own, automated.
+
+    colwise, local_colwise          -> `layers.Linear(parallel="col")`
+    rowwise, local_rowwise          -> `layers.Linear(parallel="row")`
+    embedding_rowwise (the tokens)  -> `layers.VocabEmbedding` (the vocabulary split)
+    the LM head                     -> `layers.LMHead` (its vocabulary split; the loss is the zoo's
+                                       vocabulary-parallel cross entropy on each rank's slice)
+    anything else                   kept whole on every tp rank (packed expert tensors, norms,
+                                    sequence-parallel marks: no sequence parallelism here)
+
+Only modules that are exactly `nn.Linear` / `nn.Embedding` are swapped (a subclass may compute
+more than its parent: Gemma's scaled embedding), with their parameters, so names, ties and values
+are unchanged and one process computes exactly as before. The modules a plan names under one
+parent split together or not at all: a row layer needs its column partners split (an MoE's
+packed experts keep their whole MLP). The attention modules of a model with a tp plan compute with
+the local heads the split projections give them (transformers' own tp runs them so).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from libai_zoo.layers import LMHead, Linear, VocabEmbedding
+
+COLUMN = ("colwise", "local_colwise", "colwise_gather_output")
+ROW = ("rowwise", "local_rowwise")
+EMBEDDING = ("embedding_rowwise",)
+
+
+def _pattern(key: str) -> re.Pattern:
+    return re.compile(re.escape(key).replace(r"\*", r"\d+"))
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    owner, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(owner), attribute, new)
+
+
+def _linear(old: nn.Linear, cls: type, **kwargs) -> nn.Module:
+    with torch.device("meta"):
+        new = cls(old.in_features, old.out_features, bias=old.bias is not None, **kwargs)
+    new.weight, new.bias = old.weight, old.bias
+    return new
+
+
+def apply_tp_plan(model: nn.Module) -> list[tuple[str, str]]:
+    """Swap the modules `model`'s tp plan splits for the zoo's parallel layers (in place; they split
+    when `distributed.shard` runs at tp > 1, and compute as before until then). Returns (module
+    name, "col" | "row" | "vocab") of each swapped module; [] without a plan."""
+    plan = dict(getattr(model, "_tp_plan", None) or {})
+    if not plan:
+        return []
+    patterns = [(_pattern(key), style) for key, style in plan.items()]
+    styles = {}
+    for name, module in model.named_modules():
+        style = next((s for p, s in patterns if p.fullmatch(name)), None)
+        if style is not None:
+            styles[name] = (module, style)
+    groups: dict[str, list[str]] = {}
+    for name in styles:
+        groups.setdefault(name.rpartition(".")[0], []).append(name)
+    swapped: list[tuple[str, str]] = []
+    head = model.get_output_embeddings()
+    for names in groups.values():
+        kinds = {}
+        for name in names:
+            module, style = styles[name]
+            if module is head:
+                continue  # the head follows the embedding, below
+            if type(module) is nn.Linear and style in COLUMN + ROW:
+                kinds[name] = "col" if style in COLUMN else "row"
+            elif type(module) is nn.Embedding and style in EMBEDDING:
+                kinds[name] = "vocab"
+            else:
+                kinds[name] = None
+        if None in kinds.values():
+            continue  # a partner cannot split: the whole group stays whole
+        for name, kind in kinds.items():
+            if kind is None:
+                continue
+            module = styles[name][0]
+            if kind == "vocab":
+                with torch.device("meta"):
+                    new = VocabEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx,
+                                         sequence_parallel=False)
+                new.weight = module.weight
+            else:
+                new = _linear(module, Linear, parallel=kind, sequence_parallel=False)
+            _swap(model, name, new)
+            swapped.append((name, kind))
+    embedding = model.get_input_embeddings()
+    if type(head) is nn.Linear and head.bias is None and (
+            head.weight is not embedding.weight or isinstance(embedding, VocabEmbedding)):
+        head_name = next(name for name, module in model.named_modules() if module is head)
+        new = _linear(head, LMHead)
+        new.weight = head.weight
+        _swap(model, head_name, new)
+        swapped.append((head_name, "vocab"))
+    return swapped
+
+
+def tp_plan_problems(model: nn.Module, tp_size: int) -> list[str]:
+    """Why `model` (made trainable) cannot be split over `tp_size` ranks by its tp plan."""
+    if tp_size == 1:
+        return []
+    name = type(model).__name__
+    if not model.tp_split:
+        return [f"{name} declares no tensor-parallel plan (base_model_tp_plan): train it with data parallelism "
+                f"and ZeRO (dist.tp=1), or use a libai_zoo model of its family"]
+    problems = []
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp_size:
+            problems.append(f"{key} = {heads} is not divisible by tp = {tp_size}: each rank computes whole heads; "
+                            f"lower tp")
+    return problems
