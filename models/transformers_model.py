@@ -45,13 +45,13 @@ from transformers import PreTrainedModel as HFPreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from libai_zoo.config import ConfigError, instantiate
-from libai_zoo.hf.rules import Same, WeightMap
+from libai_zoo.hf.rules import Either, Joined, Rule, Same, Stacked, WeightMap
 from libai_zoo.hf.loading import PretrainedSource, checkpoint_tensors, resolve_dtype
 from libai_zoo.layers import LMHead
 
 from .causal_lm import TARGET_KEYS, next_token_targets
 from .contract import IGNORE_INDEX, TrainableModel
-from .transformers_tp_plan import apply_tp_plan, tp_plan_problems
+from .transformers_tp_plan import apply_tp_plan, name_pattern, tp_plan_problems
 
 logger = logging.getLogger("libai_zoo")
 
@@ -460,10 +460,14 @@ class TransformersModel(TrainableModel):
             self._owner(path)._init_weights(shell)
 
     def hf_weight_map(self) -> WeightMap:
-        """transformers' names are the model's own: every tensor maps to itself."""
+        """transformers' names are the model's own: every tensor maps to itself, except the
+        tensors transformers fuses on load (`stacked_experts`), read from either form."""
         tied = tuple((getattr(self, "all_tied_weights_keys", None) or {}).keys())
         ignored = tuple(getattr(self, "_keys_to_ignore_on_load_unexpected", None) or ())
-        return WeightMap([Same(name, name) for name in checkpoint_tensors(self)],
+        tensors = checkpoint_tensors(self)
+        fused = stacked_experts(self.config.model_type, {name: t.shape for name, t in tensors.items()})
+        return WeightMap([Either(fused[name], Same(name, name)) if name in fused else Same(name, name)
+                          for name in tensors],
                          ignore=tuple(name.replace(".", r"\.") for name in tied) + ignored)
 
     def input_limits(self) -> dict[str, int | None]:
@@ -487,6 +491,30 @@ class TransformersModel(TrainableModel):
         attention_layers = sum(any(type(m).__name__.endswith("Attention") for m in layer.modules())
                                for layer in self.get_submodule(self.layer_stack))
         return 6 * multiplied + 12 * width * seq_len * attention_layers
+
+
+def stacked_experts(model_type: str, shapes: dict[str, torch.Size]) -> dict[str, Rule]:
+    """The rules reading the parameters transformers 5 stacks on load from one tensor per expert
+    (its checkpoint conversion mapping: merged along a new dim 0, and joined along dim 1 where
+    several projections make one, as gate and up make ``experts.gate_up_proj``), by name."""
+    from transformers.conversion_mapping import Concatenate, MergeModulelist, get_checkpoint_conversion_mapping
+
+    rules: dict[str, Rule] = {}
+    for converter in get_checkpoint_conversion_mapping(model_type) or ():
+        operations = [type(op) for op in getattr(converter, "operations", ())]
+        targets = getattr(converter, "target_patterns", [])
+        if len(targets) != 1 or operations not in ([MergeModulelist], [MergeModulelist, Concatenate]):
+            continue
+        target = name_pattern(targets[0])
+        for name, shape in shapes.items():
+            found = target.search(name)
+            if found is None or found.end() != len(name):
+                continue
+            prefix = name[:found.start()]
+            stacked = [Stacked(name, prefix + source.replace("*", "{}"), shape[0])
+                       for source in converter.source_patterns]
+            rules[name] = stacked[0] if len(stacked) == 1 else Joined(name, tuple(stacked), 1)
+    return rules
 
 
 def _find_stack(body: nn.Module, blocks: set[str]) -> str | None:

@@ -31,7 +31,8 @@ ROW = ("rowwise", "local_rowwise")
 EMBEDDING = ("embedding_rowwise",)
 
 
-def _pattern(key: str) -> re.Pattern:
+def name_pattern(key: str) -> re.Pattern:
+    """A transformers module-name pattern ("*" for a layer or expert index) as a regular expression."""
     return re.compile(re.escape(key).replace(r"\*", r"\d+"))
 
 
@@ -54,7 +55,7 @@ def apply_tp_plan(model: nn.Module) -> list[tuple[str, str]]:
     plan = dict(getattr(model, "_tp_plan", None) or {})
     if not plan:
         return []
-    patterns = [(_pattern(key), style) for key, style in plan.items()]
+    patterns = [(name_pattern(key), style) for key, style in plan.items()]
     styles = {}
     for name, module in model.named_modules():
         style = next((s for p, s in patterns if p.fullmatch(name)), None)

@@ -406,6 +406,32 @@ class Either(Rule):
         return self.rule.hf_shapes(zoo_shape)
 
 
+@dataclass
+class Joined(Rule):
+    """One parameter made of `parts` side by side along `dim`, each a rule of its own: transformers
+    5's in-memory fused experts, ``experts.gate_up_proj`` [E, 2I, h], from the per-expert gate and up
+    tensors on disk (two `Stacked`). Not split along `dim` by tp (the experts stay whole there)."""
+
+    zoo: str
+    parts: tuple[Rule, ...]
+    dim: int = 1
+
+    @property
+    def hf(self) -> tuple[str, ...]:
+        return tuple(name for part in self.parts for name in part.hf)
+
+    def load(self, read, shard, zoo_shape, rows=None):
+        if shard is not None and shard[0] == self.dim:
+            raise ValueError(f"{self.zoo} joins {len(self.parts)} tensors along dim {self.dim}: it cannot be split there")
+        shape = list(zoo_shape)
+        shape[self.dim] //= len(self.parts)
+        return torch.cat([part.load(read, shard, torch.Size(shape), rows) for part in self.parts], self.dim)
+
+    def save(self, tensor):
+        pieces = tensor.chunk(len(self.parts), self.dim)
+        return {name: value for part, piece in zip(self.parts, pieces) for name, value in part.save(piece).items()}
+
+
 def expert_range(block: dict[int, tuple[int, int]], zoo_shape: torch.Size) -> tuple[int, int]:
     """[first, last) of the experts (dim 0 of a stacked parameter) a rank's `block` holds."""
     return block.get(0, (0, zoo_shape[0]))
