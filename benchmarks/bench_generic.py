@@ -33,7 +33,8 @@ turns step by step, so drift in load hits both. Figures per model and layout:
   rose by over the step. The largest rank's figure is shown (every rank's is in the JSON).
 
 The table prints each figure of both models and the ratio generic / native (above 1: the generic
-path is slower or holds more).
+path is slower or holds more); for the step time also the ratio of each round's pair of steps
+(median and quartiles over the rounds: the spread that load on the machine leaves).
 
     python benchmarks/bench_generic.py --out benchmarks/results/bench_generic_DATE_cpu2_fp32.json
     python benchmarks/bench_generic.py --device cuda --dtype bf16 --layouts one --hidden 2048 ...
@@ -255,18 +256,24 @@ def summarize(ranks: list[dict]) -> dict:
         out[kind] = {key: max(r[key] for r in per_rank) for key, _ in FIGURES}
         out[kind]["per_rank"] = per_rank
     out["ratio"] = {key: out["generic"][key] / out["native"][key] for key, _ in FIGURES if out["native"][key]}
+    # the two models take turns: round i's generic step against round i's native step
+    paired = [g / n for g, n in zip(ranks[0]["generic"]["step_ms_all"], ranks[0]["native"]["step_ms_all"])]
+    q1, median, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+    out["step_ratio_per_round"] = {"median": statistics.median(paired), "q1": q1, "q3": q3, "all": paired}
     return out
 
 
 def print_table(results: dict) -> None:
-    print("\n| layout | figure | generic | native | generic / native |")
-    print("|---|---|---|---|---|")
+    print("\n| layout | figure | generic | native | generic / native | per round: median [q1, q3] |")
+    print("|---|---|---|---|---|---|")
     for layout, r in results.items():
         for key, label in FIGURES:
             scale = 1 if key == "step_ms" else MIB
             g, n = r["generic"][key] / scale, r["native"][key] / scale
             ratio = f"**{g / n:.3f}**" if n else "-"
-            print(f"| {layout} | {label} | {g:.1f} | {n:.1f} | {ratio} |")
+            paired = r["step_ratio_per_round"]
+            rounds = f"{paired['median']:.3f} [{paired['q1']:.3f}, {paired['q3']:.3f}]" if key == "step_ms" else ""
+            print(f"| {layout} | {label} | {g:.1f} | {n:.1f} | {ratio} | {rounds} |")
 
 
 def main() -> None:
@@ -280,8 +287,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4, help="samples per rank per step")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model")
-    parser.add_argument("--rounds", type=int, default=7, help="timed steps per model (median), taking turns")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model")
+    parser.add_argument("--rounds", type=int, default=25, help="timed steps per model (median), taking turns")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one GPU a rank, nccl (the parent process never initializes CUDA)")
@@ -302,7 +309,7 @@ def main() -> None:
     print(f"parameters: generic {counts['generic']:,}  native {counts['native']:,}", flush=True)
     if counts["generic"] != counts["native"]:
         raise SystemExit("the two models differ in shape: their parameter counts must match")
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()
     results = {}
     for name in names:
         world = LAYOUTS[name][0]
@@ -319,7 +326,8 @@ def main() -> None:
                     ffn=a.ffn, vocab=a.vocab, seq=a.seq, micro_batch=a.micro_batch, warmup=a.warmup,
                     rounds=a.rounds, worker_threads=a.threads, cpus=os.cpu_count(), parameters=counts,
                     layouts={n: dict(zip(("processes", "dp", "tp", "zero"), LAYOUTS[n])) for n in names},
-                    wall_s=round(time.perf_counter() - started, 1))
+                    wall_s=round(time.perf_counter() - started, 1),
+                    load_average_1_5_15min={"before": load_before, "after": os.getloadavg()})
     if a.out:
         write_json(a.out, meta, results)
 
