@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from libai_zoo import distributed
+from libai_zoo.config import ConfigError
 from libai_zoo.hf import apply_lora_config
 from libai_zoo.layers import Attention, LatentAttention
 from libai_zoo.models import check_trainable, get_layer_stack, instantiate_model
@@ -110,6 +111,10 @@ class ModelTable:
         stack = get_layer_stack(model)
         self.num_layers = len(stack)
         attention = [m for m in stack[0].modules() if isinstance(m, (Attention, LatentAttention))]
+        if not attention:
+            raise ConfigError(f"{self.model_type}'s layers hold none of the zoo's attention layers, whose sizes and "
+                              f"splits the planner's time and memory models read (transformers' own models, made "
+                              f"trainable, are among them): set the layout by hand (dist.dp/tp/pp, train.zero_stage)")
         #: the time model's sizes: the residual stream's width, the attention width (heads × head_dim)
         #: of one layer, and whether its attention and MLP share one tp sync (a parallel block)
         self.hidden_size: int = attention[0].out.out_features
