@@ -32,6 +32,7 @@ import copy
 import inspect
 import logging
 import math
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,7 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 import transformers
 from transformers import PretrainedConfig
-from transformers import PreTrainedModel as HFPreTrainedModel
+from transformers.conversion_mapping import Concatenate, MergeModulelist, get_checkpoint_conversion_mapping
+from transformers.loss.loss_utils import ForSequenceClassificationLoss
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from libai_zoo.config import ConfigError, instantiate
@@ -76,9 +78,17 @@ def task_of(cls: type) -> str | None:
     return next((task for suffix, task in TASKS.items() if cls.__name__.endswith(suffix)), None)
 
 
+def _transformers_base() -> type | None:
+    """transformers' PreTrainedModel, if any transformers model can exist yet (importing it loads
+    PyTorch's distributed checkpointing, which `import libai_zoo.models` does not)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return None if modeling is None else modeling.PreTrainedModel
+
+
 def is_transformers_model(model: object) -> bool:
     """A transformers model not yet made trainable."""
-    return isinstance(model, HFPreTrainedModel) and not isinstance(model, TransformersModel)
+    base = _transformers_base()
+    return base is not None and isinstance(model, base) and not isinstance(model, TransformersModel)
 
 
 def trainable(model: nn.Module) -> nn.Module:
@@ -337,7 +347,6 @@ class TransformersModel(TrainableModel):
         if self.loss_unit == "token":
             return F.cross_entropy(outputs.float().flatten(0, -2), targets.flatten().to(outputs.device),
                                    ignore_index=IGNORE_INDEX, reduction=reduction)
-        from transformers.loss.loss_utils import ForSequenceClassificationLoss
         loss = ForSequenceClassificationLoss(targets.to(outputs.device), outputs.float(), self.config)
         return loss * targets.shape[0] if reduction == "sum" else loss
 
@@ -420,9 +429,9 @@ class TransformersModel(TrainableModel):
             self._modules[prefix] = body
 
     # ------------------------------------------------------------------ weights
-    def _owner(self, module_path: str) -> HFPreTrainedModel:
+    def _owner(self, module_path: str) -> nn.Module:
         """The transformers model whose `_init_weights` initialises the module at `module_path`."""
-        owners = [name for name, m in self.named_modules() if isinstance(m, HFPreTrainedModel)
+        owners = [name for name, m in self.named_modules() if isinstance(m, _transformers_base())
                   and (not name or module_path == name or module_path.startswith(name + "."))]
         return self.get_submodule(max(owners, key=len))
 
@@ -497,8 +506,6 @@ def stacked_experts(model_type: str, shapes: dict[str, torch.Size]) -> dict[str,
     """The rules reading the parameters transformers 5 stacks on load from one tensor per expert
     (its checkpoint conversion mapping: merged along a new dim 0, and joined along dim 1 where
     several projections make one, as gate and up make ``experts.gate_up_proj``), by name."""
-    from transformers.conversion_mapping import Concatenate, MergeModulelist, get_checkpoint_conversion_mapping
-
     rules: dict[str, Rule] = {}
     for converter in get_checkpoint_conversion_mapping(model_type) or ():
         operations = [type(op) for op in getattr(converter, "operations", ())]

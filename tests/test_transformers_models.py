@@ -271,3 +271,31 @@ def test_bare_body_is_refused():
     """A body without a task head has no loss for the trainer: refused, naming the Auto class to use."""
     with pytest.raises(ConfigError, match="not a task model the trainer trains"):
         trainable(transformers.AutoModel.from_config(config("bloom")))
+
+
+@pytest.mark.parametrize("task", ["sequence_classification", "masked_lm"])
+def test_other_tasks_equal_transformers(task):
+    """The trainer's other tasks through the same door: a sequence classifier (Phi's, scored per
+    sample by transformers' own loss) and a masked LM (DistilBERT's: per token, no shift) equal
+    transformers' loss and gradients."""
+    if task == "sequence_classification":
+        auto, cfg = transformers.AutoModelForSequenceClassification, config("phi")
+        cfg.num_labels = 3
+        labels = torch.tensor([0, 2])
+    else:
+        auto = transformers.AutoModelForMaskedLM
+        cfg = transformers.DistilBertConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, hidden_dim=64, dropout=0.0,
+                                            attention_dropout=0.0)
+        labels = torch.full((2, 12), -100).index_fill_(1, torch.tensor([3, 7]), 5)
+    torch.manual_seed(0)
+    reference = auto.from_config(cfg)
+    model = auto.from_config(cfg)
+    model.load_state_dict(reference.state_dict())
+    model = trainable(model)
+    assert model.loss_unit == ("sample" if task == "sequence_classification" else "token")
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    expected, got = reference(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    expected.loss.backward()
+    got.loss.backward()
+    assert abs(got.loss.item() - expected.loss.item()) <= 1e-6, (got.loss, expected.loss)
+    assert _max_grad_difference(reference, model) <= 1e-6
