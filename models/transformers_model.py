@@ -287,6 +287,22 @@ class TransformersModel(TrainableModel):
         """Why this model cannot be split over `tp_size` ranks ([] when it can)."""
         return tp_plan_problems(self, tp_size)
 
+    def layout_problems(self, *, sequence_parallel: bool, cp: int, ep: int) -> list[str]:
+        """What of a layout only the zoo's own layers do (transformers' attention and MoE layers
+        know no sequence, context or expert split), each with the way out."""
+        name = type(self).__name__
+        problems = []
+        if sequence_parallel:
+            problems.append(f"sequence parallelism splits the zoo's own layers' activations; {name}'s norms and "
+                            f"attention run on whole sequences: set dist.sequence_parallel=false")
+        if cp > 1:
+            problems.append(f"context parallelism exchanges keys and values in the zoo's attention layers, not "
+                            f"{name}'s: set dist.cp=1")
+        if ep > 1:
+            problems.append(f"expert parallelism splits the zoo's MoE layers, not {name}'s experts (kept whole on "
+                            f"every rank, trained with data parallelism and ZeRO): set dist.ep=1")
+        return problems
+
     def pipeline_problems(self) -> list[str]:
         """Why this model cannot be cut into pipeline stages ([] when it can)."""
         problems = []

@@ -299,3 +299,16 @@ def test_other_tasks_equal_transformers(task):
     got.loss.backward()
     assert abs(got.loss.item() - expected.loss.item()) <= 1e-6, (got.loss, expected.loss)
     assert _max_grad_difference(reference, model) <= 1e-6
+
+
+@pytest.mark.parametrize("option, named", [("dist.sequence_parallel=true", "sequence parallelism"),
+                                           ("dist.cp=2", "context parallelism"),
+                                           ("dist.ep=2", "expert parallelism")])
+def test_zoo_only_splits_are_refused(recipe, option, named):
+    """Sequence, context and expert parallelism split the zoo's own layers: asked of a transformers
+    model, each is refused by name before any process group exists, never a silent no-op."""
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(str(recipe / "config.py")), [option])
+    cfg.model = cfg.models["jamba"]
+    with pytest.raises(ConfigError, match=named):
+        check_layout(cfg, tp=2, pp=1, num_micro_batches=2, ep=2 if "ep" in option else 1,
+                     cp=2 if "cp" in option else 1)
