@@ -8,6 +8,8 @@ layers: LiBai's swap of a transformers model's linear layers for its own, automa
                                        vocabulary-parallel cross entropy on each rank's slice)
     anything else                   kept whole on every tp rank (packed expert tensors, norms,
                                     sequence-parallel marks: no sequence parallelism here)
+    every other nn.Linear           -> `layers.Linear(parallel="data")`, whole on every rank: so
+                                       that LoRA adapts any linear layer by its transformers name
 
 Only modules that are exactly `nn.Linear` / `nn.Embedding` are swapped (a subclass may compute
 more than its parent: Gemma's scaled embedding), with their parameters, so names, ties and values
@@ -51,10 +53,19 @@ def _linear(old: nn.Linear, cls: type, **kwargs) -> nn.Module:
 def apply_tp_plan(model: nn.Module) -> list[tuple[str, str]]:
     """Swap the modules `model`'s tp plan splits for the zoo's parallel layers (in place; they split
     when `distributed.shard` runs at tp > 1, and compute as before until then). Returns (module
-    name, "col" | "row" | "vocab") of each swapped module; [] without a plan."""
+    name, "col" | "row" | "vocab") of each module the plan splits; [] without a plan. Every other
+    `nn.Linear` but the head becomes a data-parallel zoo `Linear`, LoRA's target by its name."""
     plan = dict(getattr(model, "_tp_plan", None) or {})
-    if not plan:
-        return []
+    swapped = _split_by_plan(model, plan) if plan else []
+    head = model.get_output_embeddings()
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and module is not head:
+            _swap(model, name, _linear(module, Linear, parallel="data", sequence_parallel=False))
+    return swapped
+
+
+def _split_by_plan(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
+    """The plan's column, row and vocabulary splits (see `apply_tp_plan`)."""
     patterns = [(name_pattern(key), style) for key, style in plan.items()]
     styles = {}
     for name, module in model.named_modules():
@@ -81,8 +92,6 @@ def apply_tp_plan(model: nn.Module) -> list[tuple[str, str]]:
         if None in kinds.values():
             continue  # a partner cannot split: the whole group stays whole
         for name, kind in kinds.items():
-            if kind is None:
-                continue
             module = styles[name][0]
             if kind == "vocab":
                 with torch.device("meta"):
@@ -97,9 +106,7 @@ def apply_tp_plan(model: nn.Module) -> list[tuple[str, str]]:
     if type(head) is nn.Linear and head.bias is None and (
             head.weight is not embedding.weight or isinstance(embedding, VocabEmbedding)):
         head_name = next(name for name, module in model.named_modules() if module is head)
-        new = _linear(head, LMHead)
-        new.weight = head.weight
-        _swap(model, head_name, new)
+        _swap(model, head_name, _linear(head, LMHead))
         swapped.append((head_name, "vocab"))
     return swapped
 

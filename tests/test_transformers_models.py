@@ -29,6 +29,8 @@ from cases import Case, Cases
 from libai_zoo import models
 from libai_zoo.config import ConfigError, LazyConfig
 from libai_zoo.engine.checks import check_layout
+from libai_zoo.hf import save_peft_adapter
+from libai_zoo.layers import apply_lora
 from libai_zoo.models import TransformersModel, trainable
 from libai_zoo.parallel import materialize
 from layouts import LAYOUTS, overrides
@@ -105,7 +107,8 @@ def _train(root: str, name: str, model: str, extra: list[str], *, resume: bool =
 
 
 def _run(root: str, model: str, layout: str, extra: tuple = ()) -> dict[int, float]:
-    return _train(root, f"{model}_{layout}", model, [*overrides(layout), *extra])
+    name = f"{'lora' if extra == LORA else model}_{layout}"
+    return _train(root, name, model, [*overrides(layout), *extra])
 
 
 def _checkpoint(root: str) -> None:
@@ -122,6 +125,8 @@ def _resume(root: str, layout: str) -> dict[int, float]:
     return _train(root, f"phi_ckpt_resume_{layout}", "phi", [*overrides(layout)], resume=True)
 
 
+#: LoRA by transformers' module names (the zoo's adapters on the layers the door swapped in)
+LORA = ("train.lora.rank=4", "train.lora.target_modules=[q_proj,v_proj,fc2]")
 #: model -> the layouts it trains at (tests/layouts.py), each against its one-process run
 TRAINED = {"phi": ["dp2_accum_ac", "tp2", "pp2_1f1b"], "cohere": ["dp2_pp2_zero3_interleaved", "tp2"],
            "bloom": ["dp2_zero3"], "jamba": ["dp2_zero3"]}
@@ -136,6 +141,8 @@ CASES = {
     "jamba_one_mb4": Case(1, _run, ("jamba", "one", ("train.micro_batch_size=4",))),
     **{f"{model}_{layout}": Case(LAYOUTS[layout].world_size, _run, (model, layout), needs=(_reference(model, layout),))
        for model, layouts in TRAINED.items() for layout in layouts},
+    **{f"lora_{layout}": Case(LAYOUTS[layout].world_size, _run, ("phi", layout, LORA), needs=needs)
+       for layout, needs in (("one", ()), ("tp2", ("lora_one",)))},
     "phi_ckpt": Case(4, _checkpoint, needs=("phi_one",)),
     "phi_resume_pp2_1f1b": Case(2, _resume, ("pp2_1f1b",), needs=("phi_ckpt",)),
 }
@@ -156,6 +163,15 @@ def test_layout_equals_one_process(runs, case):
     model = case.split("_")[0]
     reference = _reference(model, case.removeprefix(f"{model}_"))
     _assert_same(runs(case), runs(reference), range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.cases("lora_tp2", "lora_one", "phi_one")
+def test_lora_by_transformers_names_at_tp2(runs):
+    """LoRA on transformers' Phi by its own module names (q_proj and v_proj split by columns, fc2 by
+    rows at tp2, the base frozen) trains with the one-process losses, which are not full training's."""
+    _assert_same(runs("lora_tp2"), runs("lora_one"), range(1, STEPS + 1))
+    assert abs(runs("lora_one")[STEPS] - runs("phi_one")[STEPS]) > 1e-3
 
 
 @pytest.mark.slow
@@ -312,3 +328,23 @@ def test_zoo_only_splits_are_refused(recipe, option, named):
     with pytest.raises(ConfigError, match=named):
         check_layout(cfg, tp=2, pp=1, num_micro_batches=2, ep=2 if "ep" in option else 1,
                      cp=2 if "cp" in option else 1)
+
+
+def test_lora_adapter_is_peft_s(tmp_path):
+    """A LoRA adapter on a transformers model (Bloom's fused query_key_value and its MLP's
+    dense_4h_to_h, by transformers' names) is written as a PEFT directory that PEFT loads onto
+    transformers' own model with the same logits."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config("bloom")).save_pretrained(tmp_path / "bloom")
+    model = models.AutoModelForCausalLM.from_pretrained(tmp_path / "bloom")
+    apply_lora(model, 4, 8.0, target_modules=["query_key_value", "dense_4h_to_h"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora" in name:
+                param.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    ids = torch.randint(0, 8192, (2, 10), generator=torch.Generator().manual_seed(1))
+    save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "bloom"))
+    reference = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bloom"),
+                                               tmp_path / "adapter")
+    assert (reference(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item() <= 1e-6
