@@ -207,6 +207,7 @@ class _GivenOutput(nn.Module):
 
 
 def _plain_attributes(module: nn.Module) -> dict:
+    """A layer's own plain attributes (an attention type, a layer index) a body may read off it."""
     return {key: value for key, value in vars(module).items()
             if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None), tuple))}
 
@@ -241,10 +242,9 @@ class TransformersModel(TrainableModel):
         self.has_aux_loss = False  # a transformers MoE adds its router loss to forward's loss itself
         body_prefix = self.base_model_prefix
         body = self.base_model
-        plan = dict(getattr(body, "_pp_plan", None) or {})
-        self.has_pp_plan = bool(plan)
-        stack = next((key for key in plan if isinstance(body.get_submodule(key), nn.ModuleList)), None) \
-            if plan else None
+        plan = list(getattr(body, "_pp_plan", None) or {})
+        stack = next((key for key in plan if isinstance(body.get_submodule(key), nn.ModuleList)), None)
+        self.has_pp_plan = stack is not None  # a plan naming no ModuleList cuts nothing
         if stack is None:
             stack = _find_stack(body, set(getattr(self, "_no_split_modules", None) or ()))
         if stack is None:
@@ -252,16 +252,12 @@ class TransformersModel(TrainableModel):
                               f"base_model_pp_plan and holds no nn.ModuleList of repeated blocks")
         prefix = f"{body_prefix}." if body is not self else ""
         self.layer_stack = prefix + stack
-        keys = list(plan)
-        before = keys[:keys.index(stack)] if plan else []
-        after = keys[keys.index(stack) + 1:] if plan else []
         heads = [name for name, child in self.named_children() if child is not body]
-        if plan:
-            self.first_stage_modules = tuple(prefix + key for key in before)
-            self.final_modules = tuple(prefix + key for key in after)
-        else:
-            stack_module = body.get_submodule(stack)
-            inside = {id(m) for m in stack_module.modules()}
+        if self.has_pp_plan:  # the plan's order: what comes before the stack, the stack, what comes after
+            self.first_stage_modules = tuple(prefix + key for key in plan[:plan.index(stack)])
+            self.final_modules = tuple(prefix + key for key in plan[plan.index(stack) + 1:])
+        else:  # no pipeline: the tables only the embedding looks up (flops_per_token leaves them out)
+            inside = {id(m) for m in body.get_submodule(stack).modules()}
             self.first_stage_modules = tuple(prefix + name for name, module in body.named_modules()
                                              if isinstance(module, nn.Embedding) and id(module) not in inside)
             self.final_modules = ()
@@ -512,7 +508,7 @@ class TransformersModel(TrainableModel):
         multiplied = sum(p.numel() for p in self.parameters() if id(p) not in looked_up)
         config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         heads = getattr(config, "num_attention_heads", 0) or 0
-        width = heads * (getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0))
+        width = heads * (getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0))
         attention_layers = sum(any(type(m).__name__.endswith("Attention") for m in layer.modules())
                                for layer in self.get_submodule(self.layer_stack))
         return 6 * multiplied + 12 * width * seq_len * attention_layers
