@@ -44,7 +44,7 @@ class TinyTagger(nn.Module, TrainableModel):
     def embed(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.embed_tokens(inputs["input_ids"])
 
-    def layer_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def layer_inputs(self, inputs: dict[str, torch.Tensor], hidden: torch.Tensor | None = None) -> dict:
         return {"attention_mask": inputs.get("attention_mask")}
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch.distributed.pipelining.schedules import _ComputationType
 
 from libai_zoo.config import LazyCall, LazyConfig, instantiate
 from libai_zoo.engine import checks
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel, instantiate_model
 from libai_zoo.parallel import check_pipeline_layout
 from libai_zoo.plan import DEVICES, Layout, ModelTable, enumerate_layouts, plan
 from libai_zoo.plan.cost import Fabric, Link, _bubble_slots, step_time
@@ -85,10 +85,10 @@ def one_meta_model(monkeypatch):
     def instantiate_once(node):
         key = OmegaConf.to_yaml(node)
         if key not in built:
-            built[key] = instantiate(node)
+            built[key] = instantiate_model(node)
         return built[key]
 
-    monkeypatch.setattr(checks, "instantiate", instantiate_once)
+    monkeypatch.setattr(checks, "instantiate_model", instantiate_once)
 
 
 def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads: int,
