@@ -1,6 +1,6 @@
 """Pretrain a transformers model the zoo has no class for: transformers' own Phi (phi-2's
 architecture: attention and MLP side by side, rotary on half of each head, LayerNorm with biases),
-made trainable through its own declarations, on the shipped corpus (gpt2_pretrain's data).
+made trainable through its own declarations, with gpt2_pretrain's data and training.
 
     python tools/train.py projects/any_transformers/config.py
     torchrun --nproc_per_node=2 tools/train.py projects/any_transformers/config.py dist.dp=2 train.zero_stage=3 \
@@ -13,14 +13,9 @@ made trainable through its own declarations, on the shipped corpus (gpt2_pretrai
 
 import transformers
 
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.engine import GenerateSample
+from libai_zoo.config import LazyCall
 
-from ..common.corpus_lm_data import dataloader  # noqa: F401  (a config key)
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
+from ..gpt2_pretrain.config import dataloader, dist, hooks, optim, train  # noqa: F401  (config keys)
 
 # transformers' own class and config: any causal LM of transformers' Auto mapping goes here (or
 # LazyCall(libai_zoo.models.AutoModelForCausalLM.from_pretrained)(path=...) for a directory)
@@ -40,18 +35,4 @@ model = LazyCall(transformers.AutoModelForCausalLM.from_config)(
     )
 )
 
-optim.lr = 2e-3
-optim.betas = (0.9, 0.95)
-
-train.update(
-    output_dir="output/any_transformers",
-    max_iter=200,
-    micro_batch_size=16,
-    global_batch_size=16,
-    log_period=25,
-    checkpoint=dict(period=100),
-    eval=dict(period=100, max_batches=None),
-    scheduler=LazyCall("libai_zoo.optim.WarmupCosineLR")(warmup_iters=20, min_lr_ratio=0.1),
-)
-
-hooks = [LazyCall(GenerateSample)(tokenizer="data/tokenizer", prompt="Return the", max_new_tokens=30)]
+train.output_dir = "output/any_transformers"
