@@ -194,6 +194,16 @@ class _Recorder(nn.Module):
         return hidden
 
 
+class _BodyOutput(BaseModelOutputWithPast):
+    """A body's output holding only its last hidden states: any other field a task model reads
+    (an MoE's router logits, a cache) is None."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _GivenOutput(nn.Module):
     """Stands in for the body while the task model's forward runs on hidden states already made
     (`head`): returns them as the body's output."""
@@ -203,7 +213,21 @@ class _GivenOutput(nn.Module):
         self.hidden = hidden
 
     def forward(self, *args, **kwargs) -> BaseModelOutputWithPast:
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+        return _BodyOutput(last_hidden_state=self.hidden)
+
+
+def _shell(module: nn.Module, keep: dict[int, torch.Tensor]) -> nn.Module:
+    """A copy of `module`'s tree for transformers' `_init_weights` to write into: each parameter
+    and buffer is its replacement in `keep` (by the original's id) or an empty meta tensor of its
+    shape, so nothing else is written (a shard, an FSDP-managed tensor) and no memory is taken."""
+    shell = object.__new__(type(module))  # not copy.copy: FSDP's module classes construct anew in __new__
+    shell.__dict__.update(module.__dict__)
+    for table in ("_parameters", "_buffers"):
+        setattr(shell, table, {key: None if t is None else keep.get(id(t), torch.empty(t.shape, dtype=t.dtype,
+                                                                                     device="meta"))
+                               for key, t in getattr(module, table).items()})
+    shell._modules = {key: None if child is None else _shell(child, keep) for key, child in module._modules.items()}
+    return shell
 
 
 def _plain_attributes(module: nn.Module) -> dict:
@@ -449,36 +473,35 @@ class TransformersModel(TrainableModel):
 
     def init_parameter(self, name: str, module: nn.Module, tensor: torch.Tensor,
                        generator: torch.Generator | None) -> None:
-        """The model's own initialisation (transformers' `_init_weights` of the module), drawn from
-        `generator`'s seed into `tensor` (the whole parameter, on the CPU); the contract's default
-        where `_init_weights` leaves it unset."""
-        attribute = name.rpartition(".")[2]
-        shell = copy.copy(module)
-        shell._parameters = {key: torch.empty(p.shape, dtype=p.dtype, device="meta") if p is not None else None
-                             for key, p in module._parameters.items()}
-        shell._buffers = {key: torch.empty(b.shape, dtype=b.dtype, device="meta") if b is not None else None
-                          for key, b in module._buffers.items()}
-        shell._parameters[attribute] = nn.Parameter(tensor.fill_(math.nan), requires_grad=False) \
-            if tensor.is_floating_point() else tensor
+        """The model's own initialisation, drawn from `generator`'s seed into `tensor` (the whole
+        parameter, on the CPU): transformers' `_init_weights` applied, as transformers applies it
+        (children first), to the parameter's module and each of its ancestors below the model, each
+        on a `_shell` where this parameter is `tensor` and every other one a meta placeholder (an
+        ancestor may set a child's parameter: a Mamba mixer its dt_proj's bias). The contract's
+        default where none of them sets it."""
+        path, _, attribute = name.rpartition(".")
+        value = nn.Parameter(tensor.fill_(math.nan), requires_grad=False) if tensor.is_floating_point() else tensor
+        param = module._parameters[attribute]
+        owner, chain = self._owner(path), [path]
+        while chain[-1] and not isinstance(self.get_submodule(chain[-1]), _transformers_base()):
+            chain.append(chain[-1].rpartition(".")[0])
         with torch.random.fork_rng(devices=[]):
             if generator is not None:
                 torch.manual_seed(generator.initial_seed())
-            self._owner(name.rpartition(".")[0])._init_weights(shell)
+            for ancestor in chain[:-1] if len(chain) > 1 else chain:
+                owner._init_weights(_shell(self.get_submodule(ancestor), {id(param): value}))
         if tensor.is_floating_point() and torch.isnan(tensor).any():
             super().init_parameter(name, module, tensor, generator)
 
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Buffers a meta build leaves empty (rotary inv_freq, masks, position ids), as transformers
-        fills them after its own meta build: each holder's `_init_weights` (its parameters are
-        drawn or loaded afterwards)."""
+        fills them after its own meta build: each holder's `_init_weights`, on a `_shell` holding
+        its real buffers (its parameters are drawn or loaded afterwards)."""
         for path, module in self.named_modules():
-            if not any(b is not None for b in module._buffers.values()):
-                continue
-            shell = copy.copy(module)
-            shell._parameters = {key: torch.empty(p.shape, dtype=p.dtype, device="meta") if p is not None else None
-                                 for key, p in module._parameters.items()}
-            self._owner(path)._init_weights(shell)
+            buffers = {id(b): b for b in module._buffers.values() if b is not None}
+            if buffers:
+                self._owner(path)._init_weights(_shell(module, buffers))
 
     def hf_weight_map(self) -> WeightMap:
         """transformers' names are the model's own: every tensor maps to itself, except the

@@ -8,8 +8,9 @@ layers: LiBai's swap of a transformers model's linear layers for its own, automa
                                        vocabulary-parallel cross entropy on each rank's slice)
     anything else                   kept whole on every tp rank (packed expert tensors, norms,
                                     sequence-parallel marks: no sequence parallelism here)
-    every other nn.Linear           -> `layers.Linear(parallel="data")`, whole on every rank: so
-                                       that LoRA adapts any linear layer by its transformers name
+    every other nn.Linear           -> `KeptLinear`: whole on every rank, its weight a plain
+                                       tensor (transformers' code may read it), LoRA's target by
+                                       its transformers name
 
 Only modules that are exactly `nn.Linear` / `nn.Embedding` are swapped (a subclass may compute
 more than its parent: Gemma's scaled embedding), with their parameters, so names, ties and values
@@ -54,14 +55,23 @@ def apply_tp_plan(model: nn.Module) -> list[tuple[str, str]]:
     """Swap the modules `model`'s tp plan splits for the zoo's parallel layers (in place; they split
     when `distributed.shard` runs at tp > 1, and compute as before until then). Returns (module
     name, "col" | "row" | "vocab") of each module the plan splits; [] without a plan. Every other
-    `nn.Linear` but the head becomes a data-parallel zoo `Linear`, LoRA's target by its name."""
+    `nn.Linear` but the head becomes a `KeptLinear`, LoRA's target by its name."""
     plan = dict(getattr(model, "_tp_plan", None) or {})
     swapped = _split_by_plan(model, plan) if plan else []
     head = model.get_output_embeddings()
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and module is not head:
-            _swap(model, name, _linear(module, Linear, parallel="data", sequence_parallel=False))
+            _swap(model, name, _linear(module, KeptLinear, parallel="data", sequence_parallel=False))
     return swapped
+
+
+class KeptLinear(Linear):
+    """A linear layer tp does not split: `nn.Linear` on every rank (with its LoRA adapter, if one
+    is added), its parameters left plain tensors, as the code of a transformers model that reads a
+    layer's weight itself (a Mamba mixer's projections) expects."""
+
+    def shard_(self, tp) -> None:
+        """Kept whole and plain: nothing to split, no communication."""
 
 
 def _split_by_plan(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:

@@ -26,11 +26,9 @@ forward does.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from types import MethodType
 from typing import NamedTuple
 
 import torch
@@ -74,7 +72,7 @@ def layer_by_layer(model: nn.Module, data_parallel: DataParallel) -> Iterator[nn
             handles.append(module.register_forward_pre_hook(_gather_hook(own, to)))
             handles.append(module.register_forward_hook(_release_hook(own)))
     try:
-        yield _WithoutRootHooks(model)
+        yield _without_root_hooks(model)
     finally:
         for handle in handles:
             handle.remove()
@@ -85,40 +83,22 @@ def layer_by_layer(model: nn.Module, data_parallel: DataParallel) -> Iterator[nn
         set_forward_prefetch(layers, True)
 
 
-class _ModelClassAttributes(type):
-    """A proxy class whose missing class attributes are its model class's (transformers' generate
-    looks its decoding method up on ``type(self)``)."""
-
-    def __getattr__(cls, name: str):
-        model_class = cls.__dict__.get("model_class")
-        if model_class is None:
-            raise AttributeError(name)
-        return getattr(model_class, name)
-
-
-class _WithoutRootHooks(metaclass=_ModelClassAttributes):
-    """`model` as `generate` sees it: a call runs ``model.forward`` itself, so FSDP's root unit
-    (embeddings, final norm, head together) is not gathered; everything else is the model's."""
-
-    def __new__(cls, model: nn.Module):
-        proxy_class = _ModelClassAttributes(f"{type(model).__name__}WithoutRootHooks", (cls,),
-                                            {"model_class": type(model)})
-        return object.__new__(proxy_class)
-
-    def __init__(self, model: nn.Module):
-        self._model = model
+class _WithoutRootHooks:
+    """Mixed in before a model's class: a call runs ``forward`` itself, so FSDP's root unit
+    (embeddings, final norm, head together) is not gathered."""
 
     def __call__(self, *args, **kwargs):
-        return self._model.forward(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
-    def __getattr__(self, name: str):
-        attribute = getattr(type(self._model), name, None)
-        if inspect.isfunction(attribute):  # a method runs on the proxy: its own calls skip the root hooks too
-            return MethodType(attribute, self)
-        return getattr(self._model, name)
 
-    def generate(self, *args, **kwargs) -> torch.Tensor:
-        return type(self._model).generate(self, *args, **kwargs)
+def _without_root_hooks(model: nn.Module) -> nn.Module:
+    """`model` as `generate` sees it: the same module (its state is the model's own ``__dict__``),
+    of a subclass of its class whose call skips the root's hooks, so that the model's own methods
+    (transformers' generate calling ``self(...)``, ``super()`` in them) run as they would on it."""
+    cls = type(f"{type(model).__name__}WithoutRootHooks", (_WithoutRootHooks, type(model)), {})
+    proxy = object.__new__(cls)  # not cls(): FSDP's module classes construct their model anew in __new__
+    proxy.__dict__ = model.__dict__
+    return proxy
 
 
 def _rows_suffice(module: nn.Module, names: list[str]) -> bool:
