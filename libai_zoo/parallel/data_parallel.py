@@ -34,6 +34,7 @@ experts. Their gradients already sum ep dp ranks' tokens (the all-to-all's backw
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
 import torch
@@ -47,6 +48,8 @@ from libai_zoo.config import ConfigError
 from libai_zoo.distributed import ParallelContext
 from libai_zoo.utils import parameter_bytes
 
+
+logger = logging.getLogger("libai_zoo")
 
 #: The parameter bytes a ZeRO-0 all-reduce bucket gathers before it starts (DDP's default).
 BUCKET_BYTES = 25 * 2**20
@@ -96,6 +99,17 @@ def set_forward_prefetch(layers: list[FSDPModule], on: bool) -> None:
         previous.set_modules_to_forward_prefetch([layer] if on else [])
 
 
+def _shared_between_layers(layers: list[nn.Module]) -> bool:
+    """Whether a parameter belongs to several of `layers` (FSDP2 keeps each in one unit)."""
+    seen: set[int] = set()
+    for layer in layers:
+        own = {id(p) for p in layer.parameters()}
+        if own & seen:
+            return True
+        seen |= own
+    return False
+
+
 class DataParallel:
     """The data-parallel side of a run: wraps the model (or each pipeline stage) so that its
     gradients are averaged over dp, and its state sharded for ZeRO 1-3. With dp = 1 every method
@@ -127,6 +141,10 @@ class DataParallel:
         have run); they are still 1/dp between steps."""
         if self.group is None:
             return module
+        if _shared_between_layers(layers):
+            logger.info("a parameter is shared between layers of the stack (a block applied at several depths): "
+                        "the stack is one data-parallel unit with the root")
+            layers = []
         mesh, expert_mesh = self.ctx.submesh("dp_cp"), self.ctx.submesh("edp")
         mp_policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32) \
             if self.param_dtype is not None else MixedPrecisionPolicy()
