@@ -42,9 +42,13 @@ import torch.nn.functional as F
 from torch import nn
 import transformers
 from transformers import PretrainedConfig
-from transformers.conversion_mapping import Concatenate, MergeModulelist, get_checkpoint_conversion_mapping
 from transformers.loss.loss_utils import ForSequenceClassificationLoss
 from transformers.modeling_outputs import BaseModelOutputWithPast
+
+try:  # transformers 5: tensors fused on load (an MoE's experts)
+    from transformers.conversion_mapping import Concatenate, MergeModulelist, get_checkpoint_conversion_mapping
+except ImportError:  # transformers 4 holds them as saved
+    get_checkpoint_conversion_mapping = None
 
 from libai_zoo.config import ConfigError, instantiate
 from libai_zoo.hf.rules import Either, Joined, Rule, Same, Stacked, WeightMap
@@ -495,9 +499,19 @@ class TransformersModel(TrainableModel):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """Buffers a meta build leaves empty (rotary inv_freq, masks, position ids), as transformers
-        fills them after its own meta build: each holder's `_init_weights`, on a `_shell` holding
-        its real buffers (its parameters are drawn or loaded afterwards)."""
+        """Buffers a meta build leaves empty (rotary inv_freq, masks, position ids, an xIELU
+        activation's beta), as the model's own ``__init__`` computes them: the model built again
+        with its parameters on the meta device and its buffers real (accelerate's
+        `init_empty_weights`, buffers included), then, as transformers fills them after its own meta
+        build, each holder's `_init_weights` on a `_shell` holding its real buffers (the parameters
+        are drawn or loaded afterwards). A checkpoint then loads the persistent ones it holds."""
+        from accelerate import init_empty_weights  # seconds to import: paid by a model being trained only
+
+        with init_empty_weights(include_buffers=False):
+            fresh = dict(self.transformers_class(self.config).named_buffers())
+        for name, buffer in self.named_buffers():
+            if name in fresh and fresh[name].shape == buffer.shape:
+                buffer.copy_(fresh[name])
         for path, module in self.named_modules():
             buffers = {id(b): b for b in module._buffers.values() if b is not None}
             if buffers:
@@ -542,6 +556,8 @@ def stacked_experts(model_type: str, shapes: dict[str, torch.Size]) -> dict[str,
     (its checkpoint conversion mapping: merged along a new dim 0, and joined along dim 1 where
     several projections make one, as gate and up make ``experts.gate_up_proj``), by name."""
     rules: dict[str, Rule] = {}
+    if get_checkpoint_conversion_mapping is None:
+        return rules
     for converter in get_checkpoint_conversion_mapping(model_type) or ():
         operations = [type(op) for op in getattr(converter, "operations", ())]
         targets = getattr(converter, "target_patterns", [])
