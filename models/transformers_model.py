@@ -44,6 +44,7 @@ import transformers
 from transformers import PretrainedConfig
 from transformers.loss.loss_utils import ForSequenceClassificationLoss
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.models.auto import modeling_auto
 
 try:  # transformers 5: tensors fused on load (an MoE's experts)
     from transformers.conversion_mapping import Concatenate, MergeModulelist, get_checkpoint_conversion_mapping
@@ -71,6 +72,10 @@ LOSS_UNITS = {"causal_lm": "token", "masked_lm": "token", "sequence_classificati
 STACK_INPUTS = "stack_inputs"
 
 
+#: The transformers auto mapping (model type -> class name) of each task.
+AUTO_MAPPINGS = {"causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked_lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+                 "sequence_classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+                 "image_classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}
 #: The transformers Auto class of each task.
 TRANSFORMERS_AUTO = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM",
                      "sequence_classification": "AutoModelForSequenceClassification",
@@ -78,7 +83,12 @@ TRANSFORMERS_AUTO = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoMode
 
 
 def task_of(cls: type) -> str | None:
-    """The task a transformers class name says (None: a bare body or a task the trainer lacks)."""
+    """The task of a transformers class: the auto mapping that lists it (a causal LM may be named
+    otherwise: BertGenerationDecoder), else what its name says (None: a bare body or a task the
+    trainer lacks)."""
+    for task, mapping in AUTO_MAPPINGS.items():
+        if cls.__name__ in getattr(modeling_auto, mapping).values():
+            return task
     return next((task for suffix, task in TASKS.items() if cls.__name__.endswith(suffix)), None)
 
 
@@ -270,7 +280,7 @@ class TransformersModel(TrainableModel):
         self.has_aux_loss = False  # a transformers MoE adds its router loss to forward's loss itself
         body_prefix = self.base_model_prefix
         body = self.base_model
-        plan = list(getattr(body, "_pp_plan", None) or {})
+        plan = [key for key in getattr(body, "_pp_plan", None) or {} if _has_submodule(body, key)]
         stack = next((key for key in plan if isinstance(body.get_submodule(key), nn.ModuleList)), None)
         self.has_pp_plan = stack is not None  # a plan naming no ModuleList cuts nothing
         if stack is None:
@@ -573,6 +583,14 @@ def stacked_experts(model_type: str, shapes: dict[str, torch.Size]) -> dict[str,
                        for source in converter.source_patterns]
             rules[name] = stacked[0] if len(stacked) == 1 else Joined(name, tuple(stacked), 1)
     return rules
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    """Whether `path` names a module of `module` (a config's plan may name what a variant lacks)."""
+    try:
+        return isinstance(module.get_submodule(path), nn.Module)
+    except AttributeError:
+        return False
 
 
 def _find_stack(body: nn.Module, blocks: set[str]) -> str | None:

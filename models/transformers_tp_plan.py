@@ -2,6 +2,8 @@
 layers: LiBai's swap of a transformers model's linear layers for its own, automated.
 
     colwise, local_colwise          -> `layers.Linear(parallel="col")`
+    colwise_gather_output           -> the same, its output gathered (a whole output: the module's
+                                       reader does not know the split)
     rowwise, local_rowwise          -> `layers.Linear(parallel="row")`
     embedding_rowwise (the tokens)  -> `layers.VocabEmbedding` (the vocabulary split)
     the LM head                     -> `layers.LMHead` (its vocabulary split; the loss is the zoo's
@@ -54,8 +56,8 @@ def _linear(old: nn.Linear, cls: type, **kwargs) -> nn.Module:
 def apply_tp_plan(model: nn.Module) -> list[tuple[str, str]]:
     """Swap the modules `model`'s tp plan splits for the zoo's parallel layers (in place; they split
     when `distributed.shard` runs at tp > 1, and compute as before until then). Returns (module
-    name, "col" | "row" | "vocab") of each module the plan splits; [] without a plan. Every other
-    `nn.Linear` but the head becomes a `KeptLinear`, LoRA's target by its name."""
+    name, "col" | "gathered" | "row" | "vocab") of each module the plan splits; [] without a plan.
+    Every other `nn.Linear` but the head becomes a `KeptLinear`, LoRA's target by its name."""
     plan = dict(getattr(model, "_tp_plan", None) or {})
     swapped = _split_by_plan(model, plan) if plan else []
     head = model.get_output_embeddings()
@@ -82,6 +84,10 @@ def _split_by_plan(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, st
         style = next((s for p, s in patterns if p.fullmatch(name)), None)
         if style is not None:
             styles[name] = (module, style)
+    for name, param in model.named_parameters():  # a plan entry naming a parameter (attention sinks)
+        style = next((s for p, s in patterns if p.fullmatch(name)), None)
+        if style is not None:
+            styles[name] = (param, style)  # not a module: its group cannot split
     groups: dict[str, list[str]] = {}
     for name in styles:
         groups.setdefault(name.rpartition(".")[0], []).append(name)
@@ -94,7 +100,7 @@ def _split_by_plan(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, st
             if module is head:
                 continue  # the head follows the embedding, below
             if type(module) is nn.Linear and style in COLUMN + ROW:
-                kinds[name] = "col" if style in COLUMN else "row"
+                kinds[name] = "row" if style in ROW else "gathered" if style == "colwise_gather_output" else "col"
             elif type(module) is nn.Embedding and style in EMBEDDING:
                 kinds[name] = "vocab"
             else:
@@ -109,7 +115,8 @@ def _split_by_plan(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, st
                                          sequence_parallel=False)
                 new.weight = module.weight
             else:
-                new = _linear(module, Linear, parallel=kind, sequence_parallel=False)
+                new = _linear(module, Linear, parallel="row" if kind == "row" else "col", sequence_parallel=False,
+                              gather_output=kind == "gathered")
             _swap(model, name, new)
             swapped.append((name, kind))
     embedding = model.get_input_embeddings()
@@ -132,7 +139,10 @@ def tp_plan_problems(model: nn.Module, tp_size: int) -> list[str]:
     problems = []
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, key, None)
+        try:
+            heads = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 - a per-layer value (transformers' per_layer_config): the layers split it
+            heads = None
         if isinstance(heads, int) and heads % tp_size:
             problems.append(f"{key} = {heads} is not divisible by tp = {tp_size}: each rank computes whole heads; "
                             f"lower tp")
