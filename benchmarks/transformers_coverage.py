@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 import transformers
 from transformers.models.auto import modeling_auto
 
@@ -71,7 +72,8 @@ WORLD = 2
 STEPS, BATCH, SEQ, LR, TOLERANCE = 3, 4, 16, 1e-3, 1e-5
 
 # ---------------------------------------------------------------------------- the tiny configs
-LAYERS, HEADS, HEAD_DIM, KV_HEADS, VOCAB, EXPERTS, TOP_K, POSITIONS, WINDOW = 4, 4, 16, 2, 128, 4, 2, 64, 8
+HIDDEN, MIN_HIDDEN, LAYERS, HEADS, HEAD_DIM, KV_HEADS, VOCAB = 64, 32, 4, 4, 16, 2, 128
+EXPERTS, TOP_K, POSITIONS, WINDOW = 4, 2, 64, 8
 #: Token ids a config names that lie past VOCAB go to the last SPECIALS ids, which the data never draws.
 SPECIALS = 8
 IMAGE_SIZE, PATCH = 32, 8
@@ -86,24 +88,25 @@ class Scale:
     """How one (sub-)config shrinks: head counts by ``heads``, per-head sizes by ``dims``, widths
     (hidden, intermediate: a count times a size) by ``heads × dims``, so the products a config
     relates (hidden = heads × head_dim, an SSM's heads × head size = expand × hidden) still hold;
-    per-layer lists from ``layers`` entries to LAYERS."""
+    per-layer settings from ``layers`` layers to the LAYERS ones of ``sources`` (`_sources`)."""
 
     def __init__(self, config: dict, parent: Scale | None):
-        hidden = _first(config, HIDDEN_KEYS)
-        heads = _first(config, HEAD_KEYS)
-        if parent is not None and (hidden is None or heads is None):
-            self.heads, self.dims, self.layers = parent.heads, parent.dims, parent.layers
+        if parent is not None:  # one scale for the whole config: sub-configs that meet keep their sizes alike
+            self.heads, self.dims = parent.heads, parent.dims
         else:
+            # the widest of the config and its sub-configs sets the scale (its sizes divide exactly)
+            subs = [sub for sub in (config, *config.values()) if isinstance(sub, dict) and _first(sub, HIDDEN_KEYS)]
+            main = max(subs, key=lambda sub: (_first(sub, HEAD_KEYS) is not None, _first(sub, HIDDEN_KEYS)),
+                       default=config)
+            hidden, heads = _first(main, HIDDEN_KEYS), _first(main, HEAD_KEYS)
             self.heads = max(heads / HEADS, 1.0) if heads else 1.0
-            head_dim = _first(config, HEAD_DIM_KEYS) or (hidden / heads if hidden and heads else None)
+            head_dim = _first(main, HEAD_DIM_KEYS) or (hidden / heads if hidden and heads else None)
             self.dims = max(head_dim / HEAD_DIM, 1.0) if head_dim else 1.0
-            if not heads and hidden:  # no attention (an SSM, an RNN): widths shrink to 64
-                self.dims = max(hidden / 64, 1.0)
-            self.layers = None
-        layers = _first(config, LAYER_KEYS)
-        if layers is not None:
-            self.layers = layers
-        self.attention_heads = heads
+            if hidden and (not heads or hidden / self.width < MIN_HIDDEN):  # no attention (an SSM), or heads ×
+                self.dims = max(hidden / HIDDEN / self.heads, 1.0)          # head size far above hidden (MLA)
+        self.layers = _first(config, LAYER_KEYS) or (parent.layers if parent is not None else None)
+        self.attention_heads = _first(config, HEAD_KEYS)
+        self.sources: list[int] | None = None
 
     @property
     def width(self) -> float:
@@ -114,18 +117,15 @@ def _first(config: dict, keys: tuple[str, ...]) -> int | None:
     return next((config[k] for k in keys if isinstance(config.get(k), int) and not isinstance(config[k], bool)), None)
 
 
-def _even(value: float, floor: int = 2) -> int:
-    return max(floor, 2 * round(value / 2))
-
-
-def _resample(values: list, n: int) -> list:
-    """A per-layer list cut to `n` layers that keeps each distinct value (the later layers take the
-    values the first `n` lack: Gemma 3's 5 sliding layers and 1 global become 3 and 1)."""
-    out = list(values[:n])
-    missing = [v for v in dict.fromkeys(map(_hashable, values)) if v not in map(_hashable, out)]
-    for index, value in zip(range(n - 1, 0, -1), missing):
-        out[index] = next(v for v in values if _hashable(v) == value)
-    return out
+def _size(value: int, factor: float, floor: int = 1, multiple: int = 2) -> int:
+    """`value` / `factor`, at least `floor` (or `value`, if smaller); a multiple of `multiple` (else
+    of 2) when `value` is and the result is that much (rotary halves, tp halves; fp32 grouped GEMMs
+    want widths of 16-byte strides)."""
+    tiny = max(min(value, floor), round(value / factor))
+    for step in (multiple, 2):
+        if value % step == 0 and tiny >= step:
+            return step * round(tiny / step)
+    return tiny
 
 
 def _hashable(value: Any) -> Any:
@@ -133,26 +133,27 @@ def _hashable(value: Any) -> Any:
 
 
 def _scalar(key: str, value: int | float, scale: Scale, tokens: dict) -> int | float:
-    """The tiny value of one numeric attribute, by its name (see the table in `Scale`)."""
+    """The tiny value of one numeric attribute, by its name: dropouts and jitter 0, token ids inside
+    the vocabulary, layer counts LAYERS (periods 2, layer indexes the same share of the stack),
+    head counts by `Scale` (the main config's heads become HEADS), fewer kv heads KV_HEADS, experts EXPERTS of top-k
+    TOP_K, vocabularies VOCAB, positions POSITIONS, windows and chunks WINDOW, per-head sizes and
+    widths by `Scale`; anything else as it is."""
     if isinstance(value, float):
         return 0.0 if re.search(r"drop|jitter", key) else value
     if re.search(r"token_(id|index|ids)$", key):
         return value if value < VOCAB else tokens.setdefault(value, VOCAB - 1 - len(tokens) % SPECIALS)
     if key in LAYER_KEYS:
-        return LAYERS
+        return min(value, LAYERS)
     if re.search(r"period|freq|interval|group_size|sparse_step", key):
         return min(value, 2)
     if re.search(r"offset", key) and "vocab" not in key:
         return min(value, 1)
-    if re.search(r"layer|dense_replace", key):  # a layer index or count: the same share of the stack
-        if scale.layers is None or value <= 0:
-            return value
-        tiny = max(1, round(value * LAYERS / scale.layers))
-        return tiny if value >= scale.layers else min(tiny, LAYERS - 1)
     if re.search(r"key_value_heads|kv_heads|query_groups|query_group_num", key):
-        return HEADS if scale.attention_heads is None or value >= scale.attention_heads else min(value, KV_HEADS)
+        if scale.attention_heads is None or value >= scale.attention_heads:  # as many as the heads
+            return max(1, round(value / scale.heads))
+        return KV_HEADS
     if re.search(r"heads|^n_head|n_groups", key):
-        return HEADS if key in HEAD_KEYS else max(1, round(value / scale.heads))
+        return max(1, round(value / scale.heads))
     if re.search(r"index_topk$", key):
         return min(value, WINDOW)
     if re.search(r"experts_per_tok|moe_k$|topk|top_k|num_expert_group|n_group$", key):
@@ -170,12 +171,17 @@ def _scalar(key: str, value: int | float, scale: Scale, tokens: dict) -> int | f
         return min(value, WINDOW)
     if re.search(r"head_dim|headdim|head_size|d_head|dim_head|kv_channels|d_kv$|d_rel|rotary_dim|state_size|"
                  r"d_state|dt_rank", key):
-        return _even(value / scale.dims, floor=min(value, 4))
+        return _size(value, scale.dims)
     if re.search(r"rank$", key):
-        return _even(value / scale.width, floor=min(value, 8))
+        return _size(value, scale.width, floor=8, multiple=8)
     if re.search(r"hidden|n_embd|d_model|n_embed|emb_dim|embedding_dim|embedding_size|intermediate|ffn|d_ff|dff|"
-                 r"dim_ff|d_inner|_width|d_ssm|proj_dim|embed_dim|feed_forward_size|^dim$", key):
-        return _even(value / scale.width, floor=min(value, 8))
+                 r"dim_ff|d_inner|_width|d_ssm|feed_forward_size|input_size|^dim$|_dim$", key):
+        return _size(value, scale.width, floor=8, multiple=8)
+    if re.search(r"layer|dense_replace", key):  # a layer index or count: the same share of the stack
+        if scale.layers is None or value <= 0:
+            return value
+        tiny = max(1, round(value * LAYERS / scale.layers))
+        return tiny if value >= scale.layers else min(tiny, LAYERS - 1)
     if key in ("image_size",):
         return min(value, IMAGE_SIZE)
     if key in ("patch_size",):
@@ -188,26 +194,66 @@ def _shrink_value(key: str, value: Any, scale: Scale, tokens: dict) -> Any:
         return value
     if isinstance(value, (int, float)):
         return _scalar(key, value, scale, tokens)
+    kind = _per_layer(key, value, scale.layers)
+    if kind == "list":
+        return [_shrink_value(key, value[i], scale, tokens) for i in scale.sources]
+    if kind == "indexes":
+        return [new for new, i in enumerate(scale.sources) if i in value]
+    if kind == "pattern":
+        return "".join(value[i] for i in scale.sources)
+    if kind == "overrides":
+        width = max(len(k) for k in value)
+        return {str(new).zfill(width): _shrink(value[str(i).zfill(width)], scale, tokens)
+                for new, i in enumerate(scale.sources) if str(i).zfill(width) in value}
     if isinstance(value, dict):
         if "model_type" in value:
             return _shrink(value, scale, tokens)
-        if key == "per_layer_config":  # layer index -> overrides
-            return {k: _shrink(v, scale, tokens) for k, v in value.items() if not k.isdigit() or int(k) < LAYERS}
         if re.search(r"rope", key):
             return _shrink_rope(value, scale)
         return {k: _shrink_value(k, v, scale, tokens) for k, v in value.items()}
     if isinstance(value, list):
-        value = [_shrink_value(key, v, scale, tokens) if isinstance(v, (int, float, dict)) else v for v in value]
-        if scale.layers and len(value) == scale.layers and scale.layers > LAYERS:
-            return _resample(value, LAYERS)
-        if (scale.layers and value and re.search(r"layer|idx|ids", key) and len(value) < scale.layers
-                and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < scale.layers for v in value)):
-            chosen = _resample([i in value for i in range(scale.layers)], LAYERS)
-            return [i for i, on in enumerate(chosen) if on]
-        return value
-    if isinstance(value, str) and scale.layers and len(value) == scale.layers > LAYERS and "pattern" in key:
-        return "".join(_resample(list(value), LAYERS))
+        return [_shrink_value(key, v, scale, tokens) if isinstance(v, (int, float, dict)) else v for v in value]
     return value
+
+
+def _per_layer(key: str, value: Any, layers: int | None) -> str | None:
+    """How `value` describes the layers one by one: "list" (a value per layer), "indexes" (of the
+    layers that have some property), "pattern" (a character per layer), "overrides" (layer index ->
+    config overrides); None: it does not."""
+    if not layers or layers <= LAYERS:
+        return None
+    if isinstance(value, list) and len(value) == layers:
+        return "list"
+    if (isinstance(value, list) and value and re.search(r"layer|idx|ids", key) and
+            all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value)):
+        return "indexes"
+    if isinstance(value, str) and len(value) == layers and "pattern" in key:
+        return "pattern"
+    if key == "per_layer_config" and isinstance(value, dict):
+        return "overrides"
+    return None
+
+
+def _sources(config: dict, layers: int) -> list[int]:
+    """Which of the config's `layers` layers the LAYERS tiny ones copy: one of each kind (the
+    combination of every per-layer setting: its layer type, MLP kind, RoPE or not, overrides...),
+    in order of first appearance, repeated, so every kind is kept and each pipeline stage (and the
+    layers sharing another's KV cache) meets them all; the first LAYERS layers when nothing varies."""
+    columns = []
+    for key, value in config.items():
+        kind = _per_layer(key, value, layers)
+        if kind in ("list", "pattern"):
+            columns.append([_hashable(v) for v in value])
+        elif kind == "indexes":
+            columns.append([i in value for i in range(layers)])
+        elif kind == "overrides":
+            width = max(map(len, value))
+            columns.append([_hashable(value.get(str(i).zfill(width))) for i in range(layers)])
+    first: dict[tuple, int] = {}
+    for index, signature in enumerate(zip(*columns)):
+        first.setdefault(signature, index)
+    kinds = list(first.values()) if columns else list(range(LAYERS))
+    return [kinds[i % len(kinds)] for i in range(LAYERS)]
 
 
 def _shrink_rope(rope: dict, scale: Scale) -> dict:
@@ -226,13 +272,38 @@ def _shrink_rope(rope: dict, scale: Scale) -> dict:
 
 def _shrink(config: dict, parent: Scale | None, tokens: dict) -> dict:
     scale = Scale(config, parent)
-    return {key: _shrink_value(key, value, scale, tokens) for key, value in config.items()}
+    scale.sources = _sources(config, scale.layers) if scale.layers and scale.layers > LAYERS else None
+    return {key: _shrink_value(key, _filled(key, value, config), scale, tokens) for key, value in config.items()}
+
+
+def _filled(key: str, value: Any, config: dict) -> Any:
+    """A setting a default leaves None that the model reads as a value: the head size from hidden /
+    heads, the kv heads as many as the heads, the experts and their top-k as in the tiny configs, the
+    language of a per-language model."""
+    if value is not None:
+        return value
+    hidden, heads = _first(config, HIDDEN_KEYS), _first(config, HEAD_KEYS)
+    if key in HEAD_DIM_KEYS and hidden and heads:
+        return hidden // heads
+    if re.search(r"key_value_heads|kv_heads", key) and heads:
+        return heads
+    if re.search(r"(num|n_routed|num_local)_experts$", key):
+        return EXPERTS
+    if re.search(r"experts_per_tok", key):
+        return TOP_K
+    if re.search(r"shared_experts$", key):
+        return 1
+    if key == "default_language" and config.get("languages"):  # a per-language adapter model
+        return config["languages"][0]
+    return value
 
 
 def tiny_config(task: str, model_type: str) -> transformers.PretrainedConfig:
     """The config class's defaults with every size shrunk and every option kept (`_scalar`)."""
     config_class = transformers.CONFIG_MAPPING[model_type]
     tiny = _shrink(config_class().to_dict(), None, {})
+    if task == "causal_lm" and "is_decoder" in tiny:  # an encoder's class as a causal LM: its decoder mode
+        tiny["is_decoder"] = True
     if task == "sequence_classification":
         tiny["num_labels"] = 2
         if tiny.get("pad_token_id") is None:
@@ -240,10 +311,15 @@ def tiny_config(task: str, model_type: str) -> transformers.PretrainedConfig:
     return config_class.from_dict(tiny)
 
 
-def build(task: str, model_type: str) -> torch.nn.Module:
-    """transformers' own task model of the tiny config, made trainable (under the caller's device)."""
+def build(task: str, model_type: str, declared: dict) -> torch.nn.Module:
+    """transformers' own task model of the tiny config, made trainable (under the caller's device);
+    `declared` gets what it declares: "tp" (a tp plan, then tp_split not empty), "pp" (a pp plan)."""
     auto = getattr(transformers, TASKS[task][1])
-    return trainable(auto.from_config(tiny_config(task, model_type)))
+    model = auto.from_config(tiny_config(task, model_type))
+    declared.update(tp=bool(getattr(model, "_tp_plan", None)), pp=bool(getattr(model.base_model, "_pp_plan", None)))
+    model = trainable(model)
+    declared.update(tp=bool(model.tp_split), pp=model.has_pp_plan)
+    return model
 
 
 def global_batches(task: str, config: transformers.PretrainedConfig) -> list[dict[str, torch.Tensor]]:
@@ -298,21 +374,19 @@ def _reason(error: BaseException) -> str:
     return " ".join(lines)[:300]
 
 
-def _train(task: str, model_type: str, layout: str, rank: int) -> tuple[list[float], dict]:
-    """The losses of STEPS steps at `layout` ("one": this process alone) and what the model
-    declares ({"tp": tp_split not empty, "pp": has_pp_plan}). Raises Refused for a refusal before
-    step 1, the error itself otherwise."""
+def _train(task: str, model_type: str, layout: str, rank: int, declared: dict) -> list[float]:
+    """The losses of STEPS steps at `layout` ("one": this process alone); `declared` gets the
+    model's plans (`build`). Raises Refused for a refusal before step 1, the error itself otherwise."""
     torch.manual_seed(0)
     started = False
     try:
         with torch.device("meta"):
-            model = build(task, model_type)
-        declared = {"tp": bool(getattr(model, "tp_split", None)), "pp": bool(getattr(model, "has_pp_plan", False))}
+            model = build(task, model_type, declared)
         if layout == "one":
             parts, pipeline, data_parallel, device = [model], None, None, torch.device("cpu")
             materialize(model, device, seed=0)
         else:
-            dp, tp, pp = LAYOUTS[layout]
+            pp = LAYOUTS[layout][2]
             ctx = distributed.get_context()
             data_parallel = DataParallel(ctx, 3 if layout == "dp2_zero3" else 0)
             built = parallelize(model, ctx, data_parallel, num_micro_batches=2 if pp > 1 else 1,
@@ -330,21 +404,23 @@ def _train(task: str, model_type: str, layout: str, rank: int) -> tuple[list[flo
         for batch in global_batches(task, model.config):
             started = True
             losses.append(float(step(micro_batches(batch, layout, rank)).loss))
-        return losses, declared
+        return losses
     except Exception as error:
         if not started and _is_refusal(error):
             raise Refused(_reason(error)) from error
         raise
 
 
-def _outcome(run: Callable[[], tuple[list[float], dict]]) -> dict:
-    """{"status": "ok" | "refused" | "error", "detail", "losses", declarations} of one run."""
+def _outcome(run: Callable[[dict], list[float]]) -> dict:
+    """{"status": "ok" | "refused" | "error", "detail" | "losses", "tp", "pp"} of one run
+    (`run(declared)`: the losses)."""
+    declared = {}
     try:
-        losses, declared = run()
+        losses = run(declared)
     except Refused as refused:
-        return {"status": "refused", "detail": str(refused)}
+        return {"status": "refused", "detail": str(refused), **declared}
     except Exception as error:  # one failure never stops the sweep
-        return {"status": "error", "detail": _first_line(error)}
+        return {"status": "error", "detail": _first_line(error), **declared}
     if not all(math.isfinite(loss) for loss in losses):
         return {"status": "error", "detail": f"loss not finite: {losses}", **declared}
     return {"status": "ok", "losses": losses, **declared}
@@ -364,17 +440,14 @@ def _append(path: Path, record: dict) -> None:
         file.write(json.dumps(record) + "\n")
 
 
-def read_records(work: Path) -> tuple[dict, list]:
-    """(key -> the finished record, the keys started) from every rank's record file."""
-    done, started = {}, []
-    for path in sorted(work.glob("records.rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if "started" in record:
-                started.append(tuple(record["started"]))
-            else:
-                done[tuple(record["key"])] = record
-    return done, started
+def read_records(work: Path) -> dict:
+    """Every finished case's record (key -> record), from every rank's record file."""
+    return {tuple(record["key"]): record for record in _records(*sorted(work.glob("records.rank*.jsonl")))
+            if "key" in record}
+
+
+def _records(*paths: Path) -> list[dict]:
+    return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
 
 
 def _wait_for(path: Path, timeout: float) -> bool:
@@ -386,75 +459,81 @@ def _wait_for(path: Path, timeout: float) -> bool:
     return True
 
 
+#: What a rank reports when another rank failed first (its collectives broke or timed out).
+SECONDARY = re.compile(r"gloo|timed out|timeout|connection closed|no result within", re.IGNORECASE)
+
+
 def _merge(outcomes: list[dict]) -> dict:
-    """One record of a distributed case from its ranks' outcomes: an error that is not a timeout
-    (the cause) before one that is (a rank waiting for the failed one), then a refusal."""
-    errors = [o for o in outcomes if o["status"] == "error"]
+    """One record of a distributed case from its ranks' outcomes: the error that caused the others
+    (not a broken or timed-out collective) first, then any error, then a refusal."""
+    errors = sorted((o for o in outcomes if o["status"] == "error"), key=lambda o: bool(SECONDARY.search(o["detail"])))
     if errors:
-        return min(errors, key=lambda o: "timed out" in o["detail"].lower() or "Timeout" in o["detail"])
+        return errors[0]
     refused = [o for o in outcomes if o["status"] == "refused"]
     return refused[0] if refused else outcomes[0]
 
 
-def _worker(rank: int, cases: list[tuple], work: str, timeout: float) -> None:
-    """Run the references of this rank's share of the classes, then every distributed case."""
+def _worker(rank: int, cases: list[tuple], work: str, run: str, timeout: float) -> None:
+    """Run the references of this rank's share of the classes, then every distributed case (`run`:
+    this start's folder of markers, outcomes and rendezvous files)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     _quiet()
     signal.signal(signal.SIGALRM, _alarm)
-    work = Path(work)
+    work, run = Path(work), Path(run)
     records = work / f"records.rank{rank}.jsonl"
-    done, _ = read_records(work)
+    done = read_records(work)
     references = [case for case in cases if case[2] == "one"]
     for index, key in enumerate(references):
         if index % WORLD != rank or key in done:
             continue
         _append(records, {"started": key})
         signal.alarm(int(timeout * 2))
-        outcome = _outcome(lambda: _train(key[0], key[1], "one", rank))
+        outcome = _outcome(lambda declared: _train(key[0], key[1], "one", rank, declared))
         signal.alarm(0)
         _append(records, {"key": key, **outcome})
-    (work / f"references.rank{rank}").touch()
+    (run / f"references.rank{rank}").touch()
     for other in range(WORLD):
-        _wait_for(work / f"references.rank{other}", timeout=math.inf)
-    done, _ = read_records(work)
+        _wait_for(run / f"references.rank{other}", timeout=math.inf)
+    done = read_records(work)
     for index, key in enumerate(cases):
-        if key[2] == "one" or key in done or done.get((key[0], key[1], "one"), {}).get("status") != "ok":
+        reference = done.get((key[0], key[1], "one"), {})
+        if key[2] == "one" or key in done or reference.get("status") != "ok" or \
+                key[2] == "tp2" and not reference["tp"] or key[2] == "pp2" and not reference["pp"]:
             continue
-        reference = done[(key[0], key[1], "one")]
-        if key[2] == "tp2" and not reference["tp"] or key[2] == "pp2" and not reference["pp"]:
-            continue
+        _append(records, {"started": key})
+        record = _distributed_case(key, index, rank, run, timeout)
         if rank == 0:
-            _append(records, {"started": key})
-        _append(records, _distributed_case(key, index, rank, work, timeout) if rank == 0 else {"started": key})
-        if rank != 0:
-            _distributed_case(key, index, rank, work, timeout)
+            _append(records, record)
 
 
-def _distributed_case(key: tuple, index: int, rank: int, work: Path, timeout: float) -> dict:
-    """One (class, layout) on both ranks, in a process group of its own; rank 0 returns the record."""
+def _distributed_case(key: tuple, index: int, rank: int, run: Path, timeout: float) -> dict:
+    """One (class, layout) on both ranks, in a process group of its own: rank 0 returns the record
+    (the others their outcome)."""
     task, model_type, layout = key
-    dist.init_process_group("gloo", init_method=f"file://{work}/group{index}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=f"file://{run}/group{index}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=timeout))
     dp, tp, pp = LAYOUTS[layout]
 
-    def run() -> tuple[list[float], dict]:
+    def train(declared: dict) -> list[float]:
         distributed.init(dp=dp, tp=tp, pp=pp, timeout=timeout)
         try:
-            return _train(task, model_type, layout, rank)
+            return _train(task, model_type, layout, rank, declared)
         finally:
             distributed.destroy()
 
     signal.alarm(int(timeout * 2))
-    outcome = _outcome(run)
+    outcome = _outcome(train)
     signal.alarm(0)
-    (work / f"outcome{index}.rank{rank}.json").write_text(json.dumps(outcome))
+    written = run / f"outcome{index}.rank{rank}.json"
+    written.with_suffix(".tmp").write_text(json.dumps(outcome))
+    written.with_suffix(".tmp").rename(written)  # whole when rank 0 sees it
     dist.destroy_process_group()
     if rank != 0:
         return outcome
     outcomes = [outcome]
     for other in range(1, WORLD):
-        path = work / f"outcome{index}.rank{other}.json"
+        path = run / f"outcome{index}.rank{other}.json"
         outcomes.append(json.loads(path.read_text()) if _wait_for(path, timeout * 3)
                         else {"status": "error", "detail": f"rank {other} gave no result"})
     return {"key": key, **_merge(outcomes)}
@@ -479,20 +558,26 @@ def classes(tasks: list[str], only: set[str] | None) -> list[tuple[str, str, str
 
 def sweep(rows: list[tuple[str, str, str]], layouts: list[str], work: Path, timeout: float) -> dict:
     """Every case's record (key (task, model_type, layout) -> record), forking 2 gloo workers once
-    (again only if a worker dies: its case is recorded as failing)."""
+    (again only if a worker dies: the case it was running is recorded as failing)."""
     cases = [(task, model_type, layout) for task, model_type, _ in rows for layout in ("one", *layouts)]
-    while True:
+    for attempt in range(len(cases) + 1):
+        run = work / f"run{attempt}"
+        run.mkdir()
         try:
-            mp.start_processes(_worker, args=(cases, str(work), timeout), nprocs=WORLD, start_method="fork")
-            return read_records(work)[0]
-        except mp.ProcessException as died:
-            done, started = read_records(work)
-            lost = [key for key in started if key not in done]
+            mp.start_processes(_worker, args=(cases, str(work), str(run), timeout), nprocs=WORLD,
+                               start_method="fork")
+            return read_records(work)
+        except ProcessException as died:
+            done = read_records(work)
+            started = [tuple(json.loads(line)["started"]) for line in
+                       (work / f"records.rank{died.error_index}.jsonl").read_text().splitlines()
+                       if "started" in line] if (work / f"records.rank{died.error_index}.jsonl").exists() else []
+            lost = [key for key in dict.fromkeys(started) if key not in done]
             if not lost:
                 raise
-            for key in lost:
-                _append(work / "records.rank0.jsonl",
-                        {"key": key, "status": "error", "detail": f"worker died: {str(died).splitlines()[0]}"})
+            _append(work / "records.rank0.jsonl", {"key": lost[-1], "status": "error",
+                                                   "detail": f"worker died: {str(died).splitlines()[0]}"})
+    raise RuntimeError("the workers kept dying")
 
 
 def classify(record: dict | None, reference: dict) -> tuple[str, str]:
@@ -523,7 +608,8 @@ def report(rows: list[tuple[str, str, str]], layouts: list[str], records: dict, 
     lines = [f"# transformers coverage: libai_zoo.models.trainable on every class of transformers' auto mappings",
              "",
              f"- date: {datetime.date.today().isoformat()}",
-             f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}",
+             f"- torch {torch.__version__}, transformers {transformers.__version__}, "
+             f"Python {platform.python_version()}",
              f"- machine: CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores, "
              f"2 gloo workers; fp32",
              f"- command: `{command}` ({seconds / 60:.1f} min)",
@@ -558,8 +644,7 @@ def report(rows: list[tuple[str, str, str]], layouts: list[str], records: dict, 
                   "|---" * (5 + len(layouts)) + "|"]
         for _, model_type, name in task_rows:
             reference = records.get((task, model_type, "one"), {})
-            plans = ["yes" if reference.get(key) else ("no" if reference.get("status") == "ok" else "?")
-                     for key in ("tp", "pp")]
+            plans = ["yes" if reference.get(key) else ("no" if key in reference else "?") for key in ("tp", "pp")]
             native = "yes" if task in MODELS.get(model_type, {}) else "no"
             cells = [_cell(outcomes[task, model_type, layout]) for layout in layouts]
             lines.append(f"| {model_type} | {name} | {native} | {plans[0]} | {plans[1]} | " + " | ".join(cells) + " |")
@@ -576,8 +661,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS),
                         help=f"comma-separated layouts, of {', '.join(LAYOUTS)} (default: all; empty: the "
                              f"one-process references only)")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds a collective waits before the case fails (default: 120)")
+    parser.add_argument("--timeout", type=float, default=20.0,
+                        help="seconds a collective waits before the case fails (default: 20)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "transformers_coverage.md"),
                         help="the markdown file to write")
     args = parser.parse_args(argv)
