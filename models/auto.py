@@ -8,7 +8,7 @@ transformers' own Auto classes do.
 
 `MODELS` is the one table of which zoo class serves which model type and task: the Auto classes,
 `tools/convert` (``hf-to-zoo``'s default class) and the recipes read it. A new family is one row;
-classes are named, not imported, so this file imports no model. A model type without a row is
+classes are named, not imported, so this file imports no model class. A model type without a row is
 transformers' own model, made trainable (`transformers_model.py`):
 
     model = AutoModelForCausalLM.from_pretrained("falcon_dir")   # transformers' FalconForCausalLM, trainable

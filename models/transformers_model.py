@@ -28,9 +28,7 @@ forward on given hidden states (its logit scaling and soft-caps included).
 
 from __future__ import annotations
 
-import copy
 import inspect
-import logging
 import math
 import sys
 from collections.abc import Iterator
@@ -56,11 +54,10 @@ from libai_zoo.hf.rules import Either, Joined, Rule, Same, Stacked, WeightMap
 from libai_zoo.hf.loading import PretrainedSource, checkpoint_tensors, resolve_dtype
 from libai_zoo.layers import LMHead
 
-from .causal_lm import TARGET_KEYS, next_token_targets
+from .causal_lm import TARGET_KEYS, CausalLM
 from .contract import IGNORE_INDEX, TrainableModel
 from .transformers_tp_plan import apply_tp_plan, name_pattern, tp_plan_problems
 
-logger = logging.getLogger("libai_zoo")
 
 #: How transformers names a task model's class -> the task (and the contract's loss unit).
 TASKS = {"ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm", "ForMaskedLM": "masked_lm",
@@ -105,18 +102,24 @@ def is_transformers_model(model: object) -> bool:
     return base is not None and isinstance(model, base) and not isinstance(model, TransformersModel)
 
 
-def trainable(model: nn.Module) -> nn.Module:
+def trainable(model: nn.Module, task: str | None = None) -> nn.Module:
     """`model` implementing the model contract: a transformers task model made trainable in place
     (its class swapped for a subclass with the contract); a model that implements it already is
-    returned as it is. Refused with the reason: a bare body or a task the trainer has no loss for,
-    a model whose layer stack cannot be found."""
+    returned as it is. ``task``: what the model is trained for (default: `task_of` its class; a
+    class listed for two tasks, such as XLM's LM head, is the Auto class's). Refused with the reason:
+    a bare body or a task the trainer has no loss for, a model whose layer stack cannot be found, a
+    child module named as a member of the contract."""
     if not is_transformers_model(model):
         return model
-    task = task_of(type(model))
+    task = task or task_of(type(model))
     if task is None:
         raise ConfigError(f"{type(model).__name__} is not a task model the trainer trains (one of "
                           f"{', '.join('*' + s for s in TASKS)}): load it with the Auto class of its task, e.g. "
                           f"transformers.AutoModelForCausalLM")
+    taken = sorted((set(model._modules) | set(model._parameters) | set(model._buffers)) & CONTRACT_NAMES)
+    if taken:
+        raise ConfigError(f"{type(model).__name__} holds {', '.join(taken)}, which the model contract names otherwise "
+                          f"({', '.join(f'{name}()' for name in taken)}): it cannot be made trainable as it is")
     model.__class__ = _trainable_class(type(model))
     model._adapt(task)
     return model
@@ -126,7 +129,7 @@ def transformers_from_config(task: str, config: PretrainedConfig, *, trust_remot
     """transformers' own model of `config` for `task`, made trainable (a bare body as it is)."""
     auto = getattr(transformers, TRANSFORMERS_AUTO[task])
     model = auto.from_config(config, trust_remote_code=trust_remote_code)
-    return model if task == "base" else trainable(model)
+    return model if task == "base" else trainable(model, task)
 
 
 def transformers_from_pretrained(task: str, path: str | Path, *, dtype: torch.dtype | str | None = None,
@@ -139,12 +142,13 @@ def transformers_from_pretrained(task: str, path: str | Path, *, dtype: torch.dt
     config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **config_overrides)
     if torch.get_default_device().type == "meta":
         model = transformers_from_config(task, config, trust_remote_code=trust_remote_code)
-        model.to(resolve_dtype(dtype, config))
+        for param in model.parameters():  # the buffers keep their own dtype (float32 rotary frequencies)
+            param.data = param.data.to(resolve_dtype(dtype, config))
         model.pretrained_source = PretrainedSource(Path(path), strict)
         return model.eval()
     auto = getattr(transformers, TRANSFORMERS_AUTO[task])
     model = auto.from_pretrained(path, config=config, dtype=dtype or "auto", trust_remote_code=trust_remote_code)
-    return model if task == "base" else trainable(model)
+    return model if task == "base" else trainable(model, task)
 
 
 def instantiate_model(model_cfg) -> nn.Module:
@@ -154,6 +158,9 @@ def instantiate_model(model_cfg) -> nn.Module:
 
 
 _CLASSES: dict[type, type] = {}
+#: What `TransformersModel` adds to a model's class: a child module of one of these names would be hidden.
+CONTRACT_NAMES = {"embed", "head", "loss", "final_norm", "layer_inputs", "head_loss", "split_batch", "capture",
+                  "layer_stack", "first_stage_modules", "last_stage_modules", "final_modules", "task", "loss_unit"}
 
 
 def _trainable_class(cls: type) -> type:
@@ -312,8 +319,9 @@ class TransformersModel(TrainableModel):
 
     def describe(self) -> str:
         """What this model's declarations allow, in one line."""
+        split = f"from its tp plan ({len(self.tp_split)} modules split)" if self.tp_split else "no (no tp plan)"
         return (f"layer stack {self.layer_stack} ({self.num_stack_layers} layers); data parallelism and ZeRO 0-3; "
-                f"tensor parallelism {'from its tp plan' if self.tp_split else 'no (no tp plan)'}; "
+                f"tensor parallelism {split}; "
                 f"pipeline parallelism {'from its pp plan' if self.has_pp_plan else 'no (no pp plan)'}")
 
     # ------------------------------------------------------------------ refusals, before any step
@@ -358,15 +366,14 @@ class TransformersModel(TrainableModel):
         return inputs, self._targets(batch.get("labels"), batch.get("shift_labels"))
 
     def _targets(self, labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor | None:
-        if self.task != "causal_lm" or shift_labels is not None:
-            return shift_labels if labels is None else labels
-        return None if labels is None else next_token_targets(labels)
+        """A causal LM's next-token targets (`CausalLM.targets`), another task's labels as they are."""
+        return CausalLM.targets(labels, shift_labels) if self.task == "causal_lm" else labels
 
     def forward(self, *args, labels: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
                 return_logits: bool = True, **kwargs):
         """transformers' forward (no KV cache in training), the loss over the targets computed here
-        (`loss`) plus whatever auxiliary loss the model's forward returns (a MoE's router loss, times
-        its coefficient); ``return_logits=False`` leaves split logits ungathered (training)."""
+        (`loss`) plus, in training, the auxiliary loss the model's forward returns (a MoE's router
+        loss, times its coefficient); ``return_logits=False`` leaves split logits ungathered."""
         if self.training:
             kwargs.setdefault("use_cache", False)
         output = self.transformers_class.forward(self, *args, **kwargs)
@@ -375,7 +382,7 @@ class TransformersModel(TrainableModel):
         if targets is not None:
             loss = self.loss(logits, targets)
             aux = getattr(output, "aux_loss", None)
-            if aux is not None:
+            if aux is not None and self.training:  # evaluation reports the loss over the targets alone
                 loss = loss + self._aux_coefficient() * aux.to(loss.device)
             output.loss = loss
         head = self._lm_head()
@@ -383,8 +390,15 @@ class TransformersModel(TrainableModel):
         return output
 
     def _aux_coefficient(self) -> float:
-        """The weight transformers gives the router loss it returns."""
-        return float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
+        """The weight transformers' forward gives the router loss it returns: the model's own
+        attribute, as its forward reads it (DBRX sets it from its ffn config), else the config's
+        (JetMoe names it aux_loss_coef)."""
+        for owner in (self, self.config):
+            for name in ("router_aux_loss_coef", "aux_loss_coef"):
+                value = owner.__dict__.get(name) if owner is self else getattr(owner, name, None)
+                if value is not None:
+                    return float(value)
+        return 0.0
 
     def _lm_head(self) -> LMHead | None:
         head = self.get_output_embeddings() if self.task in ("causal_lm", "masked_lm") else None
@@ -501,7 +515,7 @@ class TransformersModel(TrainableModel):
             chain.append(chain[-1].rpartition(".")[0])
         with torch.random.fork_rng(devices=[]):
             if generator is not None:
-                torch.manual_seed(generator.initial_seed())
+                torch.default_generator.manual_seed(generator.initial_seed())  # the CPU's: the tensor is there
             for ancestor in chain[:-1] if len(chain) > 1 else chain:
                 owner._init_weights(_shell(self.get_submodule(ancestor), {id(param): value}))
         if tensor.is_floating_point() and torch.isnan(tensor).any():
@@ -519,9 +533,10 @@ class TransformersModel(TrainableModel):
 
         with init_empty_weights(include_buffers=False):
             fresh = dict(self.transformers_class(self.config).named_buffers())
-        for name, buffer in self.named_buffers():
+        for name, buffer in list(self.named_buffers()):
             if name in fresh and fresh[name].shape == buffer.shape:
-                buffer.copy_(fresh[name])
+                owner, _, attribute = name.rpartition(".")
+                self.get_submodule(owner)._buffers[attribute] = fresh[name].to(buffer.device)
         for path, module in self.named_modules():
             buffers = {id(b): b for b in module._buffers.values() if b is not None}
             if buffers:
@@ -548,7 +563,8 @@ class TransformersModel(TrainableModel):
 
     def flops_per_token(self, seq_len: int) -> float:
         """PaLM's count (contract.py): 6 × the multiplied parameters (the looked-up tables aside)
-        + 12 × attention width × seq_len per layer that holds an attention module."""
+        + 12 × attention width × seq_len per layer that holds an attention module. A transformers
+        MoE's routing is not read: all its experts count, so its MFU is an upper bound."""
         last = {id(p) for path in self.last_stage_modules for p in self.get_submodule(path).parameters()}
         looked_up = {id(p) for m in self.modules() if isinstance(m, nn.Embedding)
                      for p in m.parameters(recurse=False)} - last

@@ -91,12 +91,18 @@ class _WithoutRootHooks:
         return self.forward(*args, **kwargs)
 
 
+_PROXY_CLASSES: dict[type, type] = {}
+
+
 def _without_root_hooks(model: nn.Module) -> nn.Module:
     """`model` as `generate` sees it: the same module (its state is the model's own ``__dict__``),
     of a subclass of its class whose call skips the root's hooks, so that the model's own methods
     (transformers' generate calling ``self(...)``, ``super()`` in them) run as they would on it."""
-    cls = type(f"{type(model).__name__}WithoutRootHooks", (_WithoutRootHooks, type(model)), {})
-    proxy = object.__new__(cls)  # not cls(): FSDP's module classes construct their model anew in __new__
+    model_class = type(model)
+    if model_class not in _PROXY_CLASSES:
+        _PROXY_CLASSES[model_class] = type(f"{model_class.__name__}WithoutRootHooks", (_WithoutRootHooks, model_class),
+                                           {})
+    proxy = object.__new__(_PROXY_CLASSES[model_class])  # not cls(): FSDP's module classes construct their model anew in __new__
     proxy.__dict__ = model.__dict__
     return proxy
 
