@@ -37,7 +37,8 @@ from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM, SmolLM3Model
 from .transformers_model import TransformersModel, instantiate_model, is_transformers_model, trainable
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
-__all__ = ["PreTrainedModel", "TrainableModel", "TransformersModel", "trainable", "instantiate_model", "is_transformers_model", "CausalLM", "check_trainable", "get_layer_stack", "GPT2Config",
+__all__ = ["PreTrainedModel", "TrainableModel", "TransformersModel", "trainable", "instantiate_model",
+           "is_transformers_model", "CausalLM", "check_trainable", "get_layer_stack", "GPT2Config",
            "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM",
            "BertForSequenceClassification",
            "ViTConfig", "ViTModel", "ViTForImageClassification", "LlamaConfig", "LlamaModel", "LlamaForCausalLM",
