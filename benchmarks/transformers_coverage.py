@@ -427,7 +427,7 @@ def _outcome(run: Callable[[dict], list[float]]) -> dict:
 
 
 class _Alarm(Exception):
-    pass
+    """A case past its time limit (SIGALRM)."""
 
 
 def _alarm(signum, frame):

@@ -103,6 +103,11 @@ class TrainableModel(ABC):
         """Why this model cannot be cut into pipeline stages ([] when it can: default)."""
         return []
 
+    def layout_problems(self, *, sequence_parallel: bool, cp: int, ep: int) -> list[str]:
+        """Why this model cannot run with sequence parallelism, at this cp or this ep ([] when it
+        can: default; the layers' own limits are asked of them, `cp_problems`, `expert_problems`)."""
+        return []
+
     def router_stats(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """First stage: the tensor the stack's Mixture-of-Experts layers add their routing statistics
         to (each layer then returns ``(hidden, stats)``), from the model inputs; None for a model
@@ -192,7 +197,8 @@ def check_trainable(model: nn.Module) -> None:
     missing = [member for member in ("layer_stack", "first_stage_modules", "last_stage_modules", "loss_unit",
                                      "main_input_name") if not hasattr(model, member)]
     methods = sorted(TrainableModel.__abstractmethods__) + ["split_batch", "head_loss", "num_loss_targets",
-                                                           "flops_per_token", "init_parameter", "input_limits"]
+                                                           "flops_per_token", "init_parameter", "input_limits",
+                                                           "pipeline_problems", "layout_problems"]
     missing += [member for member in methods if not callable(getattr(model, member, None))]
     if not isinstance(model, nn.Module):
         missing.insert(0, "nn.Module as a base class")

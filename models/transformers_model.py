@@ -284,7 +284,6 @@ class TransformersModel(TrainableModel):
     # ------------------------------------------------------------------ structure, from the plans
     def _adapt(self, task: str) -> None:
         self.task, self.loss_unit = task, LOSS_UNITS[task]
-        self.has_aux_loss = False  # a transformers MoE adds its router loss to forward's loss itself
         body_prefix = self.base_model_prefix
         body = self.base_model
         plan = [key for key in getattr(body, "_pp_plan", None) or {} if _has_submodule(body, key)]
@@ -330,8 +329,8 @@ class TransformersModel(TrainableModel):
         return tp_plan_problems(self, tp_size)
 
     def layout_problems(self, *, sequence_parallel: bool, cp: int, ep: int) -> list[str]:
-        """What of a layout only the zoo's own layers do (transformers' attention and MoE layers
-        know no sequence, context or expert split), each with the way out."""
+        """Only the zoo's own layers split over sequence, context and experts (transformers'
+        attention and MoE layers know no such split): each asked for is refused with the way out."""
         name = type(self).__name__
         problems = []
         if sequence_parallel:
@@ -493,11 +492,16 @@ class TransformersModel(TrainableModel):
             self._modules[prefix] = body
 
     # ------------------------------------------------------------------ weights
-    def _owner(self, module_path: str) -> nn.Module:
-        """The transformers model whose `_init_weights` initialises the module at `module_path`."""
-        owners = [name for name, m in self.named_modules() if isinstance(m, _transformers_base())
-                  and (not name or module_path == name or module_path.startswith(name + "."))]
-        return self.get_submodule(max(owners, key=len))
+    def _initialised_by(self, path: str) -> tuple[nn.Module, list[nn.Module]]:
+        """(the transformers model whose `_init_weights` initialises the module at `path`, that
+        module and its ancestors below the model, children first as transformers applies it;
+        containers such as the layer stack's ModuleList, which no `_init_weights` knows, left out)."""
+        chain = []
+        while not isinstance(module := self.get_submodule(path), _transformers_base()):
+            if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                chain.append(module)
+            path = path.rpartition(".")[0]
+        return module, chain or [module]
 
     def init_parameter(self, name: str, module: nn.Module, tensor: torch.Tensor,
                        generator: torch.Generator | None) -> None:
@@ -510,14 +514,12 @@ class TransformersModel(TrainableModel):
         path, _, attribute = name.rpartition(".")
         value = nn.Parameter(tensor.fill_(math.nan), requires_grad=False) if tensor.is_floating_point() else tensor
         param = module._parameters[attribute]
-        owner, chain = self._owner(path), [path]
-        while chain[-1] and not isinstance(self.get_submodule(chain[-1]), _transformers_base()):
-            chain.append(chain[-1].rpartition(".")[0])
+        owner, chain = self._initialised_by(path)
         with torch.random.fork_rng(devices=[]):
             if generator is not None:
                 torch.default_generator.manual_seed(generator.initial_seed())  # the CPU's: the tensor is there
-            for ancestor in chain[:-1] if len(chain) > 1 else chain:
-                owner._init_weights(_shell(self.get_submodule(ancestor), {id(param): value}))
+            for ancestor in chain:
+                owner._init_weights(_shell(ancestor, {id(param): value}))
         if tensor.is_floating_point() and torch.isnan(tensor).any():
             super().init_parameter(name, module, tensor, generator)
 
@@ -540,7 +542,7 @@ class TransformersModel(TrainableModel):
         for path, module in self.named_modules():
             buffers = {id(b): b for b in module._buffers.values() if b is not None}
             if buffers:
-                self._owner(path)._init_weights(_shell(module, buffers))
+                self._initialised_by(path)[0]._init_weights(_shell(module, buffers))
 
     def hf_weight_map(self) -> WeightMap:
         """transformers' names are the model's own: every tensor maps to itself, except the

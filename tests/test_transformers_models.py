@@ -34,10 +34,10 @@ from libai_zoo.layers import apply_lora
 from libai_zoo.models import TransformersModel, trainable
 from libai_zoo.parallel import materialize
 from layouts import LAYOUTS, overrides
-from trainer_runs import losses, run_trainer
+from test_parallel_training import STEPS, _assert_same, train
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, GLOBAL_BATCH, TOL, SAVED_AT = 4, 8, 1e-5, 2
+SAVED_AT = 2  # the checkpoint phi_resume_pp2_1f1b starts from: steps 3-4 are the resumed run's
 SIZES = dict(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 #: name -> (transformers config class, its distinguishing features and no dropout)
@@ -92,28 +92,14 @@ def setup(root: Path) -> None:
                                                   tokenizer=ROOT / "data/tokenizer", cache=root / "cache"))
 
 
-def _train(root: str, name: str, model: str, extra: list[str], *, resume: bool = False,
-           interrupt_after: int | None = None) -> dict[int, float]:
-    cfg = LazyConfig.load(f"{root}/config.py")
-    cfg.model = cfg.models[model]
-    cfg = LazyConfig.apply_overrides(cfg, [
-        f"train.output_dir={root}/{name}", f"train.max_iter={STEPS}", f"train.global_batch_size={GLOBAL_BATCH}",
-        "train.log_period=1", "train.checkpoint.period=0", "optim.lr=3e-3", "train.clip_grad_norm=1.0", *extra])
-    try:
-        run_trainer(cfg, resume=resume, interrupt_after=interrupt_after)
-    except KeyboardInterrupt:
-        pass
-    return losses(Path(root) / name)
-
-
 def _run(root: str, model: str, layout: str, extra: tuple = ()) -> dict[int, float]:
     name = f"{'lora' if extra == LORA else model}_{layout}"
-    return _train(root, name, model, [*overrides(layout), *extra])
+    return train(f"{root}/config.py", f"{root}/{name}", model, [*overrides(layout), *extra])
 
 
 def _checkpoint(root: str) -> None:
-    _train(root, "phi_ckpt", "phi", [*overrides("dp2_tp2_zero3"), f"train.checkpoint.period={SAVED_AT}"],
-           interrupt_after=SAVED_AT)
+    train(f"{root}/config.py", f"{root}/phi_ckpt", "phi",
+          [*overrides("dp2_tp2_zero3"), f"train.checkpoint.period={SAVED_AT}"], interrupt_after=SAVED_AT)
 
 
 def _resume(root: str, layout: str) -> dict[int, float]:
@@ -122,7 +108,7 @@ def _resume(root: str, layout: str) -> dict[int, float]:
         shutil.copytree(f"{root}/phi_ckpt", target)
         (Path(target) / "metrics.json").unlink()
     torch.distributed.barrier()
-    return _train(root, f"phi_ckpt_resume_{layout}", "phi", [*overrides(layout)], resume=True)
+    return train(f"{root}/config.py", target, "phi", [*overrides(layout)], resume=True)
 
 
 #: LoRA by transformers' module names (the zoo's adapters on the layers the door swapped in)
@@ -149,12 +135,6 @@ CASES = {
 RUNS = Cases(__file__, CASES, setup)
 runs = RUNS.fixture()
 LAYOUT_CASES = [f"{model}_{layout}" for model, layouts in TRAINED.items() for layout in layouts]
-
-
-def _assert_same(got: dict[int, float], reference: dict[int, float], steps) -> None:
-    assert sorted(got) == list(steps), got
-    worst = max(abs(got[i] - reference[i]) / abs(reference[i]) for i in steps)
-    assert worst <= TOL, (worst, got, reference)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from torch import nn
 
 from libai_zoo import distributed
 from libai_zoo.config import ConfigError, RunSettings, run_settings
-from libai_zoo.models import CausalLM, TransformersModel, get_layer_stack, instantiate_model
+from libai_zoo.models import CausalLM, check_trainable, get_layer_stack, instantiate_model
 from libai_zoo.parallel import check_pipeline_layout
 
 
@@ -31,11 +31,10 @@ def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: 
     device: no memory, nothing read but a config)."""
     with torch.device("meta"):
         model = instantiate_model(cfg.model)
-    if isinstance(model, TransformersModel):
-        problems = model.layout_problems(sequence_parallel=tp > 1 and run_settings(cfg).sequence_parallel, cp=cp, ep=ep)
-        if problems:
-            raise ConfigError(f"{type(model).__name__} (transformers' own model) cannot run this layout:\n  "
-                              + "\n  ".join(problems))
+    check_trainable(model)
+    problems = model.layout_problems(sequence_parallel=tp > 1 and run_settings(cfg).sequence_parallel, cp=cp, ep=ep)
+    if problems:
+        raise ConfigError(f"{type(model).__name__} cannot run this layout:\n  " + "\n  ".join(problems))
     if cp > 1:
         check_context_parallel(model, cp, tp, run_settings(cfg))
     problems = distributed.tp_problems(model, tp) if tp > 1 else []
