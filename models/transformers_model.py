@@ -573,7 +573,8 @@ class TransformersModel(TrainableModel):
         multiplied = sum(p.numel() for p in self.parameters() if id(p) not in looked_up)
         config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         heads = getattr(config, "num_attention_heads", 0) or 0
-        width = heads * (getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0))
+        head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0)
+        width = heads * head_dim
         attention_layers = sum(any(type(m).__name__.endswith("Attention") for m in layer.modules())
                                for layer in self.get_submodule(self.layer_stack))
         return 6 * multiplied + 12 * width * seq_len * attention_layers
