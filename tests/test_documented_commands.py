@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import runpy
 import json
+import multiprocessing
 import shlex
 import sys
 import time
@@ -171,8 +172,11 @@ def _run_script(argv: list[str]) -> None:
         sys.argv = saved
 
 
-def _worker(rank: int, world_size: int, port: int, env: dict[str, str], argv: list[str]) -> None:
-    """A worker as torchrun starts it: its ranks, and the agent's store (the test's) to meet in."""
+def _worker(rank: int, world_size: int, port: int, cwd: str, env: dict[str, str], argv: list[str]) -> None:
+    """A worker as torchrun starts it: the test's directory and environment, its ranks, and the agent's
+    store (the test's) to meet in."""
+    os.chdir(cwd)
+    os.environ.clear()
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
@@ -180,12 +184,19 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], argv: li
     _run_script(argv)
 
 
+#: what the fork server imports once, so that each worker forked from it starts warm
+multiprocessing.set_forkserver_preload([__name__, "libai_zoo.engine", "libai_zoo.models", "transformers"])
+
+
 def _run_workers(nproc: int, env: dict[str, str], argv: list[str]) -> None:
-    """`argv` in `nproc` forked workers meeting in a store this process holds, as torchrun's agent
-    does (no port to race for); a run past the deadline is killed and fails."""
+    """`argv` in `nproc` workers meeting in a store this process holds, as torchrun's agent does (no
+    port to race for); a run past the deadline is killed and fails. The workers fork from a fork
+    server, never from this process: a fork copies only the forking thread, and this one has others
+    (the store's server, gloo's and OpenMP's from earlier runs, tqdm's monitor) whose held locks
+    hung a forked worker before its first line now and then."""
     store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
-    workers = mp.start_processes(_worker, args=(nproc, store.port, env, argv), nprocs=nproc, start_method="fork",
-                                 join=False)
+    workers = mp.start_processes(_worker, args=(nproc, store.port, os.getcwd(), {**os.environ, **env}, argv),
+                                 nprocs=nproc, start_method="forkserver", join=False)
     deadline = time.monotonic() + DEADLINE_S
     while not workers.join(timeout=1):
         if time.monotonic() > deadline:
