@@ -5,7 +5,8 @@ the fix, not `IndexError: index out of range in self` at the embedding, possibly
     check_dataset(train_dataset, **model.input_limits())   # {"vocab_size": ..., "max_positions": ...}
 
 A dataset takes part by offering `TokenDataset`'s three members (the zoo's token datasets do);
-`datasets.Dataset`s with an input_ids column are read through Arrow; blends, ConcatDataset and
+`datasets.Dataset`s with an input_ids column are read through Arrow (their target token ids too: a
+reply's labels, shift_labels); blends, ConcatDataset and
 Subset are checked part by part (a Subset as its whole dataset); others (images) hold no token ids
 and are skipped. A dataset that knows its tokenizer (`tokenizer_vocab_size`, `tokenizer_dir`: those
 of `build_text_dataset`) has the tokenizer's vocabulary checked first; a stream is checked that way
@@ -19,10 +20,14 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import datasets
+import pyarrow as pa
 import pyarrow.compute as pc
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from .blending import BlendedDataset
+
+#: columns of target token ids (a sequence-to-sequence reply, a shifted LM target), checked as input_ids are
+TARGET_COLUMNS = ("labels", "shift_labels")
 
 
 class TokenIdRange(NamedTuple):
@@ -124,8 +129,16 @@ def _inputs(dataset: Dataset) -> _Inputs | None:
             or f"the datasets.Dataset of {dataset.num_rows} rows"
 
         def ranges() -> list[TokenIdRange]:
-            found = pc.min_max(pc.list_flatten(column)).as_py()
-            return [] if found["min"] is None else [TokenIdRange(source, found["min"], found["max"])]
+            found = []
+            for name in ("input_ids", *TARGET_COLUMNS):
+                if name in dataset.column_names and pa.types.is_list(dataset.data.column(name).type):
+                    ids = pc.list_flatten(dataset.data.column(name))
+                    ids = ids.filter(pc.greater_equal(ids, 0))  # IGNORE_INDEX scores nothing
+                    low_high = pc.min_max(ids).as_py()
+                    if low_high["min"] is not None:
+                        what = source if name == "input_ids" else f"the {name} of {source}"
+                        found.append(TokenIdRange(what, low_high["min"], low_high["max"]))
+            return found
 
         key = "seq_len" if hasattr(dataset, "seq_len") else "max_length"  # the builder's argument
         return _Inputs(source, pc.max(pc.list_value_length(column)).as_py() or 0, key, ranges)
