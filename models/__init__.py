@@ -14,7 +14,7 @@ from .auto import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImag
                    AutoModelForSequenceClassification)
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from .causal_lm import CausalLM
-from .contract import TrainableModel, check_trainable, get_layer_stack
+from .contract import Stack, TrainableModel, all_layers, check_trainable, get_layer_stack
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model
 from .gemma import (Gemma2Config, Gemma2ForCausalLM, Gemma2Model, Gemma3ForCausalLM, Gemma3TextConfig, Gemma3TextModel,
                     GemmaConfig, GemmaForCausalLM, GemmaModel)
@@ -38,8 +38,8 @@ from .transformers_model import TransformersModel, instantiate_model, is_transfo
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
 __all__ = ["PreTrainedModel", "TrainableModel", "TransformersModel", "trainable", "instantiate_model",
-           "is_transformers_model", "CausalLM", "check_trainable", "get_layer_stack", "GPT2Config",
-           "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM",
+           "is_transformers_model", "CausalLM", "check_trainable", "get_layer_stack", "all_layers", "Stack",
+           "GPT2Config", "GPT2Model", "GPT2LMHeadModel", "BertConfig", "BertModel", "BertForMaskedLM",
            "BertForSequenceClassification",
            "ViTConfig", "ViTModel", "ViTForImageClassification", "LlamaConfig", "LlamaModel", "LlamaForCausalLM",
            "GPTNeoXConfig", "GPTNeoXModel", "GPTNeoXForCausalLM", "Qwen3Config", "Qwen3Model", "Qwen3ForCausalLM",

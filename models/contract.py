@@ -12,6 +12,11 @@ under data, tensor and pipeline parallelism like the zoo's. How one step uses th
       every stage   hidden = layer(hidden, **model.layer_inputs(inputs, hidden))  for its layers of the stack
       last stage    model.head_loss(model.final_norm(hidden), targets, reduction="sum")
                     (= model.loss(model.head(hidden), ...), summed over the targets)
+    two stacks      an encoder-decoder's stacks run in a row (`stacks()`): a stage that holds a later
+                    stack's first layer enters it, ``hidden, carried = model.enter_stack(k, hidden,
+                    carried, inputs)`` (the decoder's embedding; the encoder's output, carried on to
+                    every later stage), and a stack's layers take ``model.stack_layer_inputs(k, inputs,
+                    hidden, carried)``
     routed experts  stats = model.router_stats(inputs) (None without MoE layers) travels with the
                     hidden states: ``hidden, stats = layer(hidden, ..., router_stats=stats)``; the
                     last stage adds model.aux_loss(stats) per micro-batch when model.has_aux_loss
@@ -28,6 +33,7 @@ the vocabulary) and `loss` works on them as they are; `forward` gathers them for
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,6 +42,24 @@ from libai_zoo.layers import Attention, LatentAttention, LayerNorm, MoE, RMSNorm
 
 IGNORE_INDEX = -100  # a target the loss skips (transformers' convention)
 LOSS_UNITS = ("token", "sample")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One stack of repeated layers, and what a pipeline stage that runs some of its layers also
+    holds. A model runs its stacks in a row (an encoder-decoder: the encoder's, then the decoder's);
+    the engine reads them only through `TrainableModel.stacks`."""
+
+    #: Dotted path of its `nn.ModuleList`: pipeline stages cut the stacks' layers, in a row, into
+    #: ranges; recomputation, ZeRO-3 and compile wrap each layer.
+    path: str
+    #: What the stage that runs its first layer holds: the first stack's are `first_stage_modules`;
+    #: a later stack's what `enter_stack` runs (the encoder's final norm, the decoder's embedding).
+    entry_modules: tuple[str, ...] = ()
+    #: What every stage that runs one of its layers holds (a relative position bias its layers share).
+    shared_modules: tuple[str, ...] = ()
+    #: Tensors a stage inside it gets besides the hidden states (a decoder's: the encoder's output).
+    carries: int = 0
 
 
 class TrainableModel(ABC):
@@ -107,6 +131,26 @@ class TrainableModel(ABC):
         """Why this model cannot run with sequence parallelism, at this cp or this ep ([] when it
         can: default; the layers' own limits are asked of them, `cp_problems`, `expert_problems`)."""
         return []
+
+    def stacks(self) -> tuple[Stack, ...]:
+        """The model's stacks of layers in the order they run: `layer_stack` alone (default); an
+        encoder-decoder gives the encoder's (its `layer_stack`) and then the decoder's. A parameter
+        that several stages hold (an embedding shared by the encoder, the decoder and the head; a
+        stack's position bias) is kept in sync between them."""
+        return (Stack(self.layer_stack, tuple(self.first_stage_modules)),)
+
+    def enter_stack(self, index: int, hidden: torch.Tensor, carried: tuple[torch.Tensor, ...],
+                    inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The hidden states and carried tensors stack `index` (> 0) starts from, given the previous
+        stack's last hidden states and carried tensors (an encoder-decoder: the decoder's embedded
+        inputs, and the encoder's normalised output, which every later stage receives)."""
+        raise NotImplementedError(f"{type(self).__name__} has one stack of layers")
+
+    def stack_layer_inputs(self, index: int, inputs: dict[str, torch.Tensor], hidden: torch.Tensor,
+                           carried: tuple[torch.Tensor, ...]) -> dict:
+        """The keyword arguments every layer of stack `index` takes (`layer_inputs` for the first
+        stack, by default); `carried` are the tensors `enter_stack` gave the stack."""
+        return self.layer_inputs(inputs, hidden)
 
     def router_stats(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """First stage: the tensor the stack's Mixture-of-Experts layers add their routing statistics
@@ -181,14 +225,19 @@ class TrainableModel(ABC):
         share = {id(p): moe.top_k / moe.num_experts for moe in self.modules() if isinstance(moe, MoE)
                  for p in moe.experts.parameters()}
         multiplied = sum(p.numel() * share.get(id(p), 1.0) for p in self.parameters() if id(p) not in looked_up)
-        attention = sum(12 * m.attention_width * seq_len for m in get_layer_stack(self).modules()
+        attention = sum(12 * m.attention_width * seq_len for layer in all_layers(self) for m in layer.modules()
                         if isinstance(m, (Attention, LatentAttention)))
         return 6 * multiplied + attention
 
 
 def get_layer_stack(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of repeated layers (all of them, or a pipeline stage's)."""
+    """The model's (first) stack of repeated layers (all of them, or a pipeline stage's)."""
     return model.get_submodule(model.layer_stack)
+
+
+def all_layers(model: nn.Module) -> list[nn.Module]:
+    """Every layer of the model's stacks, in the order they run (of a pipeline stage: its layers)."""
+    return [layer for stack in model.stacks() for layer in model.get_submodule(stack.path)]
 
 
 def check_trainable(model: nn.Module) -> None:
@@ -198,7 +247,8 @@ def check_trainable(model: nn.Module) -> None:
                                      "main_input_name") if not hasattr(model, member)]
     methods = sorted(TrainableModel.__abstractmethods__) + ["split_batch", "head_loss", "num_loss_targets",
                                                            "flops_per_token", "init_parameter", "input_limits",
-                                                           "pipeline_problems", "layout_problems"]
+                                                           "pipeline_problems", "layout_problems", "stacks",
+                                                           "stack_layer_inputs"]
     missing += [member for member in methods if not callable(getattr(model, member, None))]
     if not isinstance(model, nn.Module):
         missing.insert(0, "nn.Module as a base class")
@@ -211,14 +261,20 @@ def check_trainable(model: nn.Module) -> None:
     wrong = []
     if model.loss_unit not in LOSS_UNITS:
         wrong.append(f"loss_unit = {model.loss_unit!r} is not one of {LOSS_UNITS}")
-    for path in (model.layer_stack, *model.first_stage_modules, *model.last_stage_modules):
+    stacks = model.stacks()
+    if stacks[0].path != model.layer_stack:
+        wrong.append(f"the first of stacks() is {stacks[0].path!r}, not layer_stack {model.layer_stack!r}")
+    stack_modules = [path for stack in stacks for path in (*stack.entry_modules, *stack.shared_modules)]
+    for path in (*(stack.path for stack in stacks), *model.first_stage_modules, *model.last_stage_modules,
+                 *stack_modules):
         try:
             model.get_submodule(path)
         except AttributeError:
             wrong.append(f"{path!r} names no submodule")
-    if not wrong and not isinstance(get_layer_stack(model), nn.ModuleList):
-        wrong.append(f"layer_stack {model.layer_stack!r} is a {type(get_layer_stack(model)).__name__}, not an "
-                     f"nn.ModuleList")
+    for stack in stacks if not wrong else ():
+        if not isinstance(model.get_submodule(stack.path), nn.ModuleList):
+            wrong.append(f"layer stack {stack.path!r} is a {type(model.get_submodule(stack.path)).__name__}, not "
+                         f"an nn.ModuleList")
     if wrong:
         raise TypeError(f"{name} does not fit the model contract (libai_zoo.models.TrainableModel): "
                         + "; ".join(wrong))

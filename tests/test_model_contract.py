@@ -160,7 +160,8 @@ def test_a_user_model_trains_at_tp2_and_pp2_like_one_process(tmp_path):
 @pytest.mark.parametrize("model, message", [
     ("HeadlessTagger", "HeadlessTagger does not implement the model contract (libai_zoo.models.TrainableModel): "
                        "it lacks layer_stack, main_input_name, final_norm, split_batch, head_loss, num_loss_targets, "
-                       "flops_per_token, init_parameter, input_limits, pipeline_problems, layout_problems, forward; "
+                       "flops_per_token, init_parameter, input_limits, pipeline_problems, layout_problems, stacks, "
+                       "stack_layer_inputs, forward; "
                        "subclass TrainableModel"),
     ("MisnamedStack", "MisnamedStack does not fit the model contract (libai_zoo.models.TrainableModel): "
                       "'layers' names no submodule")])

@@ -39,7 +39,7 @@ from libai_zoo.checkpoint import Checkpointer, commit
 from libai_zoo.config import LazyCall, LazyConfig, instantiate
 from libai_zoo.hf import apply_lora_config, read_config, save_peft_adapter
 from libai_zoo.layers import merge_lora
-from libai_zoo.models import auto, check_trainable, get_layer_stack
+from libai_zoo.models import all_layers, auto, check_trainable
 
 logger = logging.getLogger("libai_zoo")
 
@@ -75,7 +75,7 @@ def check_layout(model: nn.Module, dp: int = 1, tp: int = 1, pp: int = 1) -> lis
         except TypeError as error:
             problems.append(f"pp = {pp}: {error}")
         else:
-            layers = len(get_layer_stack(model))
+            layers = len(all_layers(model))
             if pp > layers:
                 problems.append(f"pp = {pp} is larger than the number of layers {layers}: every pipeline stage "
                                 f"needs at least one layer; lower pp")

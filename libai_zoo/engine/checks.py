@@ -11,7 +11,7 @@ from torch import nn
 
 from libai_zoo import distributed
 from libai_zoo.config import ConfigError, RunSettings, run_settings
-from libai_zoo.models import CausalLM, check_trainable, get_layer_stack, instantiate_model
+from libai_zoo.models import CausalLM, all_layers, check_trainable, instantiate_model
 from libai_zoo.parallel import check_pipeline_layout
 
 
@@ -49,7 +49,7 @@ def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: 
         raise ConfigError(f"the model cannot be cut into dist.pp = {pp} pipeline stages:\n  " + "\n  ".join(problems))
     if pp > 1:
         pipe = run_settings(cfg).pipeline
-        check_pipeline_layout(len(get_layer_stack(model)), pp, schedule=pipe.schedule,
+        check_pipeline_layout(len(all_layers(model)), pp, schedule=pipe.schedule,
                               num_micro_batches=num_micro_batches, virtual_stages=pipe.virtual_stages,
                               boundaries=pipe.boundaries)
 

@@ -31,7 +31,7 @@ from libai_zoo.config import LazyConfig, instantiate, run_settings, typed
 from libai_zoo.data import MicroBatchSampler, check_dataset, stream_micro_batches
 from libai_zoo.hf import HFWeightReader, apply_lora_config, load_hf_parts, load_peft_adapter, read_peft_adapter
 from libai_zoo.layers import lora_adapters
-from libai_zoo.models import TransformersModel, get_layer_stack, instantiate_model
+from libai_zoo.models import TransformersModel, all_layers, instantiate_model
 from libai_zoo.optim import ConfiguredSettings, build_optimizer
 from libai_zoo.plan import agree_on_layout
 from libai_zoo.parallel import (DataParallel, Parallelized, fsdp_param_dtype, layer_by_layer, materialize, parallelize,
@@ -112,7 +112,7 @@ class DefaultTrainer(TrainerBase):
         built = self.build_model(cfg)
         self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
         self.whole_model = built.model
-        self.layers = [layer for part in self.model_parts for layer in get_layer_stack(part)]
+        self.layers = [layer for part in self.model_parts for layer in all_layers(part)]
         self.train_dataset = instantiate(cfg.dataloader.train)
         check_dataset(self.train_dataset, **self.whole_model.input_limits())
         self.optimizer = self.build_optimizer(cfg, self.model_parts)

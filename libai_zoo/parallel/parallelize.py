@@ -13,7 +13,7 @@ from torch import nn
 
 from libai_zoo import distributed
 from libai_zoo.config import PipelineSettings, Recompute
-from libai_zoo.models import check_trainable, get_layer_stack, trainable
+from libai_zoo.models import all_layers, check_trainable, trainable
 
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel
@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_paralle
                           virtual_stages=pipeline.virtual_stages, boundaries=pipeline.boundaries)
         logger.info("%s", stages)
         parts, roots = stages.model_parts, stages.stages
-    stacks = [list(get_layer_stack(part)) for part in parts]
+    stacks = [all_layers(part) for part in parts]
     layers = [layer for stack in stacks for layer in stack]
     cast_residual(layers, residual)
     if activation_checkpoint is not None:

@@ -1,7 +1,8 @@
 """Pipeline parallelism on `torch.distributed.pipelining`, for any model that implements the
 model contract (`libai_zoo.models.TrainableModel`).
 
-The model's layer stack is cut into contiguous ranges, one per stage; stage s runs on pp rank
+The model's layer stack (an encoder-decoder's two stacks, in a row: `TrainableModel.stacks`) is
+cut into contiguous ranges, one per stage; stage s runs on pp rank
 s % pp ("looped" placement, what the interleaved schedules expect), or V-shaped for ZBV. Each
 stage is a pruned copy of the full model (the approach torchtitan takes): the modules the stage
 does not run are left out, the layers it keeps stay under their original indices, so a stage's
@@ -13,6 +14,9 @@ are its model parts (`Pipeline.model_parts`), real modules the trainer hands to 
     stage s      layers[a:b]             each layer(x, **model.layer_inputs(inputs, x))
     stage S-1    layers[c:L] -> model.head_loss(model.final_norm(x), targets, "sum") x loss_scale
                  (the head and its loss inside the stage: a causal LM's in chunks of tokens)
+    two stacks   the stage running the decoder's first layer: x, (enc,) = model.enter_stack(1, x, (), inputs)
+                 (the decoder's embedding, the encoder's normalised output); enc then travels with x
+                 through every later stage, and its gradient comes back the same way
 
 The batch's main input (``model.main_input_name``) enters the first stage; its other inputs
 (attention mask, positions, ...) go to every stage as keyword arguments, split into micro-batches
@@ -47,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from libai_zoo.config import ConfigError, PipelineConfig
 from libai_zoo.distributed import ContextParallel, ExpertParallel, ParallelContext, TensorParallel
 from libai_zoo.layers import uncounted
-from libai_zoo.models import check_trainable, get_layer_stack
+from libai_zoo.models import Stack, check_trainable
 
 @dataclass(frozen=True)
 class _ScheduleKind:
@@ -145,14 +149,28 @@ class StageLayers(nn.ModuleList):
     __repr__ = nn.Module.__repr__  # ModuleList's would number the layers by position
 
 
-def _full_layer_stack(model: nn.Module) -> nn.ModuleList:
-    """The whole layer stack of a model that implements the contract; a TypeError/ValueError otherwise."""
+def _full_stacks(model: nn.Module) -> list[tuple[Stack, nn.ModuleList]]:
+    """Every stack of a model that implements the contract, with its whole layer list; a
+    TypeError/ValueError otherwise."""
     check_trainable(model)
-    layers = get_layer_stack(model)
-    if isinstance(layers, StageLayers):
-        raise ValueError(f"{type(model).__name__}.{model.layer_stack} is a pipeline stage's slice of the layers: "
-                         f"pass the full model")
-    return layers
+    stacks = [(stack, model.get_submodule(stack.path)) for stack in model.stacks()]
+    for stack, layers in stacks:
+        if isinstance(layers, StageLayers):
+            raise ValueError(f"{type(model).__name__}.{stack.path} is a pipeline stage's slice of the layers: "
+                             f"pass the full model")
+    return stacks
+
+
+def _stack_ranges(stacks: list[tuple[Stack, nn.ModuleList]], layer_range: range) -> list[tuple[int, range]]:
+    """(stack index, the stack's own layer indices) of each stack `layer_range` (indices into the
+    stacks' layers in a row) runs, in order."""
+    parts, start = [], 0
+    for index, (_, layers) in enumerate(stacks):
+        own = range(max(layer_range.start, start) - start, min(layer_range.stop, start + len(layers)) - start)
+        if own:
+            parts.append((index, own))
+        start += len(layers)
+    return parts
 
 
 def _shared_handles(model: nn.Module) -> dict[int, object]:
@@ -168,32 +186,52 @@ def _shared_handles(model: nn.Module) -> dict[int, object]:
     return memo
 
 
+def stage_modules(model: nn.Module, layer_range: range, is_first: bool, is_last: bool) -> set[str]:
+    """The paths of the modules besides its layers that a stage running `layer_range` holds: the
+    first stage's, the last stage's, the entry modules of a stack whose first layer it runs and
+    the shared modules of every stack it runs a layer of."""
+    stacks = _full_stacks(model)
+    held = set(model.first_stage_modules if is_first else ()) | set(model.last_stage_modules if is_last else ())
+    for index, own in _stack_ranges(stacks, layer_range):
+        stack = stacks[index][0]
+        held |= set(stack.shared_modules) | set(stack.entry_modules if own.start == 0 and index else ())
+    return held
+
+
+def _optional_modules(model: nn.Module) -> set[str]:
+    """Every module path that only some stages hold."""
+    return {*model.first_stage_modules, *model.last_stage_modules,
+            *(path for stack in model.stacks() for path in (*stack.entry_modules, *stack.shared_modules))}
+
+
 def prune_for_stage(model: nn.Module, layer_range: range, is_first: bool, is_last: bool) -> nn.Module:
     """A copy of `model` holding only what one stage runs, with the full model's parameter names.
 
-    The layer stack becomes a `StageLayers` of the layers in `layer_range` under their original
-    indices; the model's ``first_stage_modules`` (embeddings) are None unless `is_first`, its
-    ``last_stage_modules`` (final norm, head) are None unless `is_last`. Modules left out are never
-    copied. Process groups, meshes and tp, ep and cp handles are shared with `model`. A weight tied between
-    the two ends stays one Parameter when the stage is both first and last; otherwise the stage
-    that keeps one end gets its own copy of it.
+    `layer_range` indexes the model's stacks' layers in a row (one stack: its layers). Each stack
+    the stage runs becomes a `StageLayers` of its layers in the range under their original indices
+    (the others are empty); of the modules only some stages hold (`stage_modules`), the others are
+    None. Modules left out are never copied. Process groups, meshes and tp, ep and cp handles are
+    shared with `model`. A weight several of those modules share (a tied embedding and head) stays
+    one Parameter within a stage; each stage that holds it gets its own copy.
     """
-    layers = _full_layer_stack(model)
-    if not layer_range or layer_range.start < 0 or layer_range.stop > len(layers):
-        raise ValueError(f"layer range {layer_range} is empty or outside the {len(layers)} layers of the model")
+    stacks = _full_stacks(model)
+    total = sum(len(layers) for _, layers in stacks)
+    if not layer_range or layer_range.start < 0 or layer_range.stop > total:
+        raise ValueError(f"layer range {layer_range} is empty or outside the {total} layers of the model")
     memo = _shared_handles(model)
-    dropped = [layers[i] for i in range(len(layers)) if i not in layer_range]
-    if not is_first:
-        dropped += [model.get_submodule(path) for path in model.first_stage_modules]
-    if not is_last:
-        dropped += [model.get_submodule(path) for path in model.last_stage_modules]
+    own = dict(_stack_ranges(stacks, layer_range))
+    dropped = [layer for index, (_, layers) in enumerate(stacks) for i, layer in enumerate(layers)
+               if i not in own.get(index, ())]
+    held = {id(model.get_submodule(path)) for path in stage_modules(model, layer_range, is_first, is_last)}
+    dropped += [module for path in _optional_modules(model) if id(module := model.get_submodule(path)) not in held]
     for module in dropped:
         memo[id(module)] = None  # deepcopy returns None for it: left out, never copied
     pruned = copy.deepcopy(model, memo)
-    owner, _, name = model.layer_stack.rpartition(".")
-    stack_owner = pruned.get_submodule(owner)
-    copied = getattr(stack_owner, name)
-    setattr(stack_owner, name, StageLayers({i: copied[i] for i in layer_range}))
+    for index, (stack, layers) in enumerate(stacks):
+        owner, _, name = stack.path.rpartition(".")
+        stack_owner = pruned.get_submodule(owner)
+        copied = getattr(stack_owner, name)
+        setattr(stack_owner, name, StageLayers({i: copied[i] for i in own.get(index, ())}))
     return pruned
 
 
@@ -205,7 +243,8 @@ class PipelineStageModule(nn.Module):
     """One pipeline stage: ``model`` is the pruned copy (full-model parameter names).
 
     forward(x, **inputs): the first stage embeds the main input x (with the other inputs); then the
-    stage's layers; the last stage returns the micro-batch's loss, summed over its targets
+    stage's layers (of a later stack whose first layer it runs, after `enter_stack`: the tensors it
+    carries, an encoder's output, then travel to every later stage beside x); the last stage returns the micro-batch's loss, summed over its targets
     (``inputs[TARGETS]``) and times `loss_scale`: the head runs inside the stage, where FSDP has
     gathered its weights, and a causal LM never holds all its logits. A Mixture of Experts' routing
     statistics travel between stages beside x (forward(x, stats, **inputs)), so the last stage adds
@@ -241,26 +280,36 @@ class PipelineStageModule(nn.Module):
                 return self._forward(x, *carried, record=False, **inputs)
         return self._forward(x, *carried, record=True, **inputs)
 
-    def _forward(self, x: torch.Tensor, *carried: torch.Tensor, record: bool,
-                 **inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, x: torch.Tensor, *extra: torch.Tensor, record: bool,
+                 **inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         model = self.model
         targets = inputs.pop(TARGETS)
+        stacks = model.stacks()
+        runs = [(k, layers) for k, stack in enumerate(stacks) if len(layers := model.get_submodule(stack.path))]
+        carried: tuple[torch.Tensor, ...] = ()
         if self.is_first:
             first_inputs = {model.main_input_name: x, **inputs}
             stats = model.router_stats(first_inputs)
             if stats is not None:  # a leaf that asks for a gradient, so every stage sends one back
                 stats.requires_grad_(True)
             x = model.embed(first_inputs)
-        else:
-            stats = carried[0] if carried else None
-        layer_inputs = model.layer_inputs(inputs, x)
-        for layer in get_layer_stack(model):
-            if stats is None:
-                x = layer(x, **layer_inputs)
-            else:
-                x, stats = layer(x, **layer_inputs, router_stats=stats)
+        else:  # what the previous stage sent: x, the carried tensors of the stack it ran, the statistics
+            k, layers = runs[0]
+            count = stacks[k - 1 if k and layers.indices[0] == 0 else k].carries
+            carried, rest = extra[:count], extra[count:]
+            stats = rest[0] if rest else None
+        for k, layers in runs:
+            if k and layers.indices[0] == 0:
+                x, carried = model.enter_stack(k, x, carried, inputs)
+            layer_inputs = model.stack_layer_inputs(k, inputs, x, carried)
+            for layer in layers:
+                if stats is None:
+                    x = layer(x, **layer_inputs)
+                else:
+                    x, stats = layer(x, **layer_inputs, router_stats=stats)
         if not self.is_last:
-            return x if stats is None else (x, stats)
+            sent = (x, *carried, *(() if stats is None else (stats,)))
+            return sent if len(sent) > 1 else x
         loss = model.head_loss(model.final_norm(x), targets, reduction="sum") * self.loss_scale
         if stats is not None and self.training and model.has_aux_loss:
             aux = model.aux_loss(stats)
@@ -274,15 +323,28 @@ class PipelineStageModule(nn.Module):
                 f"{self.layer_range.stop - 1}")
 
 
-def _tied_names(model: nn.Module) -> list[tuple[str, str]]:
-    """(name in the first stage's modules, name in the last stage's) of every parameter both ends
-    share, such as an embedding tied to the LM head."""
-    def named(paths):
-        return {id(p): f"{path}.{name}" for path in paths
-                for name, p in model.get_submodule(path).named_parameters(remove_duplicate=False)}
+@dataclass(frozen=True)
+class _SharedParameter:
+    """A parameter several stages hold (an embedding tied to the LM head, shared with a decoder; a
+    stack's position bias): each holds a copy, under `names[stage]`; the lowest stage's is canonical."""
 
-    first, last = named(model.first_stage_modules), named(model.last_stage_modules)
-    return [(first[key], last[key]) for key in first if key in last]
+    names: dict[int, str]
+
+    @property
+    def canonical(self) -> str:
+        return self.names[min(self.names)]
+
+
+def _shared_parameters(model: nn.Module, layer_ranges: list[range]) -> list[_SharedParameter]:
+    """Every parameter that more than one of the stages running `layer_ranges` holds, through the
+    modules besides their layers that they hold (`stage_modules`)."""
+    held: dict[int, dict[int, str]] = {}
+    last = len(layer_ranges) - 1
+    for stage, layer_range in enumerate(layer_ranges):
+        for path in sorted(stage_modules(model, layer_range, stage == 0, stage == last)):
+            for name, param in model.get_submodule(path).named_parameters(remove_duplicate=False):
+                held.setdefault(id(param), {}).setdefault(stage, f"{path}.{name}")
+    return [_SharedParameter(names) for names in held.values() if len(names) > 1]
 
 
 def splits_backward(schedule: str) -> bool:
@@ -368,11 +430,11 @@ class Pipeline:
     def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str = PipelineConfig.schedule,
                  num_micro_batches: int, virtual_stages: int = PipelineConfig.virtual_stages,
                  boundaries: Sequence[int] | None = None):
-        layers = _full_layer_stack(model)
+        num_layers = sum(len(layers) for _, layers in _full_stacks(model))
         problems = model.pipeline_problems()
         if problems:
             raise ConfigError(f"{type(model).__name__} cannot run at pp = {ctx.pp}: " + "; ".join(problems))
-        check_pipeline_layout(len(layers), ctx.pp, schedule=schedule, num_micro_batches=num_micro_batches,
+        check_pipeline_layout(num_layers, ctx.pp, schedule=schedule, num_micro_batches=num_micro_batches,
                               virtual_stages=virtual_stages, boundaries=boundaries)
         if ctx.mesh is None:
             raise ValueError("a pipeline needs a process group: launch with torchrun and distributed.init(pp=...)")
@@ -381,7 +443,7 @@ class Pipeline:
         self.pp, self.pp_rank, self.pp_group = ctx.pp, ctx.pp_rank, ctx.group("pp")
         self.num_micro_batches = num_micro_batches
         self.num_stages = ctx.pp * virtual_stages
-        self.layer_ranges = split_layers(len(layers), self.num_stages, boundaries)
+        self.layer_ranges = split_layers(num_layers, self.num_stages, boundaries)
         self.stage_ranks = _stage_ranks(self.pp, self.num_stages, kind.placement)
         self.stages = [
             PipelineStageModule(prune_for_stage(model, self.layer_ranges[s], s == 0, s == self.num_stages - 1),
@@ -394,63 +456,65 @@ class Pipeline:
         self.has_last = any(s.is_last for s in self.stages)
         self.last_stage_rank = self.stage_ranks[-1]
         self.main_input_name = model.main_input_name
-        self._last_part = next((s.model for s in self.stages if s.is_last), None)
         #: The step's mean auxiliary loss (`aux_loss`) on the rank of the last stage; None without one.
         self.aux_loss: torch.Tensor | None = None
 
-        # Parameters tied between the end stages (an embedding and its LM head): each end holds a copy.
-        self.tied = _tied_names(model) if self.num_stages > 1 else []
-        self._tied_group = None
-        if self.tied and self.stage_ranks[0] != self.last_stage_rank:
-            ranks = ctx.mesh.mesh.reshape(ctx.pp, -1, ctx.tp)  # [pp, (edp, ep, cp), tp]: dp and cp flattened
+        # Parameters several stages hold (an embedding and its LM head): each holds a copy, and the
+        # copies' gradients are summed over the pp ranks holding them.
+        self.shared = _shared_parameters(model, self.layer_ranges) if self.num_stages > 1 else []
+        self._shared_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        ranks = ctx.mesh.mesh.reshape(ctx.pp, -1, ctx.tp)  # [pp, (edp, ep, cp), tp]: dp and cp flattened
+        for holders in sorted({self._holders(shared) for shared in self.shared}):
+            if len(holders) < 2:
+                continue
             for d in range(ranks.shape[1]):
                 for t in range(ranks.shape[2]):
-                    pair = sorted({int(ranks[self.stage_ranks[0], d, t]), int(ranks[self.last_stage_rank, d, t])})
-                    group = dist.new_group(pair)  # every rank creates every group, in the same order
-                    if ctx.rank in pair:
-                        self._tied_group = group
+                    members = [int(ranks[pp_rank, d, t]) for pp_rank in holders]
+                    group = dist.new_group(members)  # every rank creates every group, in the same order
+                    if ctx.rank in members:
+                        self._shared_groups[holders] = group
         self._schedules: dict[tuple, object] = {}
 
-    # ---- parameters tied between the first and the last stage
-    def _tied_copies(self) -> list[tuple[str, str, nn.Parameter | None, nn.Parameter | None]]:
-        """(first-stage name, last-stage name, this rank's first copy or None, its last copy or None)."""
-        first = next((s.model for s in self.stages if s.is_first), None)
-        return [(first_name, last_name, first.get_parameter(first_name) if first is not None else None,
-                 self._last_part.get_parameter(last_name) if self._last_part is not None else None)
-                for first_name, last_name in self.tied]
+    # ---- parameters several stages hold
+    def _holders(self, shared: _SharedParameter) -> tuple[int, ...]:
+        """The pp ranks holding a copy of `shared`."""
+        return tuple(sorted({self.stage_ranks[stage] for stage in shared.names}))
+
+    def _local_copies(self, shared: _SharedParameter) -> list[tuple[str, nn.Parameter, bool]]:
+        """(name, this rank's copy, whether it is the canonical one) for each local stage holding `shared`."""
+        first = min(shared.names)
+        return [(shared.names[stage.stage_index], stage.model.get_parameter(shared.names[stage.stage_index]),
+                 stage.stage_index == first) for stage in self.stages if stage.stage_index in shared.names]
 
     def tied_aliases(self) -> dict[str, str]:
-        """{name of this rank's duplicate of a tied weight: the name the first stage holds it under}."""
-        return {last_name: first_name for first_name, last_name, first, last in self._tied_copies()
-                if last is not None and last is not first}
+        """{name of this rank's copy of a shared weight held by a later stage: its canonical name}."""
+        return {name: shared.canonical for shared in self.shared
+                for name, _, canonical in self._local_copies(shared) if not canonical}
 
     def tied_duplicates(self) -> list[nn.Parameter]:
-        """The last stage's copies of weights tied to the first stage's (on the rank holding the
-        last stage; empty elsewhere): count them once in a global gradient norm."""
-        return [last for _, _, first, last in self._tied_copies() if last is not None and last is not first]
+        """This rank's copies of shared weights other than the canonical ones: count them once in a
+        global gradient norm."""
+        return [copy for shared in self.shared for _, copy, canonical in self._local_copies(shared) if not canonical]
 
     @torch.no_grad()
     def sync_tied_grads(self) -> None:
-        """Sum the gradients of the tied copies of the first and last stage, so both copies hold the
-        full gradient and get the same optimizer update. Call it once per optimizer step, after the
-        last backward (and after `distributed.finalize_grads` under sequence parallelism): calling it after
-        each of several accumulated steps would count the other end's part again. Every rank calls
-        it; a no-op without tied weights or with one stage."""
-        for _, _, first, last in self._tied_copies():
-            held = first if first is not None else last
-            if held is not None and not held.requires_grad:  # frozen (LoRA's base weights): no gradient
+        """Sum the gradients of every copy of a shared weight, so that each holds the full gradient
+        and gets the same optimizer update. Call it once per optimizer step, after the last
+        backward (and after `distributed.finalize_grads` under sequence parallelism): calling it
+        after each of several accumulated steps would count the other copies' parts again. Every
+        rank calls it; a no-op without shared weights or with one stage."""
+        for shared in self.shared:
+            copies = [copy for _, copy, _ in self._local_copies(shared)]
+            if not copies or not copies[0].requires_grad:  # frozen (LoRA's base weights): no gradient
                 continue
-            if first is not None and last is not None:  # both ends on this rank (V placement)
-                total = _grad_or_zeros(first) + _grad_or_zeros(last)
-                first.grad, last.grad = total, total.clone()
-                continue
-            param = first if first is not None else last
-            if param is None:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grad = param.grad
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tied_group)
+            total = copies[0].grad if copies[0].grad is not None else torch.zeros_like(copies[0])
+            for copy in copies[1:]:
+                total = total + _grad_or_zeros(copy)
+            group = self._shared_groups.get(self._holders(shared))
+            if group is not None:
+                dist.all_reduce(total.to_local() if isinstance(total, DTensor) else total, group=group)
+            for index, copy in enumerate(copies):
+                copy.grad = total if index == 0 else total.clone()
 
     # ---- one training step
     @staticmethod

@@ -108,6 +108,10 @@ class ModelTable:
         check_trainable(model)
         self.model_type = type(model).__name__
         self.config = model.config
+        if len(model.stacks()) > 1:
+            raise ConfigError(f"{self.model_type} runs {len(model.stacks())} stacks of layers (an encoder-decoder); "
+                              f"the planner's time and memory models read one: set the layout by hand "
+                              f"(dist.dp/tp/pp, train.zero_stage)")
         stack = get_layer_stack(model)
         self.num_layers = len(stack)
         attention = [m for m in stack[0].modules() if isinstance(m, (Attention, LatentAttention))]
