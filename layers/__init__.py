@@ -11,8 +11,9 @@ if __name__ != "libai_zoo.layers":  # `import layers` from the repository root w
 from .attention import Attention, fuse_kv, fuse_qkv, layer_attention_mask, packed_causal_mask, split_kv, split_qkv
 from .context_attention import ContextMask
 from .cross_entropy import ParallelCrossEntropy
+from .drop_path import DropPath
 from .embedding import Embedding, VocabEmbedding
-from .kv_cache import KVCache
+from .kv_cache import EncoderDecoderCache, KVCache
 from .latent_attention import LatentAttention
 from .linear import Linear
 from .lm_head import LMHead
@@ -21,13 +22,17 @@ from .mlp import MLP
 from .moe import Experts, MoE, Router, Routing, load_balancing_loss, router_z_loss, uncounted
 from .norm import NORMS, LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
+from .relative_position_bias import RelativePositionBias, relative_position_bucket
 from .rotary import RotaryEmbedding, apply_rotary, yarn_mscale
 from .sequence_parallel import SequenceGather, SequenceScatter
 from .transformer_layer import TransformerLayer
+from .window_attention import WindowAttention, WindowPositionBias
 
 __all__ = ["Attention", "LatentAttention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCache", "MLP", "LayerNorm", "RMSNorm",
            "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
            "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_adapters",
            "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv",
            "packed_causal_mask", "layer_attention_mask", "ContextMask", "NORMS", "MoE", "Router", "Routing",
-           "Experts", "load_balancing_loss", "router_z_loss", "uncounted", "yarn_mscale"]
+           "Experts", "load_balancing_loss", "router_z_loss", "uncounted", "yarn_mscale", "DropPath",
+           "WindowAttention", "WindowPositionBias",
+           "EncoderDecoderCache", "RelativePositionBias", "relative_position_bucket"]

@@ -16,9 +16,11 @@ The price is memory: every rank holds all of q's rows of that layer, not 1/tp of
 Grouped-query attention (num_kv_heads < num_heads), rotary positions (Llama), causal and
 padding masks, sliding windows (MegaScale/Mistral), q/k normalisation (per head: Qwen3, Gemma 3;
 over the whole projection: OLMo 2), a softmax scale of one's own (Gemma 2's query_pre_attn_scalar,
-Granite's attention_multiplier), logit soft-capping (Gemma 2), cross-attention and a KV cache for
-generation. The kernel is `torch.nn.functional.scaled_dot_product_attention`; with no mask beyond
-causality it gets ``is_causal=True`` so the flash kernels apply. Under context parallelism
+Granite's attention_multiplier), logit soft-capping (Gemma 2), Swin V2's scaled cosine attention
+(a learned temperature per head, split over tp with the q heads) and its q and v biases without a
+k bias, cross-attention and a KV cache for generation. The kernel is
+`torch.nn.functional.scaled_dot_product_attention`; with no mask beyond causality it gets
+``is_causal=True`` so the flash kernels apply. Under context parallelism
 (``cp`` set) a self-attention all-gathers k and v over cp and masks its local queries by global
 position (`context_attention`: causal, windows, packed documents, padding; why all-gather there).
 
@@ -37,6 +39,7 @@ S = 2048). The explicit form matches transformers' eager Gemma 2 there within 1.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import torch
@@ -70,8 +73,12 @@ class Attention(ParallelLayer, nn.Module):
     "rmsnorm_fp32_weight").
     ``softmax_scale`` replaces 1/sqrt(head_dim); ``softcap`` caps the scores at ±softcap
     (cap·tanh(s/cap)); ``sinks=True`` gives each head a learned logit `sinks` [num_heads] that
-    joins every query's softmax and is then dropped (gpt-oss). ``sync_input``/``reduce_output`` as
-    in `Linear`.
+    joins every query's softmax and is then dropped (gpt-oss). ``cosine=True`` scores each query
+    and key by their cosine times a learned per-head temperature, exp(min(`logit_scale`, ln 100))
+    with `logit_scale` [num_heads], softmax scale 1 (Swin V2's scaled cosine attention).
+    ``key_bias=False`` (with ``bias``): q and v have biases, k none (Swin V2; under cosine
+    attention a k bias would matter): `q_bias` and `v_bias` beside a bias-free `qkv`.
+    ``sync_input``/``reduce_output`` as in `Linear`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int | None = None,
@@ -81,7 +88,7 @@ class Attention(ParallelLayer, nn.Module):
                  rotary_dim: int | None = None, sliding_window: int | None = None,
                  softmax_scale: float | None = None, softcap: float | None = None, sinks: bool = False,
                  qk_norm: str | None = None, qk_norm_eps: float = 1e-6, qk_norm_kind: str = "rmsnorm",
-                 sync_input: bool = True,
+                 cosine: bool = False, key_bias: bool = True, sync_input: bool = True,
                  reduce_output: bool = True, sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -101,12 +108,22 @@ class Attention(ParallelLayer, nn.Module):
                              f"{sorted(k for k in NORMS if k.startswith('rmsnorm'))})")
         if qk_norm and cross_attention:
             raise ValueError("qk_norm is for self-attention: build the cross-attention without it")
+        if cosine and softmax_scale is not None:
+            raise ValueError("cosine attention scales its scores by the learned logit_scale: build it without "
+                             "softmax_scale")
+        if not key_bias and (cross_attention or not bias):
+            raise ValueError("key_bias=False leaves out the k bias of a self-attention with biases (bias=True)")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.kv_replicas = 1  # tp ranks sharing each KV head (set by shard_ when tp > num_kv_heads)
         self.causal, self.cross_attention = causal, cross_attention
-        self.dropout, self.sliding_window, self.softmax_scale = dropout, sliding_window, softmax_scale
+        self.dropout, self.sliding_window = dropout, sliding_window
+        self.softmax_scale = 1.0 if cosine else softmax_scale
         self.softcap = softcap
         self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if sinks else None
+        # Swin V2: the log of each head's temperature (clamped at ln 100 where it is used)
+        self.logit_scale = nn.Parameter(torch.full((num_heads,), math.log(10.0), device=device, dtype=dtype)) \
+            if cosine else None
+        self.key_bias = key_bias
         self.sequence_parallel = sequence_parallel
         col = dict(parallel="col", sync_input=sync_input, sequence_parallel=sequence_parallel,
                    device=device, dtype=dtype)
@@ -116,7 +133,11 @@ class Attention(ParallelLayer, nn.Module):
             self.kv = Linear(kv_input_size or hidden_size, 2 * num_kv_heads * head_dim, bias, "col",
                              sequence_parallel=False, device=device, dtype=dtype)
         else:
-            self.qkv = Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, **col)
+            self.qkv = Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias and key_bias, **col)
+        self.q_bias = self.v_bias = None
+        if not key_bias:
+            self.q_bias = nn.Parameter(torch.zeros(num_heads * head_dim, device=device, dtype=dtype))
+            self.v_bias = nn.Parameter(torch.zeros(num_kv_heads * head_dim, device=device, dtype=dtype))
         self.out = Linear(num_heads * head_dim, hidden_size, bias if out_bias is None else out_bias, "row",
                           reduce_output=reduce_output, sequence_parallel=sequence_parallel,
                           device=device, dtype=dtype)
@@ -146,10 +167,10 @@ class Attention(ParallelLayer, nn.Module):
             return [f"num_kv_heads = {kv} is not divisible by tp = {tp_size}, nor tp by it: choose a tp that "
                     f"divides the KV heads, or a multiple of them (each KV head is then replicated on "
                     f"tp / num_kv_heads ranks)"]
-        if self.qk_norm == "projection":
-            return [f"num_kv_heads = {kv} is not divisible by tp = {tp_size}: a k norm over the whole projection "
-                    f"needs whole KV heads on each rank (replicated ones are not supported there); "
-                    f"choose a tp that divides the KV heads"]
+        if self.qk_norm == "projection" or not self.key_bias:
+            what = "a k norm over the whole projection" if self.key_bias else "separate q and v biases (key_bias=False)"
+            return [f"num_kv_heads = {kv} is not divisible by tp = {tp_size}: {what} needs whole KV heads on each "
+                    f"rank (replicated ones are not supported there); choose a tp that divides the KV heads"]
         return []
 
     def cp_problems(self, cp_size: int) -> list[str]:
@@ -164,7 +185,8 @@ class Attention(ParallelLayer, nn.Module):
         if not self.cross_attention and self.num_kv_heads % tp.size:
             self.kv_replicas = tp.size // self.num_kv_heads
             self.qkv.replicate_rows_(self._qkv_rows(tp.rank))
-        tp.shard_parameter(self, "sinks", 0)  # this rank's q heads: rows [rank, rank + 1) · num_heads / tp
+        for per_head in ("sinks", "logit_scale", "q_bias", "v_bias"):  # this rank's heads: one block of rows
+            tp.shard_parameter(self, per_head, 0)
         super().shard_(tp)
 
     def _qkv_rows(self, rank: int) -> list[tuple[int, int]]:
@@ -182,10 +204,13 @@ class Attention(ParallelLayer, nn.Module):
                 encoder_hidden_states: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         """hidden_states [B, S, h]; attention_mask [B, S_k] (1 = attend, 0 = padding) or a 4-D
         boolean/additive mask; position_ids [B, S] for rotary; encoder_hidden_states for cross;
-        kv_cache holds earlier positions (S_k = cached + S) and takes this call's keys and values."""
-        q, k, v = self._project(hidden_states, encoder_hidden_states)
+        kv_cache holds earlier positions (S_k = cached + S) and takes this call's keys and values (a
+        cross-attention's: the encoder's, taken on the first call and read on the later ones)."""
+        q, k, v = self._project(hidden_states, encoder_hidden_states, kv_cache)
         if self.qk_norm:
             q, k = self._norm_qk(q, k)
+        if self.logit_scale is not None:
+            q, k = self._cosine_qk(q, k)
         past, last_position = 0 if kv_cache is None else kv_cache.length, None
         if self.cp is not None:
             attention_mask = ContextMask.of(self.cp, attention_mask, position_ids, kv_cache)
@@ -197,7 +222,7 @@ class Attention(ParallelLayer, nn.Module):
             cos, sin = (t[:, :, None, None].to(q.dtype) for t in self.rotary(position_ids, last_position))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             v = v.contiguous()  # q and k are new tensors now: copying v lets the fused qkv output go
-        if kv_cache is not None:
+        if kv_cache is not None and not self.cross_attention:
             k, v = kv_cache.update(k, v)
         # [B, S, groups, heads per group, d] -> [B, heads, S, d]; a view when rotary made q contiguous
         q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
@@ -226,20 +251,32 @@ class Attention(ParallelLayer, nn.Module):
             return self.q_norm(q), self.k_norm(k)
         return self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
 
-    def _project(self, x: torch.Tensor, encoder_states: torch.Tensor | None):
-        """This rank's q [B, S, groups, q heads per group, d] and k, v [B, S_k, groups, 1, d].
+    def _cosine_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, S, groups, heads, d] and k of unit length, q times its head's temperature, so that
+        q·k (at softmax scale 1) is the cosine times exp(min(logit_scale, ln 100))."""
+        temperature = local(self.logit_scale).clamp(max=math.log(100.0)).exp().view(*q.shape[2:4], 1)
+        return F.normalize(q, dim=-1) * temperature.to(q.dtype), F.normalize(k, dim=-1)
+
+    def _project(self, x: torch.Tensor, encoder_states: torch.Tensor | None, kv_cache: KVCache | None):
+        """This rank's q [B, S, groups, q heads per group, d] and k, v [B, S_k, groups, 1, d] (a
+        cross-attention's from its cache once filled: the encoder's, projected on the first call).
 
         `split` (not indexing) takes the parts apart, so backward writes one gradient buffer
         instead of zero-filling one per part."""
         d = self.head_dim
         if self.cross_attention:
+            q = self.q(x).unflatten(-1, (-1, 1, d))
+            if kv_cache is not None and kv_cache.length:
+                return q, *kv_cache.cached()
             if encoder_states is None:
                 raise ValueError("cross-attention needs encoder_hidden_states")
-            q = self.q(x).unflatten(-1, (-1, 1, d))
             k, v = self.kv(encoder_states).unflatten(-1, (-1, 2, d)).split(1, dim=-2)
-            return q, k, v
+            return (q, k, v) if kv_cache is None else (q, *kv_cache.update(k, v))
         per_group = self.num_heads // self.num_kv_heads // self.kv_replicas  # this rank's q heads per group
         qkv = self.qkv(x).unflatten(-1, (-1, per_group + 2, d))
+        if self.q_bias is not None:  # [q heads of group g, no k bias, v] per group, as the grouped layout
+            q_bias, v_bias = local(self.q_bias).view(-1, per_group, d), local(self.v_bias).view(-1, 1, d)
+            qkv = qkv + torch.cat([q_bias, torch.zeros_like(v_bias), v_bias], dim=1)
         return qkv.split([per_group, 1, 1], dim=-2)
 
     def extra_repr(self) -> str:
@@ -250,6 +287,10 @@ class Attention(ParallelLayer, nn.Module):
             kinds.append(f"softcap={self.softcap}")
         if self.sinks is not None:
             kinds.append("sinks")
+        if self.logit_scale is not None:
+            kinds.append("cosine")
+        if not self.key_bias:
+            kinds.append("no key bias")
         if self.kv_replicas > 1:
             kinds.append(f"kv_replicas={self.kv_replicas}")
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

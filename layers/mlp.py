@@ -7,13 +7,15 @@ act(gate(x)) * up(x); both split the same neurons, so any tp keeps each gate wit
 The two share one input sync (one all-reduce of the input gradient), as one fused weight would.
 act(gate)·up keeps only gate's and up's outputs for backward (`gated`), so the gated MLP saves its
 input, gate, up and the down projection's input: 6·ffn elements per token beside the input, as
-Megatron-LM's.
+Megatron-LM's. ``dropout`` drops activated neurons before the down projection (T5); each tp rank
+draws its own neurons' masks from its random stream, as one process would draw them.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +52,7 @@ class MLP(ParallelLayer, nn.Module):
     """Two-layer MLP (or gated MLP) with its hidden neurons split over tp."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, activation: str = "gelu", gated: bool = False,
-                 bias: bool = True, sync_input: bool = True, reduce_output: bool = True,
+                 bias: bool = True, dropout: float = 0.0, sync_input: bool = True, reduce_output: bool = True,
                  sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -63,6 +65,7 @@ class MLP(ParallelLayer, nn.Module):
         self.up = Linear(hidden_size, ffn_hidden_size, bias, **col)
         self.down = Linear(ffn_hidden_size, hidden_size, bias, "row", reduce_output=reduce_output,
                            sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.dropout = nn.Dropout(dropout)
 
     def tp_problems(self, tp_size: int) -> list[str]:
         return indivisible(self.ffn_hidden_size, tp_size, "ffn_hidden_size (MLP hidden neurons)",
@@ -76,7 +79,14 @@ class MLP(ParallelLayer, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is not None and self.sync_input:
             x, = column_inputs(self.tp, self.sp, (x, self.column_layers))
-        return self.down(self._activate(None if self.gate is None else self.gate(x), self.up(x)))
+        return self.down(self._dropout(self._activate(None if self.gate is None else self.gate(x), self.up(x))))
+
+    def _dropout(self, h: torch.Tensor) -> torch.Tensor:
+        """Dropout of this rank's neurons, from its tp rank's random stream."""
+        if not (self.training and self.dropout.p):
+            return h
+        with self.tp.rng.fork() if self.tp is not None else nullcontext():
+            return self.dropout(h)
 
     def _activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
         """act(up), or act(gate) * up keeping only gate and up (`gated`): the seam selective

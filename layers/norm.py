@@ -8,7 +8,9 @@ normalised values beside the weighted ones. A norm over a tp-split dimension (``
 then all-reduces its square sums again in backward (a [B, S, 1] tensor).
 
 RMSNorm also covers what today's decoders add: the weight applied in float32 before the cast
-back (OLMo 2: ``float32_weight``), Gemma's (1 + w) weight so applied (``unit_offset``), a norm over each rank's own heads (q/k norms of Qwen3 and Gemma 3:
+back (OLMo 2: ``float32_weight``), Gemma's (1 + w) weight so applied (``unit_offset``), the
+normalised values cast to the weight's dtype rather than the input's (T5: ``cast_to_weight``), a
+norm over each rank's own heads (q/k norms of Qwen3 and Gemma 3:
 ``split_input``, the weight's gradient is partial under any tp) and a norm over a dimension tp
 splits (OLMo 2's q/k norm over the whole projection: ``split_dim``, the weight is split with it
 and the mean square is summed over tp; q and k are never gathered).
@@ -52,17 +54,20 @@ class RMSNorm(ParallelLayer, nn.RMSNorm):
     """`nn.RMSNorm` over the last dimension, computed in float32 and cast back as Llama does.
 
     ``float32_weight``: the weight multiplies the float32 normalized values, then the cast (OLMo 2);
-    Llama casts first. ``unit_offset``: Gemma's weight, (1 + w) so applied (it starts at 0).
+    Llama casts first. ``cast_to_weight``: the float32 normalized values are cast to the weight's
+    dtype when it is 16-bit, else kept in float32, then weighted (T5's LayerNorm: a bf16 input of a
+    float32 norm gives float32). ``unit_offset``: Gemma's weight, (1 + w) so applied (it starts at 0).
     ``split_input``: the input is a per-rank part of the data under any tp (each rank's heads).
     ``split_dim``: the normalized dimension itself is split over tp (see the module docstring).
     """
 
     def __init__(self, hidden_size: int, eps: float | None = None, elementwise_affine: bool = True,
-                 *, float32_weight: bool = False, unit_offset: bool = False, split_input: bool = False,
-                 split_dim: bool = False,
+                 *, float32_weight: bool = False, unit_offset: bool = False, cast_to_weight: bool = False,
+                 split_input: bool = False, split_dim: bool = False,
                  sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__(hidden_size, eps, elementwise_affine, device=device, dtype=dtype)
         self.float32_weight, self.unit_offset = float32_weight or unit_offset, unit_offset
+        self.cast_to_weight = cast_to_weight
         self.split_input, self.split_dim = split_input, split_dim
         self.sequence_parallel = sequence_parallel
 
@@ -88,6 +93,8 @@ class RMSNorm(ParallelLayer, nn.RMSNorm):
             normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.float32_weight and weight is not None:
             return (normed * (1.0 + weight.float() if self.unit_offset else weight.float())).to(x.dtype)
+        if self.cast_to_weight and weight is not None:
+            return weight * (normed.to(weight.dtype) if weight.dtype in (torch.float16, torch.bfloat16) else normed)
         normed = normed.to(x.dtype)
         return normed if weight is None else weight * normed
 
@@ -98,11 +105,14 @@ class RMSNorm(ParallelLayer, nn.RMSNorm):
         return x * torch.rsqrt(square_sum / self.normalized_shape[0] + eps)
 
     def extra_repr(self) -> str:
-        kinds = [k for k in ("float32_weight", "unit_offset", "split_input", "split_dim") if getattr(self, k)]
+        kinds = [k for k in ("float32_weight", "unit_offset", "cast_to_weight", "split_input", "split_dim")
+                 if getattr(self, k)]
         return super().extra_repr() + "".join(f", {k}" for k in kinds) + self.parallel_repr()
 
 
 #: Norm kinds by name, for `TransformerLayer`, q/k norms and a decoder's final norm: "rmsnorm_1p" is
-#: Gemma's (1 + w) RMSNorm, "rmsnorm_fp32_weight" OLMo 2's (the weight applied before the cast).
+#: Gemma's (1 + w) RMSNorm, "rmsnorm_fp32_weight" OLMo 2's (the weight applied before the cast),
+#: "rmsnorm_t5" T5's LayerNorm (cast to the weight's dtype).
 NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_1p": functools.partial(RMSNorm, unit_offset=True),
-         "rmsnorm_fp32_weight": functools.partial(RMSNorm, float32_weight=True)}
+         "rmsnorm_fp32_weight": functools.partial(RMSNorm, float32_weight=True),
+         "rmsnorm_t5": functools.partial(RMSNorm, cast_to_weight=True)}

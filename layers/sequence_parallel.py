@@ -26,6 +26,10 @@ class SequenceScatter(ParallelLayer, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return scatter_to_tp(x, self.tp, self.seq_dim) if self.sp else x
 
+    def whole_length(self, part: torch.Tensor) -> int:
+        """The sequence length of which `part` (an output of this layer) is this rank's part."""
+        return part.shape[self.seq_dim] * (self.tp.size if self.sp else 1)
+
 
 class SequenceGather(ParallelLayer, nn.Module):
     """All-gather the sequence shards into the whole sequence, replicated over tp."""

@@ -50,8 +50,9 @@ class TransformerLayer(ParallelLayer, nn.Module):
     bias; ``qkv_bias``, ``attention_out_bias`` and ``mlp_bias`` override it per part (Qwen2:
     biases on q, k, v only). ``attention`` passes further `Attention` options (q/k norms, softmax
     scale, soft-capping), or with ``attention_kind="latent"`` those of `LatentAttention` (DeepSeek's
-    multi-head latent attention: its ranks and head widths). ``moe`` makes the MLP an `MoE` of these
-    arguments (hidden size and factory arguments added, ``activation`` unless it gives one).
+    multi-head latent attention: its ranks and head widths); the cross-attention shares its softmax
+    scale. ``moe`` makes the MLP an `MoE` of these arguments (hidden size and factory arguments
+    added, ``activation`` unless it gives one). ``mlp_dropout`` drops the MLP's activated neurons (T5).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
@@ -59,7 +60,8 @@ class TransformerLayer(ParallelLayer, nn.Module):
                  norm_position: str = "pre", parallel_block: bool = False, parallel_norms: int = 1,
                  activation: str = "gelu", gated_mlp: bool = False, bias: bool = True, qkv_bias: bool | None = None,
                  attention_out_bias: bool | None = None, mlp_bias: bool | None = None,
-                 attention_dropout: float = 0.0, hidden_dropout: float = 0.0, residual_multiplier: float = 1.0,
+                 attention_dropout: float = 0.0, hidden_dropout: float = 0.0, mlp_dropout: float = 0.0,
+                 residual_multiplier: float = 1.0,
                  causal: bool = False, rope_theta: float | None = None,
                  rope_scaling: dict | None = None, rotary_dim: int | None = None,
                  sliding_window: int | None = None, attention: dict | None = None, attention_kind: str = "standard",
@@ -114,13 +116,14 @@ class TransformerLayer(ParallelLayer, nn.Module):
         if cross_attention:
             self.cross_attn_norm = make_norm()
             self.cross_attn = Attention(hidden_size, num_heads, cross_attention=True,
-                                        kv_input_size=encoder_hidden_size, **heads, **factory)
+                                        kv_input_size=encoder_hidden_size,
+                                        softmax_scale=(attention or {}).get("softmax_scale"), **heads, **factory)
         else:
             self.cross_attn = None
         self.mlp_norm = make_norm(inputs_normed and (not parallel_block or parallel_norms == 2))
         if moe is None:
             self.mlp = MLP(hidden_size, ffn_hidden_size, activation=activation, gated=gated_mlp, bias=mlp_bias,
-                           sync_input=fused_comm, reduce_output=fused_comm, **factory)
+                           dropout=mlp_dropout, sync_input=fused_comm, reduce_output=fused_comm, **factory)
         else:
             self.mlp = MoE(hidden_size, **{"activation": activation, **moe}, **factory)
         self.mlp_out_norm = make_norm(outputs_normed)
@@ -144,15 +147,18 @@ class TransformerLayer(ParallelLayer, nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
                 encoder_attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                router_stats: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                router_stats: torch.Tensor | None = None,
+                cross_kv_cache: KVCache | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``kv_cache``: the self-attention's cache; ``cross_kv_cache``: the cross-attention's (the
+        encoder's keys and values, projected on the first call only)."""
         x, stats = self._layer(hidden_states, attention_mask, position_ids, encoder_hidden_states,
-                               encoder_attention_mask, kv_cache)
+                               encoder_attention_mask, kv_cache, cross_kv_cache)
         if router_stats is None:
             return x
         return x, router_stats if stats is None else router_stats + stats
 
     def _layer(self, x: torch.Tensor, attention_mask, position_ids, encoder_hidden_states, encoder_attention_mask,
-               kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+               kv_cache, cross_kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the layer's output, its router statistics or None)."""
         if self.parallel_block:
             return self._residual(x, self._parallel_branches(x, attention_mask, position_ids, kv_cache), None), None
@@ -162,7 +168,8 @@ class TransformerLayer(ParallelLayer, nn.Module):
         else:
             token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \
                 and kv_cache is None else None
-        cross = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask)
+        cross = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
+                     kv_cache=cross_kv_cache)
         if self.norm_position == "post":
             x = self.attn_norm(x + self._dropout(self.attn(x, attention_mask, position_ids, kv_cache=kv_cache)))
             if self.cross_attn is not None:

@@ -11,7 +11,7 @@ if __name__ != "libai_zoo.models":  # `import models` from the repository root w
                       f"`import libai_zoo.models`, not `import models` (imported here as `{__name__}`)")
 
 from .auto import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM,
-                   AutoModelForSequenceClassification)
+                   AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, AutoModelForTextEncoding)
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from .causal_lm import CausalLM
 from .contract import Stack, TrainableModel, all_layers, check_trainable, get_layer_stack
@@ -25,6 +25,7 @@ from .granite import GraniteConfig, GraniteForCausalLM, GraniteModel
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .mistral import MistralConfig, MistralForCausalLM, MistralModel
 from .mixtral import MixtralConfig, MixtralForCausalLM, MixtralModel
+from .mt5 import MT5Config, MT5EncoderModel, MT5ForConditionalGeneration, MT5Model
 from .olmo2 import Olmo2Config, Olmo2ForCausalLM, Olmo2Model
 from .olmoe import OlmoeConfig, OlmoeForCausalLM, OlmoeModel
 from .phi3 import Phi3Config, Phi3ForCausalLM, Phi3Model
@@ -34,6 +35,9 @@ from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel
 from .roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
 from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM, SmolLM3Model
+from .swin import (SwinConfig, SwinForImageClassification, SwinModel, Swinv2Config, Swinv2ForImageClassification,
+                   Swinv2Model)
+from .t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
 from .transformers_model import TransformersModel, instantiate_model, is_transformers_model, trainable
 from .vit import ViTConfig, ViTForImageClassification, ViTModel
 
@@ -54,4 +58,8 @@ __all__ = ["PreTrainedModel", "TrainableModel", "TransformersModel", "trainable"
            "Qwen2MoeForCausalLM", "Qwen3MoeConfig", "Qwen3MoeModel", "Qwen3MoeForCausalLM", "OlmoeConfig",
            "OlmoeModel", "OlmoeForCausalLM",
            "DeepseekV3Config", "DeepseekV3Model", "DeepseekV3ForCausalLM",
-           "GptOssConfig", "GptOssModel", "GptOssForCausalLM"]
+           "GptOssConfig", "GptOssModel", "GptOssForCausalLM",
+           "SwinConfig", "SwinModel", "SwinForImageClassification", "Swinv2Config", "Swinv2Model",
+           "Swinv2ForImageClassification",
+           "T5Config", "T5Model", "T5EncoderModel", "T5ForConditionalGeneration", "MT5Config", "MT5Model",
+           "MT5EncoderModel", "MT5ForConditionalGeneration", "AutoModelForSeq2SeqLM", "AutoModelForTextEncoding"]

@@ -66,14 +66,20 @@ MODELS: dict[str, dict[str, str]] = {
     "roberta": {"base": "RobertaModel", "masked_lm": "RobertaForMaskedLM",
                 "sequence_classification": "RobertaForSequenceClassification"},
     "vit": {"base": "ViTModel", "image_classification": "ViTForImageClassification"},
+    "swin": {"base": "SwinModel", "image_classification": "SwinForImageClassification"},
+    "swinv2": {"base": "Swinv2Model", "image_classification": "Swinv2ForImageClassification"},
+    "t5": {"base": "T5Model", "seq2seq_lm": "T5ForConditionalGeneration", "text_encoding": "T5EncoderModel"},
+    "mt5": {"base": "MT5Model", "seq2seq_lm": "MT5ForConditionalGeneration", "text_encoding": "MT5EncoderModel"},
 }
 
-# how transformers' architecture names (config.json's ``architectures``) end, per task
-# (ForConditionalGeneration: Gemma 3's multimodal checkpoints, whose text model the zoo loads)
-ARCHITECTURE_SUFFIXES = {"ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm", "ForMaskedLM": "masked_lm",
-                         "ForPreTraining": "masked_lm", "ForConditionalGeneration": "causal_lm",
-                         "ForSequenceClassification": "sequence_classification",
-                         "ForImageClassification": "image_classification", "Model": "base"}
+# how transformers' architecture names (config.json's ``architectures``) end -> the tasks they may
+# name, the first the model type has (ForConditionalGeneration: an encoder-decoder's LM, or Gemma 3's
+# multimodal checkpoints, whose text model the zoo loads)
+ARCHITECTURE_SUFFIXES = {"ForCausalLM": ("causal_lm",), "LMHeadModel": ("causal_lm",), "ForMaskedLM": ("masked_lm",),
+                         "ForPreTraining": ("masked_lm",), "ForConditionalGeneration": ("seq2seq_lm", "causal_lm"),
+                         "ForSequenceClassification": ("sequence_classification",),
+                         "ForImageClassification": ("image_classification",), "EncoderModel": ("text_encoding",),
+                         "Model": ("base",)}
 
 
 def tasks_of(model_type: str | None, *, source: str = "config.json") -> dict[str, str]:
@@ -95,17 +101,20 @@ def model_class(model_type: str | None, task: str, *, source: str = "config.json
 
 
 def class_for(config: dict, *, source: str = "config.json") -> type[PreTrainedModel]:
-    """The zoo class of the task config.json's ``architectures`` names; without one, the causal LM
-    where the model type has one, else the bare body (both load any checkpoint of their type)."""
+    """The zoo class of the task config.json's ``architectures`` names; without one, the causal or
+    sequence-to-sequence LM where the model type has one, else the bare body (they load any
+    checkpoint of their type)."""
     tasks, names = tasks_of(config.get("model_type"), source=source), config.get("architectures") or []
     for name in names:
-        task = next((t for suffix, t in ARCHITECTURE_SUFFIXES.items() if name.endswith(suffix)), None)
-        if task in tasks:
+        named = next((t for suffix, t in ARCHITECTURE_SUFFIXES.items() if name.endswith(suffix)), ())
+        task = next((t for t in named if t in tasks), None)
+        if task is not None:
             return model_class(config["model_type"], task, source=source)
     if names:
         raise ValueError(f"{source}: architectures {names} have no libai_zoo model for model_type "
                          f"{config['model_type']!r}; name one of {', '.join(sorted(set(tasks.values())))}")
-    return model_class(config["model_type"], "causal_lm" if "causal_lm" in tasks else "base", source=source)
+    task = next((t for t in ("causal_lm", "seq2seq_lm") if t in tasks), "base")
+    return model_class(config["model_type"], task, source=source)
 
 
 class AutoConfig:
@@ -124,6 +133,9 @@ class AutoModel:
     """The bare body of a directory's model_type (``task`` names the head the subclasses add)."""
 
     task: ClassVar[str] = "base"
+    #: whether a model type the zoo has no class for is transformers' own model, made trainable (the
+    #: tasks the trainer has a loss for; not the encoder-decoders' yet)
+    opens_door: ClassVar[bool] = True
 
     def __init__(self):
         raise TypeError(f"{type(self).__name__} is not instantiated: use {type(self).__name__}.from_pretrained(path) "
@@ -142,7 +154,7 @@ class AutoModel:
         transformers' own model, made trainable (`transformers_from_pretrained`; code outside
         transformers runs only with ``trust_remote_code=True``)."""
         model_type = read_config(path).get("model_type")
-        if model_type not in MODELS:
+        if model_type not in MODELS and cls.opens_door:
             logger.info("%s: model_type %r has no libai_zoo class: transformers' own model, made trainable",
                         path, model_type)
             return transformers_from_pretrained(cls.task, path, trust_remote_code=trust_remote_code,
@@ -153,7 +165,7 @@ class AutoModel:
     def from_config(cls, config: PretrainedConfig, *, trust_remote_code: bool = False) -> nn.Module:
         """A randomly initialised model of the config's model_type: the zoo's class, else
         transformers' own model made trainable."""
-        if config.model_type not in MODELS:
+        if config.model_type not in MODELS and cls.opens_door:
             return transformers_from_config(cls.task, config, trust_remote_code=trust_remote_code)
         return cls.model_class(config.model_type, source=type(config).__name__)(config)
 
@@ -172,3 +184,15 @@ class AutoModelForSequenceClassification(AutoModel):
 
 class AutoModelForImageClassification(AutoModel):
     task = "image_classification"
+
+
+class AutoModelForSeq2SeqLM(AutoModel):
+    task = "seq2seq_lm"
+    opens_door = False
+
+
+class AutoModelForTextEncoding(AutoModel):
+    """An encoder-decoder's encoder alone (T5EncoderModel), as transformers' class of that name."""
+
+    task = "text_encoding"
+    opens_door = False

@@ -6,6 +6,7 @@ over tp = 2), the matching libai_zoo class, and a padded batch with labels.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from libai_zoo.hf.rules import joined
 from libai_zoo.layers import Router, VocabEmbedding
 
 VOCAB, HIDDEN, HEADS, FFN, LAYERS, SEQ = 128, 32, 4, 64, 2, 12
+TARGET = 8  # a sequence-to-sequence case's target length (its source: SEQ)
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
@@ -25,17 +27,24 @@ class Case:
     hf_class: type
     zoo_class: type
     make_config: Callable[[], transformers.PretrainedConfig]
-    kind: str  # "causal", "mlm", "seq_cls", "encoder", "image_cls", "image"
+    #: "causal", "mlm", "seq_cls", "encoder", "image_cls", "image"; "seq2seq" (labels: the targets and,
+    #: shifted right, the decoder's inputs), "seq2seq_body" (decoder_input_ids), "text_encoder" (T5's encoder)
+    kind: str
     #: padding positions hold the config's pad token and the first row is left-padded (RoBERTa
     #: counts its positions over the non-padding tokens)
     pad_tokens: bool = False
     #: parameters (name suffixes) transformers starts at zero, drawn from N(0, 0.2) by make_hf_model so
     #: that a zoo model leaving them out shows
     drawn: tuple[str, ...] = ()
+    #: the LM head has weights of its own, config.json's tie_word_embeddings false: the hub's T5 1.1
+    #: and mT5 checkpoints (transformers 5 ties every T5 head it builds; make_hf_model unties it)
+    own_head: bool = False
+    #: parameters (name suffixes) moved by a constant after drawing, (suffix, shift) pairs
+    moved: tuple[tuple[str, float], ...] = ()
 
     @property
     def generates(self) -> bool:
-        return self.kind == "causal"
+        return self.kind in ("causal", "seq2seq")
 
 
 def gpt2_config(**kw):
@@ -273,9 +282,64 @@ def roberta_config():
                                       type_vocab_size=1, num_labels=3, hidden_act="relu", **NO_DROPOUT)
 
 
+#: 8 buckets up to distance 16: the encoder's 12 positions fall in exact (distance < 2) and
+#: logarithmic buckets on both sides, the decoder's 8 in exact (< 4) and logarithmic ones
+T5_SIZES = dict(vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=FFN, num_layers=LAYERS, num_heads=HEADS,
+                relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+                decoder_start_token_id=0)
+
+
+def t5_config(**kw):
+    """T5 1.0: ReLU MLP, the head tied to the shared table, the decoder's output × d_model^-0.5."""
+    return transformers.T5Config(**{**T5_SIZES, **kw})
+
+
+def t5_v1_1_config(**kw):
+    """T5 1.1: gated GELU MLP, the head its own (own_head), the decoder's output unscaled."""
+    return t5_config(feed_forward_proj="gated-gelu", tie_word_embeddings=False, **kw)
+
+
+def mt5_config(**kw):
+    """mT5: T5 1.1's architecture (gated GELU by default), its head tied to the shared table as
+    transformers 5 builds it, and yet the decoder's output unscaled (T5's own classes scale a tied
+    head's input; the hub's untied mT5 heads are T5 1.1's case). Weights drawn at half transformers'
+    scale: unscaled logits of about 10, not 30, whose float32 rounding stays well within the parity
+    tolerance at tp2."""
+    return transformers.MT5Config(**{**T5_SIZES, "initializer_factor": 0.5, **kw})
+
+
 def vit_config():
     return transformers.ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                                   intermediate_size=FFN, image_size=12, patch_size=4, num_labels=3, **NO_DROPOUT)
+
+
+#: Swin's bias table and positions start at zero; Swin V2's bias MLP and temperatures (all ln 10) are
+#: drawn too, so that the bias varies with the offset and the temperature with the head
+SWIN_DRAWN = ("relative_position_bias_table", "position_embeddings")
+SWINV2_DRAWN = ("continuous_position_bias_mlp.0.weight", "continuous_position_bias_mlp.2.weight", "logit_scale")
+#: Swin V2's temperatures from 10 (exp of transformers' ln 10) down to about 2: at 10 the scores span
+#: ±10 and float32 rounds transformers' own outputs ~1e-5 away from exact (float64) ones
+SWINV2_MOVED = (("logit_scale", -math.log(5.0)),)
+
+#: Three stages (widths 32, 64, 128; heads 2, 4, 4, so tp = 2 splits each) on a 10 × 10 patch grid with
+#: windows of 3: stage 1 pads 10 to 12 and shifts its second block, stage 2 (5 × 5 after merging)
+#: pads to 6 and shifts, stage 3 (3 × 3) is one window, unshifted; stochastic depth (off in eval).
+#: Weights drawn 5× wider than the default: the features then move the logits far more than 1e-3,
+#: and Swin V2's output norms (res-post-norm), which divide the gradient by a branch output's spread,
+#: keep float32's noise well under 1e-5
+SWIN_SIZES = dict(image_size=20, patch_size=2, embed_dim=32, depths=[2, 2, 1], num_heads=[2, 4, 4], window_size=3,
+                  mlp_ratio=2.0, drop_path_rate=0.2, initializer_range=0.1, num_labels=3, **NO_DROPOUT)
+
+
+def swin_config(**kw):
+    """Swin with learned absolute positions."""
+    return transformers.SwinConfig(**{**SWIN_SIZES, "use_absolute_embeddings": True, **kw})
+
+
+def swinv2_config(**kw):
+    """Swin V2 fits its window to the nominal resolutions 10, 5, 2 (grid // 2^stage): its stage 3 runs
+    2 × 2 windows over its 3 × 3 map padded to 4 × 4; stage 2's position bias pre-trained at windows of 4."""
+    return transformers.Swinv2Config(**{**SWIN_SIZES, "pretrained_window_sizes": [0, 4, 0], **kw})
 
 
 CASES = {
@@ -336,36 +400,69 @@ CASES = {
                         pad_tokens=True),
     "roberta_cls": Case(transformers.RobertaForSequenceClassification, models.RobertaForSequenceClassification,
                         roberta_config, "seq_cls", pad_tokens=True),
+    "t5": Case(transformers.T5ForConditionalGeneration, models.T5ForConditionalGeneration, t5_config, "seq2seq"),
+    "t5_v1_1": Case(transformers.T5ForConditionalGeneration, models.T5ForConditionalGeneration, t5_v1_1_config,
+                    "seq2seq", own_head=True),
+    "mt5": Case(transformers.MT5ForConditionalGeneration, models.MT5ForConditionalGeneration, mt5_config, "seq2seq"),
+    "t5_body": Case(transformers.T5Model, models.T5Model, t5_config, "seq2seq_body"),
+    "t5_encoder": Case(transformers.T5EncoderModel, models.T5EncoderModel, t5_v1_1_config, "text_encoder"),
     "vit": Case(transformers.ViTModel, models.ViTModel, vit_config, "image"),
     "vit_cls": Case(transformers.ViTForImageClassification, models.ViTForImageClassification, vit_config,
                     "image_cls"),
+    "swin": Case(transformers.SwinModel, models.SwinModel, swin_config, "image", drawn=SWIN_DRAWN),
+    "swin_cls": Case(transformers.SwinForImageClassification, models.SwinForImageClassification, swin_config,
+                     "image_cls", drawn=SWIN_DRAWN),
+    "swinv2": Case(transformers.Swinv2Model, models.Swinv2Model, swinv2_config, "image", drawn=SWINV2_DRAWN,
+                   moved=SWINV2_MOVED),
+    "swinv2_cls": Case(transformers.Swinv2ForImageClassification, models.Swinv2ForImageClassification,
+                       swinv2_config, "image_cls", drawn=SWINV2_DRAWN, moved=SWINV2_MOVED),
 }
 
 
 def make_hf_model(case: Case, seed: int = 0):
     """The transformers model, its norm weights drawn away from their initial value (1, or 0 for
     Gemma's (1 + w)): a norm the zoo applied without its weight, or not at all, would then show; so
-    are a router's selection biases (0), and the case's `drawn` parameters."""
+    are a router's selection biases (0), and the case's `drawn` parameters; its `moved` ones moved."""
     torch.manual_seed(seed)
     model = case.hf_class(case.make_config()).eval()
+    if case.own_head:
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.2)
+        model.config.tie_word_embeddings = False
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name.lower() and name.endswith("weight") or name.endswith(case.drawn):
                 param.add_(torch.randn_like(param) * 0.2)
+            for suffix, shift in case.moved:
+                if name.endswith(suffix):
+                    param.add_(shift)
         for name, buffer in model.named_buffers():  # DeepSeek-V3's starts at 0: make it steer the routing
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
     return model
 
 
+def image_tokens(config: transformers.PretrainedConfig) -> int:
+    """The tokens of an image model's output: ViT's patches and [CLS]; the patches of Swin's last
+    stage (each stage after the first halves the side, rounding up)."""
+    side = config.image_size // config.patch_size
+    if not hasattr(config, "depths"):
+        return side ** 2 + 1
+    for _ in config.depths[1:]:
+        side = (side + 1) // 2
+    return side ** 2
+
+
 def make_inputs(case: Case, seed: int = 1, batch: int = 2) -> tuple[dict, torch.Tensor]:
-    """(forward kwargs with labels, mask of the positions to compare: padding excluded)."""
+    """(forward kwargs with labels, mask of the positions to compare: padding excluded; an image
+    model's output tokens, all compared: ViT's 9 patches + [CLS] split over tp = 2)."""
     g = torch.Generator().manual_seed(seed)
     if case.kind.startswith("image"):
-        inputs = {"pixel_values": torch.randn(batch, 3, 12, 12, generator=g)}
+        config = case.make_config()
+        side = config.image_size
+        inputs = {"pixel_values": torch.randn(batch, config.num_channels, side, side, generator=g)}
         if case.kind == "image_cls":
-            inputs["labels"] = torch.randint(0, 3, (batch,), generator=g)
-        return inputs, torch.ones(batch, 10, dtype=torch.bool)  # 9 patches + [CLS]: splits over tp = 2
+            inputs["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+        return inputs, torch.ones(batch, image_tokens(config), dtype=torch.bool)
     ids = torch.randint(3, VOCAB, (batch, SEQ), generator=g)
     mask = torch.ones_like(ids)
     mask[-1, -4:] = 0  # the last sequence is shorter: right padding
@@ -381,9 +478,28 @@ def make_inputs(case: Case, seed: int = 1, batch: int = 2) -> tuple[dict, torch.
         inputs["labels"] = ids.masked_fill(~chosen, -100)
     elif case.kind == "seq_cls":
         inputs["labels"] = torch.randint(0, 3, (batch,), generator=g)
+    elif case.kind.startswith("seq2seq"):
+        labels = torch.randint(3, VOCAB, (batch, TARGET), generator=g)
+        labels[-1, -2:] = -100  # the shorter target: not scored, pad tokens in the decoder's inputs
+        inputs["labels"] = labels
+        if case.kind == "seq2seq_body":
+            inputs = unscored(case, inputs)
     if case.hf_class.__name__.startswith("Bert"):
         inputs["token_type_ids"] = (torch.arange(SEQ) >= SEQ // 2).long().expand(batch, -1).clone()
     return inputs, mask.bool()
+
+
+def unscored(case: Case, inputs: dict) -> dict:
+    """`inputs` for a forward without a loss: no labels; a sequence-to-sequence model's decoder
+    inputs made from them instead (transformers' rule: shifted right, the start token first, -100
+    as the pad token)."""
+    inputs = dict(inputs)
+    labels = inputs.pop("labels", None)
+    if case.kind.startswith("seq2seq") and labels is not None:
+        config = case.make_config()
+        shifted = torch.cat([torch.full_like(labels[:, :1], config.decoder_start_token_id), labels[:, :-1]], dim=1)
+        inputs["decoder_input_ids"] = shifted.masked_fill(shifted == -100, config.pad_token_id)
+    return inputs
 
 
 def hf_generate(hf_model, ids: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -306,7 +306,8 @@ def test_hf_to_zoo_loads_in_one_process_and_exports_back(hf_dir, tmp_path):
     assert status == 1 and "is not empty" in err
 
 
-@pytest.mark.parametrize("case", ["bert_cls", "roberta_mlm", "llama", "qwen2", "vit_cls"])
+@pytest.mark.parametrize("case", ["bert_cls", "roberta_mlm", "llama", "qwen2", "vit_cls", "t5", "t5_v1_1", "swin_cls",
+                                  "swinv2_cls"])
 def test_hf_to_zoo_to_hf_for_every_model_family(tmp_path, case):
     """The class comes from config.json (model_type, architectures); tp = 2 is checked (GQA: 2 KV heads)."""
     from model_cases import CASES, make_hf_model
@@ -317,6 +318,14 @@ def test_hf_to_zoo_to_hf_for_every_model_family(tmp_path, case):
     assert CASES[case].zoo_class.__name__ in out
     original, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
     assert sorted(back) == sorted(original) and all(torch.equal(back[n], original[n]) for n in original)
+
+
+def test_an_encoder_decoder_has_no_megatron_core_form(tmp_path):
+    from model_cases import CASES, make_hf_model
+
+    make_hf_model(CASES["t5"]).save_pretrained(tmp_path / "hf")
+    status, _, err = convert("hf-to-megatron", tmp_path / "hf", tmp_path / "megatron")
+    assert status == 1 and "T5ForConditionalGeneration has no Megatron-Core form" in err
 
 
 # ---------------------------------------------------------------------- Megatron-LM checkpoints

@@ -9,15 +9,19 @@ duration of one forward (monkeypatch) and the model is built after it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
-from model_cases import CASES, GEMMA3_GLOBAL_BASE, make_hf_model, make_inputs
+from model_cases import CASES, GEMMA3_GLOBAL_BASE, HIDDEN, SEQ, make_hf_model, make_inputs
 
 from libai_zoo import layers, models
 from libai_zoo.layers import attention
 from libai_zoo.hf import rules
+from libai_zoo.models import swin
 from libai_zoo.models.decoder import DecoderSpec
 
 MIN_EFFECT = 1e-3  # far above the 1e-5 of the parity tests
@@ -129,6 +133,27 @@ def _without_sinks():
     return "explicit_attention", lambda *args, sinks=None, **kwargs: explicit(*args, **kwargs)
 
 
+def _pad_top_left(self, x):
+    """WindowAttention._pad putting its zeros at the top and on the left (transformers': bottom, right)."""
+    extra = self.padded - self.resolution
+    return F.pad(x, (0, 0, extra, 0, extra, 0))
+
+
+def _row_major_neighbours(self, x):
+    """PatchMerging.neighbours in row-major order (transformers': column-major)."""
+    return [x[:, row::2, column::2] for row in (0, 1) for column in (0, 1)]
+
+
+def _no_offset_bias(self):
+    """WindowPositionBias.offset_table at zero (the continuous position bias off)."""
+    return self.mlp_out.weight.new_zeros((2 * self.window_size - 1) ** 2, self.num_heads)
+
+
+def _swinv2(**changes):
+    """Swinv2Model with its `Variant` changed (a Swin V2 difference off)."""
+    return "variant", dataclasses.replace(swin.SWIN_V2, **changes)
+
+
 FEATURES = {
     ("qwen3", "per-head q/k norms"): (layers.Attention, ("_norm_qk", lambda self, q, k: (q, k))),
     ("qwen3", "sliding window on layer 2"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
@@ -200,10 +225,39 @@ FEATURES = {
     ("gpt_oss", "sliding window on layer 0"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
     ("gpt_oss", "YaRN"): (layers.TransformerLayer, _without_kwarg(layers.TransformerLayer, "rope_scaling")),
     ("smollm3", "NoPE layers"): (layers.Attention, _rotary_everywhere(layers.Attention)),
+    ("t5", "relative position bias"): (
+        layers.RelativePositionBias, ("forward", lambda self, query_length, key_length, past=0:
+                                      torch.zeros(1, 1, query_length, key_length))),
+    ("t5", "bidirectional buckets in the encoder"): (
+        layers.RelativePositionBias, _without_kwarg(layers.RelativePositionBias, "bidirectional", False)),
+    ("t5", "causal buckets in the decoder"): (
+        layers.RelativePositionBias, _without_kwarg(layers.RelativePositionBias, "bidirectional", True)),
+    ("t5", "unscaled attention"): (layers.Attention, _without_kwarg(layers.Attention, "softmax_scale")),
+    ("t5", "decoder output × d_model^-0.5 before the tied head"): (
+        layers.LMHead, _without_kwarg(layers.LMHead, "logit_scale", 1.0)),
+    ("t5_v1_1", "gated-GELU MLP"): (layers.MLP, ("_activate", lambda self, gate, up: self.act(up))),
+    ("mt5", "no rescale before its tied head"): (models.MT5ForConditionalGeneration, ("scales_decoder_output", True)),
     ("roberta_mlm", "positions counted after the padding"): (
         models.bert.BertEmbeddings, ("position_ids", lambda self, ids: torch.arange(ids.shape[1])[None] + 2)),
     ("roberta_mlm", "GELU in the MLM head whatever hidden_act says"): (models.RobertaForMaskedLM,
                                                                        ("mlm_activation", None)),
+    ("swin_cls", "relative position bias"): (layers.WindowPositionBias, _zeroed(layers.WindowPositionBias, "table")),
+    ("swin_cls", "shifted windows"): (layers.WindowAttention, _without_kwarg(layers.WindowAttention, "shift_size", 0)),
+    ("swin_cls", "shift mask"): (layers.WindowAttention,
+                                 _without_kwarg(layers.WindowAttention, "shift_mask_value", 0.0)),
+    ("swin_cls", "padding at the bottom and right"): (layers.WindowAttention, ("_pad", _pad_top_left)),
+    ("swin_cls", "patch merging's neighbour order"): (swin.PatchMerging, ("neighbours", _row_major_neighbours)),
+    ("swin_cls", "absolute positions"): (swin.SwinEmbeddings, _zeroed(swin.SwinEmbeddings, "position_embeddings")),
+    ("swinv2_cls", "scaled cosine attention"): (layers.Attention, ("_cosine_qk", lambda self, q, k: (q, k))),
+    ("swinv2_cls", "continuous position bias"): (layers.WindowPositionBias, ("offset_table", _no_offset_bias)),
+    ("swinv2_cls", "position bias of a pre-trained window"): (
+        layers.WindowPositionBias, _without_kwarg(layers.WindowPositionBias, "pretrained_window_size", 0)),
+    ("swinv2_cls", "res-post-norm"): (swin.Swinv2Model, _swinv2(post_norm=False)),
+    ("swinv2_cls", "window fitted to the nominal resolution"): (swin.Swinv2Model,
+                                                                _swinv2(window_fitted_at_build=False)),
+    ("swinv2_cls", "shifted windows"): (layers.WindowAttention,
+                                        _without_kwarg(layers.WindowAttention, "shift_size", 0)),
+    ("swinv2_cls", "padding at the bottom and right"): (layers.WindowAttention, ("_pad", _pad_top_left)),
 }
 
 
@@ -216,7 +270,10 @@ def test_dropping_the_feature_changes_the_logits(case, feature, tmp_path, monkey
     monkeypatch.setattr(cls, attribute, replacement)
     zoo = CASES[case].zoo_class.from_pretrained(tmp_path)
     with torch.no_grad():
-        effect = (zoo(**inputs).logits[mask] - hf(**inputs).logits[mask]).abs().max().item()
+        ours, theirs = zoo(**inputs).logits, hf(**inputs).logits
+    if ours.shape[:2] == mask.shape:  # (a decoder's logits have the targets' length: all compared)
+        ours, theirs = ours[mask], theirs[mask]
+    effect = (ours - theirs).abs().max().item()
     assert effect > MIN_EFFECT, f"{case} without its {feature}: logits within {effect:.2e} of transformers'"
 
 
@@ -227,6 +284,98 @@ def test_deepseek_v3_first_layers_are_dense(tmp_path):
     with pytest.raises(ValueError, match=r"(?s)missing.*model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight.*"
                                          r"unexpected.*model\.layers\.0\.mlp\.gate_proj\.weight"):
         models.DeepseekV3ForCausalLM.from_pretrained(tmp_path, first_k_dense_replace=0)
+
+
+def test_t5_norms_compute_in_float32_and_cast_to_the_weight_dtype(tmp_path):
+    """T5's LayerNorm normalises in float32 and casts to its weight's dtype when that is 16-bit:
+    float32 weights keep a bf16 input's norm in float32, bf16 weights give bf16; both equal
+    transformers' bit for bit, where Llama's RMSNorm (cast to the input's dtype) rounds the first to
+    bf16. A bf16 model's logits agree within bf16's resolution."""
+    hf = make_hf_model(CASES["t5"])
+    hf.save_pretrained(tmp_path)
+    zoo = models.T5ForConditionalGeneration.from_pretrained(tmp_path)
+    x = torch.randn(2, SEQ, HIDDEN, generator=torch.Generator().manual_seed(0)).bfloat16() * 3
+    norm = zoo.encoder.final_layer_norm
+    llama = layers.RMSNorm(HIDDEN, norm.eps)
+    with torch.no_grad():
+        llama.weight.copy_(norm.weight)
+        assert norm(x).dtype == torch.float32 and torch.equal(norm(x), hf.encoder.final_layer_norm(x))
+        effect = (llama(x) - norm(x)).abs().max().item()
+        assert effect > MIN_EFFECT, f"T5's norm rounded as Llama's: within {effect:.2e} of transformers'"
+        zoo.to(torch.bfloat16), hf.to(torch.bfloat16)
+        assert torch.equal(norm(x), hf.encoder.final_layer_norm(x))
+        inputs, _ = make_inputs(CASES["t5"])
+        assert (zoo(**inputs).logits.float() - hf(**inputs).logits.float()).abs().max().item() <= 0.05
+
+
+@pytest.mark.parametrize("case", ["swin_cls", "swinv2_cls"])
+def test_swin_stochastic_depth_drops_whole_samples_in_training(case, tmp_path):
+    """Stochastic depth (drop_path_rate 0.5, growing to it over the blocks) drops a branch for whole
+    samples, each drawn on its own: one image repeated 8 times gives different logits per sample in
+    training, the same again under the same seed, and transformers' own under it (its draws, on the
+    attention branch only in Swin, on both in Swin V2); in eval none is dropped."""
+    base = CASES[case]
+    config = base.make_config(drop_path_rate=0.5)
+    hf = make_hf_model(dataclasses.replace(base, make_config=lambda: config)).train()
+    hf.save_pretrained(tmp_path)
+    zoo = base.zoo_class.from_pretrained(tmp_path).train()
+    image = make_inputs(base, batch=1)[0]["pixel_values"].expand(8, -1, -1, -1)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        trained = zoo(image).logits
+        torch.manual_seed(1)
+        assert torch.equal(zoo(image).logits, trained)
+        torch.manual_seed(1)
+        assert (hf(image).logits - trained).abs().max().item() <= 1e-5
+        evaluated = zoo.eval()(image).logits
+    assert (evaluated - evaluated[0]).abs().max().item() <= 1e-6  # one image, one output
+    assert (trained - trained[0]).abs().max().item() > MIN_EFFECT  # each sample drew its own
+    assert (trained - evaluated).abs().max().item() > MIN_EFFECT
+
+
+@pytest.mark.parametrize("case", ["swin_cls", "swinv2_cls"])
+def test_swin_fresh_weights_start_as_transformers(case, tmp_path):
+    """Drawn by `init_parameter` (as the trainer draws a meta-built model), a Swin starts as
+    transformers' does: bias tables and positions at zero, Swin V2's temperatures at ln 10, norms at
+    one, biases at zero (Swin V2's q and v ones too), every other weight Normal(0, initializer_range)."""
+    config = CASES[case].make_config()
+    CASES[case].hf_class(config).save_pretrained(tmp_path)
+    theirs = load_file(tmp_path / "model.safetensors")
+    zoo = CASES[case].zoo_class(config)
+    params = dict(zoo.named_parameters())
+    ours = rules.joined([piece for rule in zoo.hf_weight_map().rules
+                         for piece in rule.save(params[rule.zoo].detach()).items()])
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        if (tensor == tensor.flatten()[0]).all():
+            assert torch.equal(ours[name], tensor), name
+        else:
+            assert ours[name].mean().abs() < 0.02 and ours[name].std().item() == pytest.approx(0.1, rel=0.25), name
+
+
+def test_swinv2_temperature_is_clamped_at_100(tmp_path, monkeypatch):
+    """Swin V2 scores by cosine × exp(min(logit_scale, ln 100)): with the logit scales at 5 to 6
+    (temperatures 148 to 403) the logits equal transformers'; unclamped they do not."""
+    case = CASES["swinv2_cls"]
+    hf = make_hf_model(case)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("logit_scale"):
+                param.copy_(torch.linspace(5.0, 6.0, param.numel()).view_as(param))
+    hf.save_pretrained(tmp_path)
+    inputs, _ = make_inputs(case)
+    zoo = case.zoo_class.from_pretrained(tmp_path)
+    with torch.no_grad():
+        theirs = hf(**inputs).logits
+        assert (zoo(**inputs).logits - theirs).abs().max().item() <= 1e-5
+
+        def unclamped(self, q, k):
+            temperature = self.logit_scale.exp().view(*q.shape[2:4], 1)
+            return F.normalize(q, dim=-1) * temperature, F.normalize(k, dim=-1)
+
+        monkeypatch.setattr(layers.Attention, "_cosine_qk", unclamped)
+        effect = (zoo(**inputs).logits - theirs).abs().max().item()
+    assert effect > MIN_EFFECT, f"Swin V2's temperature unclamped: logits within {effect:.2e} of transformers'"
 
 
 #: MoE cases whose loss includes the auxiliary loss (output_router_logits)

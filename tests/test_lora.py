@@ -250,6 +250,37 @@ def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, t
     assert (model(ids).logits - expected).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["t5", "t5_v1_1"])
+def test_t5_adapters_go_both_ways_under_peft_names(family, tmp_path):
+    """T5's PEFT names (q, k, v, o of the self- and cross-attentions; wi or wi_0 and wi_1, wo): our
+    adapters on every Linear of both stacks load into PEFT, and PEFT's into our fused qkv and kv."""
+    case = CASES[family]
+    make_hf_model(case).save_pretrained(tmp_path / "hf")
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    decoder_ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(3))
+    model = case.zoo_class.from_pretrained(tmp_path / "hf")
+    adapted = apply_lora(model, 4, 8.0)
+    mlp = 3 if family == "t5_v1_1" else 2
+    assert len(adapted) == 2 * (2 + mlp) + 2 * (5 + mlp)  # encoder: qkv, out, MLP; decoder: and q, kv, out
+    _randomised_adapters(model)
+    expected = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
+    save_peft_adapter(model, tmp_path / "ours", base_model_name_or_path=str(tmp_path / "hf"))
+    base = case.hf_class.from_pretrained(tmp_path / "hf").eval()
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "ours").eval()
+    assert (theirs(input_ids=ids, decoder_input_ids=decoder_ids).logits - expected).abs().max() <= 1e-5
+
+    targets = ["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"]
+    trained = peft.get_peft_model(case.hf_class.from_pretrained(tmp_path / "hf"),
+                                  peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets))
+    _randomised_adapters(trained)
+    trained.save_pretrained(tmp_path / "peft")
+    expected = trained.eval()(input_ids=ids, decoder_input_ids=decoder_ids).logits
+    model = case.zoo_class.from_pretrained(tmp_path / "hf")
+    apply_lora_config(model, {"adapter": str(tmp_path / "peft")})
+    load_peft_adapter(model, tmp_path / "peft")
+    assert (model(input_ids=ids, decoder_input_ids=decoder_ids).logits - expected).abs().max() <= 1e-5
+
+
 def test_peft_cannot_hold_a_qwen_moe_dense_mlp_adapter(tmp_path):
     """PEFT 0.21 on transformers 5 takes any target named gate_proj/up_proj/down_proj of a Qwen-MoE
     for its experts' stacked parameters (even model.layers.0.mlp.down_proj, a dense layer): writing

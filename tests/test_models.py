@@ -13,9 +13,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from model_cases import (CASES, HIDDEN, SEQ, Case, deepseek_v3_config, gemma3_multimodal_config, hf_checkpoint_grads,
-                         hf_generate, hf_named_grads, main_output, make_hf_model, make_inputs)
+                         hf_generate, hf_named_grads, main_output, make_hf_model, make_inputs, swin_config,
+                         swinv2_config, unscored)
 
-from libai_zoo import models
+from libai_zoo import distributed, models
 
 TOL = 1e-5
 #: Reading a sharded index is the loader's, not a family's: one model of each kind covers it.
@@ -90,7 +91,7 @@ def test_save_pretrained_loads_in_transformers(hf_dirs, name, tmp_path):
         for key, tensor in reloaded.state_dict().items():  # bit-identical round trip
             assert torch.equal(tensor, hf.state_dict()[key]), key
         inputs, mask = make_inputs(case)
-        inputs.pop("labels", None)
+        inputs = unscored(case, inputs)
         assert max_diff(main_output(reloaded(**inputs)), main_output(zoo(**inputs)), mask) <= TOL
     config = json.loads((tmp_path / "single" / "config.json").read_text())
     assert config["architectures"] == [case.hf_class.__name__]
@@ -106,8 +107,26 @@ def test_greedy_generate_equals_transformers(hf_dirs, name):
     mask[-1, :3] = 0  # left padding, as generation wants it
     theirs = hf_generate(hf, ids, attention_mask=mask, max_new_tokens=20)
     ours = zoo.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
-    assert ours.shape == (2, ids.shape[1] + 20)
+    # an encoder-decoder returns the decoder's ids: its start token, then the new ones
+    assert ours.shape == (2, (1 if case.kind == "seq2seq" else ids.shape[1]) + 20)
     assert torch.equal(ours, theirs)
+
+
+def test_seq2seq_sampling_equals_transformers_under_the_same_seed(hf_dirs):
+    """T5 samples as transformers does (temperature, top-k, top-p, then one draw per step from the
+    global generator; stopping at the config's eos and padding after it): the same seed, the same ids."""
+    case = CASES["t5_v1_1"]
+    hf, path, _ = hf_dirs["t5_v1_1"]
+    zoo = case.zoo_class.from_pretrained(path)
+    ids = make_inputs(case)[0]["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0
+    for seed in range(3):
+        kw = dict(do_sample=True, temperature=1.5, top_k=40, top_p=0.9, max_new_tokens=12)
+        torch.manual_seed(seed)
+        theirs = hf.generate(ids, attention_mask=mask, **kw)
+        torch.manual_seed(seed)
+        assert torch.equal(zoo.generate(ids, attention_mask=mask, **kw), theirs)
 
 
 def test_generate_stops_at_eos_and_pads():
@@ -163,6 +182,22 @@ def test_base_model_loads_the_body_of_a_task_checkpoint(hf_dirs):
     inputs, mask = make_inputs(CASES["gpt2_body"])
     inputs.pop("labels", None)
     assert max_diff(body(**inputs).last_hidden_state, hf.transformer(**inputs).last_hidden_state, mask) <= TOL
+
+
+@pytest.mark.parametrize("name", ["t5", "t5_v1_1"])
+def test_t5_encoder_and_body_load_a_conditional_generation_checkpoint(hf_dirs, name):
+    """T5EncoderModel reads the encoder of a T5ForConditionalGeneration directory (its decoder and head
+    named nowhere), T5Model its encoder and decoder (the head left out), with transformers' outputs."""
+    hf, path, _ = hf_dirs[name]
+    inputs, mask = make_inputs(CASES[name])
+    encoder, info = models.T5EncoderModel.from_pretrained(path, output_loading_info=True)
+    assert info["missing_keys"] == [] and info["unexpected_keys"] == []
+    theirs = hf.encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+    assert max_diff(encoder(inputs["input_ids"], inputs["attention_mask"]).last_hidden_state, theirs, mask) <= TOL
+    body = models.T5Model.from_pretrained(path)
+    unlabelled = unscored(CASES[name], inputs)
+    theirs = transformers.T5Model.from_pretrained(path).eval()(**unlabelled).last_hidden_state
+    assert max_diff(body(**unlabelled).last_hidden_state, theirs, mask) <= TOL
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -354,6 +389,31 @@ def test_unsupported_config_options_fail_clearly():
         models.BertModel(transformers.BertConfig(position_embedding_type="relative_key"))
     with pytest.raises(ValueError, match=r"quantization_config \(mxfp4\).*Mxfp4Config\(dequantize=True\)"):
         models.GptOssModel(CASES["gpt_oss"].make_config().__class__(quantization_config={"quant_method": "mxfp4"}))
+
+
+def test_swin_refuses_what_it_cannot_run():
+    """Swin's blocks know their resolution from the config: images of another size or channel count
+    are refused, naming both. A Swin stage smaller than its window is refused (transformers' bias
+    table is for the config's window: it cannot run one either; Swin V2 fits the window to it), as
+    are a tp that does not divide every stage's heads and the splits Swin has no use for."""
+    model = models.SwinForImageClassification(swin_config())
+    for wrong in ((2, 3, 24, 24), (2, 1, 20, 20)):  # another size, another channel count
+        with pytest.raises(ValueError, match=rf"pixel_values of shape \({', '.join(map(str, wrong))}\) do not match "
+                                             rf"the config: expected \[B, 3, 20, 20\]"):
+            model(torch.randn(wrong))
+    with pytest.raises(ValueError, match="stage 2 runs at 3×3 patches, fewer than window_size = 4: .*transformers "
+                                         "cannot run it either.*a window_size of at most 3"):
+        models.SwinModel(swin_config(window_size=4))
+    assert models.Swinv2Model(swinv2_config(window_size=4)).layers[-1].attn.window_size == 2  # 10 // 4 patches
+    assert distributed.tp_problems(model, 4) == [
+        "num_heads = 2 is not divisible by tp = 4: choose a tp that divides the number of heads",
+        "num_heads of a window's position bias = 2 is not divisible by tp = 4: choose a tp that divides every "
+        "stage's number of heads"]
+    assert distributed.tp_problems(model, 2) == []
+    refused = model.layout_problems(sequence_parallel=True, cp=2, ep=2)
+    assert [problem.split(": ")[-1] for problem in refused] == ["set dist.sequence_parallel=false", "set dist.cp=1",
+                                                                 "set dist.ep=1"]
+    assert model.layout_problems(sequence_parallel=False, cp=1, ep=1) == []
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

@@ -44,8 +44,9 @@ SAVED_AT = 2  # the checkpoints the resume cases start from: the rest of the run
 
 CONFIG = '''
 from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_gpt_dataset
-from libai_zoo.models import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from libai_zoo.data import DigitsDataset, build_gpt_dataset
+from libai_zoo.models import (AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSeq2SeqLM, GPT2Config,
+                              GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM)
 from model_cases import uneven_router
 
 train = get_config("common/train.py").train
@@ -59,7 +60,8 @@ models = dict(
     mqa=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
         vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
-    **{{family: LazyCall(AutoModelForCausalLM.from_pretrained)(path=f"{hf}/{{family}}") for family in {families!r}}},
+    **{{family: LazyCall(dict(t5=AutoModelForSeq2SeqLM, swin=AutoModelForImageClassification).get(
+        family, AutoModelForCausalLM).from_pretrained)(path=f"{hf}/{{family}}") for family in {families!r}}},
     moe=LazyCall(uneven_router)(name="mixtral", vocab_size=8192, num_hidden_layers=4, num_local_experts=8),
 )
 model = models["gpt2"]
@@ -67,6 +69,9 @@ dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenize
                                                     cache_dir="{cache}"),
                   test=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
                                                    cache_dir="{cache}"))
+#: the data of a model that reads no text
+dataloaders = dict(swin=dict(train=LazyCall(DigitsDataset)(path="{digits}", split="train"),
+                             test=LazyCall(DigitsDataset)(path="{digits}", split="valid")))
 '''
 
 
@@ -76,6 +81,8 @@ def train(config_file: str, output_dir: str, model: str, overrides: list[str], *
     """Run the trainer; return {step: loss} as rank 0 logged it (empty on other ranks)."""
     cfg = LazyConfig.load(config_file)
     cfg.model = cfg.models[model]
+    if model in cfg.get("dataloaders", {}):  # a model that reads no text
+        cfg.dataloader = cfg.dataloaders[model]
     cfg = LazyConfig.apply_overrides(cfg, [
         f"train.output_dir={output_dir}", f"train.max_iter={STEPS}", f"train.global_batch_size={GLOBAL_BATCH}",
         "train.log_period=1", "train.checkpoint.period=0", "optim.lr=3e-3", "train.clip_grad_norm=1.0",
@@ -149,10 +156,12 @@ def write_config(root: Path) -> tuple[Path, list[str]]:
                                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32,
                                  bos_token_id=0, eos_token_id=0)).save_pretrained(root / "hf" / "llama")
     for family in FAMILY_LAYOUTS:
-        zoo_model(family, vocab_size=8192, num_hidden_layers=4).save_pretrained(root / "hf" / family)
+        changes = FAMILY_CHANGES.get(family, dict(vocab_size=8192, num_hidden_layers=4))
+        zoo_model(dict(swin="swin_cls").get(family, family), **changes).save_pretrained(root / "hf" / family)
     config_file = root / "config.py"
     config_file.write_text(CONFIG.format(text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
-                                         cache=root / "cache", hf=root / "hf", families=tuple(FAMILY_LAYOUTS)))
+                                         cache=root / "cache", hf=root / "hf", families=tuple(FAMILY_LAYOUTS),
+                                         digits=ROOT / "data/digits/digits.csv.gz"))
     return config_file, documents
 
 
@@ -169,7 +178,8 @@ def setup(root: Path) -> None:
     indexed = CONFIG.replace(text_data, indexed_data).replace(
         "import build_gpt_dataset", "import build_gpt_dataset, build_indexed_gpt_dataset")
     (root / "config_indexed.py").write_text(indexed.format(cache=root / "cache", hf=root / "hf",
-                                                           families=tuple(FAMILY_LAYOUTS)))
+                                                           families=tuple(FAMILY_LAYOUTS),
+                                                           digits=ROOT / "data/digits/digits.csv.gz"))
 
 
 def _run(root: str, name: str, model: str, layout: str, config: str = "config.py", extra: tuple = ()) -> dict:
@@ -318,7 +328,18 @@ FAMILY_LAYOUTS = {
     "phi3": ["dp2_pp2_zero3_interleaved"],
     "olmo2": ["dp2_pp2_zero3_zero_bubble"],
     "deepseek_v3": ["dp2_pp2_zero3_interleaved"],
+    # T5 1.0 (the shared table tied to the head: three stages hold it) learning to copy its input: 4
+    # encoder and 2 decoder blocks in 4 interleaved stages, so the encoder's output enters the decoder on
+    # one stage and travels to the next; its position bias tables split over tp with the heads, under SP
+    "t5": ["dp2_pp2_zero3_interleaved", "tp2_sp"],
+    # Swin on the digits: two stages of two blocks (8 × 8 patches of 16 channels in shifted 4 × 4 windows,
+    # merged to 4 × 4 of 32): pipeline stages of different widths, and the bias tables split with the heads
+    "swin": ["dp2_pp2_zero3_interleaved", "tp2"],
 }
+#: a family's model as the trainer's tests build it (default: the tokenizer's vocabulary, 4 layers)
+FAMILY_CHANGES = {"swin": dict(image_size=8, patch_size=1, num_channels=1, num_labels=10, embed_dim=16,
+                               depths=[2, 2], num_heads=[2, 4], window_size=4, drop_path_rate=0.0,
+                               use_absolute_embeddings=False, out_features=None, out_indices=None)}
 # A family's own training options, in its one-process reference too: DeepSeek-V3's bias update (the
 # correction biases then move alike at every layout only if each step's routed tokens are summed over dp)
 FAMILY_OPTIONS = {"deepseek_v3": ("train.expert_bias_update_rate=0.001",)}
@@ -401,6 +422,13 @@ def test_layout_equals_one_process(runs, case):
     model = MODEL_OF[case]
     reference = _reference(model, case.removeprefix(f"{model}_"))
     _assert_same(runs(case)["losses"], runs(reference)["losses"], range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("case", [f"t5_{layout}" for layout in FAMILY_LAYOUTS["t5"]])
+def test_encoder_decoder_gradients_equal_one_process(runs, case):
+    """The gradient norms too: the shared table's three copies (encoder, decoder and head stages)
+    summed once, the encoder's output's gradient back from both decoder stages."""
+    _assert_same(runs(case)["grad_norms"], runs("t5_one")["grad_norms"], range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("case", [f"moe_{layout}" for layout in MOE_LAYOUTS])

@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (ScheduleInterleaved1F1B, ScheduleInter
                                           ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from libai_zoo.config import LazyCall, LazyConfig, instantiate
+from libai_zoo.config import ConfigError, LazyCall, LazyConfig, instantiate
 from libai_zoo.engine import checks
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel, instantiate_model
 from libai_zoo.parallel import check_pipeline_layout
@@ -623,3 +623,11 @@ def test_moe_plan_enumerates_ep_and_states_its_routing():
     even, skewed = (plan(cfg, 4, device="h100", layouts=ep4, routing_imbalance=f).candidates[0] for f in (1.0, 2.0))
     assert skewed.memory.activations > even.memory.activations
     assert skewed.time.ep_comm > even.time.ep_comm and skewed.time.compute > even.time.compute
+
+
+def test_an_encoder_decoder_is_refused_by_name():
+    """The planner's time and memory models read one stack of layers: T5's two are refused, naming the way out."""
+    from model_cases import zoo_model
+
+    with torch.device("meta"), pytest.raises(ConfigError, match="runs 2 stacks of layers .* set the layout by hand"):
+        ModelTable(zoo_model("t5"))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from libai_zoo.distributed import local_range
-from libai_zoo.layers import fuse_qkv, split_qkv
+from libai_zoo.layers import fuse_kv, fuse_qkv, split_kv, split_qkv
 
 Read = Callable[..., torch.Tensor]
 Shard = tuple[int, int, int] | None
@@ -107,14 +107,19 @@ class Transposed(Same):
 
 @dataclass
 class Reshaped(Same):
-    """A replicated parameter kept in another shape (ViT's patch convolution as a linear layer)."""
+    """A parameter kept in another shape (ViT's patch convolution as a linear layer); split over tp
+    only along a first dimension both shapes share (Swin V2's logit scale per head, [heads, 1, 1]
+    in the checkpoint)."""
 
     hf_shape: tuple[int, ...] = ()
 
     def load(self, read, shard, zoo_shape, rows=None):
-        if shard is not None:
-            raise ValueError(f"{self.zoo} is replicated: it cannot be loaded by shards")
-        return _rows(read(self.name).reshape(zoo_shape), rows)
+        if shard is None:
+            return _rows(read(self.name).reshape(zoo_shape), rows)
+        if shard[0] != 0 or self.hf_shape[:1] != tuple(zoo_shape[:1]):
+            raise ValueError(f"{self.zoo} is kept in another shape than {self.name}: it can be loaded by shards "
+                             f"only along a first dimension both shapes share")
+        return read(self.name, _block(shard, zoo_shape, rows)).reshape(-1, *zoo_shape[1:])
 
     def save(self, tensor):
         return {self.name: tensor.reshape(self.hf_shape)}
@@ -247,19 +252,57 @@ class QKV(Rule):
         return {_module(name): Adapter(adapter.A, b, adapter.scale) for name, b in zip(self.hf, parts)}
 
     def load_adapter(self, adapters):
-        # PEFT's default adapts q and v only: a part without one is a rank-0 adapter (no update)
-        given = [adapters.get(_module(name)) for name in self.hf]
-        known, heads = next((a, h) for a, h in zip(given, self._heads()) if a is not None)
-        head_dim = known.B.shape[0] // heads
-        parts = [a if a is not None else Adapter(known.A.new_zeros(0, known.A.shape[1]),
-                                                 known.B.new_zeros(h * head_dim, 0), known.scale)
-                 for a, h in zip(given, self._heads())]
-        adapter = _joined(parts)
-        rows = adapter.B.split([a.B.shape[0] for a in parts])
-        return Adapter(adapter.A, fuse_qkv(*rows, self.num_kv_heads), adapter.scale)
+        return _fused_adapter(adapters, self.hf, self._heads(), lambda *rows: fuse_qkv(*rows, self.num_kv_heads))
 
     def _heads(self) -> tuple[int, int, int]:
         return self.num_heads, self.num_kv_heads, self.num_kv_heads
+
+
+@dataclass
+class KV(Rule):
+    """Separate k, v projections (weights or biases) -> the grouped `kv` of a cross-attention
+    (`fuse_kv`: [k0, v0 | k1, v1 | ...]), so a tp slice holds whole KV heads."""
+
+    zoo: str
+    k: str
+    v: str
+    num_kv_heads: int
+
+    @property
+    def hf(self) -> tuple[str, ...]:
+        return (self.k, self.v)
+
+    def load(self, read, shard, zoo_shape, rows=None):
+        index, count = _row_shard(self.zoo, shard)
+        parts = [read(name, {0: local_range(zoo_shape[0] // 2, index, count)}) for name in self.hf]
+        return _rows(fuse_kv(*parts, self.num_kv_heads // count), rows)
+
+    def save(self, tensor):
+        return dict(zip(self.hf, split_kv(tensor, self.num_kv_heads)))
+
+    def save_adapter(self, adapter):
+        parts = split_kv(adapter.B, self.num_kv_heads)  # B's rows are the output features
+        return {_module(name): Adapter(adapter.A, b, adapter.scale) for name, b in zip(self.hf, parts)}
+
+    def load_adapter(self, adapters):
+        return _fused_adapter(adapters, self.hf, (self.num_kv_heads,) * 2,
+                              lambda *rows: fuse_kv(*rows, self.num_kv_heads))
+
+
+def _fused_adapter(adapters: dict[str, Adapter], names: tuple[str, ...], heads: tuple[int, ...],
+                   fuse: Callable[..., torch.Tensor]) -> Adapter:
+    """One adapter of a fused projection from its parts' (checkpoint `names`, of `heads` heads each),
+    B's rows fused as the projection's. PEFT's default adapts q and v only: a part without one is a
+    rank-0 adapter (no update)."""
+    given = [adapters.get(_module(name)) for name in names]
+    known, known_heads = next((a, h) for a, h in zip(given, heads) if a is not None)
+    head_dim = known.B.shape[0] // known_heads
+    parts = [a if a is not None else Adapter(known.A.new_zeros(0, known.A.shape[1]),
+                                             known.B.new_zeros(h * head_dim, 0), known.scale)
+             for a, h in zip(given, heads)]
+    adapter = _joined(parts)
+    rows = adapter.B.split([a.B.shape[0] for a in parts])
+    return Adapter(adapter.A, fuse(*rows), adapter.scale)
 
 
 @dataclass
@@ -535,3 +578,9 @@ def qkv(zoo: str, q: str, k: str, v: str, num_heads: int, num_kv_heads: int, *, 
     """Rules of a fused `qkv` from three projections' .weight (and .bias)."""
     suffixes = ("weight", "bias") if bias else ("weight",)
     return [QKV(f"{zoo}.{s}", f"{q}.{s}", f"{k}.{s}", f"{v}.{s}", num_heads, num_kv_heads) for s in suffixes]
+
+
+def kv(zoo: str, k: str, v: str, num_kv_heads: int, *, bias: bool = True) -> list[Rule]:
+    """Rules of a cross-attention's fused `kv` from two projections' .weight (and .bias)."""
+    suffixes = ("weight", "bias") if bias else ("weight",)
+    return [KV(f"{zoo}.{s}", f"{k}.{s}", f"{v}.{s}", num_kv_heads) for s in suffixes]

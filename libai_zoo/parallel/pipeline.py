@@ -210,9 +210,11 @@ def prune_for_stage(model: nn.Module, layer_range: range, is_first: bool, is_las
     `layer_range` indexes the model's stacks' layers in a row (one stack: its layers). Each stack
     the stage runs becomes a `StageLayers` of its layers in the range under their original indices
     (the others are empty); of the modules only some stages hold (`stage_modules`), the others are
-    None. Modules left out are never copied. Process groups, meshes and tp, ep and cp handles are
-    shared with `model`. A weight several of those modules share (a tied embedding and head) stays
-    one Parameter within a stage; each stage that holds it gets its own copy.
+    None (a module registered under several paths is kept under those the stage holds: T5's shared
+    table is `shared` on the first stage, `decoder.embed_tokens` on the decoder's first). Modules
+    left out are never copied. Process groups, meshes and tp, ep and cp handles are shared with
+    `model`. A weight several of those modules share (a tied embedding and head) stays one
+    Parameter within a stage; each stage that holds it gets its own copy.
     """
     stacks = _full_stacks(model)
     total = sum(len(layers) for _, layers in stacks)
@@ -222,11 +224,16 @@ def prune_for_stage(model: nn.Module, layer_range: range, is_first: bool, is_las
     own = dict(_stack_ranges(stacks, layer_range))
     dropped = [layer for index, (_, layers) in enumerate(stacks) for i, layer in enumerate(layers)
                if i not in own.get(index, ())]
-    held = {id(model.get_submodule(path)) for path in stage_modules(model, layer_range, is_first, is_last)}
+    held_paths = stage_modules(model, layer_range, is_first, is_last)
+    held = {id(model.get_submodule(path)) for path in held_paths}
     dropped += [module for path in _optional_modules(model) if id(module := model.get_submodule(path)) not in held]
     for module in dropped:
         memo[id(module)] = None  # deepcopy returns None for it: left out, never copied
     pruned = copy.deepcopy(model, memo)
+    for path in _optional_modules(model) - held_paths:  # a module held under another path keeps only that one
+        owner, _, name = path.rpartition(".")
+        if pruned.get_submodule(owner)._modules.get(name) is not None:
+            setattr(pruned.get_submodule(owner), name, None)
     for index, (stack, layers) in enumerate(stacks):
         owner, _, name = stack.path.rpartition(".")
         stack_owner = pruned.get_submodule(owner)
@@ -308,7 +315,9 @@ class PipelineStageModule(nn.Module):
                 else:
                     x, stats = layer(x, **layer_inputs, router_stats=stats)
         if not self.is_last:
-            sent = (x, *carried, *(() if stats is None else (stats,)))
+            # a carried tensor passes on as a view: a node of this stage's graph, its gradient the sum
+            # of the later stages' and this stage's layers'
+            sent = (x, *(t.view_as(t) for t in carried), *(() if stats is None else (stats,)))
             return sent if len(sent) > 1 else x
         loss = model.head_loss(model.final_norm(x), targets, reduction="sum") * self.loss_scale
         if stats is not None and self.training and model.has_aux_loss:
