@@ -187,10 +187,13 @@ class ProgressBar(HookBase):
 
 
 class GenerateSample(HookBase):
-    """After training, let a causal LM continue `prompt` (greedy) and log the text: a quick look at
-    what the model learned. ``tokenizer`` is a Hugging Face tokenizer directory."""
+    """After training, let the model answer `prompt` (greedy) and log the text: a quick look at what
+    it learned. A causal LM continues the prompt; an encoder-decoder (T5) reads it and its decoder's
+    output is logged, special tokens such as T5's sentinels kept (`<extra_id_0> ...`: the spans it
+    fills in). ``tokenizer``: a Hugging Face tokenizer directory, or a tokenizer (T5's recipes pass
+    `libai_zoo.data.sentinel_tokenizer`'s)."""
 
-    def __init__(self, tokenizer: str, prompt: str, max_new_tokens: int = 40):
+    def __init__(self, tokenizer, prompt: str, max_new_tokens: int = 40):
         self.tokenizer, self.prompt, self.max_new_tokens = tokenizer, prompt, max_new_tokens
 
     def after_train(self) -> None:
@@ -199,8 +202,16 @@ class GenerateSample(HookBase):
                 logger.warning("no sample under pipeline parallelism: generate from a checkpoint with dist.pp=1")
                 return
             model, device = ready
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
-            tokens = model.generate(tokenizer(self.prompt, return_tensors="pt").input_ids.to(device),
-                                    max_new_tokens=self.max_new_tokens)
-        self.text = tokenizer.decode(tokens[0], skip_special_tokens=True)
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer) if isinstance(self.tokenizer, str) \
+                else self.tokenizer
+            seq2seq = getattr(model.config, "is_encoder_decoder", False)
+            prompt = tokenizer(self.prompt, return_tensors="pt").input_ids
+            if seq2seq:  # the encoder reads the prompt as it read its training inputs: ended by eos
+                prompt = torch.cat([prompt, torch.tensor([[tokenizer.eos_token_id]])], dim=1)
+            tokens = model.generate(prompt.to(device), max_new_tokens=self.max_new_tokens)
+        if seq2seq:
+            ends = {tokenizer.pad_token_id, tokenizer.eos_token_id}
+            self.text = tokenizer.decode([t for t in tokens[0].tolist() if t not in ends])
+        else:
+            self.text = tokenizer.decode(tokens[0], skip_special_tokens=True)
         logger.info("sample after %d steps: %r", self.trainer.iter, self.text)
