@@ -212,6 +212,13 @@ class TrainableModel(ABC):
             return (targets != IGNORE_INDEX).sum()
         return torch.tensor(targets.shape[0])
 
+    def looked_up_parameters(self) -> list[nn.Parameter]:
+        """The tables only looked up, which multiply nothing: by default the first stage's embeddings
+        that are not also the head's (a tied head multiplies)."""
+        last = {id(p) for path in self.last_stage_modules for p in self.get_submodule(path).parameters()}
+        return [p for path in self.first_stage_modules for m in self.get_submodule(path).modules()
+                if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False) if id(p) not in last]
+
     def flops_per_token(self, seq_len: int) -> float:
         """FLOPs of one token of a training step (forward + backward = 3 × forward), PaLM's MFU
         convention: 6 × the parameters every token multiplies (all but the embedding tables that
@@ -219,9 +226,7 @@ class TrainableModel(ABC):
         experts only the top_k a token goes through) + 12 × the attention width of every layer ×
         seq_len (scores and values; causal kernels skip half, MFU counts them all).
         Recomputation by activation checkpointing is not useful work and is not counted."""
-        last = {id(p) for path in self.last_stage_modules for p in self.get_submodule(path).parameters()}
-        looked_up = {id(p) for path in self.first_stage_modules for m in self.get_submodule(path).modules()
-                     if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)} - last
+        looked_up = {id(p) for p in self.looked_up_parameters()}
         share = {id(p): moe.top_k / moe.num_experts for moe in self.modules() if isinstance(moe, MoE)
                  for p in moe.experts.parameters()}
         multiplied = sum(p.numel() * share.get(id(p), 1.0) for p in self.parameters() if id(p) not in looked_up)
@@ -262,8 +267,13 @@ def check_trainable(model: nn.Module) -> None:
     if model.loss_unit not in LOSS_UNITS:
         wrong.append(f"loss_unit = {model.loss_unit!r} is not one of {LOSS_UNITS}")
     stacks = model.stacks()
-    if stacks[0].path != model.layer_stack:
-        wrong.append(f"the first of stacks() is {stacks[0].path!r}, not layer_stack {model.layer_stack!r}")
+    if (stacks[0].path, tuple(stacks[0].entry_modules)) != (model.layer_stack, tuple(model.first_stage_modules)):
+        wrong.append(f"the first of stacks() must be layer_stack {model.layer_stack!r} with first_stage_modules "
+                     f"{tuple(model.first_stage_modules)} as its entry_modules, not {stacks[0]}")
+    if len(stacks) > 1 and getattr(type(model).enter_stack, "__func__", type(model).enter_stack) \
+            is TrainableModel.enter_stack:
+        wrong.append(f"stacks() gives {len(stacks)} stacks: implement enter_stack(index, hidden, carried, inputs), "
+                     f"what the stage starting a later stack runs")
     stack_modules = [path for stack in stacks for path in (*stack.entry_modules, *stack.shared_modules)]
     for path in (*(stack.path for stack in stacks), *model.first_stage_modules, *model.last_stage_modules,
                  *stack_modules):

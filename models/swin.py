@@ -306,19 +306,11 @@ class SwinForImageClassification(PreTrainedModel, Classifier):
     config.num_labels classes. The body is `body_class`, kept under its ``base_model_prefix``."""
 
     body_class: ClassVar[type[SwinModel]] = SwinModel
-    config_class = SwinConfig
-    base_model_prefix = "swin"
     main_input_name = "pixel_values"
-    layer_stack = "swin.layers"
-    first_stage_modules = ("swin.embeddings",)
-    last_stage_modules = ("swin.layernorm", "classifier")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls.config_class, cls.base_model_prefix = cls.body_class.config_class, cls.body_class.base_model_prefix
-        cls.layer_stack = f"{cls.base_model_prefix}.layers"
-        cls.first_stage_modules = (f"{cls.base_model_prefix}.embeddings",)
-        cls.last_stage_modules = (f"{cls.base_model_prefix}.layernorm", "classifier")
+        _body_paths(cls)
 
     def __init__(self, config: SwinConfig):
         super().__init__(config)
@@ -363,6 +355,17 @@ class SwinForImageClassification(PreTrainedModel, Classifier):
     def hf_weight_map(self):
         return swin_weight_map(self.config, self.body_class.variant, prefix=f"{self.base_model_prefix}.",
                                classifier=True)
+
+
+def _body_paths(cls: type[SwinForImageClassification]) -> None:
+    """A classifier's config class and contract paths, from its body's class and prefix."""
+    cls.config_class, cls.base_model_prefix = cls.body_class.config_class, cls.body_class.base_model_prefix
+    cls.layer_stack = f"{cls.base_model_prefix}.layers"
+    cls.first_stage_modules = (f"{cls.base_model_prefix}.embeddings",)
+    cls.last_stage_modules = (f"{cls.base_model_prefix}.layernorm", "classifier")
+
+
+_body_paths(SwinForImageClassification)
 
 
 class Swinv2ForImageClassification(SwinForImageClassification):

@@ -51,7 +51,7 @@ import transformers
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
 
-from libai_zoo.layers import (NORMS, Attention, EncoderDecoderCache, LMHead, RelativePositionBias, RMSNorm,
+from libai_zoo.layers import (NORMS, EncoderDecoderCache, LMHead, RelativePositionBias, RMSNorm,
                               SequenceGather, SequenceScatter, TransformerLayer, VocabEmbedding)
 
 from .causal_lm import CACHE_NAME, pick_cache
@@ -317,18 +317,12 @@ class T5ForConditionalGeneration(T5PreTrainedModel, Seq2SeqGenerationMixin, Trai
         """The token ids the shared table holds; relative positions have no length limit."""
         return {"vocab_size": self.config.vocab_size, "max_positions": None}
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """FLOPs of one training token, PaLM's convention (`TrainableModel.flops_per_token`) for a
-        source token through the encoder and a target token through the decoder, targets as long as
-        the sources (`seq_len`): 6 × the parameters multiplied (the shared table only as a tied
-        head; the bias tables are looked up) + 12 × attention width × seq_len for each self- and
-        cross-attention of both stacks."""
-        looked_up = {id(self.encoder.relative_attention_bias.weight), id(self.decoder.relative_attention_bias.weight)}
-        if self.lm_head.weight is not self.shared.weight:
-            looked_up.add(id(self.shared.weight))
-        multiplied = sum(p.numel() for p in self.parameters() if id(p) not in looked_up)
-        attention = sum(12 * m.attention_width * seq_len for m in self.modules() if isinstance(m, Attention))
-        return 6 * multiplied + attention
+    def looked_up_parameters(self) -> list[nn.Parameter]:
+        """The shared table (unless it is also the head) and both stacks' position bias tables. The
+        contract's FLOPs count then takes a source token through the encoder and a target token
+        through the decoder (targets as long as the sources), each self- and cross-attention counted."""
+        return [*super().looked_up_parameters(), self.encoder.relative_attention_bias.weight,
+                self.decoder.relative_attention_bias.weight]
 
     # ----------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

@@ -44,7 +44,8 @@ SAVED_AT = 2  # the checkpoints the resume cases start from: the rest of the run
 
 CONFIG = '''
 from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import DigitsDataset, build_gpt_dataset
+from libai_zoo.data import build_gpt_dataset
+from libai_zoo.data import DigitsDataset
 from libai_zoo.models import (AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSeq2SeqLM, GPT2Config,
                               GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM)
 from model_cases import uneven_router

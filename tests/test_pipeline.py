@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 from distributed_runner import run_distributed
 from libai_zoo.models import (BertConfig, BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, ViTConfig,
                               ViTForImageClassification, get_layer_stack)
-from libai_zoo.parallel.pipeline import Pipeline, StageLayers, prune_for_stage, split_layers
+from libai_zoo.parallel.pipeline import (TARGETS, Pipeline, PipelineStageModule, StageLayers, _shared_parameters,
+                                        prune_for_stage, split_layers)
 
 pytestmark = pytest.mark.slow
 
@@ -286,3 +287,35 @@ def test_prune_keeps_names_and_ties_in_one_process():
     assert whole.lm_head.weight is whole.transformer.wte.weight  # one stage: still one parameter
     last = prune_for_stage(model, range(3, 4), is_first=False, is_last=True)
     assert last.lm_head.weight is not model.lm_head.weight and torch.equal(last.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize("case", ["t5", "t5_v1_1"])
+@pytest.mark.parametrize("edges", [(3,), (2,), (1, 3, 5), (4,)], ids=["decoder_starts_on_stage0", "at_the_boundary",
+                                                                      "four_stages", "decoder_on_both_stages"])
+def test_encoder_decoder_stages_chain_to_the_models_loss(case, edges):
+    """T5 (2 encoder, 4 decoder blocks) cut anywhere: each stage holds the shared table under the
+    name its copy has (`shared` first, `decoder.embed_tokens` where the decoder starts, `lm_head`
+    when tied), whose canonical name is the whole model's; the stages run one after another, the
+    encoder's output carried, give the model's summed loss."""
+    from model_cases import zoo_model
+
+    torch.manual_seed(0)
+    model = zoo_model(case, num_decoder_layers=4).eval()
+    ranges = split_layers(6, len(edges) + 1, list(edges))
+    stages = [prune_for_stage(model, r, s == 0, s == len(ranges) - 1) for s, r in enumerate(ranges)]
+    whole = dict(model.named_parameters())
+    for shared in _shared_parameters(model, ranges):
+        assert shared.canonical in whole, shared
+        for stage, name in shared.names.items():
+            assert torch.equal(dict(stages[stage].named_parameters())[name], whole[shared.canonical]), (stage, name)
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(2))
+    inputs, targets = model.split_batch({"input_ids": ids, "labels": labels})
+    others = {key: value for key, value in inputs.items() if key != "input_ids"}
+    sent = (ids,)
+    for index, (stage, layer_range) in enumerate(zip(stages, ranges)):
+        module = PipelineStageModule(stage, index, len(ranges), layer_range).eval()
+        sent = module(*sent, **others, **{TARGETS: targets})
+        sent = sent if isinstance(sent, tuple) else (sent,)
+    expected = model(input_ids=ids, labels=labels).loss * (labels != -100).sum()
+    assert (sent[0] - expected).abs().item() <= 1e-5 * expected.abs().item()

@@ -130,7 +130,8 @@ class Checkpointer:
         #: tied ones under each name; global shapes), not only this rank's stages
         self.expected = {name: tuple(tensor.shape) for name, tensor in whole.state_dict(keep_vars=True).items()
                          if isinstance(tensor, torch.Tensor)}
-        self.layer_stack: str | None = getattr(whole, "layer_stack", None)  # names the layers in errors
+        #: the layer stacks' paths, which name a difference of depth in errors
+        self.layer_stacks = [stack.path for stack in whole.stacks()] if hasattr(whole, "stacks") else []
         self.optimizer = optimizer
         self.stateful = stateful or {}
         self.record = record
@@ -389,7 +390,7 @@ class Checkpointer:
             _rename_state(state["optim"], self.aliases)
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         # LoRA adapters put on a model whose weights had none keep their fresh values (a resumed run has them all)
-        differences = _differences(saved, self.expected, self.layer_stack, new_adapters_ok=not with_optimizer)
+        differences = _differences(saved, self.expected, self.layer_stacks, new_adapters_ok=not with_optimizer)
         if differences:
             fix = ("start over in this directory with --no-resume (its checkpoints are then replaced), or give this "
                    "run its own train.output_dir" if with_optimizer else
@@ -428,20 +429,21 @@ class Checkpointer:
         return state["iteration"]
 
 
-def _differences(saved: dict, ours: dict[str, tuple], layer_stack: str | None, *, new_adapters_ok: bool) -> list[str]:
+def _differences(saved: dict, ours: dict[str, tuple], layer_stacks: list[str], *, new_adapters_ok: bool) -> list[str]:
     """How the model of a checkpoint's metadata (`saved`: DCP's state_dict_metadata) differs from
     `ours` (the model's tensor names -> global shapes), in a few words each: layers, LoRA adapters,
     other tensors missing or extra, shapes. Empty: they fit. ``new_adapters_ok``: adapters the
     checkpoint lacks altogether are no difference (fresh ones on loaded weights)."""
     theirs = {key.removeprefix("model."): tuple(md.size) for key, md in saved.items()
               if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
-    layer = re.compile(rf"{re.escape(layer_stack)}\.(\d+)\.") if layer_stack else None
     differences, told = [], []  # told: what a line already accounts for
-    if layer is not None:
+    for stack in layer_stacks:
+        layer = re.compile(rf"{re.escape(stack)}\.(\d+)\.")
         counts = [len({m.group(1) for name in names if (m := layer.match(name))}) for names in (theirs, ours)]
         if counts[0] != counts[1]:
-            differences.append(f"{counts[0]} layers in it, {counts[1]} in this model")
-            told.append(lambda name: layer.match(name) is not None)
+            where = f" ({stack})" if len(layer_stacks) > 1 else ""
+            differences.append(f"{counts[0]} layers in it, {counts[1]} in this model{where}")
+            told.append(lambda name, layer=layer: layer.match(name) is not None)
     adapters = [sum(is_adapter_parameter(name) for name in names) for names in (theirs, ours)]
     if adapters[0] != adapters[1] and not (new_adapters_ok and adapters[0] == 0):
         differences.append(f"LoRA adapter tensors: {adapters[0]} in it, {adapters[1]} in this model: set train.lora "

@@ -19,10 +19,12 @@ numbering: `<extra_id_0>` is the largest id, the next ones count down.
 
 from __future__ import annotations
 
+import datasets
 import numpy as np
 import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset
+from transformers import PreTrainedTokenizerBase
 
 from .text_dataset import build_text_dataset
 from .tokenizer import load_tokenizer
@@ -31,7 +33,7 @@ from .validation import TokenIdRange
 SENTINELS = 100  # T5's extra_ids
 
 
-def sentinel_tokenizer(tokenizer_dir: str, extra_ids: int = SENTINELS):
+def sentinel_tokenizer(tokenizer_dir: str, extra_ids: int = SENTINELS) -> PreTrainedTokenizerBase:
     """The tokenizer of `tokenizer_dir` with T5's sentinels `<extra_id_0>` ... appended as special
     tokens, `<extra_id_0>` last (the largest id), as T5's vocabularies number them."""
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -72,7 +74,7 @@ class SpanCorruptionDataset(Dataset):
     """Windows of `raw_length` tokens (a `build_text_dataset`) turned into T5 samples; see the module
     docstring. `sentinels[k]` is `<extra_id_k>`'s id."""
 
-    def __init__(self, windows, sentinels: list[int], eos_token_id: int, *, input_length: int,
+    def __init__(self, windows: datasets.Dataset, sentinels: list[int], eos_token_id: int, *, input_length: int,
                  noise_density: float, mean_span: float, seed: int):
         self.windows, self.sentinels, self.eos = windows, sentinels, eos_token_id
         self.noise_density, self.mean_span, self.seed = noise_density, mean_span, seed
@@ -110,6 +112,11 @@ def build_span_corruption_dataset(path: str, tokenizer_dir: str, input_length: i
     """T5 pre-training samples of the documents of `path` (anything `build_text_dataset` reads),
     tokenized with `tokenizer_dir`'s tokenizer; the model's vocabulary must hold its sentinels
     (`sentinel_tokenizer(tokenizer_dir)`: len(tokenizer) ids)."""
+    if not 0 < noise_density < 1 or mean_noise_span_length < 1:
+        raise ValueError(f"noise_density = {noise_density} must be in (0, 1) and mean_noise_span_length = "
+                         f"{mean_noise_span_length} at least 1 (T5's: 0.15 and 3)")
+    if source_kwargs.get("streaming"):
+        raise ValueError("span corruption draws each sample from its index in a map-style dataset: leave streaming out")
     raw = raw_length_for(input_length, noise_density, mean_noise_span_length)
     windows = build_text_dataset(path, tokenizer_dir, raw, cache_dir=cache_dir, **source_kwargs)
     tokenizer = sentinel_tokenizer(tokenizer_dir)

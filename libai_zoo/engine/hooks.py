@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from libai_zoo.checkpoint import CheckpointManager
 from libai_zoo.utils import mfu
@@ -193,7 +193,7 @@ class GenerateSample(HookBase):
     fills in). ``tokenizer``: a Hugging Face tokenizer directory, or a tokenizer (T5's recipes pass
     `libai_zoo.data.sentinel_tokenizer`'s)."""
 
-    def __init__(self, tokenizer, prompt: str, max_new_tokens: int = 40):
+    def __init__(self, tokenizer: str | PreTrainedTokenizerBase, prompt: str, max_new_tokens: int = 40):
         self.tokenizer, self.prompt, self.max_new_tokens = tokenizer, prompt, max_new_tokens
 
     def after_train(self) -> None:

@@ -188,19 +188,19 @@ def _shared_handles(model: nn.Module) -> dict[int, object]:
 
 def stage_modules(model: nn.Module, layer_range: range, is_first: bool, is_last: bool) -> set[str]:
     """The paths of the modules besides its layers that a stage running `layer_range` holds: the
-    first stage's, the last stage's, the entry modules of a stack whose first layer it runs and
-    the shared modules of every stack it runs a layer of."""
+    last stage's, the entry modules of a stack whose first layer it runs (the first stack's are the
+    first stage's) and the shared modules of every stack it runs a layer of."""
     stacks = _full_stacks(model)
-    held = set(model.first_stage_modules if is_first else ()) | set(model.last_stage_modules if is_last else ())
+    held = set(model.last_stage_modules if is_last else ())
     for index, own in _stack_ranges(stacks, layer_range):
         stack = stacks[index][0]
-        held |= set(stack.shared_modules) | set(stack.entry_modules if own.start == 0 and index else ())
+        held |= set(stack.shared_modules) | set(stack.entry_modules if own.start == 0 else ())
     return held
 
 
 def _optional_modules(model: nn.Module) -> set[str]:
     """Every module path that only some stages hold."""
-    return {*model.first_stage_modules, *model.last_stage_modules,
+    return {*model.last_stage_modules,
             *(path for stack in model.stacks() for path in (*stack.entry_modules, *stack.shared_modules))}
 
 
@@ -280,7 +280,7 @@ class PipelineStageModule(nn.Module):
         return self.stage_index == self.num_stages - 1
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor,
-                **inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                **inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.metadata_pass:  # torch's shape inference, on empty tensors: no routing to count
             self.metadata_pass = False
             with uncounted(self.model):
@@ -335,13 +335,11 @@ class PipelineStageModule(nn.Module):
 @dataclass(frozen=True)
 class _SharedParameter:
     """A parameter several stages hold (an embedding tied to the LM head, shared with a decoder; a
-    stack's position bias): each holds a copy, under `names[stage]`; the lowest stage's is canonical."""
+    stack's position bias): each holds a copy, under `names[stage]`; `canonical` is its name in the
+    whole model (what checkpoints and weight maps call it), the lowest stage's copy counts in norms."""
 
     names: dict[int, str]
-
-    @property
-    def canonical(self) -> str:
-        return self.names[min(self.names)]
+    canonical: str
 
 
 def _shared_parameters(model: nn.Module, layer_ranges: list[range]) -> list[_SharedParameter]:
@@ -350,10 +348,13 @@ def _shared_parameters(model: nn.Module, layer_ranges: list[range]) -> list[_Sha
     held: dict[int, dict[int, str]] = {}
     last = len(layer_ranges) - 1
     for stage, layer_range in enumerate(layer_ranges):
-        for path in sorted(stage_modules(model, layer_range, stage == 0, stage == last)):
-            for name, param in model.get_submodule(path).named_parameters(remove_duplicate=False):
-                held.setdefault(id(param), {}).setdefault(stage, f"{path}.{name}")
-    return [_SharedParameter(names) for names in held.values() if len(names) > 1]
+        paths = stage_modules(model, layer_range, stage == 0, stage == last)
+        # in registration order, as the stage's pruned copy names them: its first name under a path it holds
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if any(name.startswith(path + ".") for path in paths):
+                held.setdefault(id(param), {}).setdefault(stage, name)
+    canonical = {id(param): name for name, param in model.named_parameters()}
+    return [_SharedParameter(names, canonical[key]) for key, names in held.items() if len(names) > 1]
 
 
 def splits_backward(schedule: str) -> bool:
@@ -496,9 +497,9 @@ class Pipeline:
                  stage.stage_index == first) for stage in self.stages if stage.stage_index in shared.names]
 
     def tied_aliases(self) -> dict[str, str]:
-        """{name of this rank's copy of a shared weight held by a later stage: its canonical name}."""
+        """{this rank's name of a shared weight held under another name: its name in the whole model}."""
         return {name: shared.canonical for shared in self.shared
-                for name, _, canonical in self._local_copies(shared) if not canonical}
+                for name, _, _ in self._local_copies(shared) if name != shared.canonical}
 
     def tied_duplicates(self) -> list[nn.Parameter]:
         """This rank's copies of shared weights other than the canonical ones: count them once in a

@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from libai_zoo.layers import LMHead
-from libai_zoo.models import get_layer_stack
+from libai_zoo.models import all_layers
 
 from .data_parallel import DataParallel, set_forward_prefetch
 
@@ -52,7 +52,7 @@ def layer_by_layer(model: nn.Module, data_parallel: DataParallel) -> Iterator[nn
     if data_parallel.group is None or data_parallel.zero_stage == 0:
         yield model
         return
-    layers = list(get_layer_stack(model))
+    layers = all_layers(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()  # an evaluation at ZeRO 1-2 leaves the units gathered
