@@ -82,7 +82,22 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
-class CausalLM(GenerationMixin, TrainableModel):
+class LMHeadLoss:
+    """The contract's head and loss of a language model whose head is ``lm_head``, a `layers.LMHead`:
+    logits split over the vocabulary under tp, their vocabulary-parallel cross entropy, and the loss
+    computed without all the logits at once (`LMHead.loss_from_hidden`: in chunks of tokens)."""
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return self.lm_head.loss(outputs, targets, reduction)
+
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return self.lm_head.loss_from_hidden(hidden, targets, reduction)
+
+
+class CausalLM(LMHeadLoss, GenerationMixin, TrainableModel):
     """A decoder-only language model of the zoo: a body (under ``base_model_prefix``) with
     ``embed`` and ``final_norm``, and ``lm_head``, a `layers.LMHead`."""
 
@@ -108,16 +123,6 @@ class CausalLM(GenerationMixin, TrainableModel):
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.base_model_prefix).final_norm(hidden)
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return self.lm_head.loss(outputs, targets, reduction)
-
-    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """The loss without all the logits at once: `LMHead.loss_from_hidden`."""
-        return self.lm_head.loss_from_hidden(hidden, targets, reduction)
 
     def lm_output(self, hidden: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
                   cache: list[KVCache] | None, logits_to_keep: int,

@@ -54,7 +54,7 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2
 from libai_zoo.layers import (NORMS, EncoderDecoderCache, LMHead, RelativePositionBias, RMSNorm,
                               SequenceGather, SequenceScatter, TransformerLayer, VocabEmbedding)
 
-from .causal_lm import CACHE_NAME, pick_cache
+from .causal_lm import CACHE_NAME, LMHeadLoss, pick_cache
 from .contract import IGNORE_INDEX, Stack, TrainableModel
 from .generation import Seq2SeqGenerationMixin
 from .hf_maps.t5 import t5_weight_map
@@ -225,7 +225,7 @@ class T5EncoderModel(T5PreTrainedModel):
         return BaseModelOutput(last_hidden_state=self.encode(input_ids, attention_mask))
 
 
-class T5ForConditionalGeneration(T5PreTrainedModel, Seq2SeqGenerationMixin, TrainableModel):
+class T5ForConditionalGeneration(T5PreTrainedModel, LMHeadLoss, Seq2SeqGenerationMixin, TrainableModel):
     """T5 with its language-model head: labels [B, S_dec] are the targets, and shifted right the
     decoder's inputs (unless decoder_input_ids are given). Its two stacks pipeline as Megatron-LM's
     T5 does: encoder stages, then decoder stages, the encoder's output travelling to every one."""
@@ -302,16 +302,6 @@ class T5ForConditionalGeneration(T5PreTrainedModel, Seq2SeqGenerationMixin, Trai
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.final(hidden)
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return self.lm_head.loss(outputs, targets, reduction)
-
-    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """The loss without all the logits at once: `LMHead.loss_from_hidden`."""
-        return self.lm_head.loss_from_hidden(hidden, targets, reduction)
 
     def input_limits(self) -> dict[str, int | None]:
         """The token ids the shared table holds; relative positions have no length limit."""

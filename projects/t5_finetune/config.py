@@ -6,13 +6,11 @@ conversation so far in, the reply out), LiBai's Couplets in spirit.
     python tools/train.py projects/t5_finetune/config.py
 """
 
-from libai_zoo.config import LazyCall, get_config
+from libai_zoo.config import LazyCall
 from libai_zoo.data import build_seq2seq_dataset, sentinel_tokenizer
 from libai_zoo.engine import GenerateSample
 
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
+from ..llama_finetune.config import dist, optim, train  # noqa: F401  (config keys: its training, 300 steps)
 
 model = LazyCall("libai_zoo.models.AutoModelForSeq2SeqLM.from_pretrained")(path="output/t5_pretrained",
                                                                          dtype="float32")
@@ -24,19 +22,7 @@ dataloader = dict(
     num_workers=0,
 )
 
-optim.lr = 1e-3
-optim.betas = (0.9, 0.95)
-
-train.update(
-    output_dir="output/t5_finetune",
-    max_iter=300,
-    micro_batch_size=16,
-    global_batch_size=16,
-    log_period=25,
-    checkpoint=dict(period=150),
-    eval=dict(period=150, max_batches=None),
-    scheduler=LazyCall("libai_zoo.optim.WarmupCosineLR")(warmup_iters=30, min_lr_ratio=0.1),
-)
+train.output_dir = "output/t5_finetune"
 
 # After training, the model answers a held-out question.
 hooks = [LazyCall(GenerateSample)(
