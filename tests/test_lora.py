@@ -22,7 +22,7 @@ from libai_zoo.hf import apply_lora_config, load_peft_adapter, read_peft_adapter
 from libai_zoo.layers import Experts, Linear, MoE, apply_lora, is_adapter_parameter, merge_lora
 from libai_zoo.models import Gemma3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, Phi3ForCausalLM, RobertaForMaskedLM
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes
-from model_cases import CASES, gemma3_text_config, make_hf_model
+from model_cases import CASES, gemma3_text_config, make_hf_model, make_inputs
 from test_convert import cli
 from trainer_runs import losses, run_trainer
 
@@ -250,35 +250,46 @@ def test_an_adapter_trained_by_peft_loads_with_its_fused_parts_stacked(family, t
     assert (model(ids).logits - expected).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["t5", "t5_v1_1"])
-def test_t5_adapters_go_both_ways_under_peft_names(family, tmp_path):
-    """T5's PEFT names (q, k, v, o of the self- and cross-attentions; wi or wi_0 and wi_1, wo): our
-    adapters on every Linear of both stacks load into PEFT, and PEFT's into our fused qkv and kv."""
+# T5's PEFT names (q, k, v, o of the self- and cross-attentions; wi or wi_0 and wi_1, wo) and Swin's
+# (transformers 5 renames its modules on load: attention.q_proj, mlp.fc1, which PEFT adapts; Swin V2
+# keeps the checkpoint's); how many Linear layers our default targets adapt
+OTHER_LORA_FAMILIES = {
+    "t5": (["q", "k", "v", "o", "wi", "wo"], 2 * 4 + 2 * 7),  # encoder: qkv, out, MLP; decoder: and q, kv, out
+    "t5_v1_1": (["q", "k", "v", "o", "wi_0", "wi_1", "wo"], 2 * 5 + 2 * 8),
+    "swin_cls": (["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"], 5 * 4),
+    "swinv2_cls": (["query", "key", "value", "dense"], 5 * 4),
+}
+
+
+@pytest.mark.parametrize("family", OTHER_LORA_FAMILIES)
+def test_adapters_go_both_ways_under_peft_names(family, tmp_path):
+    """Our adapters on every Linear load into PEFT, and PEFT's into our fused qkv (and T5's kv)."""
     case = CASES[family]
     make_hf_model(case).save_pretrained(tmp_path / "hf")
-    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(2))
-    decoder_ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(3))
-    model = case.zoo_class.from_pretrained(tmp_path / "hf")
-    adapted = apply_lora(model, 4, 8.0)
-    mlp = 3 if family == "t5_v1_1" else 2
-    assert len(adapted) == 2 * (2 + mlp) + 2 * (5 + mlp)  # encoder: qkv, out, MLP; decoder: and q, kv, out
+    if case.kind == "seq2seq":
+        inputs = {"input_ids": torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(2)),
+                  "decoder_input_ids": torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(3))}
+    else:
+        inputs = {"pixel_values": make_inputs(case)[0]["pixel_values"]}
+    targets, count = OTHER_LORA_FAMILIES[family]
+    model = case.zoo_class.from_pretrained(tmp_path / "hf").eval()
+    assert len(apply_lora(model, 4, 8.0)) == count
     _randomised_adapters(model)
-    expected = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
+    expected = model(**inputs).logits
     save_peft_adapter(model, tmp_path / "ours", base_model_name_or_path=str(tmp_path / "hf"))
     base = case.hf_class.from_pretrained(tmp_path / "hf").eval()
     theirs = peft.PeftModel.from_pretrained(base, tmp_path / "ours").eval()
-    assert (theirs(input_ids=ids, decoder_input_ids=decoder_ids).logits - expected).abs().max() <= 1e-5
+    assert (theirs(**inputs).logits - expected).abs().max() <= 1e-5
 
-    targets = ["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"]
     trained = peft.get_peft_model(case.hf_class.from_pretrained(tmp_path / "hf"),
                                   peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets))
     _randomised_adapters(trained)
     trained.save_pretrained(tmp_path / "peft")
-    expected = trained.eval()(input_ids=ids, decoder_input_ids=decoder_ids).logits
-    model = case.zoo_class.from_pretrained(tmp_path / "hf")
+    expected = trained.eval()(**inputs).logits
+    model = case.zoo_class.from_pretrained(tmp_path / "hf").eval()
     apply_lora_config(model, {"adapter": str(tmp_path / "peft")})
     load_peft_adapter(model, tmp_path / "peft")
-    assert (model(input_ids=ids, decoder_input_ids=decoder_ids).logits - expected).abs().max() <= 1e-5
+    assert (model(**inputs).logits - expected).abs().max() <= 1e-5
 
 
 def test_peft_cannot_hold_a_qwen_moe_dense_mlp_adapter(tmp_path):

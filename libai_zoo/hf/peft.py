@@ -42,6 +42,11 @@ from libai_zoo.layers import apply_lora, lora_adapters
 
 from .rules import Adapter, Either, PackedQKV, Stacked, Transposed, joined
 
+try:  # transformers 5: the renames its loading applies, which PEFT's module names follow
+    from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
+except ImportError:  # transformers 4 renames nothing: the modules are the checkpoint's
+    get_checkpoint_conversion_mapping = None
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # what PeftModel puts before the base model's module names
@@ -75,6 +80,32 @@ def _expert_keys(rules: dict, parameters: list[str]) -> dict[str, str]:
 
 
 @torch.no_grad()
+def _renames(model: nn.Module) -> list[tuple[str, str]]:
+    """(checkpoint name pattern, in-memory name) of the modules transformers renames on load for the
+    model's type, in its order: PEFT adapts the modules in memory and names its adapters so
+    (Swin's attention.self.query is attention.q_proj, its output.dense mlp.fc2)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if get_checkpoint_conversion_mapping is None or model_type is None:
+        return []
+    return [(source, target) for converter in get_checkpoint_conversion_mapping(model_type) or ()
+            if isinstance(converter, WeightRenaming)
+            for source, target in zip(converter.source_patterns, converter.target_patterns)]
+
+
+def _peft_name(renames: list[tuple[str, str]], module: str) -> str:
+    """A checkpoint module's name as PEFT knows it (in memory)."""
+    for source, target in renames:
+        module = re.sub(source, target, module)
+    return module
+
+
+def _checkpoint_name(renames: list[tuple[str, str]], module: str) -> str:
+    """The inverse of `_peft_name`: the renames undone, last first."""
+    for source, target in reversed(renames):
+        module = module.replace(target, source.strip("^$").replace("\\", ""))
+    return module
+
+
 def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_path: str | None = None) -> Path:
     """Write `model`'s LoRA adapters (whole, or split over tp: every rank calls it, rank 0 writes)
     as a PEFT adapter directory that ``peft.PeftModel.from_pretrained(base, path)`` loads; the
@@ -97,6 +128,9 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_
                          f"parameter does: adapt the experts' gate_proj and up_proj both (or neither)")
     expert_keys = _expert_keys(rules, [module for module, part in parts.items() if part.A.dim() == 3])
     _check_peft_reads_dense_as_dense(rules, [module for module in parts if module not in expert_keys])
+    renames = _renames(model)
+    parts = {_peft_name(renames, module): part for module, part in parts.items()}
+    expert_keys = {_peft_name(renames, module): key for module, key in expert_keys.items()}
     for module, part in parts.items():
         A, B, key = part.A, part.B, module
         if A.dim() == 3:  # PEFT's layout of an adapter on stacked experts
@@ -167,6 +201,11 @@ def read_peft_adapter(path: str | Path, model: nn.Module) -> dict[str, Adapter]:
                 raise ValueError(f"{path / ADAPTER_WEIGHTS}: {key} is not a LoRA factor (…lora_A.weight/lora_B.weight)")
             factors.setdefault(match[1], {})[match[2]] = file.get_tensor(key).float()
     rules = _rules(model)
+    # PEFT's in-memory names back to the checkpoint's where a rule knows those (Swin's), as they are
+    # where the rules speak transformers 5's own (Mixtral's fused experts)
+    renames, known = _renames(model), {module for rule in rules.values() for module in rule.adapter_names}
+    factors = {(name if (name := _checkpoint_name(renames, module)) in known else module): f
+               for module, f in factors.items()}
     experts = {rule.fused: rule.count for rule in rules.values() if isinstance(rule, Stacked) and rule.fused}
     wanted = config.get("target_parameters") or ()
     targeted = [name for name in experts if any(name == t or name.endswith("." + t) for t in wanted)]
