@@ -319,3 +319,23 @@ def test_encoder_decoder_stages_chain_to_the_models_loss(case, edges):
         sent = sent if isinstance(sent, tuple) else (sent,)
     expected = model(input_ids=ids, labels=labels).loss * (labels != -100).sum()
     assert (sent[0] - expected).abs().item() <= 1e-5 * expected.abs().item()
+
+
+@pytest.mark.parametrize("schedule, virtual, message", [
+    ("zbv", 2, "splits backward into input and weight passes"),
+    ("zero_bubble", 1, "splits backward into input and weight passes"),
+    ("interleaved_1f1b", 3, r"decoder.relative_attention_bias.weight is held by pipeline stages \[2, 4\], all on pp rank 0"),
+])
+def test_encoder_decoder_layouts_that_cannot_run_are_refused_naming_the_fix(schedule, virtual, message):
+    """A zero-bubble schedule with the encoder's output carried between stages, and a rank holding a
+    stack's shared weight twice under one name (2 encoder, 4 decoder blocks in 6 interleaved stages)."""
+    from model_cases import zoo_model
+
+    from libai_zoo.config import ConfigError
+    from libai_zoo.parallel import check_stage_holdings
+
+    with torch.device("meta"):
+        model = zoo_model("t5", num_layers=2, num_decoder_layers=4)
+    with pytest.raises(ConfigError, match=message):
+        check_stage_holdings(model, 2, schedule=schedule, virtual_stages=virtual)
+    check_stage_holdings(model, 2, schedule="1f1b", boundaries=[4])  # the decoder on both stages: runs

@@ -12,7 +12,7 @@ from torch import nn
 from libai_zoo import distributed
 from libai_zoo.config import ConfigError, RunSettings, run_settings
 from libai_zoo.models import CausalLM, all_layers, check_trainable, instantiate_model
-from libai_zoo.parallel import check_pipeline_layout
+from libai_zoo.parallel import check_pipeline_layout, check_stage_holdings
 
 
 def accumulation_steps(train: DictConfig, dp: int) -> int:
@@ -52,6 +52,8 @@ def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: 
         check_pipeline_layout(len(all_layers(model)), pp, schedule=pipe.schedule,
                               num_micro_batches=num_micro_batches, virtual_stages=pipe.virtual_stages,
                               boundaries=pipe.boundaries)
+        check_stage_holdings(model, pp, schedule=pipe.schedule, virtual_stages=pipe.virtual_stages,
+                             boundaries=pipe.boundaries)
 
 
 def check_context_parallel(model: nn.Module, cp: int, tp: int, settings: RunSettings) -> None:

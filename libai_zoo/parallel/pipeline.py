@@ -37,6 +37,7 @@ data anyway).
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -315,9 +316,9 @@ class PipelineStageModule(nn.Module):
                 else:
                     x, stats = layer(x, **layer_inputs, router_stats=stats)
         if not self.is_last:
-            # a carried tensor passes on as a view: a node of this stage's graph, its gradient the sum
-            # of the later stages' and this stage's layers'
-            sent = (x, *(t.view_as(t) for t in carried), *(() if stats is None else (stats,)))
+            # a carried tensor passes on as a copy: a node of this stage's graph (not a view, which the
+            # zero-bubble schedules cannot detach in place), its gradient the later stages' and this one's
+            sent = (x, *(t.clone() for t in carried), *(() if stats is None else (stats,)))
             return sent if len(sent) > 1 else x
         loss = model.head_loss(model.final_norm(x), targets, reduction="sum") * self.loss_scale
         if stats is not None and self.training and model.has_aux_loss:
@@ -412,6 +413,33 @@ def check_pipeline_layout(num_layers: int, pp: int, *, schedule: str, num_micro_
     split_layers(num_layers, pp * virtual_stages, boundaries)
 
 
+def check_stage_holdings(model: nn.Module, pp: int, *, schedule: str,
+                         virtual_stages: int = PipelineConfig.virtual_stages,
+                         boundaries: Sequence[int] | None = None) -> None:
+    """Refuse a pipeline of several stacks that cannot run (a ConfigError naming the fix; no process
+    group needed): a zero-bubble schedule's split backward with tensors carried between stages (torch
+    runs the second, weight pass through a graph the first freed), and a rank holding two stages that
+    hold one weight under one name (T5's position bias on two of its encoder stages): its optimizer
+    and checkpoints know a weight by its name, once."""
+    stacks = model.stacks()
+    if _KINDS[schedule].split_backward and any(stack.carries for stack in stacks):
+        raise ConfigError(f"schedule {schedule!r} splits backward into input and weight passes, which torch cannot "
+                          f"run through the tensors {type(model).__name__} carries between its stages (the encoder's "
+                          f"output): choose 1f1b, interleaved_1f1b or gpipe")
+    num_stages = pp * virtual_stages
+    ranges = split_layers(sum(len(model.get_submodule(stack.path)) for stack in stacks), num_stages, boundaries)
+    ranks = _stage_ranks(pp, num_stages, _KINDS[schedule].placement)
+    for shared in _shared_parameters(model, ranges):
+        held = Counter((ranks[stage], name) for stage, name in shared.names.items())
+        (rank, name), copies = held.most_common(1)[0]
+        if copies > 1:
+            stages = [stage for stage, other in shared.names.items() if (ranks[stage], other) == (rank, name)]
+            raise ConfigError(f"{name} is held by pipeline stages {stages}, all on pp rank {rank}: a rank holds a "
+                              f"weight once by its name; use fewer virtual stages (train.pipeline.virtual_stages), "
+                              f"or boundaries (train.pipeline.boundaries) that keep one stack's layers off those "
+                              f"stages")
+
+
 class Pipeline:
     """This rank's share of a model run pipelined: its stages' model parts and the schedule that
     runs them.
@@ -446,6 +474,7 @@ class Pipeline:
             raise ConfigError(f"{type(model).__name__} cannot run at pp = {ctx.pp}: " + "; ".join(problems))
         check_pipeline_layout(num_layers, ctx.pp, schedule=schedule, num_micro_batches=num_micro_batches,
                               virtual_stages=virtual_stages, boundaries=boundaries)
+        check_stage_holdings(model, ctx.pp, schedule=schedule, virtual_stages=virtual_stages, boundaries=boundaries)
         if ctx.mesh is None:
             raise ValueError("a pipeline needs a process group: launch with torchrun and distributed.init(pp=...)")
         kind = _KINDS[schedule]
