@@ -263,7 +263,8 @@ OTHER_LORA_FAMILIES = {
 
 @pytest.mark.parametrize("family", OTHER_LORA_FAMILIES)
 def test_adapters_go_both_ways_under_peft_names(family, tmp_path):
-    """Our adapters on every Linear load into PEFT, and PEFT's into our fused qkv (and T5's kv)."""
+    """Our adapters on every Linear load into PEFT, and PEFT's (their first target at another rank and
+    alpha, named as PEFT names it) into our fused qkv (and T5's kv)."""
     case = CASES[family]
     make_hf_model(case).save_pretrained(tmp_path / "hf")
     if case.kind == "seq2seq":
@@ -282,7 +283,8 @@ def test_adapters_go_both_ways_under_peft_names(family, tmp_path):
     assert (theirs(**inputs).logits - expected).abs().max() <= 1e-5
 
     trained = peft.get_peft_model(case.hf_class.from_pretrained(tmp_path / "hf"),
-                                  peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets))
+                                  peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets,
+                                                  rank_pattern={targets[0]: 3}, alpha_pattern={targets[0]: 9}))
     _randomised_adapters(trained)
     trained.save_pretrained(tmp_path / "peft")
     expected = trained.eval()(**inputs).logits

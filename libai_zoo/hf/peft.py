@@ -79,7 +79,6 @@ def _expert_keys(rules: dict, parameters: list[str]) -> dict[str, str]:
     return keys
 
 
-@torch.no_grad()
 def _renames(model: nn.Module) -> list[tuple[str, str]]:
     """(checkpoint name pattern, in-memory name) of the modules transformers renames on load for the
     model's type, in its order: PEFT adapts the modules in memory and names its adapters so
@@ -100,12 +99,14 @@ def _peft_name(renames: list[tuple[str, str]], module: str) -> str:
 
 
 def _checkpoint_name(renames: list[tuple[str, str]], module: str) -> str:
-    """The inverse of `_peft_name`: the renames undone, last first."""
+    """The inverse of `_peft_name`: the renames undone, last first (transformers' patterns are plain
+    names, anchored at most; the reader keeps a result only where a rule knows it)."""
     for source, target in reversed(renames):
         module = module.replace(target, source.strip("^$").replace("\\", ""))
     return module
 
 
+@torch.no_grad()
 def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model_name_or_path: str | None = None) -> Path:
     """Write `model`'s LoRA adapters (whole, or split over tp: every rank calls it, rank 0 writes)
     as a PEFT adapter directory that ``peft.PeftModel.from_pretrained(base, path)`` loads; the
@@ -204,8 +205,9 @@ def read_peft_adapter(path: str | Path, model: nn.Module) -> dict[str, Adapter]:
     # PEFT's in-memory names back to the checkpoint's where a rule knows those (Swin's), as they are
     # where the rules speak transformers 5's own (Mixtral's fused experts)
     renames, known = _renames(model), {module for rule in rules.values() for module in rule.adapter_names}
-    factors = {(name if (name := _checkpoint_name(renames, module)) in known else module): f
-               for module, f in factors.items()}
+    peft_names = {name: module for module in factors if (name := _checkpoint_name(renames, module)) in known}
+    factors = {name: factors[module] for name, module in peft_names.items()} | \
+        {module: f for module, f in factors.items() if module not in peft_names.values()}
     experts = {rule.fused: rule.count for rule in rules.values() if isinstance(rule, Stacked) and rule.fused}
     wanted = config.get("target_parameters") or ()
     targeted = [name for name in experts if any(name == t or name.endswith("." + t) for t in wanted)]
@@ -214,7 +216,7 @@ def read_peft_adapter(path: str | Path, model: nn.Module) -> dict[str, Adapter]:
             f, count = factors.pop(key), experts[name]
             factors[name] = {"A": f["A"].unflatten(0, (count, -1)),
                              "B": f["B"].unflatten(1, (-1, count)).permute(2, 0, 1)}
-    adapters = {module: Adapter(f["A"], f["B"], _scale(config, module, f["A"].shape[-2]))
+    adapters = {module: Adapter(f["A"], f["B"], _scale(config, peft_names.get(module, module), f["A"].shape[-2]))
                 for module, f in factors.items()}
     result, used = {}, set()
     for name, rule in rules.items():

@@ -421,13 +421,15 @@ def check_stage_holdings(model: nn.Module, pp: int, *, schedule: str,
     runs the second, weight pass through a graph the first freed), and a rank holding two stages that
     hold one weight under one name (T5's position bias on two of its encoder stages): its optimizer
     and checkpoints know a weight by its name, once."""
-    stacks = model.stacks()
-    if _KINDS[schedule].split_backward and any(stack.carries for stack in stacks):
-        raise ConfigError(f"schedule {schedule!r} splits backward into input and weight passes, which torch cannot "
-                          f"run through the tensors {type(model).__name__} carries between its stages (the encoder's "
-                          f"output): choose 1f1b, interleaved_1f1b or gpipe")
+    stacks = _full_stacks(model)
     num_stages = pp * virtual_stages
-    ranges = split_layers(sum(len(model.get_submodule(stack.path)) for stack in stacks), num_stages, boundaries)
+    ranges = split_layers(sum(len(layers) for _, layers in stacks), num_stages, boundaries)
+    carrying = [s for s, r in enumerate(ranges[:-1]) if any(stacks[k][0].carries for k, _ in _stack_ranges(stacks, r))]
+    if _KINDS[schedule].split_backward and carrying:
+        raise ConfigError(f"schedule {schedule!r} splits backward into input and weight passes, which torch cannot "
+                          f"run through the tensors {type(model).__name__}'s stages {carrying} send on (the encoder's "
+                          f"output): choose 1f1b, interleaved_1f1b or gpipe, or boundaries that put the whole decoder "
+                          f"on the last stage")
     ranks = _stage_ranks(pp, num_stages, _KINDS[schedule].placement)
     for shared in _shared_parameters(model, ranges):
         held = Counter((ranks[stage], name) for stage, name in shared.names.items())
@@ -435,9 +437,8 @@ def check_stage_holdings(model: nn.Module, pp: int, *, schedule: str,
         if copies > 1:
             stages = [stage for stage, other in shared.names.items() if (ranks[stage], other) == (rank, name)]
             raise ConfigError(f"{name} is held by pipeline stages {stages}, all on pp rank {rank}: a rank holds a "
-                              f"weight once by its name; use fewer virtual stages (train.pipeline.virtual_stages), "
-                              f"or boundaries (train.pipeline.boundaries) that keep one stack's layers off those "
-                              f"stages")
+                              f"weight once by its name; choose 1f1b or gpipe (one stage per rank), or boundaries "
+                              f"(train.pipeline.boundaries) under which no stack spans more than pp stages")
 
 
 class Pipeline:
