@@ -53,8 +53,8 @@ class Stack:
     #: Dotted path of its `nn.ModuleList`: pipeline stages cut the stacks' layers, in a row, into
     #: ranges; recomputation, ZeRO-3 and compile wrap each layer.
     path: str
-    #: What the stage that runs its first layer holds: the first stack's are `first_stage_modules`;
-    #: a later stack's what `enter_stack` runs (the encoder's final norm, the decoder's embedding).
+    #: What the stage that runs a later stack's first layer holds: what `enter_stack` runs (the
+    #: encoder's final norm, the decoder's embedding); the first stack's are `first_stage_modules`.
     entry_modules: tuple[str, ...] = ()
     #: What every stage that runs one of its layers holds (a relative position bias its layers share).
     shared_modules: tuple[str, ...] = ()
@@ -137,14 +137,15 @@ class TrainableModel(ABC):
         encoder-decoder gives the encoder's (its `layer_stack`) and then the decoder's. A parameter
         that several stages hold (an embedding shared by the encoder, the decoder and the head; a
         stack's position bias) is kept in sync between them."""
-        return (Stack(self.layer_stack, tuple(self.first_stage_modules)),)
+        return (Stack(self.layer_stack),)
 
     def enter_stack(self, index: int, hidden: torch.Tensor, carried: tuple[torch.Tensor, ...],
                     inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The hidden states and carried tensors stack `index` (> 0) starts from, given the previous
         stack's last hidden states and carried tensors (an encoder-decoder: the decoder's embedded
         inputs, and the encoder's normalised output, which every later stage receives)."""
-        raise NotImplementedError(f"{type(self).__name__} has one stack of layers")
+        raise NotImplementedError(f"{type(self).__name__} runs one stack of layers; a model whose stacks() gives more "
+                                  f"implements enter_stack for the later ones")
 
     def stack_layer_inputs(self, index: int, inputs: dict[str, torch.Tensor], hidden: torch.Tensor,
                            carried: tuple[torch.Tensor, ...]) -> dict:
@@ -267,9 +268,8 @@ def check_trainable(model: nn.Module) -> None:
     if model.loss_unit not in LOSS_UNITS:
         wrong.append(f"loss_unit = {model.loss_unit!r} is not one of {LOSS_UNITS}")
     stacks = model.stacks()
-    if (stacks[0].path, tuple(stacks[0].entry_modules)) != (model.layer_stack, tuple(model.first_stage_modules)):
-        wrong.append(f"the first of stacks() must be layer_stack {model.layer_stack!r} with first_stage_modules "
-                     f"{tuple(model.first_stage_modules)} as its entry_modules, not {stacks[0]}")
+    if stacks[0].path != model.layer_stack:
+        wrong.append(f"the first of stacks() is {stacks[0].path!r}, not layer_stack {model.layer_stack!r}")
     if len(stacks) > 1 and getattr(type(model).enter_stack, "__func__", type(model).enter_stack) \
             is TrainableModel.enter_stack:
         wrong.append(f"stacks() gives {len(stacks)} stacks: implement enter_stack(index, hidden, carried, inputs), "

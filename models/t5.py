@@ -270,7 +270,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, LMHeadLoss, Seq2SeqGeneratio
         """The encoder's blocks, then the decoder's: the stage running the decoder's first block holds
         the encoder's final norm and the shared table (`enter_stack`); each stack's position bias is
         on every stage running one of its blocks; the encoder's output travels with the decoder."""
-        return (Stack("encoder.block", self.first_stage_modules, ("encoder.relative_attention_bias",)),
+        return (Stack("encoder.block", shared_modules=("encoder.relative_attention_bias",)),
                 Stack("decoder.block", ("encoder.final_layer_norm", "decoder.embed_tokens"),
                       ("decoder.relative_attention_bias",),
                       carries=1))

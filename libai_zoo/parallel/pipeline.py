@@ -189,19 +189,19 @@ def _shared_handles(model: nn.Module) -> dict[int, object]:
 
 def stage_modules(model: nn.Module, layer_range: range, is_first: bool, is_last: bool) -> set[str]:
     """The paths of the modules besides its layers that a stage running `layer_range` holds: the
-    last stage's, the entry modules of a stack whose first layer it runs (the first stack's are the
-    first stage's) and the shared modules of every stack it runs a layer of."""
+    first stage's, the last stage's, the entry modules of a later stack whose first layer it runs
+    and the shared modules of every stack it runs a layer of."""
     stacks = _full_stacks(model)
-    held = set(model.last_stage_modules if is_last else ())
+    held = set(model.first_stage_modules if is_first else ()) | set(model.last_stage_modules if is_last else ())
     for index, own in _stack_ranges(stacks, layer_range):
         stack = stacks[index][0]
-        held |= set(stack.shared_modules) | set(stack.entry_modules if own.start == 0 else ())
+        held |= set(stack.shared_modules) | set(stack.entry_modules if index and own.start == 0 else ())
     return held
 
 
 def _optional_modules(model: nn.Module) -> set[str]:
     """Every module path that only some stages hold."""
-    return {*model.last_stage_modules,
+    return {*model.first_stage_modules, *model.last_stage_modules,
             *(path for stack in model.stacks() for path in (*stack.entry_modules, *stack.shared_modules))}
 
 
