@@ -625,9 +625,27 @@ def test_moe_plan_enumerates_ep_and_states_its_routing():
     assert skewed.time.ep_comm > even.time.ep_comm and skewed.time.compute > even.time.compute
 
 
-def test_an_encoder_decoder_is_refused_by_name():
-    """The planner's time and memory models read one stack of layers: T5's two are refused, naming the way out."""
-    from model_cases import zoo_model
-
-    with torch.device("meta"), pytest.raises(ConfigError, match="runs 2 stacks of layers .* set the layout by hand"):
-        ModelTable(zoo_model("t5"))
+@ROOFLINE
+@pytest.mark.parametrize("recipe, pipelined", [
+    ("t5_pretrain", ["dist.dp=2", "dist.pp=2", "train.zero_stage=3", "train.micro_batch_size=4"]),
+    ("swin_classification", ["dist.dp=2", "dist.pp=2", "train.pipeline.schedule=gpipe", "train.micro_batch_size=8"]),
+])
+def test_two_stacks_and_stages_of_different_widths_are_planned(plan_tool, capsys, recipe, pipelined):
+    """T5's encoder and decoder stacks and Swin's widening stages: the planner ranks their layouts,
+    offering none the model or its stages refuse (Swin: no sequence or context parallelism; T5: no
+    split backward where the encoder's output crosses a stage), and a pipelined one's dry run equals
+    it to the byte."""
+    config = str(ROOT / "projects" / recipe / "config.py")
+    result = plan(LazyConfig.load(config), 4, device="h100")
+    layouts = [c.layout for c in result.candidates]
+    assert any(layout.pp == 2 for layout in layouts) and any(layout.tp == 2 for layout in layouts)
+    if recipe == "t5_pretrain":  # 6 layers on 4 stages (2, 2, 1, 1): the second runs the decoder's first layer and
+        # sends the encoder's output on (no zbv), pp rank 1 holds the decoder's position bias twice (no interleaving)
+        assert {layout.schedule for layout in layouts if layout.pp == 2} == {"gpipe", "1f1b", "zero_bubble"}
+        assert any(layout.sequence_parallel for layout in layouts)
+    else:
+        assert not any(layout.sequence_parallel or layout.cp > 1 for layout in layouts)
+    code, out, err = run_tool(plan_tool, capsys, config, "--world-size", "4", "--dry-run", *pipelined)
+    assert code == 0, out + err
+    rows = out.splitlines()[2:]
+    assert len(rows) == 3 and all(row.endswith("equal to the byte") for row in rows), out

@@ -40,8 +40,8 @@ from libai_zoo.layers import linear as linear_module
 from libai_zoo.models.decoder import DecoderForCausalLM
 from libai_zoo.models.llama import LlamaModel, llama_layer, llama_spec
 from libai_zoo.parallel import apply_activation_checkpointing, cast_residual, context_parallel_part, residual_dtype
-from libai_zoo.plan.activations import (SavedActivations, Shapes, first_layer_saved_bytes, reference_layer_bytes,
-                                        saved_bytes)
+from libai_zoo.plan.activations import (SavedActivations, Shapes, example_batch, first_layer_saved_bytes,
+                                        reference_layer_bytes, saved_bytes)
 from libai_zoo.plan.fake_world import fake_world
 from libai_zoo.plan.layouts import Layout
 from libai_zoo.plan.memory import _rank_layer_kinds
@@ -463,3 +463,26 @@ def test_selective_recomputation_frees_what_megatron_frees():
     assert none - planner.layer(0, shapes, recompute=selective("mlp_act")) == tokens * ffn * 4
     assert none - planner.layer(0, shapes, recompute=selective("layernorm")) == 2 * tokens * h * 4
     assert planner.layer(0, shapes, recompute=FULL) == tokens * h * 4
+
+
+@pytest.mark.parametrize("family, tp", [("t5", 1), ("t5_v1_1", 2), ("swin_cls", 1), ("swinv2_cls", 2)])
+def test_two_stacks_and_widening_stages_measured_equal_real(family, tp):
+    """An encoder-decoder (the decoder's entry and the encoder's output it carries counted once) and
+    Swin's stages of growing width (their layers run in a row on the probe): the planner's parts add
+    up to the whole model's training forward, real."""
+    from model_cases import zoo_model
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        planner = SavedActivations(zoo_model(family))
+    model = zoo_model(family).train().to(DEVICE)
+    shapes = Shapes(2, 32, tp, False, None, DEVICE)
+    entries = range(1, len(model.stacks()))
+    predicted = (planner.embedding(shapes) + sum(planner.entry(k, shapes) for k in entries)
+                 + sum(planner.layer(kind, shapes) for kind in planner.layer_kinds) + planner.head(shapes))
+    assert len(planner.layer_kinds) == len(models.all_layers(model)) and len(set(planner.layer_kinds)) > 1
+    batch = example_batch(model, 2, 32, DEVICE, random=True)
+    with parallel(model, tp, False):
+        measured, out = saved_bytes(lambda: model(**batch, return_logits=False).loss, model)
+        out.backward()
+    check(measured, predicted, f"{family} model")

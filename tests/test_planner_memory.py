@@ -60,7 +60,7 @@ MODELS = {
 
 # tests/model_cases.py cases, one per family (tied and untied heads): a family is one name here
 FAMILIES = ("gpt2", "llama_tied_bias", "qwen3", "qwen3_tied", "mistral", "pythia", "gemma", "gemma2", "gemma3",
-            "phi3", "granite", "smollm3", "roberta_mlm", "vit_cls", "olmo2")
+            "phi3", "granite", "smollm3", "roberta_mlm", "vit_cls", "olmo2", "t5", "t5_v1_1", "swin_cls", "swinv2_cls")
 MODELS.update({family: LazyCall(zoo_model)(name=family) for family in FAMILIES})
 
 L = Layout
@@ -163,7 +163,7 @@ def test_tied_gpt2_state_bytes_equal_every_rank(layout, tables, optim):
 def test_tied_weight_is_counted_once_without_pipeline_and_twice_across_ends(tables):
     """The tied embedding/head is one parameter of the table, held by both ends."""
     table = tables("gpt2_tied")
-    tied = [p for p in table.parameters if p.ends == {"first", "last"}]
+    tied = [p for p in table.parameters if p.holders == {"transformer.wte", "lm_head"}]
     assert [p.shape for p in tied] == [(1000, 64)]
     one = state_bytes(table, L(1, 1, 1, 0))
     assert one.params == table.total_parameters * 4
@@ -204,6 +204,28 @@ def test_every_family_is_counted_exactly_and_its_dry_run_agrees(family, tables, 
     ranks = dry_run(_cfg(family, layout, optim_cfg), layout)
     assert {r.pp_rank for r in ranks} == {0, 1}
     _check(table, layout, ranks, optimizer)
+
+
+STACK_CASES = [  # T5's two stacks (2 + 2 layers) and Swin's stages of growing width (5 layers)
+    ("t5", L(3, 1, 2, 3, schedule="1f1b")),                     # an encoder stage, a decoder stage
+    ("t5", L(1, 1, 4, 0, schedule="1f1b")),                     # the shared table on stages 0 and 2 and the head's 3
+    ("t5", L(2, 1, 2, 3, schedule="interleaved_1f1b", virtual_stages=2)),  # each rank an encoder and a decoder stage
+    ("t5_v1_1", L(1, 1, 3, 0, schedule="gpipe")),               # the middle stage ends the encoder, enters the decoder
+    ("t5_v1_1", L(2, 2, 2, 3, schedule="gpipe")),
+    ("swin_cls", L(3, 1, 2, 3, schedule="1f1b")),               # layers of widths 32, 32, 64 | 64, 128
+    ("swin_cls", L(1, 1, 4, 0, schedule="zero_bubble")),
+    ("swinv2_cls", L(2, 2, 2, 2, schedule="zbv", virtual_stages=2)),
+]
+
+
+@pytest.mark.parametrize("case", STACK_CASES, ids=_name)
+def test_stacks_and_stages_of_different_widths_equal_every_rank(case, tables, optim):
+    """Where stages cut two stacks (the decoder's entry, each stack's position bias on every stage
+    running it) or layers of different widths, each rank's state equals its dry run."""
+    model, layout = case
+    optim_cfg, optimizer = optim
+    cfg = _cfg(model, layout, optim_cfg)
+    _check(tables(model), layout, [dry_run_rank(cfg, layout, rank) for rank in range(layout.world_size)], optimizer)
 
 
 MOE_CASES = [  # expert parallelism: E / (ep·tp) experts per rank, ZeRO over edp = dp / ep

@@ -21,8 +21,9 @@ from .schema import typed
 #: ``train.amp.dtype`` -> the autocast dtype.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: The arguments of a dataset recipe (``dataloader.train``) that give its samples' length in tokens:
-#: the zoo's builders take ``seq_len`` (packed sequences) or ``max_length`` (padded or truncated samples).
-SEQUENCE_LENGTH_ARGUMENTS = ("seq_len", "max_length")
+#: the zoo's builders take ``seq_len`` (packed sequences) or ``max_length`` (padded or truncated samples),
+#: an encoder-decoder's the encoder's: ``input_length`` (span corruption) or ``source_length``.
+SEQUENCE_LENGTH_ARGUMENTS = ("seq_len", "max_length", "input_length", "source_length")
 #: What selective recomputation (``train.activation_checkpoint.modules``) can recompute, Megatron's
 #: names. Checkpointed: only the module's inputs are kept. Output discarded: also its output, kept by
 #: the module that reads it, is freed when the layer's forward ends and recomputed when its backward

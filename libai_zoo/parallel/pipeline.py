@@ -199,7 +199,7 @@ def stage_modules(model: nn.Module, layer_range: range, is_first: bool, is_last:
     return held
 
 
-def _optional_modules(model: nn.Module) -> set[str]:
+def optional_modules(model: nn.Module) -> set[str]:
     """Every module path that only some stages hold."""
     return {*model.first_stage_modules, *model.last_stage_modules,
             *(path for stack in model.stacks() for path in (*stack.entry_modules, *stack.shared_modules))}
@@ -227,11 +227,11 @@ def prune_for_stage(model: nn.Module, layer_range: range, is_first: bool, is_las
                if i not in own.get(index, ())]
     held_paths = stage_modules(model, layer_range, is_first, is_last)
     held = {id(model.get_submodule(path)) for path in held_paths}
-    dropped += [module for path in _optional_modules(model) if id(module := model.get_submodule(path)) not in held]
+    dropped += [module for path in optional_modules(model) if id(module := model.get_submodule(path)) not in held]
     for module in dropped:
         memo[id(module)] = None  # deepcopy returns None for it: left out, never copied
     pruned = copy.deepcopy(model, memo)
-    for path in _optional_modules(model) - held_paths:  # a module held under another path keeps only that one
+    for path in optional_modules(model) - held_paths:  # a module held under another path keeps only that one
         owner, _, name = path.rpartition(".")
         if pruned.get_submodule(owner)._modules.get(name) is not None:
             setattr(pruned.get_submodule(owner), name, None)

@@ -59,6 +59,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Iterator
+import contextlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
@@ -77,7 +78,7 @@ from libai_zoo import distributed
 from libai_zoo.config import Recompute
 from libai_zoo.distributed import ContextParallel, local
 from libai_zoo.layers import LMHead, context_attention
-from libai_zoo.models import get_layer_stack
+from libai_zoo.models import all_layers, get_layer_stack
 from libai_zoo.parallel import apply_activation_checkpointing, context_parallel_part, to_residual
 
 from .fake_world import fake_world
@@ -144,6 +145,48 @@ class Shapes:
         return self.seq_len // self.cp
 
 
+def image_pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    """An image config's size (or patch size): an int is square."""
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+def example_batch(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device | str = "cpu",
+                  random: bool = False) -> dict[str, torch.Tensor]:
+    """A batch the model trains on, as the planner measures it: `seq_len` token ids per sample
+    (an encoder-decoder's targets as long), or an image model's images of its config's size; the
+    labels per token or per sample (`loss_unit`). Zeros, or random ids and pixels."""
+    if model.main_input_name == "pixel_values":
+        config = model.config
+        shape = (micro_batch, config.num_channels, *image_pair(config.image_size))
+        inputs = torch.randn(shape, device=device) if random else torch.zeros(shape, device=device)
+    else:
+        shape = (micro_batch, seq_len)
+        vocab = model.input_limits()["vocab_size"]
+        inputs = torch.randint(0, vocab, shape, device=device) if random else torch.zeros(shape, dtype=torch.long,
+                                                                                          device=device)
+    labels = inputs if model.loss_unit == "token" else torch.zeros(micro_batch, dtype=torch.long, device=device)
+    return {model.main_input_name: inputs, "labels": labels}
+
+
+def run_stacks(model: nn.Module, inputs: dict[str, torch.Tensor], hidden: torch.Tensor, *,
+               call: Callable[[int, int, nn.Module, torch.Tensor, dict], torch.Tensor] | None = None,
+               entering: Callable[[int], contextlib.AbstractContextManager] | None = None,
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Run `hidden` (the embedding's output) through every stack of `model` as a pipeline runs them
+    (`enter_stack` before a later one, inside ``entering(k)``; its layers with `stack_layer_inputs`),
+    layer i of stack k as ``call(k, i, layer, hidden, layer_inputs)`` (default: the layer): (the
+    last hidden states, the tensors the last stack was given)."""
+    carried: tuple[torch.Tensor, ...] = ()
+    for k, stack in enumerate(model.stacks()):
+        if k:
+            with entering(k) if entering is not None else nullcontext():
+                hidden, carried = model.enter_stack(k, hidden, carried, inputs)
+        layer_inputs = model.stack_layer_inputs(k, inputs, hidden, carried)
+        for i, layer in enumerate(model.get_submodule(stack.path)):
+            hidden = call(k, i, layer, hidden, layer_inputs) if call is not None else layer(hidden, **layer_inputs)
+    return hidden, carried
+
+
 def module_signature(module: nn.Module) -> tuple:
     """What tells two modules apart for the saved activations: every submodule's type, its plain
     attributes (sizes, options, dropout rates), its absent children and its parameters' shapes."""
@@ -164,6 +207,34 @@ def module_signature(module: nn.Module) -> tuple:
         params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in sub.named_parameters(recurse=False))
         signature.append((name, type(sub).__qualname__, attrs, absent, params))
     return tuple(signature)
+
+
+def one_of_each_kind(model: nn.Module) -> tuple[nn.Module, list[tuple[int, ...]], tuple[int, ...]]:
+    """(a copy of `model` whose every stack holds one layer of each kind it has, in order; the kinds
+    of the copy's layers, stack by stack; the kind of each of `model`'s layers in a row). Layers of
+    one kind (`module_signature`) save and compute alike; running the copy's stacks in a row takes
+    hidden states through every width a model's stages have (Swin's)."""
+    signatures = [module_signature(layer) for layer in all_layers(model)]
+    distinct = list(dict.fromkeys(signatures))
+    kinds = tuple(distinct.index(s) for s in signatures)
+    stacks = [(stack.path, model.get_submodule(stack.path)) for stack in model.stacks()]
+
+    def put(path: str, layers: nn.ModuleList) -> None:
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, layers)
+
+    probe_kinds, start = [], 0
+    for path, layers in stacks:
+        own = dict.fromkeys(kinds[start:start + len(layers)])
+        put(path, nn.ModuleList(layers[kinds.index(kind, start) - start] for kind in own))
+        probe_kinds.append(tuple(own))
+        start += len(layers)
+    try:
+        probe = copy.deepcopy(model)
+    finally:
+        for path, layers in stacks:
+            put(path, layers)
+    return probe, probe_kinds, kinds
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
@@ -265,7 +336,9 @@ class _TargetKernels(TorchFunctionMode):
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # CUDA's SDPA turns it into an additive mask
             attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
         backend = sdpa_backend("cuda", q.dtype, q.shape[1], k.shape[1], q.shape[-1], float(dropout_p))
-        if backend == "fused" and v.shape[-1] != q.shape[-1]:
+        # values narrower than the keys (latent attention), or a bias that is learned (T5's position
+        # bias): flash cannot run them, CUDA runs its memory-efficient kernel
+        if backend == "fused" and (v.shape[-1] != q.shape[-1] or (attn_mask is not None and attn_mask.requires_grad)):
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
         if backend == "fused":
@@ -434,6 +507,8 @@ class _Measured:
 
     embedding: int
     embedding_cast: int
+    entries: tuple[int, ...]  # per later stack: what entering it saves
+    entries_cast: tuple[int, ...]
     layers: tuple[int, ...]  # per layer kind
     layers_cast: tuple[int, ...]
     layers_input: tuple[int, ...]  # each kind's input hidden states: what a checkpointed layer keeps
@@ -456,18 +531,7 @@ class SavedActivations:
     a fake one), as `dry_run` does."""
 
     def __init__(self, model: nn.Module):
-        stack = get_layer_stack(model)
-        signatures = [module_signature(layer) for layer in stack]
-        kinds = list(dict.fromkeys(signatures))
-        self.layer_kinds: tuple[int, ...] = tuple(kinds.index(s) for s in signatures)
-        # the model with one layer of each kind, copied without the others
-        parent, _, name = model.layer_stack.rpartition(".")
-        holder = model.get_submodule(parent) if parent else model
-        setattr(holder, name, nn.ModuleList(stack[signatures.index(s)] for s in kinds))
-        try:
-            self._probe = copy.deepcopy(model)
-        finally:
-            setattr(holder, name, stack)
+        self._probe, self._probe_kinds, self.layer_kinds = one_of_each_kind(model)
         self._key = (type(model).__qualname__, module_signature(self._probe), repr(getattr(model, "config", None)))
         heads = [m for m in self._probe.modules() if isinstance(m, LMHead)]
         self._lm_head = heads[0] if heads else None
@@ -502,6 +566,12 @@ class SavedActivations:
         """Bytes the first stage's own modules save (the first layer's input is that layer's)."""
         return self._extended(lambda m: m.embedding - (m.embedding_cast if low_precision_weights else 0), shapes,
                               part="embedding")
+
+    def entry(self, stack: int, shapes: Shapes, *, low_precision_weights: bool = False) -> int:
+        """Bytes entering later stack `stack` saves (`enter_stack`: a decoder's embedding, the
+        encoder's final norm, and the encoder's output its layers attend to)."""
+        return self._extended(lambda m: m.entries[stack - 1] - (m.entries_cast[stack - 1] if low_precision_weights
+                                                                 else 0), shapes, part="embedding")
 
     def head(self, shapes: Shapes, *, low_precision_weights: bool = False) -> int:
         """Bytes the final norm, head and loss save."""
@@ -551,7 +621,7 @@ class SavedActivations:
             with self._fake_model(shapes, modules) as (model, casts, cp):
                 for batch in missing:
                     found[batch] = _CACHE[self._key, replace(shapes, micro_batch=batch), head_only, modules] = \
-                        self._run(model, batch, shapes, casts, head_only, cp)
+                        self._run(model, batch, shapes, casts, head_only, cp, self._probe_kinds)
         return found
 
     @contextmanager
@@ -566,11 +636,15 @@ class SavedActivations:
             distributed.shard(model, ctx)
             _route_as_planned(model)
             if modules:
-                apply_activation_checkpointing(get_layer_stack(model), Recompute("selective", modules, None))
+                for stack in model.stacks():
+                    apply_activation_checkpointing(model.get_submodule(stack.path),
+                                                   Recompute("selective", modules, None))
             casts = _FakeMode()
             with (casts, _TargetKernels() if shapes.device == "cuda" else nullcontext(),
                   _symmetric_exchange(shapes.routing_imbalance), _real_causal_biases()):
-                model.to_empty(device="cpu")
+                for module in model.modules():  # each module once (nn.Module.to_empty's swap of a fake
+                    # tensor fails on a module registered under two paths: T5's shared table)
+                    module._apply(lambda t: torch.empty_like(t, device="cpu"), recurse=False)
                 model.init_buffers()
                 model.train()
                 casts.parameters = {_storage(local(p))[0] for p in model.parameters()}
@@ -586,59 +660,66 @@ class SavedActivations:
                     module.p = 0.0
                 elif isinstance(getattr(module, "dropout", None), float):
                     module.dropout = 0.0
-            ids = torch.zeros(shapes.micro_batch, shapes.seq_len, dtype=torch.long)
-            labels = ids if model.loss_unit == "token" else torch.zeros(shapes.micro_batch, dtype=torch.long)
-            inputs, _ = model.split_batch({"input_ids": ids, "labels": labels})
+            inputs, _ = model.split_batch(example_batch(model, shapes.micro_batch, shapes.seq_len))
             amp = shapes.amp_dtype
             forward, backward = _Work(), _Work()
             with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
                 hidden = model.embed(inputs).detach().requires_grad_()
-                layer_inputs = model.layer_inputs(inputs, hidden)
-                with forward:
-                    for layer in get_layer_stack(model):
-                        hidden = layer(hidden, **layer_inputs)
+
+                def call(k: int, i: int, layer: nn.Module, hidden: torch.Tensor, layer_inputs: dict) -> torch.Tensor:
+                    with forward:
+                        return layer(hidden, **layer_inputs)
+                hidden, _ = run_stacks(model, inputs, hidden, call=call)
             with backward:
                 hidden.float().sum().backward()
         return RecomputedWork(forward.flops, forward.bytes, backward.flops, backward.bytes)
 
     @staticmethod
     def _run(model: nn.Module, batch: int, shapes: Shapes, casts: _FakeMode, head_only: bool,
-             cp: ContextParallel | None) -> _Measured:
+             cp: ContextParallel | None, probe_kinds: list[tuple[int, ...]]) -> _Measured:
         counter = _SavedCounter(casts.parameters, casts.casts)
-        ids = torch.zeros(batch, shapes.seq_len, dtype=torch.long)
-        labels = ids if model.loss_unit == "token" else torch.zeros(batch, dtype=torch.long)
-        whole = {"input_ids": ids, "labels": labels}
+        whole = example_batch(model, batch, shapes.seq_len)
         inputs, targets = model.split_batch(whole if cp is None else context_parallel_part(whole, model, cp))
         # unpacked samples: the layers take their tokens' global places themselves (fake positions
         # could not tell the cp mask whether the sequence restarts)
         inputs.pop("position_ids", None)
-        stack = [] if head_only else get_layer_stack(model)
-        inputs_bytes = []
+        inputs_bytes: list[int] = []
         amp = shapes.amp_dtype
+
+        def call(k: int, i: int, layer: nn.Module, hidden: torch.Tensor, layer_inputs: dict) -> torch.Tensor:
+            hidden = to_residual(hidden, shapes.residual_dtype)  # as `cast_residual` hands it the layer
+            inputs_bytes.append(hidden.numel() * hidden.element_size())
+            with counter.charging(probe_kinds[k][i]):
+                return layer(hidden, **layer_inputs)
+
         with (torch.autocast("cpu", dtype=amp, enabled=amp is not None),
               torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor)):
             with counter.charging("embedding"):
                 hidden = model.embed(inputs)
-            layer_inputs = model.layer_inputs(inputs, hidden)
             embedded = hidden  # alive while its storage's identity is used below
             key, size = _storage(embedded)
             own = embedded.numel() * embedded.element_size()
-            for kind, layer in enumerate(stack):
-                hidden = to_residual(hidden, shapes.residual_dtype)  # as `cast_residual` hands it the layer
-                inputs_bytes.append(hidden.numel() * hidden.element_size())
-                with counter.charging(kind):
-                    hidden = layer(hidden, **layer_inputs)
+            with torch.no_grad() if head_only else nullcontext():  # the head's figures alone: nothing saved before
+                out, carried = run_stacks(model, inputs, hidden, call=call,
+                                          entering=lambda k: counter.charging(("entry", k)))
             if head_only:
-                hidden = hidden.clone()  # a fresh storage, as the last layer's output is
+                out = out.clone().requires_grad_()  # a fresh storage, as the last layer's output is
             with counter.charging("head"):
-                model.head_loss(model.final_norm(hidden), targets)
+                model.head_loss(model.final_norm(out), targets)
         counter.count()
         # the first layer's input is the embedding's output: of a larger storage it is a view of
         # (one sample under sequence parallelism), what exceeds the input is the embedding's
-        counter.move(key, size - own, 0, "embedding")
+        if probe_kinds[0]:
+            counter.move(key, size - own, probe_kinds[0][0], "embedding")
+        # a carried tensor (the encoder's output) is saved by every layer attending to it, once: the entry's
+        last = len(probe_kinds) - 1
+        for tensor in carried:
+            counter.move(*_storage(tensor), probe_kinds[last][0], ("entry", last))
         total, cast = counter.total, counter.cast
-        kinds = range(len(stack))
-        return _Measured(total["embedding"], cast.get("embedding", 0), tuple(total[k] for k in kinds),
+        kinds = range(1 + max(max(kinds, default=-1) for kinds in probe_kinds))
+        entries = [("entry", k) for k in range(1, len(probe_kinds))]
+        return _Measured(total["embedding"], cast.get("embedding", 0), tuple(total.get(e, 0) for e in entries),
+                         tuple(cast.get(e, 0) for e in entries), tuple(total.get(k, 0) for k in kinds),
                          tuple(cast.get(k, 0) for k in kinds), tuple(inputs_bytes), total["head"],
                          cast.get("head", 0), tuple(counter.sizes))
 

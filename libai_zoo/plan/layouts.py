@@ -103,22 +103,23 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int, *, seq_len: int,
                       gpus_per_node: int = 8, evaluates: bool = False) -> Iterator[Layout]:
-    """Every layout `table`'s model admits on `world_size` processes: tp inside a node and splitting
+    """Every layout `table`'s model admits on `world_size` processes (nothing its own
+    `layout_problems` refuses): tp inside a node and splitting
     every layer evenly (the layers' own `tp_problems`), cp a power of two whose 2·cp chunks split
     `seq_len` evenly and whose group stays in the node beside tp's (cp × tp ranks: the K/V
     exchange of every layer at NVLink, as NVIDIA's recipes place it), pp ≤ layers, dp dividing
     the global batch, for an MoE model each ep dividing dp whose expert group (ep × tp ranks)
     splits the experts evenly (ep 1 under cp), each micro-batch size that divides a dp rank's
     share, ZeRO 0-3 (0 alone when dp × cp = 1), each recomputation of
-    `recompute_choices`,, sequence
+    `recompute_choices`, sequence
     parallelism off/on at tp > 1 (when tp divides a cp rank's seq_len / cp tokens), and under pp
-    each schedule the pipeline accepts for that many micro-batches (one that can evaluate when
-    the run `evaluates`: it has test data)."""
+    each schedule the pipeline accepts for that many micro-batches and the model's stages
+    (`check_stage_holdings`), one that can evaluate when the run `evaluates` (it has test data)."""
     for tp in _divisors(world_size):
         if tp > gpus_per_node or gpus_per_node % tp or table.tp_problems(tp):
             continue
         for cp in _powers_of_two(min(world_size // tp, gpus_per_node // tp)):
-            if seq_len % (2 * cp):
+            if seq_len % (2 * cp) or table.layout_problems(cp=cp):
                 continue
             for pp in _divisors(world_size // (tp * cp)):
                 dp = world_size // (tp * cp * pp)
@@ -126,7 +127,8 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
                     continue
                 schedules = [(name, v) for name, v in PIPELINE_SCHEDULES.items()
                              if not evaluates or schedule_evaluates(name)] if pp > 1 else [(None, 1)]
-                eps = [ep for ep in _divisors(dp) if not table.ep_problems(ep, tp)] if cp == 1 else [1]
+                eps = [ep for ep in _divisors(dp) if not table.ep_problems(ep, tp)
+                       and not table.layout_problems(ep=ep)] if cp == 1 else [1]
                 for micro_batch in _divisors(global_batch_size // dp):
                     micro_batches = global_batch_size // (dp * micro_batch)
                     for schedule, virtual in schedules:
@@ -134,7 +136,8 @@ def enumerate_layouts(table: ModelTable, world_size: int, global_batch_size: int
                             continue
                         for ep in eps:
                             for zero in (range(4) if dp * cp > 1 else [0]):
-                                for sp in ([False, True] if tp > 1 and (seq_len // cp) % tp == 0 else [False]):
+                                for sp in ([False, True] if tp > 1 and (seq_len // cp) % tp == 0
+                                           and not table.layout_problems(sequence_parallel=True, cp=cp) else [False]):
                                     for ac in recompute_choices(table.num_layers, pp * virtual):
                                         yield Layout(dp, tp, pp, zero, ac, sp, micro_batch, schedule, virtual, ep, cp)
 
@@ -153,6 +156,8 @@ def recompute_choices(num_layers: int, num_stages: int) -> list[Recompute | None
 
 
 def _pipeline_runs(table: ModelTable, pp: int, schedule: str, virtual: int, micro_batches: int) -> bool:
+    if table.stage_problem(pp, schedule, virtual) is not None:
+        return False
     try:
         check_pipeline_layout(table.num_layers, pp, schedule=schedule, num_micro_batches=micro_batches,
                               virtual_stages=virtual)

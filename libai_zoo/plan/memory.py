@@ -3,8 +3,9 @@
 Static state is exact (the planner must equal `dry_run` and a real run to the byte):
 
     params     each parameter's tp slice (`ParameterInfo.tp_dim`), on the stages this pp rank runs
-               (`split_layers`, `stage_ranks`; the first stage adds the embedding, the last the final
-               norm and head, a tied weight held by both ends counted at each), and at ZeRO 1-3 this
+               (`split_layers`, `stage_ranks`; a parameter outside the layers on each stage that holds
+               its module, `stage_modules`: the embedding on the first, the final norm and head on the
+               last, a tied weight or a stack's shared bias counted at each), and at ZeRO 1-3 this
                rank's rows of it over dp × cp (FSDP2 cuts dim 0 of the tp slice as torch.chunk does,
                so rank 0 of the group holds the most: ceil(rows / (dp·cp)); an expert tensor's
                group is edp = dp / ep)
@@ -51,7 +52,7 @@ from torch import nn
 from libai_zoo.config import Recompute
 from libai_zoo.layers import LMHead
 from libai_zoo.optim import build_optimizer
-from libai_zoo.parallel import fsdp_param_dtype, residual_dtype, split_layers, stage_ranks
+from libai_zoo.parallel import fsdp_param_dtype, residual_dtype, stage_ranks
 from libai_zoo.utils import TensorMemoryPeak
 
 from .activations import Shapes
@@ -155,67 +156,57 @@ def _shard_elements(param: ParameterInfo, tp: int, dp: int, ep: int, zero_stage:
 
 def rank_stages(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
     """(number of layers, holds the first stage's modules, holds the last's) of each stage `pp_rank` runs."""
-    return _rank_stages(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
-
-
-@lru_cache(maxsize=65536)
-def _rank_stages(num_layers: int, pp: int, schedule: str | None, virtual_stages: int,
-                 pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
-    return tuple((len(layers), first, last)
-                 for layers, first, last in _rank_stage_layers(num_layers, pp, schedule, virtual_stages, pp_rank))
+    return tuple((len(layers), first, last) for layers, first, last, _ in
+                 _rank_stage_layers(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank))
 
 
 def rank_layers(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[int, ...]:
     """The indices of the layers `pp_rank` runs."""
-    return _rank_layers(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
+    return _rank_layers(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank)
 
 
 @lru_cache(maxsize=65536)
-def _rank_layers(num_layers: int, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int) -> tuple[int, ...]:
-    return tuple(index for layers, _, _ in _rank_stage_layers(num_layers, pp, schedule, virtual_stages, pp_rank)
+def _rank_layers(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int) -> tuple[int, ...]:
+    return tuple(index for layers, _, _, _ in _rank_stage_layers(table, pp, schedule, virtual_stages, pp_rank)
                  for index in layers)
 
 
 @lru_cache(maxsize=65536)
-def _rank_stage_layers(num_layers: int, pp: int, schedule: str | None, virtual_stages: int,
-                       pp_rank: int) -> tuple[tuple[range, bool, bool], ...]:
-    """(indices of its layers, holds the first stage's modules, holds the last's) of each stage `pp_rank` runs."""
-    if pp == 1:
-        return ((range(num_layers), True, True),)
+def _rank_stage_layers(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int,
+                       pp_rank: int) -> tuple[tuple[range, bool, bool, frozenset[str]], ...]:
+    """(indices of its layers, holds the first stage's modules, holds the last's, the paths of the
+    modules besides its layers it holds) of each stage `pp_rank` runs."""
     num_stages = pp * virtual_stages
-    ranges = split_layers(num_layers, num_stages)
-    owners = stage_ranks(pp, schedule, virtual_stages)
-    return tuple((ranges[s], s == 0, s == num_stages - 1) for s in range(num_stages) if owners[s] == pp_rank)
+    owners = stage_ranks(pp, schedule, virtual_stages) if pp > 1 else [0]
+    return tuple((layers, s == 0, s == num_stages - 1, held)
+                 for s, (layers, held) in enumerate(table.stage_holdings(num_stages)) if owners[s] == pp_rank)
 
 
-def _group(table: ModelTable, key: int | tuple[bool, bool]) -> list[ParameterInfo]:
+def _group(table: ModelTable, key: int | frozenset[str]) -> list[ParameterInfo]:
     """The parameters of one layer of parameter group `key` (an int: `ModelTable.layer_groups`), or
-    (first, last) those of the end modules a stage holding the first and/or the last stage has (a
-    tied weight once)."""
+    (the paths of the modules a stage holds besides its layers) those of them (a tied weight once)."""
     if isinstance(key, int):
         return [p for p in table.parameters if p.layer == table.group_layers[key]]
-    first, last = key
-    return [p for p in table.parameters
-            if p.layer is None and (("first" in p.ends and first) or ("last" in p.ends and last))]
+    return [p for p in table.parameters if p.layer is None and p.holders & key]
 
 
 @lru_cache(maxsize=65536)
 def _stage_groups(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int,
-                  pp_rank: int) -> tuple[tuple[int | tuple[bool, bool], int], ...]:
+                  pp_rank: int) -> tuple[tuple[int | frozenset[str], int], ...]:
     """What `pp_rank` holds as (`_group` key, count): its layers by parameter group, then each of
-    its stages' end modules ((holds the first stage's, holds the last's), 1)."""
+    its stages' other modules (their paths, 1)."""
     counts: dict[int, int] = {}
-    ends = []
-    for layers, first, last in _rank_stage_layers(table.num_layers, pp, schedule, virtual_stages, pp_rank):
+    others = []
+    for layers, _, _, held in _rank_stage_layers(table, pp, schedule, virtual_stages, pp_rank):
         for index in layers:
             group = table.layer_groups[index]
             counts[group] = counts.get(group, 0) + 1
-        ends.append(((first, last), 1))
-    return tuple(sorted(counts.items())) + tuple(ends)
+        others.append((held, 1))
+    return tuple(sorted(counts.items())) + tuple(others)
 
 
 @lru_cache(maxsize=65536)
-def _group_state(table: ModelTable, key: int | tuple[bool, bool], tp: int, dp: int, ep: int, zero_stage: int,
+def _group_state(table: ModelTable, key: int | frozenset[str], tp: int, dp: int, ep: int, zero_stage: int,
                  dp_rank: int, optimizer: OptimizerState) -> StateBytes:
     params = grads = state = 0
     for param in _group(table, key):
@@ -248,7 +239,7 @@ def _state(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int
 
 
 @lru_cache(maxsize=65536)
-def _group_unsharded(table: ModelTable, key: int | tuple[bool, bool], tp: int, dp: int, ep: int,
+def _group_unsharded(table: ModelTable, key: int | frozenset[str], tp: int, dp: int, ep: int,
                      element_size: int | None, trainable_only: bool = False, experts: bool | None = None) -> int:
     """All-gathered bytes of a group's parameters (FSDP2 pads each to equal chunks of rows over its
     data-parallel group); `experts` True/False: only the expert tensors, or only the others."""
@@ -348,40 +339,55 @@ def _rank_layer_kinds(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[
 def _stage_layer_kinds(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int,
                        recompute: Recompute | None, pp_rank: int) -> tuple[tuple[int, bool, int], ...]:
     kinds = table.activations.layer_kinds
-    recomputed = _recomputed_layers(table.num_layers, pp, schedule, virtual_stages, recompute, pp_rank)
+    recomputed = _recomputed_layers(table, pp, schedule, virtual_stages, recompute, pp_rank)
     counts: dict[tuple[int, bool], int] = {}
-    for index in _rank_layers(table.num_layers, pp, schedule, virtual_stages, pp_rank):
+    for index in _rank_layers(table, pp, schedule, virtual_stages, pp_rank):
         key = kinds[index], index in recomputed
         counts[key] = counts.get(key, 0) + 1
     return tuple((kind, recomputes, count) for (kind, recomputes), count in sorted(counts.items()))
 
 
+def _entered_stacks(table: ModelTable, layout: Layout, pp_rank: int) -> list[int]:
+    """The later stacks whose first layer `pp_rank` runs (it enters them: `enter_stack`)."""
+    return [k for k, start in enumerate(table.stack_starts) if k and start in rank_layers(table, layout, pp_rank)]
+
+
 def recomputed_layers(table: ModelTable, layout: Layout, pp_rank: int) -> frozenset[int]:
     """The indices of the layers `pp_rank` runs that recompute: the first ``num_layers`` of each of
     its stages (all when None), none without `Layout.activation_checkpoint`."""
-    return _recomputed_layers(table.num_layers, layout.pp, layout.schedule, layout.virtual_stages,
+    return _recomputed_layers(table, layout.pp, layout.schedule, layout.virtual_stages,
                               layout.activation_checkpoint, pp_rank)
 
 
 @lru_cache(maxsize=65536)
-def _recomputed_layers(num_layers: int, pp: int, schedule: str | None, virtual_stages: int,
+def _recomputed_layers(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int,
                        recompute: Recompute | None, pp_rank: int) -> frozenset[int]:
     if recompute is None:
         return frozenset()
-    stages = _rank_stage_layers(num_layers, pp, schedule, virtual_stages, pp_rank)
-    return frozenset(index for layers, _, _ in stages for index in layers[:recompute.num_layers])
+    stages = _rank_stage_layers(table, pp, schedule, virtual_stages, pp_rank)
+    return frozenset(index for layers, _, _, _ in stages for part in _stack_parts(table, layers)
+                     for index in part[:recompute.num_layers])
+
+
+def _stack_parts(table: ModelTable, layers: range) -> list[range]:
+    """`layers` cut where a stack starts: each part's layers belong to one stack (the pipeline wraps
+    the first ``num_layers`` of each for recomputation)."""
+    edges = sorted({layers.start, layers.stop, *(s for s in table.stack_starts if layers.start < s < layers.stop)})
+    return [range(a, b) for a, b in zip(edges, edges[1:])]
 
 
 @lru_cache(maxsize=65536)
 def _activations(table: ModelTable, part: str, shapes: Shapes, kind: int, recompute: Recompute | None,
                  low_precision_weights: bool) -> int:
     """One micro-batch's saved bytes of a layer of `kind` (recomputing what `recompute` says), the
-    "embedding" or the "head" (cached: the planner asks the same shapes of thousands of layouts)."""
+    "embedding", the "entry" of later stack `kind` or the "head" (cached: the planner asks the same shapes of thousands of layouts)."""
     saved = table.activations
     if part == "layer":
         return saved.layer(kind, shapes, recompute=recompute, low_precision_weights=low_precision_weights)
     if part == "embedding":
         return saved.embedding(shapes, low_precision_weights=low_precision_weights)
+    if part == "entry":
+        return saved.entry(kind, shapes, low_precision_weights=low_precision_weights)
     return saved.head(shapes, low_precision_weights=low_precision_weights)
 
 
@@ -419,6 +425,7 @@ def _activation_bytes(table: ModelTable, layout: Layout, shapes: Shapes, low: bo
         held = sum(count * layer(kind, recomputed) for kind, recomputed, count in kinds)
         if any(first for _, first, _ in stages):
             held += _activations(table, "embedding", shapes, 0, None, low)
+        held += sum(_activations(table, "entry", shapes, k, None, low) for k in _entered_stacks(table, layout, pp_rank))
         # a layer's backward makes gradients of about the size of what it saved; a recomputing layer
         # first brings back what it did not keep
         whole_layer = max((layer(kind, False) for kind, _, _ in kinds), default=0)

@@ -19,10 +19,11 @@ from torch import nn
 from libai_zoo import distributed
 from libai_zoo.config import ConfigError
 from libai_zoo.hf import apply_lora_config
-from libai_zoo.layers import Attention, LatentAttention
-from libai_zoo.models import check_trainable, get_layer_stack, instantiate_model
+from libai_zoo.layers import Attention, LatentAttention, LMHead
+from libai_zoo.models import CausalLM, all_layers, check_trainable, instantiate_model
+from libai_zoo.parallel import check_stage_holdings, optional_modules, split_layers, stage_modules
 
-from .activations import SavedActivations
+from .activations import SavedActivations, image_pair
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,11 @@ class ParameterInfo:
     element_size: int
     #: The dimension tensor parallelism splits, or None when every tp rank holds it whole.
     tp_dim: int | None
-    #: Index in the layer stack, or None for a first/last-stage module's parameter.
+    #: Index among the stacks' layers in a row, or None for a parameter outside them ...
     layer: int | None
-    #: For a parameter outside the layer stack: held by the first stage, the last stage or both (tied).
-    ends: frozenset[str]
+    #: ... held by the stages that hold any of these modules (`stage_modules`: the embedding, the head,
+    #: both when tied; a decoder's entry and its position bias).
+    holders: frozenset[str]
     requires_grad: bool
     #: Whether every tp rank holds it whole at a given tp though tp_dim splits it at others (a fused
     #: qkv at a tp above its KV heads, which it replicates): what the layers do at that tp.
@@ -90,15 +92,17 @@ class _ExpertRecorder:
         self.experts.add(id(getattr(module, name)))
 
 
-def _place(name: str, stack: str, first: tuple[str, ...], last: tuple[str, ...]) -> tuple[int | None, str | None]:
-    """(layer index, None) for a layer-stack parameter, else (None, "first" | "last")."""
-    if name.startswith(stack + "."):
-        return int(name[len(stack) + 1:].split(".", 1)[0]), None
-    for end, paths in (("first", first), ("last", last)):
-        if any(name == path or name.startswith(path + ".") for path in paths):
-            return None, end
-    raise ValueError(f"parameter {name} is neither in the layer stack {stack!r} nor in the first/last stage "
-                     f"modules {first} / {last}: the model contract does not place it on a pipeline stage")
+def _place(name: str, stacks: list[tuple[str, int]], optional: set[str]) -> tuple[int | None, frozenset[str]]:
+    """(index among the stacks' layers in a row, no holders) for a layer's parameter, else (None,
+    the paths of the modules only some stages hold that hold it)."""
+    for path, offset in stacks:
+        if name.startswith(path + "."):
+            return offset + int(name[len(path) + 1:].split(".", 1)[0]), frozenset()
+    holders = frozenset(path for path in optional if name == path or name.startswith(path + "."))
+    if not holders:
+        raise ValueError(f"parameter {name} is neither in a layer stack {[path for path, _ in stacks]} nor in a module "
+                         f"the model contract places on some pipeline stages {sorted(optional)}")
+    return None, holders
 
 
 class ModelTable:
@@ -108,24 +112,27 @@ class ModelTable:
         check_trainable(model)
         self.model_type = type(model).__name__
         self.config = model.config
-        if len(model.stacks()) > 1:
-            raise ConfigError(f"{self.model_type} runs {len(model.stacks())} stacks of layers (an encoder-decoder); "
-                              f"the planner's time and memory models read one: set the layout by hand "
-                              f"(dist.dp/tp/pp, train.zero_stage)")
-        stack = get_layer_stack(model)
-        self.num_layers = len(stack)
-        attention = [m for m in stack[0].modules() if isinstance(m, (Attention, LatentAttention))]
-        if not attention:
+        layers = all_layers(model)
+        self.num_layers = len(layers)
+        attention = [[m for m in layer.modules() if isinstance(m, (Attention, LatentAttention))] for layer in layers]
+        if not attention[0]:
             raise ConfigError(f"{self.model_type}'s layers hold none of the zoo's attention layers, whose sizes and "
                               f"splits the planner's time and memory models read (transformers' own models, made "
                               f"trainable, are among them): set the layout by hand (dist.dp/tp/pp, train.zero_stage)")
-        #: the time model's sizes: the residual stream's width, the attention width (heads × head_dim)
-        #: of one layer, and whether its attention and MLP share one tp sync (a parallel block)
-        self.hidden_size: int = attention[0].out.out_features
-        self.attention_width: float = sum(m.attention_width for m in attention)
-        self._attention = attention
-        self.parallel_block = bool(getattr(stack[0], "parallel_block", False))
-        self.vocab_size: int = model.input_limits()["vocab_size"]
+        #: the time model's sizes: the residual stream's width (the first layer's), the attention width
+        #: (heads × head_dim) of a layer on average over the layers (an encoder-decoder's decoder layer
+        #: attends twice; Swin's stages widen), and whether its attention and MLP share one tp sync
+        self.hidden_size: int = attention[0][0].out.out_features
+        self.attention_width: float = sum(m.attention_width for ms in attention for m in ms) / self.num_layers
+        self._attention = attention[0]
+        self.parallel_block = bool(getattr(layers[0], "parallel_block", False))
+        #: the head's outputs per token: a language model's vocabulary (0 for a classifier, whose
+        #: outputs per sample are few)
+        heads = [m for m in model.modules() if isinstance(m, LMHead)]
+        self.vocab_size: int = heads[0].out_features if heads else \
+            (model.input_limits()["vocab_size"] or 0) * (model.loss_unit == "token")
+        #: the tokens of a sample when the data does not say: an image model's patches
+        self.image_tokens: int | None = _image_tokens(model)
         self.flops_per_token = model.flops_per_token
         self.activations = SavedActivations(model)
         self._unsharded = copy.deepcopy(model)  # the recorder below marks the model's layers as split
@@ -133,34 +140,75 @@ class ModelTable:
         self._whole: dict[int, frozenset[int]] = {}
         recorder = _record_splits(model, 1)
         experts = _record_experts(model)
-        places: dict[int, tuple[nn.Parameter, list[tuple[int | None, str | None]]]] = {}
+        stacks, offset = [], 0
+        for stack in model.stacks():
+            stacks.append((stack.path, offset))
+            offset += len(model.get_submodule(stack.path))
+        #: the index of each stack's first layer among the stacks' layers in a row
+        self.stack_starts: tuple[int, ...] = tuple(offset for _, offset in stacks)
+        optional = optional_modules(model)
+        places: dict[int, tuple[nn.Parameter, list[tuple[int | None, frozenset[str]]]]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
-            places.setdefault(id(param), (param, []))[1].append(
-                _place(name, model.layer_stack, tuple(model.first_stage_modules), tuple(model.last_stage_modules)))
+            places.setdefault(id(param), (param, []))[1].append(_place(name, stacks, optional))
         self.parameters: list[ParameterInfo] = []
         for index, (key, (param, where)) in enumerate(places.items()):
-            layers = {layer for layer, _ in where if layer is not None}
-            if len(layers) > 1 or (layers and len(where) > 1):
-                raise ValueError(f"a parameter of shape {tuple(param.shape)} is shared between layers {sorted(layers)} "
-                                 f"or between a layer and an end stage: the planner places each on one stage")
+            in_layers = {layer for layer, _ in where if layer is not None}
+            if len(in_layers) > 1 or (in_layers and len(where) > 1):
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is shared between layers "
+                                 f"{sorted(in_layers)} or between a layer and another module: the planner places "
+                                 f"each on one stage")
             self.parameters.append(ParameterInfo(
                 tuple(param.shape), param.element_size(), recorder.dims.get(key),
-                layers.pop() if layers else None, frozenset(end for _, end in where if end is not None),
+                in_layers.pop() if in_layers else None, frozenset().union(*(held for _, held in where)),
                 param.requires_grad, functools.partial(self._held_whole, index), key in experts))
 
         # layers whose parameters are alike (shapes, splits, trainability) are one group, counted once
         signatures = [tuple((p.shape, p.tp_dim, p.requires_grad, p.expert) for p in self.parameters
                             if p.layer == index) for index in range(self.num_layers)]
         distinct = list(dict.fromkeys(signatures))
-        #: the parameter group of each layer of the stack, and the first layer of each group
+        #: the parameter group of each layer of the stacks, and the first layer of each group
         self.layer_groups: tuple[int, ...] = tuple(distinct.index(s) for s in signatures)
         self.group_layers: tuple[int, ...] = tuple(signatures.index(s) for s in distinct)
         #: the Mixture-of-Experts layers: each one's (experts, experts per token); {} for a dense model
         self.moe: dict[int, tuple[int, int]] = {
-            index: (module.num_experts, module.top_k) for index, layer in enumerate(stack)
+            index: (module.num_experts, module.top_k) for index, layer in enumerate(layers)
             for module in layer.modules() if callable(getattr(module, "shard_experts_", None))
             and hasattr(module, "top_k")}
         self._ep_problems: dict[tuple[int, int], list[str]] = {}
+        self._layout_problems: dict[tuple[bool, int, int], list[str]] = {}
+        self._stage_problems: dict[tuple[int, str, int], str | None] = {}
+
+    def stage_holdings(self, num_stages: int) -> tuple[tuple[range, frozenset[str]], ...]:
+        """Of each of `num_stages` pipeline stages (the layers split evenly): the layers it runs (indices
+        among the stacks' layers in a row) and the paths of the other modules it holds, as the
+        pipeline cuts it (`stage_modules`)."""
+        return _stage_holdings(self, num_stages)
+
+    def layout_problems(self, *, sequence_parallel: bool = False, cp: int = 1, ep: int = 1) -> list[str]:
+        """Why the model cannot run with sequence parallelism, at this cp or this ep ([] when it can):
+        its own `layout_problems`, and context parallelism's (a causal LM whose layers split a sequence)."""
+        key = (sequence_parallel, cp, ep)
+        if key not in self._layout_problems:
+            model = self._unsharded
+            problems = model.layout_problems(sequence_parallel=sequence_parallel, cp=cp, ep=ep)
+            if cp > 1:
+                problems += ([] if isinstance(model, CausalLM) else
+                             [f"{self.model_type} is not a causal LM, whose sequences context parallelism splits"])
+                problems += distributed.cp_problems(model, cp)
+            self._layout_problems[key] = problems
+        return self._layout_problems[key]
+
+    def stage_problem(self, pp: int, schedule: str, virtual_stages: int) -> str | None:
+        """Why the model's stages cannot run this pipeline (`check_stage_holdings`: carried tensors under a
+        split backward, one weight twice on a rank), or None."""
+        key = (pp, schedule, virtual_stages)
+        if key not in self._stage_problems:
+            try:
+                check_stage_holdings(self._unsharded, pp, schedule=schedule, virtual_stages=virtual_stages)
+                self._stage_problems[key] = None
+            except ConfigError as error:
+                self._stage_problems[key] = str(error)
+        return self._stage_problems[key]
 
     @classmethod
     def from_config(cls, model_cfg: DictConfig, lora: DictConfig | dict | None = None) -> ModelTable:
@@ -227,6 +275,21 @@ class ModelTable:
                                   if key not in dims and self.parameters[i].tp_dim is not None)
             self._whole[tp] = whole
         return index in self._whole[tp]
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_holdings(table: ModelTable, num_stages: int) -> tuple[tuple[range, frozenset[str]], ...]:
+    ranges = split_layers(table.num_layers, num_stages)
+    return tuple((layers, frozenset(stage_modules(table._unsharded, layers, stage == 0, stage == num_stages - 1)))
+                 for stage, layers in enumerate(ranges))
+
+
+def _image_tokens(model: nn.Module) -> int | None:
+    """The patches an image model's embedding makes of its config's image (None for a text model)."""
+    if model.main_input_name != "pixel_values":
+        return None
+    (height, width), (rows, columns) = (image_pair(getattr(model.config, key)) for key in ("image_size", "patch_size"))
+    return (height // rows) * (width // columns)
 
 
 def gathered_kv_width(attention: nn.Module, tp: int) -> int:

@@ -131,11 +131,11 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     if overhead_bytes is None:
         overhead_bytes = 0 if on_cpu else GPU_OVERHEAD
     run = run_settings(cfg)
-    seq_len = seq_len or run.seq_len
+    table = ModelTable.from_config(cfg.model, run.lora)
+    seq_len = seq_len or run.seq_len or table.image_tokens
     if seq_len is None:
         raise ValueError("the planner needs the sequence length: give dataloader.train a seq_len (or max_length), "
                          "or choose the layout yourself (dist.auto=false)")
-    table = ModelTable.from_config(cfg.model, run.lora)
     global_batch, amp_dtype = run.global_batch_size, run.amp_dtype
     optimizer = OptimizerState.probe(cfg.optim)
     threads = 1 if on_cpu and world_size > 1 else None

@@ -27,9 +27,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import fully_shard
 
 from libai_zoo import distributed
-from libai_zoo.models import get_layer_stack, instantiate_model
+from libai_zoo.models import instantiate_model
 from libai_zoo.optim import build_optimizer
 
+from .activations import example_batch, one_of_each_kind, run_stacks
 from .fake_world import fake_world
 
 
@@ -37,7 +38,7 @@ from .fake_world import fake_world
 class ComputeTimes:
     """Seconds of one micro-batch on one rank (measured, or a roofline for an absent device)."""
 
-    layer_forward: float  # one layer of the stack
+    layer_forward: float  # one layer of the stacks (on average over their layers, when they differ)
     layer_backward: float
     first: float  # the first stage's own work: embedding forward and backward
     last: float  # the last stage's: final norm, head and loss, forward and backward
@@ -113,57 +114,71 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _one_layer_model(model_cfg, ctx: distributed.ParallelContext, micro_batch: int, seq_len: int):
-    """(model, inputs, targets): the model split over the context's tp group with one layer left
-    of its stack (they are alike), allocated on the device with random weights, in train mode, and
-    a random batch of token ids (labelled per token, or per sample for a classifier)."""
+def _one_of_each_kind(model_cfg, ctx: distributed.ParallelContext, micro_batch: int, seq_len: int):
+    """(model, inputs, targets, the share of the model's layers each of its layers stands for): the
+    model with one layer of each kind in each stack (`one_of_each_kind`), split over the context's
+    tp group, allocated on the device with random weights, in train mode, and a random batch
+    (`example_batch`)."""
     with torch.device("meta"):
-        model = instantiate_model(model_cfg)
+        model, probe_kinds, kinds = one_of_each_kind(instantiate_model(model_cfg))
     model = distributed.shard(model, ctx)
-    del get_layer_stack(model)[1:]
     model.to_empty(device=ctx.device)
     with torch.no_grad():
         for param in model.parameters():
             (param.to_local() if hasattr(param, "to_local") else param).normal_(0.0, 0.02)
     model.init_buffers()
     model.train()
-    ids = torch.randint(0, model.input_limits()["vocab_size"], (micro_batch, seq_len), device=ctx.device)
-    labels = ids if model.loss_unit == "token" else torch.zeros(micro_batch, dtype=torch.long, device=ctx.device)
-    inputs, targets = model.split_batch({"input_ids": ids, "labels": labels})
-    return model, inputs, targets
+    inputs, targets = model.split_batch(example_batch(model, micro_batch, seq_len, ctx.device, random=True))
+    shares = [kinds.count(kind) / len(kinds) for stack in probe_kinds for kind in stack]
+    return model, inputs, targets, shares
+
+
+def _layer_calls(model, inputs, autocast) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.nn.Module, torch.Tensor, dict]]]:
+    """(the embedding's output, the last layer's, each layer of `model` with the hidden states and keyword arguments it
+    takes), run once without gradients through the stacks."""
+    calls = []
+
+    def call(k, i, layer, hidden, layer_inputs):
+        calls.append((layer, hidden.detach(), layer_inputs))
+        return layer(hidden, **layer_inputs)
+
+    with torch.no_grad(), autocast:
+        hidden = model.embed(inputs).detach()
+        last, _ = run_stacks(model, inputs, hidden, call=call)
+    return hidden, last.detach(), calls
 
 
 def _measure_compute(model_cfg, tp: int, sequence_parallel: bool, micro_batch: int, seq_len: int,
                      amp_dtype: torch.dtype | None, repeats: int) -> dict:
     with fake_world(tp, 0, tp=tp, sequence_parallel=sequence_parallel) as ctx:
-        model, inputs, targets = _one_layer_model(model_cfg, ctx, micro_batch, seq_len)
-        layer = get_layer_stack(model)[0]
+        model, inputs, targets, shares = _one_of_each_kind(model_cfg, ctx, micro_batch, seq_len)
         autocast = torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
         def embed():
             with autocast:
                 model.embed(inputs).float().sum().backward()
 
-        with torch.no_grad(), autocast:
-            hidden = model.embed(inputs).detach()
-        layer_inputs = model.layer_inputs(inputs, hidden)
+        _, last, calls = _layer_calls(model, inputs, autocast)
+        forward = backward = 0.0
+        for share, (layer, hidden, layer_inputs) in zip(shares, calls):  # a layer of the model on average
+            def layer_forward():
+                with autocast:
+                    return layer(hidden.requires_grad_(), **layer_inputs)
 
-        def layer_forward():
-            with autocast:
-                return layer(hidden.requires_grad_(), **layer_inputs)
+            def layer_step():
+                layer_forward().float().sum().backward()
 
-        def layer_step():
-            layer_forward().float().sum().backward()
+            once = _timed(lambda: layer_forward(), ctx.device, repeats)
+            with torch.no_grad():
+                once = min(once, _timed(lambda: layer_forward(), ctx.device, repeats))
+            forward += share * once
+            backward += share * max(_timed(layer_step, ctx.device, repeats) - once, 0.0)
 
         def head():
             with autocast:
-                model.head_loss(model.final_norm(hidden.requires_grad_()), targets, "sum").backward()
+                model.head_loss(model.final_norm(last.requires_grad_()), targets, "sum").backward()
 
-        forward = _timed(lambda: layer_forward(), ctx.device, repeats)
-        with torch.no_grad():
-            forward = min(forward, _timed(lambda: layer_forward(), ctx.device, repeats))
-        both = _timed(layer_step, ctx.device, repeats)
-        return asdict(ComputeTimes(forward, max(both - forward, 0.0), _timed(embed, ctx.device, repeats),
+        return asdict(ComputeTimes(forward, backward, _timed(embed, ctx.device, repeats),
                                    _timed(head, ctx.device, repeats)))
 
 
@@ -181,11 +196,9 @@ def measure_compute(model_cfg: DictConfig, *, tp: int, sequence_parallel: bool, 
 
 def _measure_fsdp_op(model_cfg, tp: int, micro_batch: int, seq_len: int, repeats: int) -> float:
     with fake_world(2 * tp, 0, dp=2, tp=tp) as ctx:
-        model, inputs, _ = _one_layer_model(model_cfg, ctx, micro_batch, seq_len)
-        with torch.no_grad():
-            hidden = model.embed(inputs)
-        layer_inputs = model.layer_inputs(inputs, hidden)
-        layer = get_layer_stack(model)[0]
+        model, inputs, _, _ = _one_of_each_kind(model_cfg, ctx, micro_batch, seq_len)
+        _, _, calls = _layer_calls(model, inputs, torch.autocast(ctx.device.type, enabled=False))
+        layer, hidden, layer_inputs = calls[0]
 
         def step():
             layer(hidden.requires_grad_(), **layer_inputs).float().sum().backward()
