@@ -8,6 +8,7 @@ from torch import nn
 
 from libai_zoo.distributed import TensorParallel, local, local_rows
 from libai_zoo.distributed.collectives import copy_to_tp, gather_from_sp, gather_from_tp, row_output
+from libai_zoo.distributed.float8_linear import float8_linear
 from libai_zoo.distributed.gathered_linear import gathered_linears
 
 from .lora import LoRA
@@ -42,7 +43,13 @@ class Linear(ParallelLayer, nn.Linear):
     Under sequence parallelism a column layer keeps only this rank's shard of its input for
     backward (`column_inputs`); called with a `Projected` (its input already projected together
     with the other layers sharing one sync), it returns its part of it.
+
+    ``float8`` (a torchao `Float8LinearConfig`, set by `parallel.convert_to_float8` for ``train.fp8``)
+    runs the layer's GEMMs in float8 (`float8_linear`), each scale over the whole operand the
+    one-process layer scales; the adapter stays in high precision.
     """
+
+    float8 = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, parallel: str = "data", *,
                  gather_output: bool = False, sync_input: bool = True, reduce_output: bool = True,
@@ -93,19 +100,29 @@ class Linear(ParallelLayer, nn.Linear):
 
     def forward(self, x: torch.Tensor | Projected) -> torch.Tensor:
         tp = self.tp
-        if self.parallel == "row" and not self.reduce_output:
-            return self._adapted(x, F.linear(x, local(self.weight)))  # partial sum: the caller reduces, adds bias
+        if self.parallel == "row" and not self.reduce_output:  # partial sum: the caller reduces, adds bias
+            return self._adapted(x, self._linear(x, local(self.weight), None, _ROW_SPLIT if tp else _WHOLE))
         if tp is None:
-            return self._adapted(x, F.linear(x, self.weight, self.bias))
+            return self._adapted(x, self._linear(x, self.weight, self.bias, _WHOLE))
         if self.parallel == "col":
             if self.sync_input:
                 x, = column_inputs(tp, self.sp, (x, [self]))
-            y = x.output(self) if isinstance(x, Projected) else self._adapted(x, F.linear(x, *self.local_weights()))
+            y = x.output(self) if isinstance(x, Projected) else \
+                self._adapted(x, self._linear(x, *self.local_weights(), _COLUMN_SPLIT))
             return gather_from_tp(y, tp, dim=-1) if self.gather_output else y
         if self.parallel == "row":
-            return self.add_bias(row_output(self._adapted(x, F.linear(x, local(self.weight))), tp, self.sp))
-        return self._adapted(x, F.linear(x, local(self.weight, partial_grad=self.sp),
-                                         local(self.bias, partial_grad=self.sp)))
+            return self.add_bias(row_output(self._adapted(x, self._linear(x, local(self.weight), None, _ROW_SPLIT)),
+                                            tp, self.sp))
+        return self._adapted(x, self._linear(x, local(self.weight, partial_grad=self.sp),
+                                             local(self.bias, partial_grad=self.sp), _TOKEN_SPLIT if self.sp else _WHOLE))
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                split: frozenset[str]) -> torch.Tensor:
+        """``F.linear``, or its float8 GEMMs (`float8`) with the scales of the GEMM dimensions
+        `split` over tp reduced over its group."""
+        if self.float8 is None:
+            return F.linear(x, weight, bias)
+        return float8_linear(x, weight, bias, self.float8, self.tp, split)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) this rank computes with, differentiable: its slices, or its rows of them."""
@@ -136,6 +153,11 @@ class Linear(ParallelLayer, nn.Linear):
         return f"{super().extra_repr()}, parallel={self.parallel}{self.parallel_repr()}"
 
 
+#: The GEMM dimensions (M tokens, K in, N out) a rank holds a part of: a column layer's outputs, a
+#: row layer's inputs, a replicated layer's tokens under sequence parallelism.
+_WHOLE, _COLUMN_SPLIT, _ROW_SPLIT, _TOKEN_SPLIT = frozenset(), frozenset("N"), frozenset("K"), frozenset("M")
+
+
 class Projected:
     """The local outputs of column layers that share one sequence-parallel input, computed together
     by `column_inputs`: handed to each of those layers in place of the input, each takes its own."""
@@ -160,11 +182,12 @@ def column_inputs(tp: TensorParallel, sequence_parallel: bool,
     output computed by `gathered_linears`, which all-gathers the sequence shards once and keeps
     only the shards for backward (LoRA's A joins as one more projection). An adapter with dropout
     keeps the old path, the gathered input saved whole (dropout draws its mask on the gathered
-    input, with the random stream every tp rank shares)."""
+    input, with the random stream every tp rank shares), and so does a float8 layer (its GEMMs
+    are torchao's, cast from the gathered input)."""
     inputs = [x for x, _ in groups]
     layers = [layer for _, group in groups for layer in group]
     if not sequence_parallel or any(layer.lora is not None and layer.lora.dropout and layer.lora.training
-                                    for layer in layers):
+                                    or layer.float8 is not None for layer in layers):
         sync = gather_from_sp if sequence_parallel else copy_to_tp
         if len(inputs) == 1:
             return [sync(inputs[0], tp)]

@@ -77,6 +77,19 @@ class AmpConfig(Section):
 
 
 @dataclass
+class Float8Config(Section):
+    """Linear layers' GEMMs in float8 (torchao's float8 training; ``pip install -e ".[fp8]"``).
+    Kept in high precision: the LM head, MoE routers (float32 by design) and experts (grouped
+    GEMMs), every layer whose per-rank dimensions are not multiples of 16, and the layers ``skip``
+    names; the log lists them. Checkpoints stay in high precision."""
+
+    enabled: bool = False
+    recipe: str = "tensorwise"          # torchao's: "tensorwise", "rowwise" or "rowwise_with_gw_hp"
+    # module names (fnmatch patterns, e.g. "*.mlp.down_proj") also kept in high precision
+    skip: list[str] = field(default_factory=list)
+
+
+@dataclass
 class ActivationCheckpointConfig(Section):
     """Recompute activations in backward instead of keeping them (Megatron-LM's recomputation).
 
@@ -150,6 +163,7 @@ class TrainConfig(Section):
     # samples per optimizer step over all dp ranks: micro_batch_size × dp × gradient-accumulation steps
     global_batch_size: int = 8
     amp: AmpConfig = field(default_factory=AmpConfig)
+    fp8: Float8Config = field(default_factory=Float8Config)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     zero_stage: int = 0                 # ZeRO: 0 off; 1 shards optimizer state, 2 + gradients, 3 + parameters
     zero_offload: bool = False          # keep the sharded state in CPU memory

@@ -49,6 +49,24 @@ class PipelineSettings:
     boundaries: tuple[int, ...] | None = None
 
 
+#: ``train.fp8.recipe`` -> what torchao's recipe of that name casts to float8 (`Float8LinearConfig`).
+FLOAT8_RECIPES = {
+    "tensorwise": "every operand of the three GEMMs scaled per tensor (torchao's default; the fastest, and "
+                  "the one FSDP2 can all-gather in float8)",
+    "rowwise": "every operand scaled per row, scales rounded down to powers of 2",
+    "rowwise_with_gw_hp": "rowwise, the weight gradient's GEMM in high precision (the most accurate)",
+}
+
+
+@dataclass(frozen=True)
+class Float8:
+    """``train.fp8`` when enabled: torchao's ``recipe`` (`FLOAT8_RECIPES`) and the module name
+    patterns ``skip`` keeps in high precision besides the defaults."""
+
+    recipe: str
+    skip: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Recompute:
     """``train.activation_checkpoint`` when enabled: what the checkpointed layers recompute
@@ -97,6 +115,8 @@ class RunSettings:
     context_parallel: int
     #: ``train.lora`` as a plain dict, every key present.
     lora: dict[str, Any]
+    #: ``train.fp8``: what computes in float8; None: nothing.
+    fp8: Float8 | None = None
 
 
 def run_settings(cfg: DictConfig) -> RunSettings:
@@ -120,6 +140,7 @@ def run_settings(cfg: DictConfig) -> RunSettings:
         sequence_parallel=run.dist.sequence_parallel,
         context_parallel=run.dist.cp,
         lora=OmegaConf.to_container(train.lora, resolve=True),
+        fp8=_float8(train),
     )
 
 
@@ -142,6 +163,27 @@ def _recompute(section: DictConfig) -> Recompute | None:
         raise ConfigError(f"{key}.num_layers = {section.num_layers} must be a positive number of layers per "
                           f"pipeline stage, or null for every layer")
     return Recompute(section.granularity, modules, section.num_layers)
+
+
+def _float8(train: DictConfig) -> Float8 | None:
+    """``train.fp8`` parsed: a recipe torchao does not have, fp16 autocast (its loss scaling and
+    float8's scales fight over the same range) or a missing torchao is a `ConfigError`."""
+    section = train.fp8
+    if not section.enabled:
+        return None
+    if section.recipe not in FLOAT8_RECIPES:
+        raise ConfigError(f"train.fp8.recipe = {section.recipe!r} is not one of torchao's float8 recipes: "
+                          + "; ".join(f"{name!r} ({what})" for name, what in FLOAT8_RECIPES.items()))
+    if train.amp.enabled and train.amp.dtype == "fp16":
+        raise ConfigError("train.fp8 with train.amp.dtype = 'fp16': float8 training runs beside bf16 autocast (or "
+                          "none); set train.amp.dtype=bf16, or train.fp8.enabled=false")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(f"train.fp8.enabled needs torchao, the PyTorch float8 library ({error}): "
+                          f"pip install -e \".[fp8]\" (or pip install torchao), or set train.fp8.enabled=false") \
+            from None
+    return Float8(section.recipe, tuple(section.skip or ()))
 
 
 def _sequence_length(dataloader: Mapping | None) -> int | None:

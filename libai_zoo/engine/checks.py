@@ -62,6 +62,11 @@ def check_context_parallel(model: nn.Module, cp: int, tp: int, settings: RunSett
     run on a split sequence (their ``cp_problems``), or a sequence length that is not a multiple of 2·cp (the
     load-balanced chunks), nor, under sequence parallelism, of cp × tp."""
     name = type(model).__name__
+    if settings.fp8 is not None:
+        raise ConfigError(f"train.fp8 with dist.cp = {cp}: a float8 scale is taken over the whole sequence of a "
+                          f"micro-batch, and no scale is reduced over the cp ranks that hold its parts; set "
+                          f"dist.cp=1 (float8 runs beside tp, sequence parallelism, pp and ZeRO), or "
+                          f"train.fp8.enabled=false")
     if not isinstance(model, CausalLM):
         raise ConfigError(f"dist.cp = {cp} splits a causal language model's sequences, and {name} is not one (a "
                           f"masked LM or a classifier scores tokens against the whole sequence): set dist.cp=1")

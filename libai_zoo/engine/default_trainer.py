@@ -166,7 +166,8 @@ class DefaultTrainer(TrainerBase):
                             pipeline=self.settings.pipeline,
                             activation_checkpoint=self.settings.activation_checkpoint,
                             compile_with=cfg.train.compile,
-                            residual=residual_dtype(self.amp_dtype, self.settings.fp32_residual))
+                            residual=residual_dtype(self.amp_dtype, self.settings.fp32_residual),
+                            float8=self.settings.fp8)
         model, parts, pipeline = built.model, built.parts, built.pipeline
         seq_len = self.settings.seq_len  # MFU needs it; of the whole model, not of a pipeline stage
         aliases = pipeline.tied_aliases() if pipeline is not None else None
@@ -362,6 +363,7 @@ class DefaultTrainer(TrainerBase):
         self.heartbeat.beat(step, "hooks after the step (checkpoint, evaluation, logging)")
         if self.divergence.rollback_due(self.iter, result, self.step.nonfinite_grads, self.ctx.rank):
             back_to = self.divergence.roll_back(self.iter, self.checkpoints, self.data.position)
+            self.step.refresh_float8_scales()
             self.data.open(back_to)
             if self.goodput is not None:
                 self.goodput.rolled_back(back_to, self.iter + 1)

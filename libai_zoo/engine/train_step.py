@@ -19,7 +19,8 @@ from torch import nn
 from libai_zoo import distributed
 from libai_zoo.layers import MoE
 from libai_zoo.optim import clip_grad_norm_, unique_parameters
-from libai_zoo.parallel import DataParallel, Pipeline, context_parallel_part
+from libai_zoo.parallel import (DataParallel, Pipeline, context_parallel_part, gathered_in_float8,
+                                precompute_float8_scales)
 
 
 logger = logging.getLogger("libai_zoo")
@@ -106,6 +107,8 @@ class TrainStep:
         if pipeline is not None and amp_dtype == torch.float16:
             raise ValueError("fp16 loss scaling is not available under pipeline parallelism: use train.amp.dtype=bf16")
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        #: Layers whose weights FSDP2 gathers in float8: their scales are computed after each step.
+        self.float8_gathered = gathered_in_float8(self.model_parts)
         self.moe_layers = [m for part in self.model_parts for m in part.modules() if isinstance(m, MoE)]
         self.expert_bias_update_rate = expert_bias_update_rate
         self.tp_group = ctx.group("tp") if ctx is not None and ctx.tp > 1 else None
@@ -134,6 +137,11 @@ class TrainStep:
         if total.item() == 0:
             raise ValueError("no labelled targets in this step's batches (every label is -100)")
         return total.item()
+
+    def refresh_float8_scales(self) -> None:
+        """After the weights change (an optimizer step, a rollback's load): the float8 scales of the
+        weights FSDP2 gathers in float8, from their new values (`precompute_float8_scales`)."""
+        precompute_float8_scales(self.float8_gathered)
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
@@ -205,6 +213,7 @@ class TrainStep:
             logger.warning("skipped the optimizer step: the loss is %s, the gradient norm %s", loss_value,
                            grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
+        self.refresh_float8_scales()
         imbalance, dropped = self._routing(update_bias=not skipped) if self.has_moe else (None, None)
         return StepResult(loss=loss_value, grad_norm=grad_norm.item(), samples=sum(_batch_size(b) for b in batches) * self.dp,
                           tokens=tokens, skipped=skipped, diverged=diverged, sync_wait_s=self.sync_wait_s,

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from libai_zoo import distributed
-from libai_zoo.config import PipelineSettings, Recompute
+from libai_zoo.config import Float8, PipelineSettings, Recompute
 from libai_zoo.models import all_layers, check_trainable, trainable
 
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel
+from .float8 import convert_to_float8
 from .pipeline import Pipeline
 from .residual_precision import cast_residual
 
@@ -45,8 +46,9 @@ class Parallelized:
 def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_parallel: DataParallel, *,
                 num_micro_batches: int = 1, pipeline: PipelineSettings | None = None,
                 activation_checkpoint: Recompute | None = None, compile_with: bool | str = False,
-                residual: torch.dtype | None = None) -> Parallelized:
+                residual: torch.dtype | None = None, float8: Float8 | None = None) -> Parallelized:
     """`distributed.shard` over tp; at pp > 1 this rank's stages (``pipeline``: `run_settings(cfg).pipeline`);
+    the linear layers' GEMMs in float8 (`float8`: `run_settings(cfg).fp8`, `convert_to_float8`);
     the residual stream in `residual` under autocast (`cast_residual`), activation checkpointing
     (`run_settings(cfg).activation_checkpoint`: in each stage's stack) and
     torch.compile (True: inductor, or a backend name) per layer of the layer stack; then
@@ -63,6 +65,9 @@ def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_paralle
                           virtual_stages=pipeline.virtual_stages, boundaries=pipeline.boundaries)
         logger.info("%s", stages)
         parts, roots = stages.model_parts, stages.stages
+    if float8 is not None:
+        convert_to_float8(parts, float8, gather_float8=data_parallel.zero_stage >= 1 and data_parallel.group is not None
+                          and ctx.tp == 1)
     stacks = [all_layers(part) for part in parts]
     layers = [layer for stack in stacks for layer in stack]
     cast_residual(layers, residual)
