@@ -22,7 +22,7 @@ from libai_zoo.config import FULL, ConfigError, Float8, Recompute, run_settings
 from libai_zoo.engine.checks import check_context_parallel
 from libai_zoo.layers import Linear
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel, all_layers, trainable
-from libai_zoo.parallel import apply_activation_checkpointing, convert_to_float8
+from libai_zoo.parallel import apply_activation_checkpointing, convert_to_float8, gathered_in_float8
 from libai_zoo.parallel.float8 import float8_config
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -153,3 +153,4 @@ def test_float8_settings_refused_before_step_1(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # as if torchao were not installed
     with pytest.raises(ConfigError, match=r'needs torchao.*pip install -e "\.\[fp8\]"'):
         _settings()
+    assert gathered_in_float8([model]) == []  # a run without float8 does not need torchao

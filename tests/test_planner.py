@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import math
 import os
 import re
 import socket
@@ -25,12 +26,12 @@ from torch.distributed.pipelining import (ScheduleInterleaved1F1B, ScheduleInter
                                           ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from libai_zoo.config import ConfigError, LazyCall, LazyConfig, instantiate
+from libai_zoo.config import ConfigError, LazyCall, LazyConfig, instantiate, run_settings
 from libai_zoo.engine import checks
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel, instantiate_model
 from libai_zoo.parallel import check_pipeline_layout
 from libai_zoo.plan import DEVICES, Layout, ModelTable, enumerate_layouts, plan
-from libai_zoo.plan.cost import Fabric, Link, _bubble_slots, step_time
+from libai_zoo.plan.cost import Fabric, Link, _bubble_slots, _dp_bytes, roofline_compute, step_time
 from libai_zoo.plan.memory import gathered_bytes, micro_batches_in_flight, unsharded_bytes
 from libai_zoo.plan.profile import ComputeTimes
 
@@ -400,6 +401,53 @@ def test_fsdp_keeps_more_gathered_under_pipelines():
     assert gathered_bytes(table, flat3, 0, 4, None) < unsharded_bytes(table, flat3, 0, None) / 2
     # bf16 gathers under autocast: half the parameters' bytes
     assert gathered_bytes(table, flat2, 0, 1, torch.bfloat16) == unsharded_bytes(table, flat2, 0, None) // 2
+
+
+@ROOFLINE
+def test_float8_halves_the_zero3_gathers_and_runs_its_matmuls_at_the_float8_peak():
+    """Llama 7B, ZeRO-3 over 64 H100s, ``train.fp8`` (tensorwise) on and off: the gathered term (the
+    root unit in bf16 and two layers) holds the float8 layers' weights at 1 byte an element, the
+    all-gathers move as much less (the gradients' reduce-scatter unchanged), the roofline runs
+    those layers' matmuls at the float8 peak (1,979 TFLOP/s), so the step is shorter; MFU stays
+    against the bf16 peak (989 TFLOP/s)."""
+    layout = Layout(64, 1, 1, 3)
+    results = {}
+    for on in (False, True):
+        cfg = LazyConfig.apply_overrides(LazyConfig.load(LLAMA_7B), [f"train.fp8.enabled={str(on).lower()}"])
+        results[on] = plan(cfg, 64, device="h100", layouts=[layout])
+    off, on = results[False].best, results[True].best
+    table = ModelTable.from_config(cfg.model, None, run_settings(cfg).fp8)
+    float8 = table.float8_gathered
+    assert len(float8) == len(table.float8_weights(1)) == 32 * 5  # qkv, o, gate, up, down of each layer
+    # no rows to pad over 64 ranks: the root unit (embedding, final norm, head) in bf16 and two layers
+    root = sum(math.prod(p.shape) * 2 for p in table.parameters if p.layer is None)
+    layer = [(i, math.prod(p.shape)) for i, p in enumerate(table.parameters) if p.layer == 0]
+    assert off.memory.gathered == root + 2 * sum(2 * n for _, n in layer)
+    assert on.memory.gathered == root + 2 * sum((1 if i in float8 else 2) * n for i, n in layer)
+    assert on.memory.total < off.memory.total
+    # the all-gathers' bytes over dp 64; the reduce-scatter's float32 gradients unchanged
+    gathers = {key: _dp_bytes(table, 1, None, 1, 0, 1, 64, 1, 1, torch.bfloat16, key) for key in (False, True)}
+    weights = sum(math.prod(table.parameters[i].shape) for i in float8)
+    assert gathers[False][1] - gathers[True][1] == pytest.approx(63 / 64 * weights, rel=1e-12)
+    assert gathers[False][0] == gathers[True][0] == pytest.approx(63 / 64 * 4 * table.total_parameters, rel=1e-12)
+    assert 0 < on.time.dp_comm < off.time.dp_comm
+    # the float8 matmuls at 1,979 TFLOP/s (forward, and both of backward's): the compute and the step shorter
+    h100 = DEVICES["h100"]
+    assert h100.peak_flops[torch.float8_e4m3fn] == 1979e12
+    high, low = (roofline_compute(t, h100, tp=1, micro_batch=1, seq_len=4096, amp_dtype=torch.bfloat16)
+                 for t in (ModelTable.from_config(cfg.model), table))
+    saved = 2 * 4096 * weights / 32 * (1 / 989e12 - 1 / 1979e12) / 0.7  # a layer's float8 matmuls, forward
+    assert high.layer_forward - low.layer_forward == pytest.approx(saved, rel=1e-9)
+    assert high.layer_backward - low.layer_backward == pytest.approx(2 * saved, rel=1e-9)
+    assert (high.first, high.last) == (low.first, low.last)  # the embedding, and the head in bf16
+    assert on.time.compute < off.time.compute and on.time.total < off.time.total
+    flops = table.flops_per_token(4096)
+    for candidate in (off, on):
+        assert candidate.mfu == pytest.approx(candidate.tokens_per_second * flops / (989e12 * 64), rel=1e-12)
+    assert results[False].notes == ["bfloat16 compute"]
+    assert results[True].notes[1] == ("float8 (tensorwise) in 160 linear layers at tp 1: their matmuls at the float8 "
+                                      "peak (1,979 TFLOP/s); weights all-gathered in float8 at ZeRO 1-3 without tp; "
+                                      "MFU against the bfloat16 peak")
 
 
 def test_a_run_with_test_data_is_offered_no_schedule_that_cannot_evaluate():

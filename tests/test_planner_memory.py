@@ -10,20 +10,31 @@ one rank under ZBV's V placement) at ZeRO 3 over a dp that does not divide the r
 family's tiny model (tests/model_cases.py) is counted exactly and agrees with its dry run at tp2×pp2.
 Mixtures of Experts: every rank of a tiny Qwen3-MoE at expert-parallel layouts (E / (ep·tp)
 experts per rank, ZeRO over edp = dp / ep), Qwen3-30B-A3B at 64 ranks, DeepSeek-V3 671B at 1,024,
-and LoRA adapters on the experts.
+and LoRA adapters on the experts. Under ``train.fp8`` the state is unchanged (equal to dry runs
+that build with float8), FSDP2 all-gathers the tensorwise float8 weights at 1 byte an element as
+the planner's gathered term counts them, and the planner's float8 layers are those the build
+converts at each tp.
 """
 
 from __future__ import annotations
 
-import pytest
-from omegaconf import OmegaConf
+import math
 
-from libai_zoo.config import LazyCall, get_config
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from libai_zoo.config import Float8, LazyCall, get_config, run_settings
+from libai_zoo.layers import Linear
 from libai_zoo.models import (DeepseekV3Config, DeepseekV3ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                              LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, instantiate_model)
+from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize
 from libai_zoo.plan.dry_run import dry_run, dry_run_rank
+from libai_zoo.plan.fake_world import fake_world
 from libai_zoo.plan.layouts import Layout
-from libai_zoo.plan.memory import OptimizerState, rank_stages, state_bytes
+from libai_zoo.plan.memory import OptimizerState, gathered_bytes, rank_stages, state_bytes
 from libai_zoo.plan.model_table import ModelTable
 from model_cases import zoo_model
 
@@ -280,3 +291,95 @@ def test_lora_on_experts_is_counted_with_its_experts(optim):
     layout = L(1, 2, 2, 0, schedule="1f1b")
     cfg = _cfg("tiny_moe", layout, optim_cfg, lora)
     _check(table, layout, [dry_run_rank(cfg, layout, rank) for rank in range(layout.world_size)], optimizer)
+
+
+# ------------------------------------------------------------------------------ train.fp8
+# Llama of one KV head (its qkv 640 rows) over dp 4: no row padding; layer 0's MLP skipped
+FLOAT8_SKIP = ["*.layers.0.mlp.*"]
+
+
+def _float8_cfg(model: str, layout: Layout, optim_cfg, recipe: str = "tensorwise"):
+    cfg = _cfg(model, layout, optim_cfg)
+    cfg.train.amp = {"enabled": True, "dtype": "bf16"}
+    cfg.train.fp8 = {"enabled": True, "recipe": recipe, "skip": FLOAT8_SKIP}
+    return cfg
+
+
+@pytest.mark.parametrize("layout", [L(4, 1, 1, 3), L(2, 2, 1, 3), L(2, 1, 2, 1, schedule="1f1b")],
+                         ids=lambda layout: _name(("llama_mqa", layout)))
+def test_float8_state_bytes_equal_the_dry_run(layout, optim):
+    """The dry run builds with ``train.fp8`` (the weights FSDP2 gathers in float8 wrapped in torchao's
+    tensor at ZeRO 1-3 without tp); what a rank holds between steps is unchanged, to the byte."""
+    optim_cfg, optimizer = optim
+    cfg = _float8_cfg("llama_mqa", layout, optim_cfg)
+    table = ModelTable.from_config(MODELS["llama_mqa"], None, run_settings(cfg).fp8)
+    _check(table, layout, dry_run(cfg, layout), optimizer)
+
+
+class _AllGathers(TorchDispatchMode):
+    """The bytes of each all-gather's output buffer (FSDP2's flat buffer of a unit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d._allgather_base_.default:
+            self.bytes.append(args[0].numel() * args[0].element_size())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fsdp_gathers_the_float8_weights_at_a_byte_an_element(recipe, optim):
+    """ZeRO-3 over dp 4 under bf16 autocast: FSDP2's all-gather of each unit (rank 0 of a fake group,
+    the model materialized on the CPU) moves the tensorwise float8 layers' weights at 1 byte an
+    element, the rest (and everything under rowwise) at 2; the planner's gathered term (the root
+    unit and the two largest layers: layer 0, its MLP skipped, and one other) equals it."""
+    layout = L(4, 1, 1, 3)
+    cfg = _float8_cfg("llama_mqa", layout, optim[0], recipe)
+    run = run_settings(cfg)
+    table = ModelTable.from_config(cfg.model, None, run.fp8)
+    assert table.layer_groups == (0, 1, 1, 1)  # layer 0 (skipped MLP) apart
+    with fake_world(4, 0, dp=4) as ctx:
+        with torch.device("meta"):
+            model = instantiate_model(cfg.model)
+        built = parallelize(model, ctx, DataParallel(ctx, 3, param_dtype=fsdp_param_dtype(run.amp_dtype)),
+                            float8=run.fp8)
+        built.model.to_empty(device="cpu")
+        units = [m for m in built.model.modules() if isinstance(m, FSDPModule)]
+        with _AllGathers() as gathers:
+            for unit in units:
+                unit.unshard()
+    root, *layers = gathers.bytes
+    assert len(layers) == 4
+    weights = {i: p for i, p in enumerate(table.parameters) if p.layer == 1 and i in table.float8_weights(1)}
+    assert len(weights) == 5  # qkv, o, gate, up, down
+    assert set(weights) & table.float8_gathered == (set(weights) if recipe == "tensorwise" else set())
+    saved = sum(math.prod(p.shape) for p in weights.values()) if recipe == "tensorwise" else 0
+    whole = sum(math.prod(p.shape) * 2 for p in table.parameters if p.layer == 1)
+    assert layers[1] == layers[2] == layers[3] == whole - saved
+    assert (layers[0] > layers[1]) == (recipe == "tensorwise")  # layer 0's MLP gathered in bf16
+    assert gathered_bytes(table, layout, 0, 1, torch.bfloat16) == root + layers[0] + layers[1]
+
+
+def test_the_float8_layers_are_those_convert_to_float8_converts_at_each_tp():
+    """`ModelTable.float8_weights` asks `convert_to_float8`'s own filter of each layer at its per-rank
+    shape: an MLP of 1040 converts at tp 1 but not at tp 2 (520 per rank, not a multiple of 16); the
+    LM head and the skipped layer 0 MLP never do. Equal to what the build converts."""
+    model_cfg = LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
+        hidden_size=256, intermediate_size=1040, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=1000))
+    fp8 = Float8("tensorwise", tuple(FLOAT8_SKIP))
+    table = ModelTable.from_config(model_cfg, None, fp8)
+    with torch.device("meta"):
+        names = list(dict.fromkeys(name for name, _ in instantiate_model(model_cfg).named_parameters()))
+    for tp in (1, 2):
+        with fake_world(tp, 0, tp=tp) as ctx:
+            with torch.device("meta"):
+                model = instantiate_model(model_cfg)
+            built = parallelize(model, ctx, DataParallel(ctx, 0), float8=fp8)
+            converted = {f"{name}.weight" for name, m in built.model.named_modules()
+                         if isinstance(m, Linear) and m.float8 is not None}
+        assert {names[i] for i in table.float8_weights(tp)} == converted
+        assert any(".layers.1.mlp." in name for name in converted) == (tp == 1)
+        assert not any(".layers.0.mlp." in name or "lm_head" in name for name in converted)

@@ -20,6 +20,5 @@ from .schema import AdamWConfig, DataLoaderConfig, DistConfig, PipelineConfig, S
 from .settings import AMP_DTYPES, FLOAT8_RECIPES, FULL, RECOMPUTE_MODULES, Float8, PipelineSettings, Recompute, RunSettings, run_settings
 
 __all__ = ["AMP_DTYPES", "AdamWConfig", "ConfigError", "DataLoaderConfig", "DistConfig", "FLOAT8_RECIPES", "FULL",
-           "Float8", "LazyCall",
-           "LazyConfig", "PipelineConfig", "PipelineSettings", "RECOMPUTE_MODULES", "Recompute", "RunSettings",
-           "Section", "TrainConfig", "get_config", "instantiate", "run_settings", "typed"]
+           "Float8", "LazyCall", "LazyConfig", "PipelineConfig", "PipelineSettings", "RECOMPUTE_MODULES", "Recompute",
+           "RunSettings", "Section", "TrainConfig", "get_config", "instantiate", "run_settings", "typed"]

@@ -6,7 +6,7 @@ allocation of a meta-built model's shards (`materialize`), a cp rank's part of a
 from .activation_checkpoint import apply_activation_checkpointing
 from .context_parallel_data import context_parallel_part
 from .data_parallel import DataParallel, fsdp_param_dtype
-from .float8 import convert_to_float8, gathered_in_float8, precompute_float8_scales
+from .float8 import convert_to_float8, gathered_in_float8, kept_reason, precompute_float8_scales
 from .materialize import init_parameters, materialize, parameter_seed
 from .parallelize import Parallelized, parallelize
 from .pipeline import (SCHEDULES, Pipeline, check_pipeline_layout, check_stage_holdings, optional_modules,
@@ -19,4 +19,4 @@ __all__ = ["apply_activation_checkpointing", "context_parallel_part", "DataParal
            "check_stage_holdings", "stage_modules", "optional_modules",
            "materialize", "parallelize", "Parallelized", "init_parameters", "parameter_seed", "layer_by_layer",
            "cast_residual", "residual_dtype", "to_residual", "convert_to_float8", "gathered_in_float8",
-           "precompute_float8_scales"]
+           "kept_reason", "precompute_float8_scales"]

@@ -50,6 +50,9 @@ def convert_to_float8(parts: list[nn.Module], fp8: Float8, *, gather_float8: boo
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from libai_zoo.distributed.float8_linear import _mm_config
+    # what torchao's own conversion does first: a fix of inductor's code for float8 casts under compile
+    from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
+    _patch_inductor_min_max_codegen()
     config = float8_config(fp8.recipe)
     gather_float8 = gather_float8 and fp8.recipe == "tensorwise"
     converted, kept = [], {}
@@ -57,7 +60,7 @@ def convert_to_float8(parts: list[nn.Module], fp8: Float8, *, gather_float8: boo
         for name, module in part.named_modules():
             if not isinstance(module, Linear) or name in converted or name in kept:
                 continue
-            reason = _kept_reason(name, module, fp8.skip)
+            reason = kept_reason(name, module, fp8.skip)
             if reason:
                 kept[name] = reason
                 continue
@@ -79,7 +82,7 @@ def convert_to_float8(parts: list[nn.Module], fp8: Float8, *, gather_float8: boo
     return converted
 
 
-def _kept_reason(name: str, layer: Linear, skip: tuple[str, ...]) -> str | None:
+def kept_reason(name: str, layer: Linear, skip: tuple[str, ...]) -> str | None:
     """Why `layer` stays in high precision, or None when it computes in float8."""
     if isinstance(layer, LMHead):
         return "the LM head"
@@ -96,10 +99,13 @@ def _kept_reason(name: str, layer: Linear, skip: tuple[str, ...]) -> str | None:
 
 
 def gathered_in_float8(parts: list[nn.Module]) -> list[Linear]:
-    """The layers of `parts` whose weights FSDP2 all-gathers in float8."""
+    """The layers of `parts` whose weights FSDP2 all-gathers in float8 (torchao is imported only
+    when some layer computes in float8: a run without float8 does not need it)."""
+    layers = [m for part in parts for m in part.modules() if isinstance(m, Linear) and m.float8 is not None]
+    if not layers:
+        return []
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-    return [m for part in parts for m in part.modules()
-            if isinstance(m, Linear) and isinstance(m.weight, DTensor)
+    return [m for m in layers if isinstance(m.weight, DTensor)
             and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)]
 
 

@@ -7,7 +7,11 @@
               (`profile.py`) or, for an absent device, a roofline (matmul FLOPs at
               `Device.matmul_efficiency` of the peak, plus the elementwise traffic at the memory
               bandwidth). On a CPU, `contention` stretches it: a node running more
-              single-threaded processes than it has cores shares them.
+              single-threaded processes than it has cores shares them. Under ``train.fp8`` the
+              roofline runs the matmuls of the linear layers that compute in float8
+              (`ModelTable.float8_weights`) at the device's float8 peak (forward, input gradient,
+              and the weight gradient but under "rowwise_with_gw_hp"); attention and the head stay
+              at the compute dtype's. Measured compute is of the layers in high precision.
     tp comm   per layer and micro-batch, Megatron's two all-reduces of the layer's activations
               forward and two backward (one each for a parallel block; all-gather +
               reduce-scatter of the same bytes under sequence parallelism; the forward's again when
@@ -36,10 +40,12 @@
               by the stages per rank for interleaved 1F1B, and by 3 × that for the zero-bubble
               schedules (their weight-gradient work fills two thirds of it: ZB-H1, Qi et al. 2023)
     dp comm   gradient all-reduce (ZeRO 0) or reduce-scatter (1-3) in float32, parameter
-              all-gather (1-3) in the compute dtype, over dp × cp: once per step at ZeRO 0/1/2 and under
-              pipelines, each micro-batch at ZeRO 2/3 without them (ZeRO-3 gathers forward and
-              backward); on a GPU the part that fits under the backward (forward, for gathers)
-              it overlaps is hidden, on a CPU (gloo shares the compute cores) none is
+              all-gather (1-3) in the compute dtype (the float8 layers' weights in float8, 1 byte
+              an element, under ``train.fp8``'s tensorwise recipe without tp: `gathers_float8`),
+              over dp × cp: once per step at ZeRO 0/1/2 and under pipelines, each micro-batch at
+              ZeRO 2/3 without them (ZeRO-3 gathers forward and backward); on a GPU the part that
+              fits under the backward (forward, for gathers) it overlaps is hidden, on a CPU (gloo
+              shares the compute cores) none is
     optimizer the optimizer's step over the rank's parameter shard: measured per element on this
               machine's device; for an absent one, AdamW's traffic at its bandwidth (it reads and
               writes the parameter, gradient and two moments: 16 bytes read and written per element)
@@ -61,7 +67,7 @@ from libai_zoo.parallel import splits_backward
 from libai_zoo.parallel.data_parallel import BUCKET_BYTES
 
 from .layouts import Layout
-from .memory import GiB, rank_layers, rank_stages, recomputed_layers, state_bytes, unsharded_bytes
+from .memory import GiB, gathers_float8, rank_layers, rank_stages, recomputed_layers, state_bytes, unsharded_bytes
 from .model_table import ModelTable
 from .profile import ComputeTimes
 
@@ -87,15 +93,15 @@ class Device:
 
 #: Datasheet figures (SXM parts); memory as torch reports it (H100 79.6 GiB, H200 140.4 GiB, A100
 #: 79.2 GiB). matmul_efficiency 0.7: a large bf16 matmul reached ~0.8 of the peak on the lent H100
-#: (about 800 of 989 TFLOP/s, ../shared/notes); a layer's matmuls are smaller.
+#: (about 800 of 989 TFLOP/s, ../shared/notes); a layer's matmuls are smaller (the float8 matmuls
+#: of ``train.fp8`` are taken at the same share of the float8 peak). The float8 peak prices only
+#: the roofline: MFU stays stated against the compute dtype's (bf16) peak, as the trainer's.
+_HOPPER = {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12, torch.float8_e4m3fn: 1979e12}
 DEVICES: dict[str, Device] = {
-    "h100": Device("H100 80GB", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}, 3.35e12,
-                   int(79.6 * GiB)),
-    "h200": Device("H200 141GB", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}, 4.8e12,
-                   int(140.4 * GiB)),
+    "h100": Device("H100 80GB", _HOPPER, 3.35e12, int(79.6 * GiB)),
+    "h200": Device("H200 141GB", _HOPPER, 4.8e12, int(140.4 * GiB)),
     # the export H100 DeepSeek-V3 trained on: an H100's compute and memory, NVLink at 400 GB/s
-    "h800": Device("H800 80GB", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}, 3.35e12,
-                   int(79.6 * GiB)),
+    "h800": Device("H800 80GB", _HOPPER, 3.35e12, int(79.6 * GiB)),
     "a100": Device("A100 80GB", {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12}, 2.0e12,
                    int(79.2 * GiB)),
     "cpu": Device("CPU", {}, 0.0, 0, overlaps_communication=False),
@@ -191,7 +197,11 @@ def roofline_compute(table: ModelTable, device: Device, *, tp: int, micro_batch:
     traffic at its bandwidth. Stated estimates: a layer reads or writes its hidden activations
     about 16 times (norms, residuals, activation, dropout, casts) forward and twice that backward;
     the embedding is a lookup (an eighth of a layer's traffic); the head is its matmul three times
-    (forward, two backward) plus a layer's traffic for the softmax."""
+    (forward, two backward) plus a layer's traffic for the softmax. Under ``train.fp8``
+    (`ModelTable.float8`) the float8 layers' matmuls run at the device's float8 peak (its
+    ``torch.float8_e4m3fn`` entry; a device without one, at the compute dtype's), the weight
+    gradient's at the compute dtype's under "rowwise_with_gw_hp"; attention and the head stay in
+    the compute dtype; the casts' traffic is not counted."""
     dtype = amp_dtype or torch.float32
     peak = device.peak_flops[dtype] * device.matmul_efficiency
     element = torch.tensor([], dtype=dtype).element_size()
@@ -200,9 +210,15 @@ def roofline_compute(table: ModelTable, device: Device, *, tp: int, micro_batch:
     matmul = 2 * tokens * active / tp
     attention = 2 * tokens * seq_len * table.attention_width / tp  # causal: half of 4·t·s·width
     traffic = 16 * tokens * table.hidden_size * element / device.memory_bandwidth
-    forward = (matmul + attention) / peak + traffic
+    # of the matmul FLOPs, those of the float8 layers (0.0 without train.fp8)
+    float8 = 2 * tokens * table.float8_layer_parameters(tp) / tp
+    float8_peak = device.peak_flops.get(torch.float8_e4m3fn, device.peak_flops[dtype]) * device.matmul_efficiency
+    forward = (matmul - float8 + attention) / peak + float8 / float8_peak + traffic
+    # backward: twice the forward, but a high-precision weight gradient
+    weight_grad_peak = peak if table.float8 is not None and table.float8.recipe == "rowwise_with_gw_hp" else float8_peak
+    backward = 2 * forward + float8 * (1 / weight_grad_peak - 1 / float8_peak)
     head = 2 * tokens * table.hidden_size * table.vocab_size / tp / peak
-    return ComputeTimes(forward, 2 * forward, traffic / 8, 3 * head + traffic)
+    return ComputeTimes(forward, backward, traffic / 8, 3 * head + traffic)
 
 
 def _bubble_slots(layout: Layout, num_micro_batches: int) -> float:
@@ -318,7 +334,8 @@ def _dp_exposed(table: ModelTable, layout: Layout, pp_rank: int, work: _RankWork
     if dp == 1:
         return 0.0
     grads, gathered, whole_grads = _dp_bytes(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank,
-                                             layout.tp, layout.dp, layout.cp, layout.ep, amp_dtype)
+                                             layout.tp, layout.dp, layout.cp, layout.ep, amp_dtype,
+                                             gathers_float8(table, layout.tp, layout.zero_stage))
     expert_units = len(work.moe_layers) if layout.ep * layout.tp > 1 else 0
     per_step = layout.pp > 1 or layout.zero_stage < 2
     reductions = 1 if per_step else m
@@ -343,17 +360,18 @@ def _dp_exposed(table: ModelTable, layout: Layout, pp_rank: int, work: _RankWork
 
 @lru_cache(maxsize=65536)
 def _dp_bytes(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int, tp: int, dp: int,
-              cp: int, ep: int, amp_dtype: torch.dtype | None) -> tuple[float, float, int]:
+              cp: int, ep: int, amp_dtype: torch.dtype | None, float8: bool = False) -> tuple[float, float, int]:
     """(gradient bytes a ring moves, parameter bytes it gathers, whole gradient bytes) of a pp rank's
-    data-parallel collectives: the same for every layout with its pipeline position and group sizes."""
+    data-parallel collectives: the same for every layout with its pipeline position and group sizes;
+    `float8`: the float8 layers' weights are gathered in float8 (`gathers_float8`)."""
     layout = Layout(dp, tp, pp, schedule=schedule, virtual_stages=virtual_stages, ep=ep, cp=cp)
     dp_cp, edp = layout.dp_cp, dp // ep
 
-    def moved(element_size: int, trainable_only: bool = False) -> float:
+    def moved(element_size: int, trainable_only: bool = False, float8: bool = False) -> float:
         dense, experts = (unsharded_bytes(table, layout, pp_rank, element_size, trainable_only=trainable_only,
-                                          experts=which) for which in (False, True))
+                                          experts=which, float8=float8) for which in (False, True))
         return (dp_cp - 1) / dp_cp * dense + (edp - 1) / edp * experts
 
     grads = moved(4, trainable_only=True)  # reduced in float32
-    gathered = moved(2 if amp_dtype == torch.bfloat16 else 4)
+    gathered = moved(2 if amp_dtype == torch.bfloat16 else 4, float8=float8)
     return grads, gathered, unsharded_bytes(table, layout, pp_rank, 4, trainable_only=True)

@@ -37,7 +37,7 @@ class RankBytes:
 
 def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
     """Build `rank` of `layout` under a fake process group and count its parameters, gradients
-    and optimizer state (the config's AMP dtype, global batch and LoRA: `run_settings`)."""
+    and optimizer state (the config's AMP dtype, global batch, LoRA and float8: `run_settings`)."""
     run = run_settings(cfg)
     with fake_world(layout.world_size, rank, dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=layout.cp,
                     sequence_parallel=layout.sequence_parallel) as ctx:
@@ -50,7 +50,7 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
         pipeline = PipelineSettings(layout.schedule, layout.virtual_stages) if layout.pp > 1 else None
         built = parallelize(model, ctx, data_parallel, num_micro_batches=layout.num_micro_batches(run.global_batch_size),
                             pipeline=pipeline, activation_checkpoint=layout.activation_checkpoint,
-                            residual=residual_dtype(run.amp_dtype, run.fp32_residual))
+                            residual=residual_dtype(run.amp_dtype, run.fp32_residual), float8=run.fp8)
         params = unique_parameters(built.parts)
         for param in params:
             if param.requires_grad:

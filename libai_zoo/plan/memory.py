@@ -17,7 +17,9 @@ Static state is exact (the planner must equal `dry_run` and a real run to the by
 Transient terms, at the step's peak:
 
     gathered     FSDP2's all-gathered parameters (in the compute dtype under bf16 autocast; at ZeRO-0
-                 the bf16 copy `replicate` computes on): every unit of the rank from forward to
+                 the bf16 copy `replicate` computes on; under ``train.fp8``'s tensorwise recipe at
+                 ZeRO 1-3 without tp the float8 layers' weights in float8, 1 byte an element,
+                 `ModelTable.float8_gathered`): every unit of the rank from forward to
                  backward at ZeRO 0-2 (they reshard after
                  backward), the root unit (embeddings, head: FSDP2 keeps the root gathered) plus
                  the two largest layers at ZeRO 3 (the one computing and the one prefetched),
@@ -185,9 +187,20 @@ def _rank_stage_layers(table: ModelTable, pp: int, schedule: str | None, virtual
 def _group(table: ModelTable, key: int | frozenset[str]) -> list[ParameterInfo]:
     """The parameters of one layer of parameter group `key` (an int: `ModelTable.layer_groups`), or
     (the paths of the modules a stage holds besides its layers) those of them (a tied weight once)."""
+    return [p for _, p in _indexed_group(table, key)]
+
+
+def _indexed_group(table: ModelTable, key: int | frozenset[str]) -> list[tuple[int, ParameterInfo]]:
+    """`_group`, each parameter with its index in `ModelTable.parameters`."""
     if isinstance(key, int):
-        return [p for p in table.parameters if p.layer == table.group_layers[key]]
-    return [p for p in table.parameters if p.layer is None and p.holders & key]
+        return [(i, p) for i, p in enumerate(table.parameters) if p.layer == table.group_layers[key]]
+    return [(i, p) for i, p in enumerate(table.parameters) if p.layer is None and p.holders & key]
+
+
+def gathers_float8(table: ModelTable, tp: int, zero_stage: int) -> bool:
+    """Whether FSDP2 all-gathers the float8 layers' weights in float8 (`ModelTable.float8_gathered`,
+    `convert_to_float8`'s ``gather_float8``): at ZeRO 1-3 without tp (over dp × cp > 1)."""
+    return bool(table.float8_gathered) and zero_stage >= 1 and tp == 1
 
 
 @lru_cache(maxsize=65536)
@@ -240,32 +253,37 @@ def _state(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int
 
 @lru_cache(maxsize=65536)
 def _group_unsharded(table: ModelTable, key: int | frozenset[str], tp: int, dp: int, ep: int,
-                     element_size: int | None, trainable_only: bool = False, experts: bool | None = None) -> int:
+                     element_size: int | None, trainable_only: bool = False, experts: bool | None = None,
+                     float8: bool = False) -> int:
     """All-gathered bytes of a group's parameters (FSDP2 pads each to equal chunks of rows over its
-    data-parallel group); `experts` True/False: only the expert tensors, or only the others."""
+    data-parallel group); `experts` True/False: only the expert tensors, or only the others;
+    `float8`: the weights `ModelTable.float8_gathered` names at 1 byte an element."""
     total = 0
-    for param in _group(table, key):
+    for index, param in _indexed_group(table, key):
         if (trainable_only and not param.requires_grad) or (experts is not None and param.expert != experts):
             continue
         shape = param.tp_local_shape(tp, ep)
         size, _ = _data_parallel(param, dp, ep, 0)
         rows = -(-shape[0] // size) * size
-        total += rows * math.prod(shape[1:]) * (element_size or param.element_size)
+        element = 1 if float8 and index in table.float8_gathered else element_size or param.element_size
+        total += rows * math.prod(shape[1:]) * element
     return total
 
 
 def unsharded_bytes(table: ModelTable, layout: Layout, pp_rank: int, element_size: int | None, *,
-                    trainable_only: bool = False, experts: bool | None = None) -> int:
+                    trainable_only: bool = False, experts: bool | None = None, float8: bool = False) -> int:
     """All-gathered bytes of everything `pp_rank` holds (`element_size` None: the parameters' own;
-    `experts` True/False: only the experts' tensors, or all but them)."""
+    `experts` True/False: only the experts' tensors, or all but them; `float8`: the weights FSDP2
+    gathers in float8, `ModelTable.float8_gathered`, at 1 byte an element)."""
     return _unsharded(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank, layout.tp, layout.dp_cp,
-                      layout.ep, element_size, trainable_only, experts)
+                      layout.ep, element_size, trainable_only, experts, float8)
 
 
 @lru_cache(maxsize=65536)
 def _unsharded(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, pp_rank: int, tp: int, dp: int,
-               ep: int, element_size: int | None, trainable_only: bool, experts: bool | None) -> int:
-    return sum(count * _group_unsharded(table, key, tp, dp, ep, element_size, trainable_only, experts)
+               ep: int, element_size: int | None, trainable_only: bool, experts: bool | None,
+               float8: bool = False) -> int:
+    return sum(count * _group_unsharded(table, key, tp, dp, ep, element_size, trainable_only, experts, float8)
                for key, count in _stage_groups(table, pp, schedule, virtual_stages, pp_rank))
 
 
@@ -277,7 +295,9 @@ def gathered_bytes(table: ModelTable, layout: Layout, pp_rank: int, num_micro_ba
     ZeRO-0 gathers nothing, but under bf16 autocast `replicate` holds a bf16 copy of every unit
     through the step and accumulates whole float32 gradients, as ZeRO-1.
     Under pp the schedule syncs a stage once, after its last micro-batch: every ZeRO stage
-    accumulates whole gradients, and ZeRO-3 keeps the stage gathered from its first backward."""
+    accumulates whole gradients, and ZeRO-3 keeps the stage gathered from its first backward.
+    Under ``train.fp8``'s tensorwise recipe at ZeRO 1-3 without tp the float8 layers' weights are
+    gathered in float8 (`gathers_float8`); the gradients stay float32."""
     return _gathered(table, layout.pp, layout.schedule, layout.virtual_stages, pp_rank, layout.tp, layout.dp_cp,
                      layout.ep, layout.zero_stage, num_micro_batches > 1, compute_dtype)
 
@@ -288,11 +308,12 @@ def _gathered(table: ModelTable, pp: int, schedule: str | None, virtual_stages: 
     if dp == 1 or (zero_stage == 0 and compute_dtype is None):
         return 0
     element = compute_dtype.itemsize if compute_dtype is not None else None
+    float8 = gathers_float8(table, tp, zero_stage)
     position = (table, pp, schedule, virtual_stages, pp_rank, tp, dp, ep)
     if zero_stage < 3 or pp > 1:
-        total = _unsharded(*position, element, False, None)
+        total = _unsharded(*position, element, False, None, float8)
     else:
-        sizes = (tp, dp, ep, element)
+        sizes = (tp, dp, ep, element, False, None, float8)
         groups = _stage_groups(table, pp, schedule, virtual_stages, pp_rank)
         layers = [(_group_unsharded(table, key, *sizes), count) for key, count in groups if isinstance(key, int)]
         biggest = sorted((size for size, count in layers for _ in range(min(2, count))), reverse=True)[:2]

@@ -17,11 +17,11 @@ from omegaconf import DictConfig
 from torch import nn
 
 from libai_zoo import distributed
-from libai_zoo.config import ConfigError
+from libai_zoo.config import ConfigError, Float8
 from libai_zoo.hf import apply_lora_config
-from libai_zoo.layers import Attention, LatentAttention, LMHead
+from libai_zoo.layers import Attention, LatentAttention, Linear, LMHead
 from libai_zoo.models import CausalLM, all_layers, check_trainable, instantiate_model
-from libai_zoo.parallel import check_stage_holdings, optional_modules, split_layers, stage_modules
+from libai_zoo.parallel import check_stage_holdings, kept_reason, optional_modules, split_layers, stage_modules
 
 from .activations import SavedActivations, image_pair
 
@@ -106,10 +106,13 @@ def _place(name: str, stacks: list[tuple[str, int]], optional: set[str]) -> tupl
 
 
 class ModelTable:
-    """A meta-built model (it implements the model contract; unsharded) as the planner sees it."""
+    """A meta-built model (it implements the model contract; unsharded) as the planner sees it;
+    `float8`: ``train.fp8`` (`run_settings(cfg).fp8`), which of its linear layers compute in float8."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, float8: Float8 | None = None):
         check_trainable(model)
+        #: ``train.fp8``: the linear layers `float8_weights` names compute in float8; None: none do
+        self.float8 = float8
         self.model_type = type(model).__name__
         self.config = model.config
         layers = all_layers(model)
@@ -138,6 +141,7 @@ class ModelTable:
         self._unsharded = copy.deepcopy(model)  # the recorder below marks the model's layers as split
         self._tp_problems: dict[int, list[str]] = {}
         self._whole: dict[int, frozenset[int]] = {}
+        self._float8: dict[int, frozenset[int]] = {}
         recorder = _record_splits(model, 1)
         experts = _record_experts(model)
         stacks, offset = [], 0
@@ -162,9 +166,12 @@ class ModelTable:
                 in_layers.pop() if in_layers else None, frozenset().union(*(held for _, held in where)),
                 param.requires_grad, functools.partial(self._held_whole, index), key in experts))
 
-        # layers whose parameters are alike (shapes, splits, trainability) are one group, counted once
-        signatures = [tuple((p.shape, p.tp_dim, p.requires_grad, p.expert) for p in self.parameters
-                            if p.layer == index) for index in range(self.num_layers)]
+        # layers whose parameters are alike (shapes, splits, trainability, float8 at tp 1: a skip
+        # pattern may name some layers only) are one group, counted once
+        float8_weights = self.float8_weights(1)
+        signatures = [tuple((p.shape, p.tp_dim, p.requires_grad, p.expert, i in float8_weights)
+                            for i, p in enumerate(self.parameters) if p.layer == index)
+                      for index in range(self.num_layers)]
         distinct = list(dict.fromkeys(signatures))
         #: the parameter group of each layer of the stacks, and the first layer of each group
         self.layer_groups: tuple[int, ...] = tuple(distinct.index(s) for s in signatures)
@@ -211,13 +218,42 @@ class ModelTable:
         return self._stage_problems[key]
 
     @classmethod
-    def from_config(cls, model_cfg: DictConfig, lora: DictConfig | dict | None = None) -> ModelTable:
+    def from_config(cls, model_cfg: DictConfig, lora: DictConfig | dict | None = None,
+                    float8: Float8 | None = None) -> ModelTable:
         """Instantiate a model recipe (a LazyCall, or a from_pretrained call, which reads nothing)
-        on the meta device, with the LoRA adapters ``train.lora`` puts on it (its base frozen)."""
+        on the meta device, with the LoRA adapters ``train.lora`` puts on it (its base frozen);
+        `float8`: ``train.fp8`` (`run_settings(cfg).fp8`)."""
         with torch.device("meta"):
             model = instantiate_model(model_cfg)
             apply_lora_config(model, lora or {})
-            return cls(model)
+            return cls(model, float8)
+
+    def float8_weights(self, tp: int = 1) -> frozenset[int]:
+        """The parameters (indices in `parameters`) that are the weights of the linear layers
+        computing in float8 at `tp` (none without `float8`): `convert_to_float8`'s own choice, its
+        `kept_reason` asked of every `layers.Linear` at the per-rank weight a rank holds at that tp
+        (the LM head, ``train.fp8.skip`` and the layers whose per-rank sizes are not multiples of
+        16 stay in high precision)."""
+        if self.float8 is None or (tp > 1 and self.tp_problems(tp)):
+            return frozenset()
+        if tp not in self._float8:
+            self._float8[tp] = _float8_weights(self._unsharded, self.parameters, self.float8.skip, tp)
+        return self._float8[tp]
+
+    @cached_property
+    def float8_gathered(self) -> frozenset[int]:
+        """The parameters FSDP2 all-gathers in float8, 1 byte an element, at ZeRO 1-3 over dp × cp
+        > 1 without tp (`convert_to_float8`'s ``gather_float8``): the trainable `float8_weights` at
+        tp 1 under the tensorwise recipe; none under the others."""
+        if self.float8 is None or self.float8.recipe != "tensorwise":
+            return frozenset()
+        return frozenset(i for i in self.float8_weights(1) if self.parameters[i].requires_grad)
+
+    def float8_layer_parameters(self, tp: int) -> float:
+        """Of `layer_parameters`, the elements of the weights computing in float8 at `tp` (the
+        stacks' layers' `float8_weights`), on average over the layers."""
+        return sum(math.prod(self.parameters[i].shape) for i in self.float8_weights(tp)
+                   if self.parameters[i].layer is not None) / self.num_layers
 
     @cached_property
     def layer_parameters(self) -> float:
@@ -300,6 +336,26 @@ def gathered_kv_width(attention: nn.Module, tp: int) -> int:
         return attention.num_heads // tp * (attention.qk_head_dim + attention.v_head_dim)
     kv_heads = attention.num_kv_heads // tp if attention.num_kv_heads % tp == 0 else 1
     return 2 * kv_heads * attention.head_dim
+
+
+def _float8_weights(model: nn.Module, parameters: list[ParameterInfo], skip: tuple[str, ...],
+                    tp: int) -> frozenset[int]:
+    """The indices of the weights of `model`'s linear layers that `convert_to_float8` converts at
+    `tp`: at tp 1 asked of the model as built; at tp > 1 of a copy whose layers' ``shard_`` ran
+    with a recorder of size tp (a replicated qkv's rows) and whose weights stand in at the shape a
+    rank holds (`ParameterInfo.tp_local_shape`)."""
+    if tp > 1:
+        model = copy.deepcopy(model)
+    index = {key: i for i, key in
+             enumerate(dict.fromkeys(id(p) for _, p in model.named_parameters(remove_duplicate=False)))}
+    linears = [(name, module, index[id(module.weight)]) for name, module in model.named_modules()
+               if isinstance(module, Linear)]
+    if tp > 1:
+        _record_splits(model, tp)
+        for _, module, i in linears:
+            module.weight = nn.Parameter(torch.empty(parameters[i].tp_local_shape(tp), device="meta"),
+                                         requires_grad=parameters[i].requires_grad)
+    return frozenset(i for name, module, i in linears if kept_reason(name, module, skip) is None)
 
 
 def _record_experts(model: nn.Module) -> set[int]:

@@ -131,7 +131,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     if overhead_bytes is None:
         overhead_bytes = 0 if on_cpu else GPU_OVERHEAD
     run = run_settings(cfg)
-    table = ModelTable.from_config(cfg.model, run.lora)
+    table = ModelTable.from_config(cfg.model, run.lora, run.fp8)
     seq_len = seq_len or run.seq_len or table.image_tokens
     if seq_len is None:
         raise ValueError("the planner needs the sequence length: give dataloader.train a seq_len (or max_length), "
@@ -182,6 +182,8 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
             shares[recompute.modules] = work.share(spec.flops_per_byte(amp_dtype))
         return shares[recompute.modules]
 
+    # MFU against the compute dtype's (bf16) peak, float8 or not, as the trainer reports it
+    # (`utils.mfu`): the float8 peak only prices the roofline's float8 matmuls
     peak = spec.peak_flops.get(amp_dtype or torch.float32)
     flops_per_token = table.flops_per_token(seq_len)
     candidates, considered, too_big = [], 0, 0
@@ -208,6 +210,8 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     candidates.sort(key=lambda c: (c.time.total, c.memory.total))
     timing = f"measured on {spec.name if not on_cpu else 'this CPU'}" if measured else f"roofline of {spec.name}"
     notes = [f"{str(amp_dtype or torch.float32).removeprefix('torch.')} compute"]
+    if run.fp8 is not None:
+        notes.append(_float8_note(table, spec, measured, str(amp_dtype or torch.float32).removeprefix("torch.")))
     if table.moe:
         routing = "balanced" if routing_imbalance == 1.0 else f"the most loaded rank {routing_imbalance:g}× its share"
         notes.append(f"MoE routing assumed {routing} (top-{next(iter(table.moe.values()))[1]} of "
@@ -216,6 +220,21 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
         notes.append(f"{procs_per_node} single-threaded processes on {os.cpu_count()} cores: compute × up to "
                      f"{max(1.0, oversubscription):.2f}")
     return Plan(candidates, considered, too_big, memory_bytes, spec, timing, notes)
+
+
+def _float8_note(table: ModelTable, spec: Device, measured: bool, dtype: str) -> str:
+    """What the plan assumes of ``train.fp8``."""
+    fp8 = table.float8
+    layers = len(table.float8_weights(1))
+    float8_peak = spec.peak_flops.get(torch.float8_e4m3fn)
+    if measured:
+        compute = "compute measured in high precision"
+    elif float8_peak:
+        compute = f"their matmuls at the float8 peak ({float8_peak / 1e12:,.0f} TFLOP/s)"
+    else:
+        compute = f"their matmuls at the {dtype} peak ({spec.name} has no float8 peak stated)"
+    gather = "; weights all-gathered in float8 at ZeRO 1-3 without tp" if table.float8_gathered else ""
+    return f"float8 ({fp8.recipe}) in {layers} linear layers at tp 1: {compute}{gather}; MFU against the {dtype} peak"
 
 
 def format_table(result: Plan, top: int = 10) -> str:

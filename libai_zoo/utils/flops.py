@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-# Dense tensor-core peak (no sparsity), FLOP/s, by dtype; matched against the device name.
+# Dense tensor-core peak (no sparsity), FLOP/s, by dtype; matched against the device name. No
+# float8 entries: a ``train.fp8`` run's MFU is stated against its autocast dtype's (bf16) peak, as
+# the planner's is (its roofline alone prices float8 matmuls, `plan.cost.DEVICES`).
 PEAK_FLOPS = {
     "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
