@@ -1,32 +1,50 @@
 #!/usr/bin/env bash
-# The checks a session with a GPU runs first: one command, within 35 minutes on one H100 or H200,
+# The checks a session with a GPU runs first: one command, within 43 minutes on one H100 or H200,
 # writing everything under benchmarks/results/gpu_suite_DATE_DEVICE_torchVERSION/ (summary.md, each
 # step's log and JSON figures; the JSONs' meta repeat device, torch, transformers and date).
 #
-#   bash benchmarks/gpu_suite.sh                  # every step, in order
+#   bash benchmarks/gpu_suite.sh                  # every step, in order (not the quick ones)
+#   bash benchmarks/gpu_suite.sh quick            # the figures that matter most, in one 8-minute call
 #   bash benchmarks/gpu_suite.sh memory smoke     # only these steps (each fits one device `run` call, ≤ 600 s)
-#   bash benchmarks/gpu_suite.sh --list           # the steps and their budgets
+#   bash benchmarks/gpu_suite.sh --list           # the steps, their budgets and the quick selection
 #   bash benchmarks/gpu_suite.sh --cpu [STEP...]  # the steps at CPU sizes, 4× the time: a check of the suite
 #
 # Without CUDA (and without --cpu) it prints every command it would run and exits 0; CI never runs it.
-# Each step runs under `timeout` at its budget (below; 2010 s = 33.5 min in all), so a step that
+# Each step runs under `timeout` at its budget (below; 2550 s = 42.5 min in all), so a step that
 # hangs costs at most its budget and the others still run; the exit code is 1 when a step failed.
-# On a lent machine (the device tool's `run`: at most 600 s a call), call it in chunks that fit:
-# `env activations smoke` (570 s), `memory` (420 s), `train_32k` (480 s), `train_128k` (540 s). Where
-# the tool's $OUT is set the folder is packed into $OUT after each step (unpack it into
-# benchmarks/results/; a later call on the same warm machine adds to the folder there).
+# On a lent machine (the device tool's `run`: at most 600 s a call; 15 minutes a session), call
+# `quick` first: train_quick (the bf16 trainer against the transformers loop at 1B, compiled, and
+# float8 tensorwise compiled against bf16) and smoke_quick (the smoke run at 8 steps), 470 s in all,
+# leaving time to rerun one. Then, in this order as time is left, one call each: `train_fp8` (540 s:
+# float8 tensorwise and rowwise, eager and compiled, against bf16), `env activations smoke` (570 s),
+# `memory` (420 s), `train_32k` (480 s), `train_128k` (540 s). Where the tool's $OUT is set the
+# folder is packed into $OUT after each step (unpack it into benchmarks/results/; a later call on the
+# same warm machine adds to the folder there).
 # Setup: where libai_zoo is not importable (a bare GPU machine: its own torch and transformers, no
-# internet), the wheels in .whl/ (omegaconf, datasets, ...; the call carries ".whl") go to /tmp and
-# the checkout is installed editable, without dependencies.
+# internet), the wheels in .whl/ (the call carries ".whl") go to /tmp and the checkout is installed
+# editable, without dependencies; torchao's wheel too where torchao is not importable. The machine
+# has torch 2.11 (below the project's 2.13 floor: the suite runs on it all the same), transformers,
+# accelerate, huggingface_hub, safetensors, pyarrow, pandas; fill .whl/ here (ignored by git) with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl omegaconf==2.4.0 datasets==5.2.0 dill==0.4.1 \
+#     multiprocess==0.70.19 torchao==0.18.0
+# (4.4 MB; one version of each). torchao 0.18.0 is the project's (".[fp8]") and takes torch >= 2.11
+# (its import gate; it still clamps float8 casts for 2.11's eager mode); 0.16 was built for torch
+# 2.10 alone. Its float8 training needs torch._scaled_mm, none of its own kernels. Without torchao the
+# float8 runs are skipped, saying what is missing, and the bf16 runs are still measured.
 set -u
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$SELF")/.."
 PY=${PYTHON:-python3}
 
 # step: budget in seconds (the time it may take on one H100/H200) and what it does. The correctness
-# checks come first, the throughput benchmark (the longest, measured before) last.
-STEPS=(env activations smoke memory train_32k train_128k)
-declare -A BUDGET=([env]=30 [activations]=180 [smoke]=360 [memory]=420 [train_32k]=480 [train_128k]=540)
+# checks come first, the throughput benchmarks (the longest, measured before) last. The quick steps
+# are the `quick` selection's, outside the full order (they repeat parts of smoke, train_32k, train_fp8).
+STEPS=(env activations smoke memory train_32k train_128k train_fp8)
+QUICK=(train_quick smoke_quick)
+declare -A BUDGET=([env]=30 [activations]=180 [smoke]=360 [memory]=420 [train_32k]=480 [train_128k]=540
+                   [train_fp8]=540 [train_quick]=320 [smoke_quick]=150)
 declare -A ABOUT=(
   [env]="device, driver, torch, transformers, commit"
   [activations]="tests/test_planner_activations.py on the GPU: the planner's activation bytes against \
@@ -37,12 +55,20 @@ async checkpoint, resume, generation"
 each recomputation choice, the loss whole and chunked"
   [train_32k]="bench_train: Llama 1B bf16, trainer vs transformers, eager and compiled, vocabulary 32k"
   [train_128k]="bench_train: the same at vocabulary 128k"
+  [train_fp8]="bench_train: Llama 1B, the trainer in bf16 against float8 (torchao; tensorwise, rowwise), \
+eager and compiled: tokens/s (target: float8 compiled >= 1.25x bf16 compiled), MFU (bf16 peak), peak memory, \
+loss after the same steps (target: within 2%)"
+  [train_quick]="(quick) bench_train: Llama 1B compiled, the bf16 trainer vs the transformers loop, and float8 \
+tensorwise vs bf16"
+  [smoke_quick]="(quick) the smoke step at 8 steps a run"
 )
 # which lines of a step's log go into summary.md
+BENCH_TRAIN_FIGURES="parameters|MFU against|tokens/s|x$|loss after|skipped|FAILED"
 declare -A FIGURES=(
   [env]="^(PyTorch|CUDA used|GPU models|Nvidia driver|Python) version|^Name:|^Version:|^commit"
   [activations]="error [0-9]|passed|failed" [smoke]="PASS|FAIL" [memory]="keys:|predicted / measured"
-  [train_32k]="parameters|tokens/s|x$" [train_128k]="parameters|tokens/s|x$"
+  [train_32k]=$BENCH_TRAIN_FIGURES [train_128k]=$BENCH_TRAIN_FIGURES [train_fp8]=$BENCH_TRAIN_FIGURES
+  [train_quick]=$BENCH_TRAIN_FIGURES [smoke_quick]="PASS|FAIL"
 )
 
 STEP_FAILED=0
@@ -74,16 +100,17 @@ step_activations() {
     tests/test_planner_activations.py
 }
 
-step_smoke() {
+step_smoke() {  # steps a run (default: feature_smoke.py's 20)
   if cpu; then
     run "$PY" benchmarks/feature_smoke.py --steps 4 --out "$DIR/smoke.json"
   else
-    run "$PY" benchmarks/feature_smoke.py --out "$DIR/smoke.json"
+    run "$PY" benchmarks/feature_smoke.py ${1:+--steps $1} --out "$DIR/smoke${1:+_$1steps}.json"
   fi
   if [ "${GPU_SUITE_MODE:-}" = print ]; then  # what it runs
-    "$PY" benchmarks/feature_smoke.py --dry-run | sed 's/^/        /'
+    "$PY" benchmarks/feature_smoke.py --dry-run ${1:+--steps $1} | sed 's/^/        /'
   fi
 }
+step_smoke_quick() { step_smoke 8; }
 
 step_memory() {
   if cpu; then
@@ -106,11 +133,47 @@ train() {  # vocabulary size
 step_train_32k() { train 32000; }
 step_train_128k() { train 128256; }
 
+float8_note() {  # in the dry run: what the float8 runs need
+  if [ "${GPU_SUITE_MODE:-}" = print ]; then
+    echo "        # the float8 runs need torchao (0.18.0: torch >= 2.11; .whl/ or installed); without it they are"
+    echo "        # skipped, saying what is missing, and the bf16 runs are still measured"
+  fi
+}
+
+step_train_fp8() {  # the compiled runs first: the target's figures
+  if cpu; then  # CPU float8 GEMMs are slow: the smallest sizes that run each path
+    run "$PY" benchmarks/bench_train.py --preset cpu --layers 2 --seq 128 --batch 2 --steps 2 --warmup 1 \
+      --runs trainer_compiled,trainer_fp8_tensorwise_compiled,trainer,trainer_fp8_tensorwise,trainer_fp8_rowwise \
+      --out "$DIR/train_fp8_cpu.json"
+  else
+    local runs=trainer_compiled,trainer_fp8_tensorwise_compiled,trainer_fp8_rowwise_compiled
+    run "$PY" benchmarks/bench_train.py --preset 1b --vocab 32000 --steps 15 --warmup 5 \
+      --runs $runs,trainer,trainer_fp8_tensorwise,trainer_fp8_rowwise --out "$DIR/train_fp8_1b.json"
+  fi
+  float8_note
+}
+
+step_train_quick() {  # compiled only: the trainer against transformers, float8 against bf16
+  if cpu; then
+    run "$PY" benchmarks/bench_train.py --preset cpu --layers 2 --seq 128 --batch 2 --steps 2 --warmup 1 \
+      --runs trainer_compiled,transformers_compiled,trainer_fp8_tensorwise_compiled --out "$DIR/train_quick_cpu.json"
+  else
+    run "$PY" benchmarks/bench_train.py --preset 1b --vocab 32000 --steps 12 --warmup 4 \
+      --runs trainer_compiled,transformers_compiled,trainer_fp8_tensorwise_compiled --out "$DIR/train_quick_1b.json"
+  fi
+  float8_note
+}
+
 ensure_env() {  # libai_zoo and its pure-Python dependencies importable, on a bare GPU machine too
   local wheels=/tmp/libai_zoo_wheels
   [ -d $wheels ] && export PYTHONPATH=$wheels${PYTHONPATH:+:$PYTHONPATH}
   if ! "$PY" -c "import omegaconf, datasets" 2>/dev/null && [ -d .whl ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $wheels .whl/*.whl
+    export PYTHONPATH=$wheels${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  if ! "$PY" -c "import torchao" 2>/dev/null && compgen -G ".whl/torchao-*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $wheels \
+      .whl/torchao-*.whl
     export PYTHONPATH=$wheels${PYTHONPATH:+:$PYTHONPATH}
   fi
   if ! (cd /tmp && "$PY" -c "import libai_zoo.layers") 2>/dev/null; then
@@ -120,6 +183,10 @@ ensure_env() {  # libai_zoo and its pure-Python dependencies importable, on a ba
     echo "libai_zoo is not importable with $PY: install it (pip install -e .) and its dependencies" \
          "(or carry their wheels in .whl/), then run the suite again" >&2
     exit 1
+  fi
+  if ! "$PY" -c "import torchao.float8" 2>/dev/null; then
+    echo "torchao is not importable with $PY: the float8 runs (train_fp8, train_quick) will be skipped, saying" \
+         "what is missing; carry torchao's wheel in .whl/ (the header says how)" >&2
   fi
 }
 
@@ -139,10 +206,19 @@ GPU_SUITE_CPU=0
 SELECTED=()
 for arg in "$@"; do
   case $arg in
-    --list) for s in "${STEPS[@]}"; do printf '%-12s %4s s  %s\n' "$s" "${BUDGET[$s]}" "${ABOUT[$s]}"; done; exit 0 ;;
+    --list) for s in "${STEPS[@]}" "${QUICK[@]}"; do
+              printf '%-12s %4s s  %s\n' "$s" "${BUDGET[$s]}" "${ABOUT[$s]}"
+            done
+            quick=0; for s in "${QUICK[@]}"; do quick=$((quick + BUDGET[$s])); done
+            echo "quick = ${QUICK[*]}: $quick s, one 8-minute call; then one call each, as time is left:" \
+                 "train_fp8 | env activations smoke | memory | train_32k | train_128k"
+            exit 0 ;;
     --cpu) GPU_SUITE_CPU=1 ;;
-    -h|--help) sed -n "2,20p" "$SELF" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) if [ -z "${BUDGET[$arg]:-}" ]; then echo "unknown step '$arg': the steps are ${STEPS[*]}" >&2; exit 2; fi
+    -h|--help) sed -n '2,/^set -u$/{/^#/p}' "$SELF" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    quick) SELECTED+=("${QUICK[@]}") ;;
+    *) if [ -z "${BUDGET[$arg]:-}" ]; then
+         echo "unknown step '$arg': the steps are ${STEPS[*]} ${QUICK[*]}, the selection quick" >&2; exit 2
+       fi
        SELECTED+=("$arg") ;;
   esac
 done
