@@ -15,8 +15,10 @@ import pytest
 import torch
 import transformers
 from omegaconf import OmegaConf
-from torchao.float8 import convert_to_float8_training
-from torchao.float8.float8_linear import Float8Linear
+
+pytest.importorskip("torchao.float8", reason="train.fp8 needs torchao (the test extra installs it)")
+from torchao.float8 import convert_to_float8_training  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 from libai_zoo.config import FULL, ConfigError, Float8, Recompute, run_settings
 from libai_zoo.engine.checks import check_context_parallel

@@ -486,3 +486,29 @@ def test_two_stacks_and_widening_stages_measured_equal_real(family, tp):
         measured, out = saved_bytes(lambda: model(**batch, return_logits=False).loss, model)
         out.backward()
     check(measured, predicted, f"{family} model")
+
+
+def test_float8_layers_under_sp_measured_equal_real():
+    """Float8 (``train.fp8``) column layers under sequence parallelism keep their gathered input
+    (torchao's GEMMs take the gathered path): the planner converts its probe as the run converts the
+    model, and counts what the real float8 model saves."""
+    from libai_zoo.config import Float8
+    from libai_zoo.parallel import convert_to_float8
+
+    config = models.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, embd_pdrop=0.0,
+                               attn_pdrop=0.0, resid_pdrop=0.0)
+    with torch.device("meta"):
+        planner = SavedActivations(models.GPT2LMHeadModel(config), Float8("tensorwise"))
+        plain = SavedActivations(models.GPT2LMHeadModel(config))
+    torch.manual_seed(0)
+    model = models.GPT2LMHeadModel(config).train().to(DEVICE)
+    shapes = Shapes(2, 32, 2, True, None, DEVICE)
+    predicted = (planner.embedding(shapes) + sum(planner.layer(kind, shapes) for kind in planner.layer_kinds)
+                 + planner.head(shapes))
+    assert planner.layer(0, shapes) > plain.layer(0, shapes)
+    batch = example_batch(model, 2, 32, DEVICE, random=True)
+    with parallel(model, 2, True):
+        convert_to_float8([model], Float8("tensorwise"), gather_float8=False)
+        measured, out = saved_bytes(lambda: model(**batch, return_logits=False).loss, model)
+        out.backward()
+    check(measured, predicted, "float8 GPT-2 at tp2+SP")

@@ -17,15 +17,21 @@ GEMMs of a [M, K] input and a [N, K] weight (M tokens, K in, N out):
 
 The recipe's cast configs (torchao's `Float8LinearConfig`) say which of the six operands are cast,
 to which float8 type, at which granularity; an operand already in float8 (a weight FSDP2 gathered
-in float8) is used as it is. A gradient the backward does not need (LoRA's frozen base weight) is
-not computed.
+in float8) is used as it is. A gradient the backward does not need (LoRA's frozen base weight; the
+other pass of a zero-bubble schedule's split backward) is not computed.
+
+One exception to the one-process scales: a column layer whose rows several ranks share
+(`Linear.replicate_rows_`, KV heads fewer than tp) holds a partial output gradient for them, so its
+gradient's scale, the maximum over ranks, bounds the one-process one without equalling it.
 """
 
 from __future__ import annotations
 
+
 import torch
 from torch.autograd import Function
 
+from .gathered_linear import wanted_gradients
 from .tensor_parallel import TensorParallel
 
 #: The GEMM dimensions of each operand's 2-D form.
@@ -48,7 +54,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return y if bias is None else y + bias.to(y.dtype)
 
 
-def _mm_config(config):
+def mm_config(config):
     """torchao's per-GEMM settings (emulation, fast accumulation, padding) of `config`."""
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
     gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
@@ -69,7 +75,7 @@ def _cast(t: torch.Tensor, operand: str, axis: int, cast_config, role, config, t
     scaled = {_DIMS[operand][axis]} if rowwise else set(_DIMS[operand])
     reduce = tp is not None and bool(scaled & split)
     return hp_tensor_to_float8_dynamic(
-        t, cast_config.target_dtype, _mm_config(config), reduce_amax=reduce, gemm_input_role=role,
+        t, cast_config.target_dtype, mm_config(config), reduce_amax=reduce, gemm_input_role=role,
         device_mesh=tp.mesh if reduce else None, scaling_granularity=cast_config.scaling_granularity,
         axiswise_dim=axis if rowwise else None, round_scales_to_power_of_2=config.round_scales_to_power_of_2)
 
@@ -92,11 +98,12 @@ class _Float8Matmul(Function):
         x, w_t = ctx.saved_tensors
         c, tp, split = ctx.config, ctx.tp, ctx.split
         dx = dw_t = None
-        if ctx.needs_input_grad[0]:
+        input_grad, weight_grad = wanted_gradients(ctx, ctx.needs_input_grad[:2], (True, True))
+        if input_grad:
             dyq = _cast(dy, "dy", -1, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, c, tp, split)
             wq = _cast(w_t, "w_t", -1, c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, c, tp, split)
             dx = torch.mm(dyq, wq.t())
-        if ctx.needs_input_grad[1]:
+        if weight_grad:
             dyq = _cast(dy, "dy", 0, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, c, tp,
                         split)
             xq = _cast(x, "x", 0, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, c, tp, split)

@@ -53,12 +53,14 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | N
     return t.to(dtype)
 
 
-def _wanted(ctx) -> list[bool]:
-    """Per tensor argument (None for the absent): whether this backward pass computes its gradient,
-    required at forward and on the path of the current `backward`/`autograd.grad`."""
+def wanted_gradients(ctx, needs_input_grad, present) -> list[bool]:
+    """Per tensor argument of a custom autograd Function (`present`: False for an absent one, None):
+    whether this backward pass computes its gradient, required at forward (`needs_input_grad`) and
+    on the path of the current `backward`/`autograd.grad` (a split backward asks for the inputs'
+    gradients and the weights' in two passes)."""
     nodes = iter(ctx.next_functions)  # one per tensor argument, the absent ones left out
     wanted = []
-    for needs, present in zip(ctx.needs_input_grad[5:], ctx.present):
+    for needs, present in zip(needs_input_grad, present):
         node = next(nodes)[0] if present else None
         if needs and node is not None:
             try:
@@ -125,7 +127,7 @@ class _GatheredLinears(Function):
         n, tp, dim, index = ctx.n_inputs, ctx.tp, ctx.dim, ctx.index
         saved = ctx.saved_tensors
         shards, weights = saved[:n], saved[n:]
-        wanted = _wanted(ctx)
+        wanted = wanted_gradients(ctx, ctx.needs_input_grad[5:], ctx.present)
         want_x, want_w, want_b = wanted[:n], wanted[n::2], wanted[n + 1::2]
         dtypes = ctx.dtypes
         gathering = _gather(list(shards), tp, dim) if any(want_w) else None  # the shards projections read

@@ -298,6 +298,7 @@ class DefaultTrainer(TrainerBase):
         if restored is not None:
             path, self.start_iter = restored
             logger.info("resumed from %s at iteration %d", path, self.start_iter)
+            self.step.refresh_float8_scales()
             return
         if resume:
             logger.info("no checkpoint in %s: starting from scratch", self.output_dir)
@@ -321,6 +322,7 @@ class DefaultTrainer(TrainerBase):
                 load_hf_parts(self.whole_model, self.model_parts, reader, aliases=aliases)
         else:
             self.checkpointer.load(path)  # refuses another model's checkpoint, adapters included
+        self.step.refresh_float8_scales()
         logger.info("loaded weights from %s", path)
 
     # ------------------------------------------------------------------------------- the loop

@@ -9,7 +9,7 @@ torchtitan filters) and those ``skip`` names. MoE routers compute in float32 and
 grouped GEMMs in high precision (torchao's float8 grouped GEMM needs its CUDA kernels); the log
 says so. Weights, gradients, optimizer state and checkpoints stay in high precision.
 
-Under ZeRO 1-3 without tp, a tensorwise weight is all-gathered by FSDP2 in float8 (torchao's
+Under ZeRO 1-3 without tp (and without CPU offload), a tensorwise weight is all-gathered by FSDP2 in float8 (torchao's
 `WeightWithDynamicFloat8CastTensor`: 1 byte per element instead of 2 or 4), cast with a scale
 over the whole weight that `precompute_float8_scales` computes for every such weight in one
 all-reduce after each optimizer step, as torchao's ``precompute_float8_dynamic_scale_for_fsdp``
@@ -42,24 +42,25 @@ def float8_config(recipe: str):
     return Float8LinearConfig.from_recipe_name(recipe)
 
 
-def convert_to_float8(parts: list[nn.Module], fp8: Float8, *, gather_float8: bool) -> list[str]:
+def convert_to_float8(parts: list[nn.Module], fp8: Float8, *, gather_float8: bool, log: bool = True) -> list[str]:
     """Give the linear layers of `parts` that compute in float8 the recipe's config (module
     docstring); `gather_float8`: FSDP2 will all-gather their weights (ZeRO 1-3 at tp 1), which a
     tensorwise recipe then does in float8. Returns the names of the converted layers; logs the
     filter and every layer it kept in high precision, with the reason."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from libai_zoo.distributed.float8_linear import _mm_config
+    from libai_zoo.distributed.float8_linear import mm_config
     # what torchao's own conversion does first: a fix of inductor's code for float8 casts under compile
     from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
     _patch_inductor_min_max_codegen()
     config = float8_config(fp8.recipe)
     gather_float8 = gather_float8 and fp8.recipe == "tensorwise"
-    converted, kept = [], {}
+    converted, kept, seen = [], {}, set()
     for part in parts:
         for name, module in part.named_modules():
-            if not isinstance(module, Linear) or name in converted or name in kept:
+            if not isinstance(module, Linear) or id(module) in seen:
                 continue
+            seen.add(id(module))
             reason = kept_reason(name, module, fp8.skip)
             if reason:
                 kept[name] = reason
@@ -68,7 +69,13 @@ def convert_to_float8(parts: list[nn.Module], fp8: Float8, *, gather_float8: boo
             converted.append(name)
             if gather_float8 and module.weight.requires_grad:
                 module.weight = nn.Parameter(WeightWithDynamicFloat8CastTensor(
-                    module.weight.data, _mm_config(config), config.cast_config_weight.target_dtype))
+                    module.weight.data, mm_config(config), config.cast_config_weight.target_dtype))
+    if not log:
+        return converted
+    unmatched = [p for p in fp8.skip if not any(r == f"train.fp8.skip {p!r}" for r in kept.values())]
+    if unmatched:
+        logger.warning("train.fp8.skip %s matches no linear layer (names such as %s)", unmatched,
+                       ", ".join(converted[:3] + list(kept)[:1]))
     experts = sum(isinstance(m, MoE) for part in parts for m in part.modules())
     logger.info("float8 (torchao, %s recipe): %d linear layers; kept in high precision: the LM head, MoE routers "
                 "and experts, layers whose per-rank sizes are not multiples of %d%s; weights all-gathered in %s",
@@ -116,6 +123,7 @@ def precompute_float8_scales(layers: list[Linear]) -> None:
     cast with the new weights' scales (a stale scale would cast them with the old ones)."""
     if not layers:
         return
+    # tensorwise only (no rounding of scales to powers of 2): `convert_to_float8` gathers no other recipe
     from torchao.float8.float8_utils import EPS
     amax = torch.clamp(torch.stack(torch._foreach_norm([m.weight for m in layers], ord=math.inf)), EPS)  # all-reduce
     dtype = layers[0].float8.cast_config_weight.target_dtype

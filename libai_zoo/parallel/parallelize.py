@@ -67,7 +67,7 @@ def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_paralle
         parts, roots = stages.model_parts, stages.stages
     if float8 is not None:
         convert_to_float8(parts, float8, gather_float8=data_parallel.zero_stage >= 1 and data_parallel.group is not None
-                          and ctx.tp == 1)
+                          and ctx.tp == 1 and not data_parallel.offload)
     stacks = [all_layers(part) for part in parts]
     layers = [layer for stack in stacks for layer in stack]
     cast_residual(layers, residual)

@@ -75,11 +75,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from libai_zoo import distributed
-from libai_zoo.config import Recompute
+from libai_zoo.config import Float8, Recompute
 from libai_zoo.distributed import ContextParallel, local
 from libai_zoo.layers import LMHead, context_attention
 from libai_zoo.models import all_layers, get_layer_stack
-from libai_zoo.parallel import apply_activation_checkpointing, context_parallel_part, to_residual
+from libai_zoo.parallel import apply_activation_checkpointing, context_parallel_part, convert_to_float8, to_residual
 
 from .fake_world import fake_world
 
@@ -530,9 +530,13 @@ class SavedActivations:
     layers share one measurement). Measuring needs a process without a process group (it forms
     a fake one), as `dry_run` does."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, float8: Float8 | None = None):
         self._probe, self._probe_kinds, self.layer_kinds = one_of_each_kind(model)
-        self._key = (type(model).__qualname__, module_signature(self._probe), repr(getattr(model, "config", None)))
+        #: ``train.fp8``: the probe's linear layers convert as the run's do (under sequence parallelism a
+        #: float8 column layer keeps its gathered input)
+        self._float8 = float8
+        self._key = (type(model).__qualname__, module_signature(self._probe), repr(getattr(model, "config", None)),
+                     float8)
         heads = [m for m in self._probe.modules() if isinstance(m, LMHead)]
         self._lm_head = heads[0] if heads else None
 
@@ -634,6 +638,8 @@ class SavedActivations:
                         sequence_parallel=shapes.sequence_parallel) as ctx:
             model = copy.deepcopy(self._probe)
             distributed.shard(model, ctx)
+            if self._float8 is not None:
+                convert_to_float8([model], self._float8, gather_float8=False, log=False)
             _route_as_planned(model)
             if modules:
                 for stack in model.stacks():

@@ -137,7 +137,7 @@ class ModelTable:
         #: the tokens of a sample when the data does not say: an image model's patches
         self.image_tokens: int | None = _image_tokens(model)
         self.flops_per_token = model.flops_per_token
-        self.activations = SavedActivations(model)
+        self.activations = SavedActivations(model, float8)
         self._unsharded = copy.deepcopy(model)  # the recorder below marks the model's layers as split
         self._tp_problems: dict[int, list[str]] = {}
         self._whole: dict[int, frozenset[int]] = {}
@@ -202,6 +202,8 @@ class ModelTable:
                 problems += ([] if isinstance(model, CausalLM) else
                              [f"{self.model_type} is not a causal LM, whose sequences context parallelism splits"])
                 problems += distributed.cp_problems(model, cp)
+                if self.float8 is not None:
+                    problems.append("train.fp8 takes no scale over the cp ranks a sequence is split over")
             self._layout_problems[key] = problems
         return self._layout_problems[key]
 
