@@ -268,6 +268,7 @@ def test_get_config_train_has_the_contract_keys():
     assert LazyConfig.to_container(cfg.train) == dict(
         output_dir="output", max_iter=1000, seed=42, micro_batch_size=8, global_batch_size=8,
         amp=dict(enabled=False, dtype="bf16", fp32_residual=False),
+        fp8=dict(enabled=False, recipe="tensorwise", skip=[]),
         activation_checkpoint=dict(enabled=False, granularity="full", modules=["core_attn"], num_layers=None),
         zero_stage=0, zero_offload=False, compile=False, log_period=10,
         checkpoint=dict(period=500, max_to_keep=None, async_save=False),

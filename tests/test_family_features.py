@@ -355,7 +355,9 @@ def test_swin_fresh_weights_start_as_transformers(case, tmp_path):
 
 def test_swinv2_temperature_is_clamped_at_100(tmp_path, monkeypatch):
     """Swin V2 scores by cosine × exp(min(logit_scale, ln 100)): with the logit scales at 5 to 6
-    (temperatures 148 to 403) the logits equal transformers'; unclamped they do not."""
+    (temperatures 148 to 403) the logits equal transformers'; unclamped they do not. A temperature of
+    100 multiplies float32's rounding of the cosines: 1e-4 here (4.6e-5 measured on one CPU, under
+    1e-5 on another), still ten times under the unclamped effect's bar."""
     case = CASES["swinv2_cls"]
     hf = make_hf_model(case)
     with torch.no_grad():
@@ -367,7 +369,7 @@ def test_swinv2_temperature_is_clamped_at_100(tmp_path, monkeypatch):
     zoo = case.zoo_class.from_pretrained(tmp_path)
     with torch.no_grad():
         theirs = hf(**inputs).logits
-        assert (zoo(**inputs).logits - theirs).abs().max().item() <= 1e-5
+        assert (zoo(**inputs).logits - theirs).abs().max().item() <= 1e-4
 
         def unclamped(self, q, k):
             temperature = self.logit_scale.exp().view(*q.shape[2:4], 1)
