@@ -62,10 +62,10 @@ def mm_config(config):
                             for g in gemms))
 
 
-def _cast(t: torch.Tensor, operand: str, axis: int, cast_config, role, config, tp, split):
+def _cast(t: torch.Tensor, operand: str, axis: int, cast_config, role, config, mm, tp, split):
     """`t` (the 2-D `operand`) in float8 by `cast_config`, scaled along `axis` (0 or -1) when rowwise (over
     all of it when tensorwise), its maximum reduced over tp where that extent is split; as it is
-    when already float8 or when the recipe leaves it in high precision."""
+    when already float8 or when the recipe leaves it in high precision (`mm`: `mm_config(config)`)."""
     from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
@@ -75,7 +75,7 @@ def _cast(t: torch.Tensor, operand: str, axis: int, cast_config, role, config, t
     scaled = {_DIMS[operand][axis]} if rowwise else set(_DIMS[operand])
     reduce = tp is not None and bool(scaled & split)
     return hp_tensor_to_float8_dynamic(
-        t, cast_config.target_dtype, mm_config(config), reduce_amax=reduce, gemm_input_role=role,
+        t, cast_config.target_dtype, mm, reduce_amax=reduce, gemm_input_role=role,
         device_mesh=tp.mesh if reduce else None, scaling_granularity=cast_config.scaling_granularity,
         axiswise_dim=axis if rowwise else None, round_scales_to_power_of_2=config.round_scales_to_power_of_2)
 
@@ -88,24 +88,25 @@ class _Float8Matmul(Function):
         from torchao.float8.float8_training_tensor import GemmInputRole
         ctx.save_for_backward(x, w_t)
         ctx.config, ctx.tp, ctx.split = config, tp, split
-        xq = _cast(x, "x", -1, config.cast_config_input, GemmInputRole.INPUT, config, tp, split)
-        wq = _cast(w_t, "w_t", 0, config.cast_config_weight, GemmInputRole.WEIGHT, config, tp, split)
+        ctx.mm = mm = mm_config(config)
+        xq = _cast(x, "x", -1, config.cast_config_input, GemmInputRole.INPUT, config, mm, tp, split)
+        wq = _cast(w_t, "w_t", 0, config.cast_config_weight, GemmInputRole.WEIGHT, config, mm, tp, split)
         return torch.mm(xq, wq)
 
     @staticmethod
     def backward(ctx, dy):
         from torchao.float8.float8_training_tensor import GemmInputRole
         x, w_t = ctx.saved_tensors
-        c, tp, split = ctx.config, ctx.tp, ctx.split
+        c, mm, tp, split = ctx.config, ctx.mm, ctx.tp, ctx.split
         dx = dw_t = None
         input_grad, weight_grad = wanted_gradients(ctx, ctx.needs_input_grad[:2], (True, True))
         if input_grad:
-            dyq = _cast(dy, "dy", -1, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, c, tp, split)
-            wq = _cast(w_t, "w_t", -1, c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, c, tp, split)
+            dyq = _cast(dy, "dy", -1, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, c, mm, tp, split)
+            wq = _cast(w_t, "w_t", -1, c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, c, mm, tp, split)
             dx = torch.mm(dyq, wq.t())
         if weight_grad:
-            dyq = _cast(dy, "dy", 0, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, c, tp,
+            dyq = _cast(dy, "dy", 0, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, c, mm, tp,
                         split)
-            xq = _cast(x, "x", 0, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, c, tp, split)
+            xq = _cast(x, "x", 0, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, c, mm, tp, split)
             dw_t = torch.mm(dyq.t(), xq).t()
         return dx, dw_t, None, None, None
