@@ -122,7 +122,21 @@ def _layouts() -> dict:
                                                 for dim in ("cp", "dp", "dp_cp")},
                      "context_parallel": context and (context.size, context.rank),
                      "layer_cp": layer.cp and layer.cp.size}
+    out["threads"] = []
+    for _ in range(3):  # a context's groups (its mesh's, new_group's) die with it: their threads too
+        ctx = distributed.init(2, 2, 1)
+        ctx.new_group([0, 1, 2, 3])
+        x = distribute_tensor(torch.ones(4, 4), ctx.submesh("tp"), [Shard(0)])
+        (x + x).full_tensor()  # fills DTensor's caches, which hold the mesh
+        del ctx, x
+        distributed.destroy()
+        out["threads"].append(_threads())
     return out
+
+
+def _threads() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
 
 
 def test_a_dtensor_result_lives_on_the_current_contexts_mesh():
@@ -171,6 +185,8 @@ def test_mesh_puts_tp_on_neighbouring_ranks():
                                      "dp_cp": [rank % 2, rank % 2 + 2], "context_parallel": (2, rank // 2),
                                      "layer_cp": 2}
         assert layout["dp2_tp2"]["dp_cp"] == layout["dp2_tp2"]["dp"] and layout["dp2_tp2"]["layer_cp"] is None
+        # a process that builds context after context keeps the threads of none (gloo: 3 per group)
+        assert layout["threads"][0] == layout["threads"][-1], layout["threads"]
 
 
 def test_hugging_face_saving_uses_the_context_group(monkeypatch, tmp_path):

@@ -36,7 +36,6 @@ removed on resume. When a run saves, commits and prunes is `CheckpointManager`'s
 from __future__ import annotations
 
 import copy
-import datetime
 import logging
 import re
 import shutil
@@ -57,6 +56,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from libai_zoo import distributed
 from libai_zoo.config import ConfigError
 from libai_zoo.layers import is_adapter_parameter
 from libai_zoo.utils import rng_state, set_rng_state
@@ -147,10 +147,9 @@ class Checkpointer:
         # collectives on one group, and the training's group (NCCL on GPUs) stays untouched.
         self._write_group, self._group = None, group
         if async_save and group is not None:
-            limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
             ranks = dist.get_process_group_ranks(group)
-            self._write_group = dist.new_group(ranks, backend="gloo", timeout=limit)
-            self._group = dist.new_group(ranks, backend="gloo", timeout=limit)
+            self._write_group = distributed.new_group(ranks, backend="gloo", timeout=timeout)
+            self._group = distributed.new_group(ranks, backend="gloo", timeout=timeout)
         if async_save and group is None:
             # DCP's background thread warns that it runs without a process group: here that is the intent.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled",

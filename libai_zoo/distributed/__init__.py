@@ -7,8 +7,8 @@ their collectives.
     model = distributed.shard(model)           # every parallel layer keeps its own slice
 """
 
-from .context import (ParallelContext, connect, destroy, get_context, init, launched_world_size, resolve_sizes,
-                      run_group)
+from .context import (ParallelContext, connect, destroy, get_context, init, launched_world_size, new_group,
+                      resolve_sizes, run_group)
 from .context_parallel import ContextParallel, cp_problems, merge_sequence, split_sequence
 from .expert_parallel import ExpertParallel
 from .rendezvous import progress_store
@@ -17,7 +17,7 @@ from .shard import (dp_rows_of, expert_problems, fill_shard_, finalize_grads, pa
 from .tensor_parallel import TensorParallel, local, local_range, local_rows
 
 __all__ = ["ParallelContext", "TensorParallel", "ExpertParallel", "ContextParallel", "split_sequence",
-           "merge_sequence", "cp_problems", "init", "connect", "get_context", "destroy",
+           "merge_sequence", "cp_problems", "init", "connect", "get_context", "destroy", "new_group",
            "resolve_sizes", "launched_world_size", "run_group",
            "progress_store",
            "shard", "whole_sequences", "tp_problems", "expert_problems", "tp_slice_of", "fill_shard_", "dp_rows_of",

@@ -15,11 +15,14 @@ at cp = 1). Launched without torchrun it is one process and needs no process gro
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, _redistribute
+from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
@@ -69,6 +72,30 @@ class ParallelContext:
         #: Every rank of the run, for collectives outside the mesh's dimensions (rank 0 writes, the
         #: others wait): the process group `init` built the mesh on; None in a one-process run.
         self.world_group: dist.ProcessGroup | None = None if mesh is None else dist.group.WORLD
+        self._made_groups: list[dist.ProcessGroup] = []  # by `new_group`
+
+    def new_group(self, ranks: list[int], *, backend: str | None = None,
+                  timeout: float | None = None) -> dist.ProcessGroup:
+        """A process group of `ranks` that this context owns: `destroy` tears it down with the mesh's.
+        Every rank of the run calls it, in the same order (``torch.distributed.new_group``)."""
+        limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
+        group = dist.new_group(ranks, backend=backend, timeout=limit)
+        self._made_groups.append(group)
+        return group
+
+    def close_groups(self) -> None:
+        """Tear down the groups this context made (the mesh's and `new_group`'s), not the default
+        group it was built on: each gloo group holds threads and sockets until it is destroyed, so a
+        process that builds context after context (a test harness) would otherwise pile them up."""
+        if self.mesh is None:
+            return
+        groups = [*self.mesh.get_all_groups(), *(sub.get_group() for sub in self._submeshes.values()),
+                  *self._made_groups]
+        registered = dist.distributed_c10d._world.pg_map
+        for group in {id(g): g for g in groups}.values():
+            if group is not dist.group.WORLD and group in registered:
+                dist.destroy_process_group(group)
+        self._made_groups = []
 
     @property
     def sequence_parallel(self) -> bool:
@@ -271,16 +298,43 @@ def run_group() -> dist.ProcessGroup | None:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
+def new_group(ranks: list[int], *, backend: str | None = None, timeout: float | None = None) -> dist.ProcessGroup:
+    """A process group of `ranks` (every rank calls it, in the same order): the current context's
+    (`ParallelContext.new_group`, torn down by `destroy`); with no context, the caller's to destroy."""
+    if _current is not None:
+        return _current.new_group(ranks, backend=backend, timeout=timeout)
+    return dist.new_group(ranks, backend=backend,
+                          timeout=datetime.timedelta(seconds=timeout) if timeout is not None else None)
+
+
 def destroy() -> None:
-    """Forget the current context and tear down the process group if `init` or `connect` created it."""
+    """Forget the current context and tear down its groups: the default process group too (and so
+    every group) if `init` or `connect` created it, else the groups the context made on it."""
     global _current, _connected
     owned = _connected or (_current is not None and _current.owns_process_group)
+    closing = _current is not None and _current.mesh is not None and dist.is_initialized()
     if owned and dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group with it
+    elif closing:
+        _current.close_groups()
     forget()
     _current, _connected = None, False
-    # DTensor caches sharding decisions by mesh, and meshes compare equal by shape and ranks, not by
-    # their process groups: a later context of the same shape (a real run after a fake-world plan)
-    # would be handed specs whose meshes name this context's destroyed groups.
+    _forget_meshes(collect=closing)
+
+
+def _forget_meshes(collect: bool) -> None:
+    """Drop DTensor's caches keyed by mesh; `collect`: then collect the cycles that keep the groups of
+    a destroyed mesh alive (0.3 s).
+
+    Meshes compare equal by shape and ranks, not by their process groups: a later context of the same
+    shape (a real run after a fake-world plan) would be handed specs whose meshes name destroyed
+    groups. And while a cache holds a mesh its gloo groups keep their threads: a process that builds
+    context after context (a test harness) would run with hundreds of them.
+    """
     _clear_sharding_prop_cache()
     clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+    type(DTensor._op_dispatcher.sharding_propagator)._propagate_tensor_meta_cached.cache_clear()
+    if collect:
+        gc.collect()

@@ -510,7 +510,7 @@ class Pipeline:
             for d in range(ranks.shape[1]):
                 for t in range(ranks.shape[2]):
                     members = [int(ranks[pp_rank, d, t]) for pp_rank in holders]
-                    group = dist.new_group(members)  # every rank creates every group, in the same order
+                    group = ctx.new_group(members)  # every rank creates every group, in the same order
                     if ctx.rank in members:
                         self._shared_groups[holders] = group
         self._schedules: dict[tuple, object] = {}
