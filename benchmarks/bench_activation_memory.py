@@ -23,8 +23,8 @@ import argparse
 
 import torch
 import transformers
-from bench_common import run_meta, write_json
 
+from bench_common import run_meta, write_json
 from libai_zoo import models
 from libai_zoo.plan.activations import SavedActivations, Shapes, first_layer_saved_bytes, reference_layer_bytes
 

@@ -16,11 +16,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+
 from bench_common import run_meta, time_steps, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_cases import CASES, hf_checkpoint_grads, hf_named_grads, make_hf_model, make_inputs  # noqa: E402
-
 
 
 def _to(inputs: dict, device: str) -> dict:

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from bench_common import run_meta
 
 ROOT = Path(__file__).resolve().parents[1]

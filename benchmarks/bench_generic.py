@@ -56,8 +56,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
-from bench_common import run_meta, write_json
 
+from bench_common import run_meta, write_json
 from libai_zoo import distributed, models
 from libai_zoo.engine.train_step import TrainStep
 from libai_zoo.optim import param_groups

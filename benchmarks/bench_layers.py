@@ -15,12 +15,12 @@ import argparse
 import json
 
 import torch
-from bench_common import DTYPES, alternate, peak_memory_mb, run_meta, write_json
 from transformers import BertConfig, GPT2Config, LlamaConfig
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from bench_common import DTYPES, alternate, peak_memory_mb, run_meta, write_json
 from libai_zoo import layers
 
 

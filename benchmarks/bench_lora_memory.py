@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 
-from bench_common import run_meta, write_json
 from omegaconf import OmegaConf
 
+from bench_common import run_meta, write_json
 from libai_zoo.config import LazyCall, get_config
 from libai_zoo.models import LlamaConfig, LlamaForCausalLM
 from libai_zoo.plan import Layout

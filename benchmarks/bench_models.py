@@ -20,8 +20,8 @@ import json
 
 import torch
 import transformers
-from bench_common import DTYPES, alternate, peak_memory_mb, run_meta, write_json
 
+from bench_common import DTYPES, alternate, peak_memory_mb, run_meta, write_json
 from libai_zoo import models as zoo
 
 # name -> (libai_zoo.models class, transformers class); both take the same transformers config.

@@ -32,10 +32,10 @@ import re
 import sys
 
 import torch
-from bench_common import DTYPES, alternate, peak_memory_mb, run_meta, write_json
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from bench_common import DTYPES, alternate, peak_memory_mb, run_meta, write_json
 from libai_zoo import layers
 
 # Mixtral-shaped (few wide experts, top-2) and Qwen3-MoE-shaped (many narrow experts, top-8).

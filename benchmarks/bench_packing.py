@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import run_meta
 
+from bench_common import run_meta
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.data import load_tokenizer
 from libai_zoo.models import LlamaConfig, LlamaForCausalLM

@@ -52,10 +52,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing as mp
-from bench_common import run_meta, write_json
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench_common import run_meta, write_json
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.engine import DefaultTrainer
@@ -784,7 +784,7 @@ def main() -> None:
             tp_rows += [(f"{n} r{i}", e["per_rank"][i]["tp_all_reduce"]) for i in dict.fromkeys((0, last["rank"]))]
     bubble = analyse_bubble(bubble_raw)
     overlap = analyse_overlap(overlap_raw)
-    for name, b in bubble.items():
+    for b in bubble.values():
         b["boundaries"] = boundaries[b["pp"]]
     meta = run_meta("cpu", dtype="fp32", processes=WORLD, backend="gloo", global_batch=GLOBAL_BATCH,
                     hidden=a.hidden, layers=a.layers, heads=a.heads, seq=a.seq, vocab=8192,

@@ -23,9 +23,9 @@ import tempfile
 import time
 
 import torch
+
 from bench_common import run_meta, write_json
 from bench_parallel import run_distributed
-
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer

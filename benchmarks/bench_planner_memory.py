@@ -31,8 +31,8 @@ import sys
 import tempfile
 
 import torch
-from bench_common import run_meta, write_json
 
+from bench_common import run_meta, write_json
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig, run_settings
 from libai_zoo.config.schema import ActivationCheckpointConfig

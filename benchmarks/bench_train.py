@@ -47,10 +47,10 @@ import traceback
 
 import torch
 import transformers
-from bench_common import run_meta, sync, write_json
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
+from bench_common import run_meta, sync, write_json
 from libai_zoo.config import LazyCall, LazyConfig, get_config
 from libai_zoo.engine import DefaultTrainer, HookBase
 from libai_zoo.models import LlamaConfig, LlamaForCausalLM
@@ -112,11 +112,11 @@ def float8_missing() -> str | None:
         from libai_zoo.parallel.float8 import float8_config
         for recipe in RECIPES[:2]:
             float8_config(recipe)
-    except Exception as error:  # noqa: BLE001: whatever stops the import is the answer
+    except Exception as error:  # whatever stops the import is the answer
         try:
             from importlib.metadata import version
             installed = f"torchao {version('torchao')} is installed"
-        except Exception:  # noqa: BLE001
+        except Exception:
             installed = "torchao is not installed"
         return (f"{type(error).__name__}: {error} (torch {torch.__version__}; {installed}; the float8 runs need "
                 f"torchao 0.18, whose oldest torch is 2.11: pip install --no-deps torchao==0.18.0, or carry its "
@@ -274,7 +274,7 @@ def main() -> None:
             try:
                 times, losses = (run_trainer(a, compiled, f"{tmp}/{name}", recipe) if kind == "trainer"
                                  else run_transformers(a, compiled))
-            except Exception as error:  # noqa: BLE001: the other runs still measure
+            except Exception as error:  # the other runs still measure
                 failed[name] = f"{type(error).__name__}: {error}"
                 print(f"{name:<36} FAILED: {failed[name]}", flush=True)
                 traceback.print_exc()

@@ -202,6 +202,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     if args.out:
         import torch
+
         from bench_common import run_meta, write_json
         meta = run_meta("cuda" if torch.cuda.is_available() else "cpu", steps=args.steps, config=CONFIG,
                         nproc=args.nproc, started=started)

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 import transformers
+from torch.multiprocessing.spawn import ProcessException
 from transformers.models.auto import modeling_auto
 
 from libai_zoo import distributed
@@ -605,7 +605,7 @@ def _cell(outcome: tuple[str, str]) -> str:
 def report(rows: list[tuple[str, str, str]], layouts: list[str], records: dict, command: str,
            seconds: float) -> str:
     """The markdown results: header, counts per layout, one row per class."""
-    lines = [f"# transformers coverage: libai_zoo.models.trainable on every class of transformers' auto mappings",
+    lines = ["# transformers coverage: libai_zoo.models.trainable on every class of transformers' auto mappings",
              "",
              f"- date: {datetime.date.today().isoformat()}",
              f"- torch {torch.__version__}, transformers {transformers.__version__}, "

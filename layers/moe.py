@@ -40,8 +40,14 @@ from torch._subclasses.fake_tensor import is_fake
 
 from libai_zoo.distributed import ExpertParallel, TensorParallel, local
 from libai_zoo.distributed.collectives import reduce_from_tp, sum_over_tp
-from libai_zoo.distributed.expert_parallel import (combine, dispatch, expert_weight, gather_tokens, local_tokens,
-                                                   scatter_tokens)
+from libai_zoo.distributed.expert_parallel import (
+    combine,
+    dispatch,
+    expert_weight,
+    gather_tokens,
+    local_tokens,
+    scatter_tokens,
+)
 
 from .linear import Linear
 from .lora import LoRA

@@ -10,14 +10,31 @@ if __name__ != "libai_zoo.models":  # `import models` from the repository root w
     raise ImportError(f"`models/` is installed as `libai_zoo.models`: write `from libai_zoo import models` or "
                       f"`import libai_zoo.models`, not `import models` (imported here as `{__name__}`)")
 
-from .auto import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM,
-                   AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, AutoModelForTextEncoding)
+from .auto import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    AutoModelForMaskedLM,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTextEncoding,
+)
 from .bert import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
 from .causal_lm import CausalLM
 from .contract import Stack, TrainableModel, all_layers, check_trainable, get_layer_stack
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model
-from .gemma import (Gemma2Config, Gemma2ForCausalLM, Gemma2Model, Gemma3ForCausalLM, Gemma3TextConfig, Gemma3TextModel,
-                    GemmaConfig, GemmaForCausalLM, GemmaModel)
+from .gemma import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma2Model,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Gemma3TextModel,
+    GemmaConfig,
+    GemmaForCausalLM,
+    GemmaModel,
+)
 from .gpt2 import GPT2Config, GPT2LMHeadModel, GPT2Model
 from .gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXModel
 from .gpt_oss import GptOssConfig, GptOssForCausalLM, GptOssModel
@@ -35,8 +52,14 @@ from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel
 from .roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
 from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM, SmolLM3Model
-from .swin import (SwinConfig, SwinForImageClassification, SwinModel, Swinv2Config, Swinv2ForImageClassification,
-                   Swinv2Model)
+from .swin import (
+    SwinConfig,
+    SwinForImageClassification,
+    SwinModel,
+    Swinv2Config,
+    Swinv2ForImageClassification,
+    Swinv2Model,
+)
 from .t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
 from .transformers_model import TransformersModel, instantiate_model, is_transformers_model, trainable
 from .vit import ViTConfig, ViTForImageClassification, ViTModel

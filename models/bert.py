@@ -20,12 +20,19 @@ from typing import ClassVar
 import torch
 import transformers
 from torch import nn
-from transformers.modeling_outputs import (BaseModelOutputWithPooling, MaskedLMOutput,
-                                           SequenceClassifierOutput)
+from transformers.modeling_outputs import BaseModelOutputWithPooling, MaskedLMOutput, SequenceClassifierOutput
 
 from libai_zoo.hf import WeightMap
-from libai_zoo.layers import (Embedding, LayerNorm, Linear, LMHead, SequenceGather, SequenceScatter,
-                              TransformerLayer, VocabEmbedding)
+from libai_zoo.layers import (
+    Embedding,
+    LayerNorm,
+    Linear,
+    LMHead,
+    SequenceGather,
+    SequenceScatter,
+    TransformerLayer,
+    VocabEmbedding,
+)
 from libai_zoo.layers.mlp import ACTIVATIONS
 
 from .classifier import Classifier

@@ -28,8 +28,19 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from libai_zoo.hf import WeightMap
-from libai_zoo.layers import (NORMS, Embedding, KVCache, LMHead, Router, SequenceGather, SequenceScatter,
-                              TransformerLayer, VocabEmbedding, load_balancing_loss, router_z_loss)
+from libai_zoo.layers import (
+    NORMS,
+    Embedding,
+    KVCache,
+    LMHead,
+    Router,
+    SequenceGather,
+    SequenceScatter,
+    TransformerLayer,
+    VocabEmbedding,
+    load_balancing_loss,
+    router_z_loss,
+)
 
 from .causal_lm import CACHE_NAME, CausalLM, body_output, pick_cache, run_decoder_layers
 from .pretrained import PreTrainedModel

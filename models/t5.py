@@ -51,8 +51,17 @@ import transformers
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
 
-from libai_zoo.layers import (NORMS, EncoderDecoderCache, LMHead, RelativePositionBias, RMSNorm,
-                              SequenceGather, SequenceScatter, TransformerLayer, VocabEmbedding)
+from libai_zoo.layers import (
+    NORMS,
+    EncoderDecoderCache,
+    LMHead,
+    RelativePositionBias,
+    RMSNorm,
+    SequenceGather,
+    SequenceScatter,
+    TransformerLayer,
+    VocabEmbedding,
+)
 
 from .causal_lm import CACHE_NAME, LMHeadLoss, pick_cache
 from .contract import IGNORE_INDEX, Stack, TrainableModel

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 import transformers
+from torch import nn
 from transformers import PretrainedConfig
 from transformers.loss.loss_utils import ForSequenceClassificationLoss
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -50,14 +50,13 @@ except ImportError:  # transformers 4 holds them as saved
     get_checkpoint_conversion_mapping = None
 
 from libai_zoo.config import ConfigError, instantiate
-from libai_zoo.hf.rules import Either, Joined, Rule, Same, Stacked, WeightMap
 from libai_zoo.hf.loading import PretrainedSource, checkpoint_tensors, resolve_dtype
+from libai_zoo.hf.rules import Either, Joined, Rule, Same, Stacked, WeightMap
 from libai_zoo.layers import LMHead
 
 from .causal_lm import TARGET_KEYS, CausalLM
 from .contract import IGNORE_INDEX, TrainableModel
 from .transformers_tp_plan import apply_tp_plan, name_pattern, tp_plan_problems
-
 
 #: How transformers names a task model's class -> the task (and the contract's loss unit).
 TASKS = {"ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm", "ForMaskedLM": "masked_lm",

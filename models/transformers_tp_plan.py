@@ -29,7 +29,7 @@ import re
 import torch
 from torch import nn
 
-from libai_zoo.layers import LMHead, Linear, VocabEmbedding
+from libai_zoo.layers import Linear, LMHead, VocabEmbedding
 
 COLUMN = ("colwise", "local_colwise", "colwise_gather_output")
 ROW = ("rowwise", "local_rowwise")

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
-from libai_zoo.checkpoint import CheckpointManager, Checkpointer, commit
+from libai_zoo.checkpoint import Checkpointer, CheckpointManager, commit
 
 
 def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:

@@ -15,8 +15,22 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 import libai_zoo.config
-from libai_zoo.config import (FULL, AdamWConfig, ConfigError, DataLoaderConfig, DistConfig, LazyCall, LazyConfig,
-                              PipelineSettings, Recompute, Section, TrainConfig, get_config, instantiate, run_settings)
+from libai_zoo.config import (
+    FULL,
+    AdamWConfig,
+    ConfigError,
+    DataLoaderConfig,
+    DistConfig,
+    LazyCall,
+    LazyConfig,
+    PipelineSettings,
+    Recompute,
+    Section,
+    TrainConfig,
+    get_config,
+    instantiate,
+    run_settings,
+)
 from libai_zoo.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,9 +13,16 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from libai_zoo.data import (DigitsDataset, MicroBatchSampler, PackedTokenDataset, build_gpt_dataset,
-                            build_text_classification_dataset, load_tokenizer, read_documents)
-from libai_zoo.data import gpt_dataset
+from libai_zoo.data import (
+    DigitsDataset,
+    MicroBatchSampler,
+    PackedTokenDataset,
+    build_gpt_dataset,
+    build_text_classification_dataset,
+    gpt_dataset,
+    load_tokenizer,
+    read_documents,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "data" / "tokenizer"

@@ -20,10 +20,10 @@ below names a command the docs no longer give.
 
 from __future__ import annotations
 
-import os
-import runpy
 import json
 import multiprocessing
+import os
+import runpy
 import shlex
 import sys
 import time
@@ -53,7 +53,8 @@ NOT_RUN = {
     "python3 -m venv .venv '&&' . .venv/bin/activate '&&' pip install torch==2.13.0 -e '.[test]' '&&' "
     "python tools/train.py projects/gpt2_pretrain/config.py": "the set-up and main job: .ci/run runs it on a fresh "
                                                               "machine, and the main job is gpt2_pretrain's block",
-    "pytest -n 2 --dist loadfile --no-loadscope-reorder": "the test command itself: .ci/run runs it",
+    "ruff check . '&&' pytest -n 2 --dist loadfile --no-loadscope-reorder": "the linter and test command itself: "
+                                                                            ".ci/run runs it",
     "torchrun --nnodes=16 --nproc_per_node=8 --max-restarts=3 --rdzv-backend=c10d '--rdzv-endpoint=$HEAD:29500' "
     "'--rdzv-id=$SLURM_JOB_ID' tools/train.py CONFIG.py dist.tp=8 dist.pp=2 dist.timeout=300":
         "128 GPUs on 16 nodes; tests/test_resilience.py restarts runs under torchrun's static, standalone and c10d "

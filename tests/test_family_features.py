@@ -16,13 +16,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from model_cases import CASES, GEMMA3_GLOBAL_BASE, HIDDEN, SEQ, make_hf_model, make_inputs
-
 from libai_zoo import layers, models
-from libai_zoo.layers import attention
 from libai_zoo.hf import rules
+from libai_zoo.layers import attention
 from libai_zoo.models import swin
 from libai_zoo.models.decoder import DecoderSpec
+from model_cases import CASES, GEMMA3_GLOBAL_BASE, HIDDEN, SEQ, make_hf_model, make_inputs
 
 MIN_EFFECT = 1e-3  # far above the 1e-5 of the parity tests
 

@@ -18,9 +18,19 @@ import torch
 from datasets import Dataset as HFDataset
 from torch.utils.data import DataLoader, Dataset
 
-from libai_zoo.data import (BlendedDataset, IndexedDataset, IndexedDatasetWriter, MicroBatchSampler, Prefetcher,
-                            build_indexed_gpt_dataset, build_indexed_mlm_dataset, load_tokenizer, read_documents)
-from libai_zoo.data import blending, gpt_indexed_dataset
+from libai_zoo.data import (
+    BlendedDataset,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    MicroBatchSampler,
+    Prefetcher,
+    blending,
+    build_indexed_gpt_dataset,
+    build_indexed_mlm_dataset,
+    gpt_indexed_dataset,
+    load_tokenizer,
+    read_documents,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "data" / "tokenizer"

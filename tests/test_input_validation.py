@@ -16,10 +16,19 @@ from torch import nn
 from torch.utils.data import ConcatDataset, Subset
 
 from libai_zoo import models
-from libai_zoo.data import (DigitsDataset, IndexedDataset, IndexedDatasetWriter, PackedTokenDataset,
-                            build_gpt_dataset, build_indexed_gpt_dataset, build_indexed_mlm_dataset,
-                            build_text_classification_dataset, check_dataset)
-from libai_zoo.data import index_cache, indexed_dataset
+from libai_zoo.data import (
+    DigitsDataset,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    PackedTokenDataset,
+    build_gpt_dataset,
+    build_indexed_gpt_dataset,
+    build_indexed_mlm_dataset,
+    build_text_classification_dataset,
+    check_dataset,
+    index_cache,
+    indexed_dataset,
+)
 from libai_zoo.models import TrainableModel
 
 ROOT = Path(__file__).resolve().parents[1]

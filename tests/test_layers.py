@@ -491,8 +491,7 @@ def test_latent_attention_is_deepseek_v3_attention(q_lora_rank):
     interleaved layout, yarn with its mscale² softmax correction, v narrower than q·k) in outputs and
     input and parameter gradients, with padding and positions that do not start at 0."""
     from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention,
-                                                                      DeepseekV3RotaryEmbedding)
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
             "mscale": 0.707, "mscale_all_dim": 1.0}

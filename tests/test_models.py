@@ -12,11 +12,24 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from model_cases import (CASES, HIDDEN, SEQ, Case, deepseek_v3_config, gemma3_multimodal_config, hf_checkpoint_grads,
-                         hf_generate, hf_named_grads, main_output, make_hf_model, make_inputs, swin_config,
-                         swinv2_config, unscored)
-
 from libai_zoo import distributed, models
+from model_cases import (
+    CASES,
+    HIDDEN,
+    SEQ,
+    Case,
+    deepseek_v3_config,
+    gemma3_multimodal_config,
+    hf_checkpoint_grads,
+    hf_generate,
+    hf_named_grads,
+    main_output,
+    make_hf_model,
+    make_inputs,
+    swin_config,
+    swinv2_config,
+    unscored,
+)
 
 TOL = 1e-5
 #: Reading a sharded index is the loader's, not a family's: one model of each kind covers it.

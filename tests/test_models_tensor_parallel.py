@@ -19,11 +19,18 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from cases import Case, Cases
-from model_cases import (CASES, hf_checkpoint_grads, hf_generate, hf_named_grads, main_output, make_hf_model,
-                         make_inputs, qwen3_config)
-
 from libai_zoo import distributed
 from libai_zoo.optim import clip_grad_norm_
+from model_cases import (
+    CASES,
+    hf_checkpoint_grads,
+    hf_generate,
+    hf_named_grads,
+    main_output,
+    make_hf_model,
+    make_inputs,
+    qwen3_config,
+)
 
 pytestmark = pytest.mark.slow
 

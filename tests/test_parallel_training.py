@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from cases import Case, Cases
+from layouts import LAYOUTS, overrides
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
@@ -29,7 +30,6 @@ from libai_zoo.layers import LMHead
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralForCausalLM
 from libai_zoo.parallel import DataParallel, materialize, parallelize
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
-from layouts import LAYOUTS, overrides
 from model_cases import zoo_model
 from trainer_runs import losses, records, run_trainer
 

@@ -20,10 +20,24 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 from distributed_runner import run_distributed
-from libai_zoo.models import (BertConfig, BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, ViTConfig,
-                              ViTForImageClassification, get_layer_stack)
-from libai_zoo.parallel.pipeline import (TARGETS, Pipeline, PipelineStageModule, StageLayers, _shared_parameters,
-                                        prune_for_stage, split_layers)
+from libai_zoo.models import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    ViTConfig,
+    ViTForImageClassification,
+    get_layer_stack,
+)
+from libai_zoo.parallel.pipeline import (
+    TARGETS,
+    Pipeline,
+    PipelineStageModule,
+    StageLayers,
+    _shared_parameters,
+    prune_for_stage,
+    split_layers,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -329,10 +343,9 @@ def test_encoder_decoder_stages_chain_to_the_models_loss(case, edges):
 def test_encoder_decoder_layouts_that_cannot_run_are_refused_naming_the_fix(schedule, virtual, message):
     """A zero-bubble schedule with the encoder's output carried between stages, and a rank holding a
     stack's shared weight twice under one name (2 encoder, 4 decoder blocks in 6 interleaved stages)."""
-    from model_cases import zoo_model
-
     from libai_zoo.config import ConfigError
     from libai_zoo.parallel import check_stage_holdings
+    from model_cases import zoo_model
 
     with torch.device("meta"):
         model = zoo_model("t5", num_layers=2, num_decoder_layers=4)

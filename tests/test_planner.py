@@ -22,11 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torch.distributed.pipelining import (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                          ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from libai_zoo.config import ConfigError, LazyCall, LazyConfig, instantiate, run_settings
+from libai_zoo.config import LazyCall, LazyConfig, instantiate, run_settings
 from libai_zoo.engine import checks
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel, instantiate_model
 from libai_zoo.parallel import check_pipeline_layout
@@ -241,7 +240,7 @@ def test_nothing_fits_names_the_memory(plan_tool, capsys):
     assert result.candidates == [] and result.considered == result.too_big > 0
     with pytest.raises(ValueError, match=rf"no layout of the {result.considered} considered fits in 1\.0 GiB per "
                                          r"rank: use more processes, a device with more memory \(--memory\)"):
-        result.best
+        _ = result.best
     code, out, _ = run_tool(plan_tool, capsys, LLAMA_7B, "--world-size", "8", "--device", "h100", "--memory", "1")
     assert code == 1
     assert out.splitlines()[0].startswith(f"{result.considered} layouts considered, {result.considered} do not fit in "
@@ -663,8 +662,8 @@ def test_moe_plan_enumerates_ep_and_states_its_routing():
     balanced = plan(cfg, 4, device="h100")
     assert any("MoE routing assumed balanced (top-2 of 8 experts)" in note for note in balanced.notes)
     layouts = [c.layout for c in balanced.candidates]
-    assert {(l.ep, l.tp) for l in layouts if l.dp == 4} == {(1, 1), (2, 1), (4, 1)}
-    assert all(8 % (l.ep * l.tp) == 0 and l.dp % l.ep == 0 for l in layouts)
+    assert {(lay.ep, lay.tp) for lay in layouts if lay.dp == 4} == {(1, 1), (2, 1), (4, 1)}
+    assert all(8 % (lay.ep * lay.tp) == 0 and lay.dp % lay.ep == 0 for lay in layouts)
     for c in balanced.candidates:
         assert (c.time.ep_comm > 0) == (c.layout.ep * c.layout.tp > 1)
     ep4 = [Layout(4, 1, 1, 0, ep=4)]

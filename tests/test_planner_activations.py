@@ -40,8 +40,14 @@ from libai_zoo.layers import linear as linear_module
 from libai_zoo.models.decoder import DecoderForCausalLM
 from libai_zoo.models.llama import LlamaModel, llama_layer, llama_spec
 from libai_zoo.parallel import apply_activation_checkpointing, cast_residual, context_parallel_part, residual_dtype
-from libai_zoo.plan.activations import (SavedActivations, Shapes, example_batch, first_layer_saved_bytes,
-                                        reference_layer_bytes, saved_bytes)
+from libai_zoo.plan.activations import (
+    SavedActivations,
+    Shapes,
+    example_batch,
+    first_layer_saved_bytes,
+    reference_layer_bytes,
+    saved_bytes,
+)
 from libai_zoo.plan.fake_world import fake_world
 from libai_zoo.plan.layouts import Layout
 from libai_zoo.plan.memory import _rank_layer_kinds
@@ -385,7 +391,7 @@ def test_column_layer_under_sp_splits_its_backward(monkeypatch):
     again and reduce-scatters nothing."""
     calls = []
     for name in ("all_gather_single", "reduce_scatter_single"):
-        def counted(*args, _original=getattr(dist, name), _name=name, **kwargs):
+        def counted(*args, _original=getattr(dist, name), _name=name, **kwargs):  # noqa: B008 (bound per name)
             calls.append(_name)
             return _original(*args, **kwargs)
         monkeypatch.setattr(dist, name, counted)

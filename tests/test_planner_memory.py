@@ -28,8 +28,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from libai_zoo.config import Float8, LazyCall, get_config, run_settings
 from libai_zoo.layers import Linear
-from libai_zoo.models import (DeepseekV3Config, DeepseekV3ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                              LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, instantiate_model)
+from libai_zoo.models import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    instantiate_model,
+)
 from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize
 from libai_zoo.plan.dry_run import dry_run, dry_run_rank
 from libai_zoo.plan.fake_world import fake_world

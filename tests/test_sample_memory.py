@@ -147,7 +147,7 @@ def _rows_cast_and_moved() -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from libai_zoo.layers import LMHead
-    from libai_zoo.parallel.sharded_generation import _local, _lookup_rows, _project_rows, _Target, _gathered_over_dp
+    from libai_zoo.parallel.sharded_generation import _gathered_over_dp, _local, _lookup_rows, _project_rows, _Target
 
     torch.manual_seed(0)
     table, hidden = torch.randn(7, 4), torch.randn(1, 2, 4).bfloat16()

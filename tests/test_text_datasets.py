@@ -13,14 +13,21 @@ import datasets
 import numpy as np
 import pandas as pd
 import pytest
-from omegaconf import OmegaConf
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from libai_zoo.config import LazyConfig
-from libai_zoo.data import (MicroBatchSampler, PackedTextStream, build_text_dataset, check_dataset, load_tokenizer,
-                            read_documents, stream_micro_batches)
-from libai_zoo.data import text_dataset
+from libai_zoo.data import (
+    MicroBatchSampler,
+    PackedTextStream,
+    build_text_dataset,
+    check_dataset,
+    load_tokenizer,
+    read_documents,
+    stream_micro_batches,
+    text_dataset,
+)
 from libai_zoo.engine import default_trainer
 from trainer_runs import losses, run_trainer
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from omegaconf import OmegaConf
 
 from libai_zoo.config import FULL, RECOMPUTE_MODULES, ConfigError, LazyConfig, Recompute, instantiate

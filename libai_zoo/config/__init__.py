@@ -17,7 +17,17 @@ the trainer and the planner alike.
 from .instantiate import ConfigError, LazyCall, instantiate
 from .lazy_config import LazyConfig, get_config
 from .schema import AdamWConfig, DataLoaderConfig, DistConfig, PipelineConfig, Section, TrainConfig, typed
-from .settings import AMP_DTYPES, FLOAT8_RECIPES, FULL, RECOMPUTE_MODULES, Float8, PipelineSettings, Recompute, RunSettings, run_settings
+from .settings import (
+    AMP_DTYPES,
+    FLOAT8_RECIPES,
+    FULL,
+    RECOMPUTE_MODULES,
+    Float8,
+    PipelineSettings,
+    Recompute,
+    RunSettings,
+    run_settings,
+)
 
 __all__ = ["AMP_DTYPES", "AdamWConfig", "ConfigError", "DataLoaderConfig", "DistConfig", "FLOAT8_RECIPES", "FULL",
            "Float8", "LazyCall", "LazyConfig", "PipelineConfig", "PipelineSettings", "RECOMPUTE_MODULES", "Recompute",

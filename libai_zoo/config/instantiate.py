@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import is_dataclass
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import is_dataclass
 from typing import Any
 
 import omegaconf

@@ -23,7 +23,7 @@ import yaml
 from omegaconf import Container, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .instantiate import TUPLE_TYPES, OBJECT_FLAGS, TARGET, ConfigError, dotted_name
+from .instantiate import OBJECT_FLAGS, TARGET, TUPLE_TYPES, ConfigError, dotted_name
 from .python_file import ConfigFileLoader
 from .schema import Section, added_key_error, error_text, typed
 

@@ -47,9 +47,9 @@ checks them against the tensors, naming every problem in one error.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
-import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path

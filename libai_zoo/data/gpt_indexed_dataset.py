@@ -39,6 +39,7 @@ from .index_cache import cached_array, cached_token_range, index_fingerprint
 from .indexed_dataset import IndexedDataset, data_path, prefix_list, read_stream
 from .validation import TokenIdRange
 
+
 # ------------------------------------------------------------------------------------------ indices
 def build_sample_index(sequence_lengths: np.ndarray, seq_len: int) -> np.ndarray:
     """[(T - 1) // seq_len, 2] int64: (sequence, offset) of stream token j x seq_len for every window j

@@ -7,13 +7,32 @@ their collectives.
     model = distributed.shard(model)           # every parallel layer keeps its own slice
 """
 
-from .context import (ParallelContext, connect, destroy, get_context, init, launched_world_size, new_group,
-                      resolve_sizes, run_group)
+from .context import (
+    ParallelContext,
+    connect,
+    destroy,
+    get_context,
+    init,
+    launched_world_size,
+    new_group,
+    resolve_sizes,
+    run_group,
+)
 from .context_parallel import ContextParallel, cp_problems, merge_sequence, split_sequence
 from .expert_parallel import ExpertParallel
 from .rendezvous import progress_store
-from .shard import (dp_rows_of, expert_problems, fill_shard_, finalize_grads, parameter_uses, retie, shard, tp_problems,
-                    tp_slice_of, whole_sequences)
+from .shard import (
+    dp_rows_of,
+    expert_problems,
+    fill_shard_,
+    finalize_grads,
+    parameter_uses,
+    retie,
+    shard,
+    tp_problems,
+    tp_slice_of,
+    whole_sequences,
+)
 from .tensor_parallel import TensorParallel, local, local_range, local_rows
 
 __all__ = ["ParallelContext", "TensorParallel", "ExpertParallel", "ContextParallel", "split_sequence",

@@ -27,7 +27,6 @@ gradient's scale, the maximum over ranks, bounds the one-process one without equ
 
 from __future__ import annotations
 
-
 import torch
 from torch.autograd import Function
 

@@ -60,8 +60,8 @@ def wanted_gradients(ctx, needs_input_grad, present) -> list[bool]:
     gradients and the weights' in two passes)."""
     nodes = iter(ctx.next_functions)  # one per tensor argument, the absent ones left out
     wanted = []
-    for needs, present in zip(needs_input_grad, present):
-        node = next(nodes)[0] if present else None
+    for needs, given in zip(needs_input_grad, present):
+        node = next(nodes)[0] if given else None
         if needs and node is not None:
             try:
                 needs = torch._C._will_engine_execute_node(node)

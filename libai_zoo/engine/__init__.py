@@ -5,8 +5,16 @@ from .default_trainer import DefaultTrainer
 from .divergence import DivergenceError
 from .evaluator import Evaluator
 from .events import EventStorage
-from .hooks import (Checkpoints, EvalHook, GenerateSample, IterationTimer, LRScheduler, PeriodicWriter, ProgressBar,
-                    StepTimeSpread)
+from .hooks import (
+    Checkpoints,
+    EvalHook,
+    GenerateSample,
+    IterationTimer,
+    LRScheduler,
+    PeriodicWriter,
+    ProgressBar,
+    StepTimeSpread,
+)
 from .preemption import EXIT_PREEMPTED, Preempted
 from .train_step import StepResult, TrainStep
 from .trainer_base import HookBase, RolledBack, TrainerBase

@@ -26,16 +26,23 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from libai_zoo import distributed
-from libai_zoo.checkpoint import CheckpointManager, Checkpointer
+from libai_zoo.checkpoint import Checkpointer, CheckpointManager
 from libai_zoo.config import LazyConfig, instantiate, run_settings, typed
 from libai_zoo.data import MicroBatchSampler, check_dataset, stream_micro_batches
 from libai_zoo.hf import HFWeightReader, apply_lora_config, load_hf_parts, load_peft_adapter, read_peft_adapter
 from libai_zoo.layers import lora_adapters
 from libai_zoo.models import TransformersModel, all_layers, instantiate_model
 from libai_zoo.optim import ConfiguredSettings, build_optimizer
+from libai_zoo.parallel import (
+    DataParallel,
+    Parallelized,
+    fsdp_param_dtype,
+    layer_by_layer,
+    materialize,
+    parallelize,
+    residual_dtype,
+)
 from libai_zoo.plan import agree_on_layout
-from libai_zoo.parallel import (DataParallel, Parallelized, fsdp_param_dtype, layer_by_layer, materialize, parallelize,
-                                residual_dtype)
 from libai_zoo.utils import peak_flops, seed_all, setup_logging
 
 from . import hooks

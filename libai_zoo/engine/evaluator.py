@@ -15,7 +15,6 @@ from libai_zoo.distributed import ContextParallel
 from libai_zoo.parallel import Pipeline, context_parallel_part
 
 
-
 class Evaluator:
     """Accumulates over batches (`process`), then `evaluate()` -> {"loss", ["perplexity"], ["accuracy"]}.
 

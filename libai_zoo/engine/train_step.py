@@ -19,9 +19,13 @@ from torch import nn
 from libai_zoo import distributed
 from libai_zoo.layers import MoE
 from libai_zoo.optim import clip_grad_norm_, unique_parameters
-from libai_zoo.parallel import (DataParallel, Pipeline, context_parallel_part, gathered_in_float8,
-                                precompute_float8_scales)
-
+from libai_zoo.parallel import (
+    DataParallel,
+    Pipeline,
+    context_parallel_part,
+    gathered_in_float8,
+    precompute_float8_scales,
+)
 
 logger = logging.getLogger("libai_zoo")
 

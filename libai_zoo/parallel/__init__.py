@@ -9,8 +9,18 @@ from .data_parallel import DataParallel, fsdp_param_dtype
 from .float8 import convert_to_float8, gathered_in_float8, kept_reason, precompute_float8_scales
 from .materialize import init_parameters, materialize, parameter_seed
 from .parallelize import Parallelized, parallelize
-from .pipeline import (SCHEDULES, Pipeline, check_pipeline_layout, check_stage_holdings, optional_modules,
-                       schedule_evaluates, split_layers, splits_backward, stage_modules, stage_ranks)
+from .pipeline import (
+    SCHEDULES,
+    Pipeline,
+    check_pipeline_layout,
+    check_stage_holdings,
+    optional_modules,
+    schedule_evaluates,
+    split_layers,
+    splits_backward,
+    stage_modules,
+    stage_ranks,
+)
 from .residual_precision import cast_residual, residual_dtype, to_residual
 from .sharded_generation import layer_by_layer
 

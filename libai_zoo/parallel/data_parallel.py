@@ -48,7 +48,6 @@ from libai_zoo.config import ConfigError
 from libai_zoo.distributed import ParallelContext
 from libai_zoo.utils import parameter_bytes
 
-
 logger = logging.getLogger("libai_zoo")
 
 #: The parameter bytes a ZeRO-0 all-reduce bucket gathers before it starts (DDP's default).

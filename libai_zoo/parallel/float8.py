@@ -47,11 +47,11 @@ def convert_to_float8(parts: list[nn.Module], fp8: Float8, *, gather_float8: boo
     docstring); `gather_float8`: FSDP2 will all-gather their weights (ZeRO 1-3 at tp 1), which a
     tensorwise recipe then does in float8. Returns the names of the converted layers; logs the
     filter and every layer it kept in high precision, with the reason."""
+    # what torchao's own conversion does first: a fix of inductor's code for float8 casts under compile
+    from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from libai_zoo.distributed.float8_linear import mm_config
-    # what torchao's own conversion does first: a fix of inductor's code for float8 casts under compile
-    from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
     _patch_inductor_min_max_codegen()
     config = float8_config(fp8.recipe)
     gather_float8 = gather_float8 and fp8.recipe == "tensorwise"

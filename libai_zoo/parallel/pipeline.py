@@ -45,14 +45,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                         ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor import DTensor
 
 from libai_zoo.config import ConfigError, PipelineConfig
 from libai_zoo.distributed import ContextParallel, ExpertParallel, ParallelContext, TensorParallel
 from libai_zoo.layers import uncounted
 from libai_zoo.models import Stack, check_trainable
+
 
 @dataclass(frozen=True)
 class _ScheduleKind:
@@ -235,7 +242,7 @@ def prune_for_stage(model: nn.Module, layer_range: range, is_first: bool, is_las
         owner, _, name = path.rpartition(".")
         if pruned.get_submodule(owner)._modules.get(name) is not None:
             setattr(pruned.get_submodule(owner), name, None)
-    for index, (stack, layers) in enumerate(stacks):
+    for index, (stack, _) in enumerate(stacks):
         owner, _, name = stack.path.rpartition(".")
         stack_owner = pruned.get_submodule(owner)
         copied = getattr(stack_owner, name)
@@ -548,13 +555,13 @@ class Pipeline:
             if not copies or not copies[0].requires_grad:  # frozen (LoRA's base weights): no gradient
                 continue
             total = copies[0].grad if copies[0].grad is not None else torch.zeros_like(copies[0])
-            for copy in copies[1:]:
-                total = total + _grad_or_zeros(copy)
+            for other in copies[1:]:
+                total = total + _grad_or_zeros(other)
             group = self._shared_groups.get(self._holders(shared))
             if group is not None:
                 dist.all_reduce(total.to_local() if isinstance(total, DTensor) else total, group=group)
-            for index, copy in enumerate(copies):
-                copy.grad = total if index == 0 else total.clone()
+            for index, held in enumerate(copies):
+                held.grad = total if index == 0 else total.clone()
 
     # ---- one training step
     @staticmethod

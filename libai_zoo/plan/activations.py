@@ -56,10 +56,10 @@ backward itself (gradients, a recomputed checkpoint or loss chunk).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Callable, Iterator
-import contextlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
@@ -67,8 +67,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import CausalBias
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -82,6 +82,7 @@ from libai_zoo.models import all_layers, get_layer_stack
 from libai_zoo.parallel import apply_activation_checkpointing, context_parallel_part, convert_to_float8, to_residual
 
 from .fake_world import fake_world
+
 
 def _asked_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                    dropout: float) -> str | None:

@@ -12,8 +12,8 @@ import torch
 from omegaconf import DictConfig
 
 from libai_zoo.config import PipelineSettings, run_settings
-from libai_zoo.models import instantiate_model
 from libai_zoo.hf import apply_lora_config
+from libai_zoo.models import instantiate_model
 from libai_zoo.optim import build_optimizer, unique_parameters
 from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize, residual_dtype
 from libai_zoo.utils import local_bytes, optimizer_state_bytes

@@ -7,9 +7,9 @@
 
 from libai_zoo.config import LazyCall, get_config
 from libai_zoo.engine import GenerateSample
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel
 
 from ..common.corpus_lm_data import dataloader  # noqa: F401  (a config key)
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel
 
 train = get_config("common/train.py").train
 dist = get_config("common/train.py").dist

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from libai_zoo.config import LazyConfig
-from libai_zoo.plan import (Candidate, Layout, ModelTable, OptimizerState, StateBytes, dry_run, plan,
-                            state_bytes)
+from libai_zoo.plan import Candidate, Layout, ModelTable, OptimizerState, StateBytes, dry_run, plan, state_bytes
 from libai_zoo.plan.memory import GiB
 
 HERE = Path(__file__).parent
