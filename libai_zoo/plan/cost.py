@@ -65,6 +65,7 @@ import torch
 from libai_zoo.config import Recompute
 from libai_zoo.parallel import splits_backward
 from libai_zoo.parallel.data_parallel import BUCKET_BYTES
+from libai_zoo.utils.flops import PEAK_FLOPS
 
 from .layouts import Layout
 from .memory import GiB, gathers_float8, rank_layers, rank_stages, recomputed_layers, state_bytes, unsharded_bytes
@@ -96,14 +97,13 @@ class Device:
 #: (about 800 of 989 TFLOP/s, ../shared/notes); a layer's matmuls are smaller (the float8 matmuls
 #: of ``train.fp8`` are taken at the same share of the float8 peak). The float8 peak prices only
 #: the roofline: MFU stays stated against the compute dtype's (bf16) peak, as the trainer's.
-_HOPPER = {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12, torch.float8_e4m3fn: 1979e12}
+#: The peaks are `utils.flops.PEAK_FLOPS`'.
 DEVICES: dict[str, Device] = {
-    "h100": Device("H100 80GB", _HOPPER, 3.35e12, int(79.6 * GiB)),
-    "h200": Device("H200 141GB", _HOPPER, 4.8e12, int(140.4 * GiB)),
+    "h100": Device("H100 80GB", PEAK_FLOPS["H100"], 3.35e12, int(79.6 * GiB)),
+    "h200": Device("H200 141GB", PEAK_FLOPS["H200"], 4.8e12, int(140.4 * GiB)),
     # the export H100 DeepSeek-V3 trained on: an H100's compute and memory, NVLink at 400 GB/s
-    "h800": Device("H800 80GB", _HOPPER, 3.35e12, int(79.6 * GiB)),
-    "a100": Device("A100 80GB", {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12}, 2.0e12,
-                   int(79.2 * GiB)),
+    "h800": Device("H800 80GB", PEAK_FLOPS["H800"], 3.35e12, int(79.6 * GiB)),
+    "a100": Device("A100 80GB", PEAK_FLOPS["A100"], 2.0e12, int(79.2 * GiB)),
     "cpu": Device("CPU", {}, 0.0, 0, overlaps_communication=False),
 }
 

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from libai_zoo import distributed
 
@@ -27,13 +26,13 @@ def fake_world(world_size: int, rank: int = 0, *, dp: int = -1, tp: int = 1, pp:
                            "or in a process of its own")
     local_rank = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = "0"  # rank 448 of a fake world still runs on this machine's first device
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)  # no peers to meet
     try:
         yield distributed.init(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sequence_parallel)
     finally:
-        distributed.destroy()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # every group of the fake world with it (no threads to collect)
+        distributed.destroy()
         if local_rank is None:
             del os.environ["LOCAL_RANK"]
         else:

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import torch
 
-# Dense tensor-core peak (no sparsity), FLOP/s, by dtype; matched against the device name. No
-# float8 entries: a ``train.fp8`` run's MFU is stated against its autocast dtype's (bf16) peak, as
-# the planner's is (its roofline alone prices float8 matmuls, `plan.cost.DEVICES`).
+_HOPPER = {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12, torch.float8_e4m3fn: 1979e12}
+#: The one table of device peaks: dense tensor-core FLOP/s (no sparsity, SXM parts) by dtype, matched
+#: against the device name; the planner's devices (`plan.cost.DEVICES`) take theirs from here. A
+#: ``train.fp8`` run's MFU is stated against its autocast dtype's (bf16) peak, the planner's too: the
+#: float8 peak prices only the planner's roofline of the float8 matmuls.
 PEAK_FLOPS = {
-    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+    "H200": _HOPPER,
+    "H100": _HOPPER,
+    "H800": _HOPPER,  # the export H100: an H100's compute
     "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
 }
 
