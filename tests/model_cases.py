@@ -23,7 +23,10 @@ NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 @dataclass
-class Case:
+class Family:
+    """A model family's test description: the transformers class, the zoo class, a tiny config with
+    the family's distinguishing features on, and how its inputs and outputs look."""
+
     hf_class: type
     zoo_class: type
     make_config: Callable[[], transformers.PretrainedConfig]
@@ -343,83 +346,83 @@ def swinv2_config(**kw):
 
 
 CASES = {
-    "gpt2": Case(transformers.GPT2LMHeadModel, models.GPT2LMHeadModel, gpt2_config, "causal"),
-    "gpt2_body": Case(transformers.GPT2Model, models.GPT2Model, gpt2_config, "encoder"),
-    "llama": Case(transformers.LlamaForCausalLM, models.LlamaForCausalLM, llama_config, "causal"),
-    "llama_tied_bias": Case(transformers.LlamaForCausalLM, models.LlamaForCausalLM,
+    "gpt2": Family(transformers.GPT2LMHeadModel, models.GPT2LMHeadModel, gpt2_config, "causal"),
+    "gpt2_body": Family(transformers.GPT2Model, models.GPT2Model, gpt2_config, "encoder"),
+    "llama": Family(transformers.LlamaForCausalLM, models.LlamaForCausalLM, llama_config, "causal"),
+    "llama_tied_bias": Family(transformers.LlamaForCausalLM, models.LlamaForCausalLM,
                             lambda: llama_config(tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
                                                  num_key_value_heads=4), "causal"),
     # Llama 3.1's frequency rescaling: with head_dim 8 and an original context of 16 positions one
     # frequency is kept, one blended and two divided by the factor.
-    "llama3_rope": Case(transformers.LlamaForCausalLM, models.LlamaForCausalLM,
+    "llama3_rope": Family(transformers.LlamaForCausalLM, models.LlamaForCausalLM,
                         lambda: llama_config(rope_parameters={
                             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), "causal"),
-    "llama_linear_rope": Case(transformers.LlamaForCausalLM, models.LlamaForCausalLM,
+    "llama_linear_rope": Family(transformers.LlamaForCausalLM, models.LlamaForCausalLM,
                               lambda: llama_config(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
                                                                     "factor": 4.0}), "causal"),
-    "qwen2": Case(transformers.Qwen2ForCausalLM, models.LlamaForCausalLM, qwen2_config, "causal"),
-    "gpt_neox": Case(transformers.GPTNeoXForCausalLM, models.GPTNeoXForCausalLM, gpt_neox_config, "causal"),
-    "gpt_neox_tied": Case(transformers.GPTNeoXForCausalLM, models.GPTNeoXForCausalLM,
+    "qwen2": Family(transformers.Qwen2ForCausalLM, models.LlamaForCausalLM, qwen2_config, "causal"),
+    "gpt_neox": Family(transformers.GPTNeoXForCausalLM, models.GPTNeoXForCausalLM, gpt_neox_config, "causal"),
+    "gpt_neox_tied": Family(transformers.GPTNeoXForCausalLM, models.GPTNeoXForCausalLM,
                           lambda: gpt_neox_config(tie_word_embeddings=True, hidden_act="gelu_new",
                                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0,
                                                                    "partial_rotary_factor": 1.0}), "causal"),
-    "pythia": Case(transformers.GPTNeoXForCausalLM, models.GPTNeoXForCausalLM,
+    "pythia": Family(transformers.GPTNeoXForCausalLM, models.GPTNeoXForCausalLM,
                    lambda: gpt_neox_config(use_parallel_residual=True), "causal"),
-    "qwen3": Case(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM, qwen3_config, "causal"),
-    "qwen3_tied": Case(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM,
+    "qwen3": Family(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM, qwen3_config, "causal"),
+    "qwen3_tied": Family(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM,
                        lambda: qwen3_config(tie_word_embeddings=True, use_sliding_window=False), "causal"),
     # One KV head (Gemma 3 270M's count): at tp = 2 both ranks hold it, each with two of the q heads.
-    "qwen3_one_kv_head": Case(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM,
+    "qwen3_one_kv_head": Family(transformers.Qwen3ForCausalLM, models.Qwen3ForCausalLM,
                               lambda: qwen3_config(num_key_value_heads=1), "causal"),
-    "mistral": Case(transformers.MistralForCausalLM, models.MistralForCausalLM, mistral_config, "causal"),
-    "olmo2": Case(transformers.Olmo2ForCausalLM, models.Olmo2ForCausalLM, olmo2_config, "causal"),
-    "mixtral": Case(transformers.MixtralForCausalLM, models.MixtralForCausalLM, mixtral_config, "causal"),
-    "qwen2_moe": Case(transformers.Qwen2MoeForCausalLM, models.Qwen2MoeForCausalLM, qwen2_moe_config, "causal"),
-    "qwen3_moe": Case(transformers.Qwen3MoeForCausalLM, models.Qwen3MoeForCausalLM, qwen3_moe_config, "causal"),
-    "olmoe": Case(transformers.OlmoeForCausalLM, models.OlmoeForCausalLM, olmoe_config, "causal"),
-    "deepseek_v3": Case(transformers.DeepseekV3ForCausalLM, models.DeepseekV3ForCausalLM, deepseek_v3_config,
+    "mistral": Family(transformers.MistralForCausalLM, models.MistralForCausalLM, mistral_config, "causal"),
+    "olmo2": Family(transformers.Olmo2ForCausalLM, models.Olmo2ForCausalLM, olmo2_config, "causal"),
+    "mixtral": Family(transformers.MixtralForCausalLM, models.MixtralForCausalLM, mixtral_config, "causal"),
+    "qwen2_moe": Family(transformers.Qwen2MoeForCausalLM, models.Qwen2MoeForCausalLM, qwen2_moe_config, "causal"),
+    "qwen3_moe": Family(transformers.Qwen3MoeForCausalLM, models.Qwen3MoeForCausalLM, qwen3_moe_config, "causal"),
+    "olmoe": Family(transformers.OlmoeForCausalLM, models.OlmoeForCausalLM, olmoe_config, "causal"),
+    "deepseek_v3": Family(transformers.DeepseekV3ForCausalLM, models.DeepseekV3ForCausalLM, deepseek_v3_config,
                         "causal"),
-    "gpt_oss": Case(transformers.GptOssForCausalLM, models.GptOssForCausalLM, gpt_oss_config, "causal",
+    "gpt_oss": Family(transformers.GptOssForCausalLM, models.GptOssForCausalLM, gpt_oss_config, "causal",
                     drawn=("gate_up_proj_bias", "down_proj_bias")),
-    "gemma": Case(transformers.GemmaForCausalLM, models.GemmaForCausalLM, gemma_config, "causal"),
-    "gemma2": Case(transformers.Gemma2ForCausalLM, models.Gemma2ForCausalLM, gemma2_config, "causal"),
-    "gemma3": Case(transformers.Gemma3ForCausalLM, models.Gemma3ForCausalLM, gemma3_text_config, "causal"),
-    "phi3": Case(transformers.Phi3ForCausalLM, models.Phi3ForCausalLM, phi3_config, "causal"),
-    "phi3_short": Case(transformers.Phi3ForCausalLM, models.Phi3ForCausalLM, phi3_short_config, "causal"),
-    "granite": Case(transformers.GraniteForCausalLM, models.GraniteForCausalLM, granite_config, "causal"),
-    "smollm3": Case(transformers.SmolLM3ForCausalLM, models.SmolLM3ForCausalLM, smollm3_config, "causal"),
-    "gpt_neox_body": Case(transformers.GPTNeoXModel, models.GPTNeoXModel, gpt_neox_config, "encoder"),
-    "llama_body": Case(transformers.LlamaModel, models.LlamaModel, llama_config, "encoder"),
-    "bert": Case(transformers.BertModel, models.BertModel, bert_config, "encoder"),
-    "bert_mlm": Case(transformers.BertForMaskedLM, models.BertForMaskedLM, bert_config, "mlm"),
-    "bert_cls": Case(transformers.BertForSequenceClassification, models.BertForSequenceClassification,
+    "gemma": Family(transformers.GemmaForCausalLM, models.GemmaForCausalLM, gemma_config, "causal"),
+    "gemma2": Family(transformers.Gemma2ForCausalLM, models.Gemma2ForCausalLM, gemma2_config, "causal"),
+    "gemma3": Family(transformers.Gemma3ForCausalLM, models.Gemma3ForCausalLM, gemma3_text_config, "causal"),
+    "phi3": Family(transformers.Phi3ForCausalLM, models.Phi3ForCausalLM, phi3_config, "causal"),
+    "phi3_short": Family(transformers.Phi3ForCausalLM, models.Phi3ForCausalLM, phi3_short_config, "causal"),
+    "granite": Family(transformers.GraniteForCausalLM, models.GraniteForCausalLM, granite_config, "causal"),
+    "smollm3": Family(transformers.SmolLM3ForCausalLM, models.SmolLM3ForCausalLM, smollm3_config, "causal"),
+    "gpt_neox_body": Family(transformers.GPTNeoXModel, models.GPTNeoXModel, gpt_neox_config, "encoder"),
+    "llama_body": Family(transformers.LlamaModel, models.LlamaModel, llama_config, "encoder"),
+    "bert": Family(transformers.BertModel, models.BertModel, bert_config, "encoder"),
+    "bert_mlm": Family(transformers.BertForMaskedLM, models.BertForMaskedLM, bert_config, "mlm"),
+    "bert_cls": Family(transformers.BertForSequenceClassification, models.BertForSequenceClassification,
                      bert_config, "seq_cls"),
-    "roberta": Case(transformers.RobertaModel, models.RobertaModel, roberta_config, "encoder", pad_tokens=True),
-    "roberta_mlm": Case(transformers.RobertaForMaskedLM, models.RobertaForMaskedLM, roberta_config, "mlm",
+    "roberta": Family(transformers.RobertaModel, models.RobertaModel, roberta_config, "encoder", pad_tokens=True),
+    "roberta_mlm": Family(transformers.RobertaForMaskedLM, models.RobertaForMaskedLM, roberta_config, "mlm",
                         pad_tokens=True),
-    "roberta_cls": Case(transformers.RobertaForSequenceClassification, models.RobertaForSequenceClassification,
+    "roberta_cls": Family(transformers.RobertaForSequenceClassification, models.RobertaForSequenceClassification,
                         roberta_config, "seq_cls", pad_tokens=True),
-    "t5": Case(transformers.T5ForConditionalGeneration, models.T5ForConditionalGeneration, t5_config, "seq2seq"),
-    "t5_v1_1": Case(transformers.T5ForConditionalGeneration, models.T5ForConditionalGeneration, t5_v1_1_config,
+    "t5": Family(transformers.T5ForConditionalGeneration, models.T5ForConditionalGeneration, t5_config, "seq2seq"),
+    "t5_v1_1": Family(transformers.T5ForConditionalGeneration, models.T5ForConditionalGeneration, t5_v1_1_config,
                     "seq2seq", own_head=True),
-    "mt5": Case(transformers.MT5ForConditionalGeneration, models.MT5ForConditionalGeneration, mt5_config, "seq2seq"),
-    "t5_body": Case(transformers.T5Model, models.T5Model, t5_config, "seq2seq_body"),
-    "t5_encoder": Case(transformers.T5EncoderModel, models.T5EncoderModel, t5_v1_1_config, "text_encoder"),
-    "vit": Case(transformers.ViTModel, models.ViTModel, vit_config, "image"),
-    "vit_cls": Case(transformers.ViTForImageClassification, models.ViTForImageClassification, vit_config,
+    "mt5": Family(transformers.MT5ForConditionalGeneration, models.MT5ForConditionalGeneration, mt5_config, "seq2seq"),
+    "t5_body": Family(transformers.T5Model, models.T5Model, t5_config, "seq2seq_body"),
+    "t5_encoder": Family(transformers.T5EncoderModel, models.T5EncoderModel, t5_v1_1_config, "text_encoder"),
+    "vit": Family(transformers.ViTModel, models.ViTModel, vit_config, "image"),
+    "vit_cls": Family(transformers.ViTForImageClassification, models.ViTForImageClassification, vit_config,
                     "image_cls"),
-    "swin": Case(transformers.SwinModel, models.SwinModel, swin_config, "image", drawn=SWIN_DRAWN),
-    "swin_cls": Case(transformers.SwinForImageClassification, models.SwinForImageClassification, swin_config,
+    "swin": Family(transformers.SwinModel, models.SwinModel, swin_config, "image", drawn=SWIN_DRAWN),
+    "swin_cls": Family(transformers.SwinForImageClassification, models.SwinForImageClassification, swin_config,
                      "image_cls", drawn=SWIN_DRAWN),
-    "swinv2": Case(transformers.Swinv2Model, models.Swinv2Model, swinv2_config, "image", drawn=SWINV2_DRAWN,
+    "swinv2": Family(transformers.Swinv2Model, models.Swinv2Model, swinv2_config, "image", drawn=SWINV2_DRAWN,
                    moved=SWINV2_MOVED),
-    "swinv2_cls": Case(transformers.Swinv2ForImageClassification, models.Swinv2ForImageClassification,
+    "swinv2_cls": Family(transformers.Swinv2ForImageClassification, models.Swinv2ForImageClassification,
                        swinv2_config, "image_cls", drawn=SWINV2_DRAWN, moved=SWINV2_MOVED),
 }
 
 
-def make_hf_model(case: Case, seed: int = 0):
+def make_hf_model(case: Family, seed: int = 0):
     """The transformers model, its norm weights drawn away from their initial value (1, or 0 for
     Gemma's (1 + w)): a norm the zoo applied without its weight, or not at all, would then show; so
     are a router's selection biases (0), and the case's `drawn` parameters; its `moved` ones moved."""
@@ -452,7 +455,7 @@ def image_tokens(config: transformers.PretrainedConfig) -> int:
     return side ** 2
 
 
-def make_inputs(case: Case, seed: int = 1, batch: int = 2) -> tuple[dict, torch.Tensor]:
+def make_inputs(case: Family, seed: int = 1, batch: int = 2) -> tuple[dict, torch.Tensor]:
     """(forward kwargs with labels, mask of the positions to compare: padding excluded; an image
     model's output tokens, all compared: ViT's 9 patches + [CLS] split over tp = 2)."""
     g = torch.Generator().manual_seed(seed)
@@ -489,7 +492,7 @@ def make_inputs(case: Case, seed: int = 1, batch: int = 2) -> tuple[dict, torch.
     return inputs, mask.bool()
 
 
-def unscored(case: Case, inputs: dict) -> dict:
+def unscored(case: Family, inputs: dict) -> dict:
     """`inputs` for a forward without a loss: no labels; a sequence-to-sequence model's decoder
     inputs made from them instead (transformers' rule: shifted right, the start token first, -100
     as the pad token)."""
@@ -546,7 +549,7 @@ def hf_named_grads(zoo_model) -> dict[str, torch.Tensor]:
 
 
 def zoo_model(name: str, **changes) -> torch.nn.Module:
-    """Case `name`'s libai_zoo model, freshly initialised, its config changed by `changes` (the
+    """Family `name`'s libai_zoo model, freshly initialised, its config changed by `changes` (the
     trainer's tests give it the tokenizer's vocabulary and enough layers for their pipelines); the
     config's per-layer lists (`layer_types`, ...) repeat to a new `num_hidden_layers`."""
     case = CASES[name]

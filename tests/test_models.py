@@ -17,7 +17,7 @@ from model_cases import (
     CASES,
     HIDDEN,
     SEQ,
-    Case,
+    Family,
     deepseek_v3_config,
     gemma3_multimodal_config,
     hf_checkpoint_grads,
@@ -223,7 +223,7 @@ def test_gemma3_text_model_loads_from_a_multimodal_checkpoint(tied, tmp_path, ca
         multimodal.tie_word_embeddings = tied
         return multimodal
 
-    hf = make_hf_model(Case(transformers.Gemma3ForConditionalGeneration, None, config, "causal"))
+    hf = make_hf_model(Family(transformers.Gemma3ForConditionalGeneration, None, config, "causal"))
     hf.save_pretrained(tmp_path)
     zoo, info = models.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert isinstance(zoo, models.Gemma3ForCausalLM) and zoo.config.tie_word_embeddings == tied
@@ -246,7 +246,7 @@ def test_kimi_k2_directory_loads_as_deepseek_v3(tmp_path):
     DeepseekV3ForCausalLM, with experts in one group and one shared expert (Kimi's shape), and skips
     the multi-token-prediction layer stored after the last one, as DeepSeek-V3's files hold it."""
     case = CASES["deepseek_v3"]
-    kimi = Case(case.hf_class, case.zoo_class, lambda: deepseek_v3_config(n_group=1, topk_group=1, n_shared_experts=1),
+    kimi = Family(case.hf_class, case.zoo_class, lambda: deepseek_v3_config(n_group=1, topk_group=1, n_shared_experts=1),
                 "causal")
     hf = make_hf_model(kimi)
     hf.save_pretrained(tmp_path)
