@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from cases import Case, Cases
-from layouts import LAYOUTS
+from layouts import CHAT_RUNS_AT, LAYOUTS
 from layouts import overrides as layout_overrides
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import build_chat_dataset, check_dataset, load_tokenizer
@@ -316,8 +316,6 @@ dataloader = dict(train=LazyCall(build_chat_dataset)(path="{data}", tokenizer_di
 # hold no assistant token), a pipeline and dp; the Llama runs train LoRA adapters too (LoRA and
 # packing are independent: one run covers both).
 LORA = ["train.lora.rank=4", "train.lora.alpha=8"]
-RUNS_AT = {"llama_dp2": ("llama", "dp2"), "llama_tp2_sp": ("llama", "tp2_sp"), "llama_pp2": ("llama", "pp2_1f1b"),
-           "llama_cp2": ("llama", "cp2"), "gpt2_tp2_sp": ("gpt2", "tp2_sp")}
 
 
 def train(config_file: str, output_dir: str, model: str, overrides: list[str]) -> dict[int, float]:
@@ -345,16 +343,16 @@ def setup(root: Path) -> None:
 CASES = {  # the references run first: they also fill the data cache the workers read
     **{f"one_{model}": Case(1, _run, (model, "one")) for model in ("llama", "gpt2")},
     **{name: Case(LAYOUTS[layout].world_size, _run, (model, layout), needs=(f"one_{model}",))
-       for name, (model, layout) in RUNS_AT.items()},
+       for name, (model, layout) in CHAT_RUNS_AT.items()},
 }
 RUNS = Cases(__file__, CASES, setup)
 sft_runs = RUNS.fixture("sft_runs")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(RUNS_AT))
+@pytest.mark.parametrize("case", list(CHAT_RUNS_AT))
 def test_packed_sft_trains_alike_at_every_layout(sft_runs, case):
-    expected, logged = sft_runs(f"one_{RUNS_AT[case][0]}"), sft_runs(case)
+    expected, logged = sft_runs(f"one_{CHAT_RUNS_AT[case][0]}"), sft_runs(case)
     assert sorted(logged) == list(range(1, STEPS + 1))
     worst = max(abs(logged[i] - expected[i]) / abs(expected[i]) for i in logged)
     assert worst <= TOL, (worst, logged, expected)

@@ -21,7 +21,7 @@ import pytest
 from safetensors.torch import load_file
 
 from cases import Case, Cases
-from layouts import LAYOUTS, overrides
+from layouts import LAYOUTS, LORA_RUNS_AT, overrides
 from libai_zoo.convert import export_adapter
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from test_parallel_training import STEPS, _assert_same, train, trained_one_step, write_config
@@ -38,16 +38,6 @@ VARIANTS = {"plain": [], "last_layer": ['train.lora.target_modules=["3.mlp.down"
             # and sharded with them over edp; its auxiliary loss is per micro-batch: the reference runs
             # the layout's micro-batches
             "experts": ['train.lora.target_modules=["qkv","out","experts"]', "train.micro_batch_size=2"]}
-# (model, layout, variant) of each multi-process run
-RUNS_AT = [
-    ("gpt2", "dp2", "plain"), ("llama", "dp2_zero3", "plain"),
-    ("gpt2", "tp2_sp", "plain"),  # Llama's LoRA at tp2-SP and cp2 shares test_chat_sft's packed-data runs
-    ("gpt2", "pp2_1f1b", "plain"), ("llama", "pp2_zero_bubble", "plain"), ("gpt2", "pp2_1f1b", "last_layer"),
-    ("mqa", "dp2_tp2_zero1", "plain"),  # Llama with one KV head: the adapter on a qkv tp replicates
-    ("gpt2", "dp2_pp2_zero2", "plain"), ("llama", "tp2_pp2_interleaved", "plain"),
-    ("gpt2", "dp2_tp2_zero3", "adapter"), ("llama", "dp2_tp2_zero3", "adapter"), ("gpt2", "tp2_pp2", "adapter"),
-    ("moe", "dp2_ep2_zero3", "experts"),
-]
 # LoRA dropout under tp: a column layer's input is the same on every tp rank, gathered or not, so
 # sequence parallelism changes nothing (a row layer's split input draws from its tp rank's stream)
 DROPOUT = ["train.lora.dropout=0.2"]
@@ -100,7 +90,7 @@ CASES = {
     **{_name(model, layout, variant): Case(LAYOUTS[layout].world_size, _run, (model, layout, variant),
                                            needs=(f"one_{model}_{variant}",) + (
                                                (f"one_{model}_plain",) if variant == "adapter" else ()))
-       for model, layout, variant in RUNS_AT},
+       for model, layout, variant in LORA_RUNS_AT},
     **{f"{model}_{layout}_dropout": Case(2, _run, (model, layout, "plain", tuple(DROPOUT)),
                                          needs=(f"one_{model}_plain",))
        for model in ("gpt2", "llama") for layout in ("tp2", "tp2_sp")},
@@ -112,7 +102,7 @@ runs = RUNS.fixture()
 
 @pytest.mark.parametrize("case, model, variant", [
     pytest.param(_name(model, layout, variant), model, variant, id=_name(model, layout, variant))
-    for model, layout, variant in RUNS_AT])
+    for model, layout, variant in LORA_RUNS_AT])
 def test_lora_layout_equals_one_process(runs, case, model, variant):
     expected = runs(f"one_{model}_{variant}")
     if variant == "plain":  # the adapters learn: their B, zero at the start, moved (the reference's export)

@@ -21,7 +21,19 @@ import pytest
 import torch
 
 from cases import Case, Cases
-from layouts import LAYOUTS, overrides
+from layouts import (
+    CP_LAYOUTS,
+    CP_RESUME_AT,
+    FAMILY_LAYOUTS,
+    FP8_LAYOUTS,
+    INDEXED_LAYOUTS,
+    LAYOUTS,
+    MOE_LAYOUTS,
+    MOE_RESUME_AT,
+    RESUME_AT,
+    TRAINED,
+    overrides,
+)
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, load_tokenizer
@@ -332,78 +344,21 @@ def _optimizer_bytes_dp4_zero1(root: str) -> tuple[list[int], int]:
                                     ["dist.dp=4", "train.zero_stage=1", "train.micro_batch_size=2"])
 
 
-# The covering design (tests/layouts.py): GPT-2 trains at every layout; Llama (grouped-query heads
-# split over tp down to one kv head a rank at tp2, each of its 2 kv heads replicated on 2 ranks at
-# tp4, rotary, RMSNorm and the gated MLP under sequence parallelism, an untied head on the last
-# pipeline stage, no biases under ZeRO-3, recomputed rotary under activation checkpointing) at the
-# layouts that split, shard or recompute those parts; a Llama with one kv head (multi-query, as
-# Gemma 3 270M) where its replicated kv head meets ZeRO-3, gradient accumulation and recomputation;
-# the Llama-shaped Qwen3 and Mistral (the same layers) take Llama's pipelines under ZeRO-3.
-GPT2_LAYOUTS = [name for name in LAYOUTS if name != "one" and LAYOUTS[name].ep == 1 and name not in (
-    "dp2_tp2_zero1", "tp2_pp2_interleaved", "dp2_pp2_zero2")  # those three are LoRA's (test_lora_parallel)
-    and name not in ("tp4", "cp2_tp2_sp", "cp4")]  # and those three Llama's (GPT-2 resumes at tp4)
-# Context parallelism: GPT-2 (learned positions, read at the global positions of a rank's chunks) at cp2,
-# under ZeRO-3 over dp × cp with accumulation, and under a pipeline; Llama (rotary at global positions,
-# grouped-query attention exchanging its 2 KV heads) at cp2 × tp2 with sequence parallelism and at cp4.
-CP_LAYOUTS = [name for name, layout in LAYOUTS.items() if layout.cp > 1]
-LLAMA_LAYOUTS = ["tp2", "tp2_sp", "tp4", "pp2_1f1b", "dp2_tp2_zero3_accum_ac", "cp2_tp2_sp", "cp4"]
-MQA_LAYOUTS = ["dp2_tp2_zero3_accum_ac"]
-# Every other family trains its tests/model_cases.py case (each distinguishing feature on: Qwen3's
-# q/k norms, head_dim and a window of 4 of the 16 positions on every other layer; Mistral's window;
-# Pythia's parallel residual) with the tokenizer's vocabulary and 4 layers, on one layout that
-# pipelines it and shards it with ZeRO-3 (its one-process reference is a run too). A family is one line.
-# Granite's multipliers and SmolLM3's NoPE layers (Llama's layer with a scalar or no rotary) and Gemma 1
-# (whose (1 + w) norms, scaled embeddings and GeGLU Gemma 3 trains here) add no layer a pipeline or ZeRO
-# treats differently: their equality to transformers at one process and tp2 covers them.
-FAMILY_LAYOUTS = {
-    "qwen3": ["dp2_pp2_zero3_zero_bubble"],
-    "mistral": ["dp2_pp2_zero3_interleaved"],
-    "pythia": ["dp2_pp2_zero3_interleaved"],
-    "gemma2": ["dp2_pp2_zero3_interleaved"],
-    "gemma3": ["dp2_pp2_zero3_zero_bubble"],
-    "phi3": ["dp2_pp2_zero3_interleaved"],
-    "olmo2": ["dp2_pp2_zero3_zero_bubble"],
-    "deepseek_v3": ["dp2_pp2_zero3_interleaved"],
-    # T5 1.0 (the shared table tied to the head: three stages hold it) learning to copy its input: 4
-    # encoder and 2 decoder blocks in 4 interleaved stages, so the encoder's output enters the decoder on
-    # one stage and travels to the next; its position bias tables split over tp with the heads, under SP
-    "t5": ["dp2_pp2_zero3_interleaved", "tp2_sp"],
-    # Swin on the digits: two stages of two blocks (8 × 8 patches of 16 channels in shifted 4 × 4 windows,
-    # merged to 4 × 4 of 32): pipeline stages of different widths, and the bias tables split with the heads
-    "swin": ["dp2_pp2_zero3_interleaved", "tp2"],
-}
 #: a family's model as the trainer's tests build it (default: the tokenizer's vocabulary, 4 layers)
 FAMILY_CHANGES = {"swin": dict(image_size=8, patch_size=1, num_channels=1, num_labels=10, embed_dim=16,
                                depths=[2, 2], num_heads=[2, 4], window_size=4, drop_path_rate=0.0,
                                use_absolute_embeddings=False, out_features=None, out_indices=None)}
+
 # A family's own training options, in its one-process reference too: DeepSeek-V3's bias update (the
 # correction biases then move alike at every layout only if each step's routed tokens are summed over dp)
 FAMILY_OPTIONS = {"deepseek_v3": ("train.expert_bias_update_rate=0.001",),
                   "fp8": ("train.fp8.enabled=true",),
                   "fp8_rowwise": ("train.fp8.enabled=true", "train.fp8.recipe=rowwise")}
-# Float8 (torchao) on GPT-2's linear layers: each layout computes what float8 in one process computes,
-# each scale over the whole operand (reduced over tp where a rank holds part of it: column layers'
-# outputs, row layers' inputs; FSDP2's float8 all-gather of the weights at ZeRO-3 with the scales
-# precomputed after each step); rowwise scales where row layers split the summed dimension
-FP8_LAYOUTS = {"fp8": ["tp2_sp", "dp2_zero3", "pp2_1f1b"], "fp8_rowwise": ["tp2_sp"]}
+
 # torch's rowwise float8 GEMM writes bf16 (torchao casts it to the float32 asked for), so a row layer's
 # partial sums over tp are rounded before they are summed: within bf16's rounding of one process (5.6e-5)
 MODEL_TOL = {"fp8_rowwise": 2e-4}
-LLAMA_SHAPED_LAYOUTS = LLAMA_LAYOUTS + FAMILY_LAYOUTS["qwen3"] + FAMILY_LAYOUTS["mistral"]
-# A Mixture of Experts (Mixtral's layers, 8 experts; `uneven_router`: every token to expert 0, none to
-# the last two, so splits and experts go empty) at every expert-parallel layout. Its
-# auxiliary loss is a statistic of each micro-batch: its one-process references run at each layout's
-# micro-batch size (moe_one_mb4, moe_one_mb2).
-MOE_LAYOUTS = [name for name, layout in LAYOUTS.items() if layout.ep > 1]
-# and under context parallelism (ep = 1): its auxiliary loss from the router statistics summed over cp
-MOE_CP_LAYOUTS = ["cp2_dp2_zero3"]
-TRAINED = {"gpt2": GPT2_LAYOUTS, "llama": LLAMA_LAYOUTS, "mqa": MQA_LAYOUTS, **FAMILY_LAYOUTS, **FP8_LAYOUTS,
-           "moe": MOE_LAYOUTS + MOE_CP_LAYOUTS}
 MODEL_OF = {f"{model}_{layout}": model for model, layouts in TRAINED.items() for layout in layouts}  # case -> model
-INDEXED_LAYOUTS = ["dp2", "pp2_1f1b"]  # Megatron-format data: windows of 17 tokens as 16 inputs + 16 shift_labels
-RESUME_AT = ["tp4", "dp2_pp2_zero1_1f1b", "dp2_tp2_pp2_zero3_interleaved", "one"]
-CP_RESUME_AT = ["cp4"]  # from cp2 × dp2 ZeRO-3: a change of cp (RESUME_AT's "one" shows a sharded checkpoint whole)
-MOE_RESUME_AT = {"ep4": (), "one": ("train.micro_batch_size=2",)}  # from dp2_ep2 ZeRO-3, all at micro-batch 2
 EXTRA = {"dp2_pp2_zero2_zbv": ("dataloader.test=null",)}  # zbv cannot evaluate
 FP8_RESUME = (f"train.checkpoint.period={SAVED_AT}", "train.fp8.enabled=true")
 FP8_BROKEN = {"unreduced": "tp2_sp", "stale": "dp2_zero3"}  # a broken scale -> the layout that shows it
