@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "projects/*/README.md", "tools/README.md")
+DOCS = ("README.md", "docs/*.md", "projects/*/README.md", "tools/README.md")
 DOCSTRINGS = ("projects/*/*.py",)
 #: what a documented command starts with (after VAR=value assignments)
 PROGRAMS = ("python", "python3", "torchrun", "accelerate", "pytest", "bash")

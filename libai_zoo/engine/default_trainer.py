@@ -1,6 +1,6 @@
 """`DefaultTrainer(cfg)`: the standard recipe around the loop, every part overridable (the
-`build_*` methods). docs/design.md §5 follows one step through it; the README's "Running long
-jobs" says what a run survives (resume, preemption, divergence, a timed-out collective).
+`build_*` methods). docs/design.md §5 follows one step through it; docs/long_jobs.md says what a run
+survives (resume, preemption, divergence, a timed-out collective).
 
 Batch sizes: each process runs ``train.micro_batch_size`` samples per forward and accumulates
 ``global_batch_size / (micro_batch_size × dp)`` micro-batches per optimizer step.
