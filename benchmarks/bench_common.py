@@ -1,6 +1,7 @@
 """Helpers the benchmark scripts share: dtypes, the alternating timing loop, peak memory, run metadata.
 
-Imported by `bench_layers.py` and `bench_models.py` (run as scripts, so `benchmarks/` is on the path).
+Imported by the benchmark scripts (run as scripts, so `benchmarks/` is on the path); it puts `tests/` on
+the path too, whose `support.forked.run_forked` is the benchmarks' multi-process runner as it is the tests'.
 """
 
 from __future__ import annotations
@@ -9,11 +10,15 @@ import datetime
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

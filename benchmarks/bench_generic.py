@@ -48,13 +48,11 @@ import io
 import logging
 import os
 import statistics
-import tempfile
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 
 from bench_common import run_meta, write_json
@@ -63,6 +61,7 @@ from libai_zoo.engine.train_step import TrainStep
 from libai_zoo.optim import param_groups
 from libai_zoo.parallel import DataParallel, materialize, parallelize
 from libai_zoo.utils.memory import TensorMemoryPeak, gradient_bytes, optimizer_state_bytes, parameter_bytes
+from support.forked import run_forked
 
 #: layout name -> (processes, dp, tp, ZeRO stage)
 LAYOUTS = {"one": (1, 1, 1, 0), "tp2": (2, 1, 2, 0), "dp2z3": (2, 2, 1, 3)}
@@ -218,32 +217,6 @@ def measure(layout: str, a) -> dict:
         distributed.destroy()
 
 
-def _worker(rank: int, world_size: int, out_dir: str, fn, args: tuple, threads: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(threads)
-    warnings.filterwarnings("ignore")
-    if world_size > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{out_dir}/rendezvous", rank=rank,
-                                world_size=world_size)
-    result = fn(*args)
-    if world_size > 1 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def run_forked(fn, world_size: int, threads: int, *args) -> list:
-    """fn(*args) on `world_size` forked processes (file rendezvous; one process: no group); each
-    rank's result, in rank order. The parent never touches CUDA, so forking stays safe there."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, out_dir, fn, args, threads), nprocs=world_size,
-                           start_method="fork")
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
-
-
 FIGURES = (("step_ms", "step ms"), ("params", "params MiB"), ("grads", "grads MiB"), ("optim", "AdamW MiB"),
            ("saved", "saved MiB"), ("peak", "peak MiB"))
 
@@ -314,7 +287,7 @@ def main() -> None:
     for name in names:
         world = LAYOUTS[name][0]
         t0 = time.perf_counter()
-        results[name] = summarize(run_forked(measure, world, a.threads, name, a))
+        results[name] = summarize(run_forked(measure, world, name, a, threads=a.threads))
         r = results[name]
         print(f"{name}: {time.perf_counter() - t0:.0f} s; step ms generic {r['generic']['step_ms']:.1f} native "
               f"{r['native']['step_ms']:.1f}; attention {r['generic']['per_rank'][0]['attention']} / "

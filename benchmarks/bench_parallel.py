@@ -51,7 +51,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -61,6 +60,7 @@ from libai_zoo.config import LazyConfig, instantiate
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.parallel.pipeline import split_layers
 from libai_zoo.utils.memory import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from support.forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH, WORLD = 8, 4
@@ -417,25 +417,6 @@ def _run_all(fn, jobs: dict, *args) -> dict:
     return {name: fn(*job, *args) for name, job in jobs.items()}
 
 
-def _worker(rank: int, world_size: int, out_dir: str, fn, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
-                                  world_size=world_size)
-    result = fn(*args)
-    dist.barrier()
-    dist.destroy_process_group()
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def run_distributed(fn, world_size: int, *args) -> list:
-    """fn(*args) on `world_size` forked gloo processes (file rendezvous); each rank's result, in rank order."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, out_dir, fn, args), nprocs=world_size, start_method="fork")
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
-
-
 # ------------------------------------------------------------------------------------------ analysis
 def parameter_table(model: nn.Module) -> list[dict]:
     """Every parameter of the one-process model once: bytes, whether tp splits it (the vocabulary
@@ -759,7 +740,7 @@ def main() -> None:
                     overrides_for(*LAYOUTS[n], PP_MICRO_BATCHES if LAYOUTS[n][2] > 1 else 1)) for n in names}
         raw = {}
         if jobs:
-            ranks = run_distributed(_run_all, WORLD, measure_layout, jobs, a.timed_steps)
+            ranks = run_forked(_run_all, WORLD, measure_layout, jobs, a.timed_steps)
             raw = {n: [r[n] for r in ranks] for n in names}
         bubble_raw, boundaries = {}, {}
         for p in bubble_pp:
@@ -768,12 +749,12 @@ def main() -> None:
             runs = {f"pp{p}_m{m}": (str(files["bubble"]), str(root / f"bubble_pp{p}_m{m}"),
                                     overrides_for(1, 1, p, 0, m) + extra) for m in micro_batches}
             boundaries[p] = cut
-            ranks = run_distributed(_run_all, p, measure_bubble, runs, a.bubble_steps)
+            ranks = run_forked(_run_all, p, measure_bubble, runs, a.bubble_steps)
             bubble_raw.update({n: [r[n] for r in ranks] for n in runs})
         overlap_raw = {}
         for d in overlap_dp:  # the bubble model (larger): one micro-batch of 8 / dp per rank at ZeRO-0
             runs = {f"dp{d}": (str(files["bubble"]), str(root / f"overlap_dp{d}"), overrides_for(d, 1, 1, 0))}
-            ranks = run_distributed(_run_all, d, measure_overlap, runs, a.overlap_rounds)
+            ranks = run_forked(_run_all, d, measure_overlap, runs, a.overlap_rounds)
             overlap_raw.update({n: [r[n] for r in ranks] for n in runs})
 
     layouts = analyse(a, table, base, raw)

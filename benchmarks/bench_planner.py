@@ -25,11 +25,11 @@ import time
 import torch
 
 from bench_common import run_meta, write_json
-from bench_parallel import run_distributed
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.plan import plan
+from support.forked import run_forked
 
 CONFIG = "projects/gpt2_pretrain/config.py"
 MODEL = ["model.config.n_embd=256", "model.config.n_layer=8", "model.config.n_head=8",
@@ -104,7 +104,7 @@ def main() -> None:
         candidate = result.candidates[index]
         overrides = candidate.layout.overrides().split()
         with tempfile.TemporaryDirectory() as output_dir:
-            measured = max(r["step_s"] for r in run_distributed(measure, args.world_size, overrides, output_dir,
+            measured = max(r["step_s"] for r in run_forked(measure, args.world_size, overrides, output_dir,
                                                                 args.steps))
         rows.append({"predicted_rank": index + 1, "layout": candidate.layout.short(),
                      "overrides": candidate.layout.overrides(), "predicted_s": candidate.time.total,

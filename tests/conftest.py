@@ -10,7 +10,7 @@ if os.environ.get("LIBAI_ZOO_TEST_DEVICE", "cpu") == "cpu":
 
 import torch  # noqa: E402
 
-# Multi-process tests fork this process (tests/distributed_runner.py): a parent that has used an
+# Multi-process tests fork this process (tests/support/forked.py): a parent that has used an
 # OpenMP pool can hang its forked children, and on 2 cores one thread per process is fastest.
 torch.set_num_threads(1)
 # torch.distributed and DTensor may write compile caches; keep them out of the user's /tmp.

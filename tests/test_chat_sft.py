@@ -15,7 +15,6 @@ import pytest
 import torch
 import transformers
 
-from cases import Case, Cases
 from layouts import CHAT_RUNS_AT, LAYOUTS
 from layouts import overrides as layout_overrides
 from libai_zoo.config import LazyConfig
@@ -23,6 +22,7 @@ from libai_zoo.data import build_chat_dataset, check_dataset, load_tokenizer
 from libai_zoo.data.chat_dataset import pack_greedily
 from libai_zoo.layers import packed_causal_mask
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, get_layer_stack
+from support.cases import Case, Cases
 from trainer_runs import losses, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]

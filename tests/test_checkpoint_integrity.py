@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.tensor import DTensor
 
-from distributed_runner import run_distributed
 from libai_zoo.checkpoint import Checkpointer, CheckpointManager, commit
+from support.forked import run_forked
 
 
 def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -351,7 +351,7 @@ def _two_ranks(output_dir: str) -> dict:
 
 @pytest.mark.slow
 def test_two_ranks_sharded_sync_and_async_fall_back_alike(tmp_path):
-    results = run_distributed(_two_ranks, 2, str(tmp_path))
+    results = run_forked(_two_ranks, 2, str(tmp_path))
     for rank, result in enumerate(results):
         assert result["newest"] == tmp_path / "model_0000003", rank
         assert [result[f"iteration_{i}"] for i in (1, 2, 3)] == [1, 2, 3]

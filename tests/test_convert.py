@@ -32,11 +32,11 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from distributed_runner import run_distributed
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.data import PackedTokenDataset
 from libai_zoo.engine import DefaultTrainer
+from support.forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "tools" / "convert"
@@ -181,7 +181,7 @@ def runs(tmp_path_factory, hf_dir):
     weights = safetensors.torch.load_file(hf_dir / "model.safetensors")
     safetensors.torch.save_file({k: v for k, v in weights.items() if "ln_f" not in k},
                                 root / "hf_without_ln_f" / "model.safetensors", metadata={"format": "pt"})
-    ranks = run_distributed(_all_runs, 4, str(config_file), str(root), str(hf_dir))
+    ranks = run_forked(_all_runs, 4, str(config_file), str(root), str(hf_dir))
     return root, {**ranks[0], "bad_hf_per_rank": [rank["bad_hf"] for rank in ranks]}
 
 

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from distributed_runner import run_distributed
 from libai_zoo import distributed, layers
 from libai_zoo.plan import fake_world
+from support.forked import run_forked
 
 
 @pytest.fixture(autouse=True)
@@ -151,7 +151,7 @@ def test_a_dtensor_result_lives_on_the_current_contexts_mesh():
 
 @pytest.mark.slow
 def test_mesh_puts_tp_on_neighbouring_ranks():
-    per_rank = run_distributed(_layouts, 4)
+    per_rank = run_forked(_layouts, 4)
     for rank, layout in enumerate(per_rank):
         dp2_tp2 = layout[(2, 2, 1)]
         assert dp2_tp2["coords"] == (rank // 2, rank % 2, 0)

@@ -3,7 +3,7 @@ adapters trained 4 steps under dp (ZeRO 0-3), tp (with sequence parallelism), pp
 zero-bubble, whose split backward meets frozen weights) and their mixes log the one-process loss at
 every step; the frozen base holds no gradient and no optimizer state on any rank (its bytes per
 rank against full fine-tuning are recorded). The config and the run helper are
-test_parallel_training's; each run is a case (tests/cases.py), computed when a selected test asks.
+test_parallel_training's; each run is a case (tests/support/cases.py), computed when a selected test asks.
 
 The covering design (tests/layouts.py): what LoRA changes is a frozen base (under DDP, ZeRO 1-3 and
 a pipeline's split backward), adapters split as their layer is (tp, sequence parallelism) and
@@ -20,10 +20,10 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from cases import Case, Cases
 from layouts import LAYOUTS, LORA_RUNS_AT, overrides
 from libai_zoo.convert import export_adapter
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from support.cases import Case, Cases
 from test_parallel_training import STEPS, _assert_same, train, trained_one_step, write_config
 
 pytestmark = pytest.mark.slow

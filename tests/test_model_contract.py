@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import TokenClassifierOutput
 
-from distributed_runner import run_distributed
 from libai_zoo import distributed, layers
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.models import TrainableModel
+from support.forked import run_forked
 from trainer_runs import losses, run_trainer
 
 VOCAB, TAGS, SEQ, STEPS = 64, 3, 16, 6
@@ -151,7 +151,7 @@ def test_a_user_model_trains_at_tp2_and_pp2_like_one_process(tmp_path):
     config = config_file(tmp_path)
     one = train(config, str(tmp_path / "one"), "train.micro_batch_size=8")
     assert sorted(one) == list(range(1, STEPS + 1)) and one[STEPS] < one[1] - 0.05  # it learns
-    runs = run_distributed(_tp2_and_pp2, 2, config, str(tmp_path))[0]
+    runs = run_forked(_tp2_and_pp2, 2, config, str(tmp_path))[0]
     for layout, logged in runs.items():
         assert sorted(logged) == sorted(one), layout
         assert max(abs(logged[i] - one[i]) / one[i] for i in one) <= 1e-5, (layout, logged, one)

@@ -4,7 +4,7 @@ with ``shard=True`` (each rank reading only its slices) and with ``from_pretrain
 to a Hugging Face directory, and the error for a tp that neither divides the KV heads nor is a
 multiple of them (a multiple replicates them: qwen3_one_kv_head).
 
-Each model is a case (tests/cases.py): the selected ones share one pair of processes (start-up
+Each model is a case (tests/support/cases.py): the selected ones share one pair of processes (start-up
 dominates on CPU), and a failure names its model; the parent computes the `transformers`
 references and asserts on the numbers the ranks send back.
 """
@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.optim import clip_grad_norm_
 from model_cases import (
@@ -31,6 +30,7 @@ from model_cases import (
     make_inputs,
     qwen3_config,
 )
+from support.cases import Case, Cases
 
 pytestmark = pytest.mark.slow
 

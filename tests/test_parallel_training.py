@@ -6,7 +6,7 @@ under ZeRO-3 (Llama and the families read from Hugging Face directories, as the 
 split over ep; a checkpoint written at dp2×tp2 with ZeRO-3 resumes at other layouts, the MoE's
 written at ep2 resumes at ep4 and in one process; bad layouts fail before the first step.
 
-Each run is a case (tests/cases.py): computed when a selected test asks for it, the cases of one
+Each run is a case (tests/support/cases.py): computed when a selected test asks for it, the cases of one
 world size in one group of forked gloo processes, the one-process references once in the parent.
 """
 
@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cases import Case, Cases
 from layouts import (
     CP_LAYOUTS,
     CP_RESUME_AT,
@@ -43,6 +42,7 @@ from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForC
 from libai_zoo.parallel import DataParallel, materialize, parallelize
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from model_cases import zoo_model
+from support.cases import Case, Cases
 from trainer_runs import losses, records, run_trainer
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,6 @@ import torch
 import transformers
 from torch.distributed.tensor import DTensor
 
-from distributed_runner import run_distributed
 from libai_zoo.models import (
     BertConfig,
     BertForMaskedLM,
@@ -38,6 +37,7 @@ from libai_zoo.parallel.pipeline import (
     prune_for_stage,
     split_layers,
 )
+from support.forked import run_forked
 
 pytestmark = pytest.mark.slow
 
@@ -216,7 +216,7 @@ def pipeline_results():
     batches = {name: make_batch(name) for name in MODELS}
     refs = {name: (_reference(model, batches[name]), _reference(model, shorter(batches[name])))
             for name, model in models.items()}
-    return run_distributed(_ranks, 4, models, batches), refs
+    return run_forked(_ranks, 4, models, batches), refs
 
 
 # The last stage's copy of a weight tied to the first stage's: (its name, the first stage's name).

@@ -9,14 +9,13 @@ the gradient bytes when the optimizer step starts (after backward, the dp reduct
 weights' sync and clipping; before the gradients are cleared), and the optimizer state bytes after
 the step equal the planner's `state_bytes(table, layout, pp_rank, dp_rank, OptimizerState.probe(...))`
 and the one-process dry run's count of the same rank. All layouts share one quartet of forked
-processes (start-up dominates on CPU), computed for the selected tests only (tests/cases.py).
+processes (start-up dominates on CPU), computed for the selected tests only (tests/support/cases.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
@@ -25,6 +24,7 @@ from libai_zoo.plan.layouts import Layout
 from libai_zoo.plan.memory import OptimizerState, state_bytes
 from libai_zoo.plan.model_table import ModelTable
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from support.cases import Case, Cases
 
 pytestmark = pytest.mark.slow
 

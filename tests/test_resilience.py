@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from distributed_runner import run_distributed
 from libai_zoo.config import LazyCall, LazyConfig
 from libai_zoo.data import IndexedDatasetWriter, IndexedGPTDataset, MicroBatchSampler
 from libai_zoo.engine import DivergenceError
 from recorded_data import attempts
+from support.forked import run_forked
 from trainer_runs import losses, records, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def references(config_file, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, world, overrides in (("tp2", 2, ["dist.tp=2"]), ("dp2", 2, ["dist.dp=2"])):
         out[name] = tmp_path_factory.mktemp(f"reference_{name}")
-        run_distributed(_reference, world, config_file, out[name], overrides)
+        run_forked(_reference, world, config_file, out[name], overrides)
     return out
 
 

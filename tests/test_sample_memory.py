@@ -19,12 +19,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from distributed_runner import run_distributed
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer, GenerateSample
 from libai_zoo.models import get_layer_stack
 from libai_zoo.utils import TensorMemoryPeak
+from support.forked import run_forked
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def runs(request, tmp_path_factory):
     one = {model: sample(str(config_file), str(root / f"one_{model}"), model,
                          ["train.micro_batch_size=4", "train.global_batch_size=4"])
            for model, _, amp, _ in {CASES[name] for name in names} if not amp}
-    return one, run_distributed(_dp4, 4, str(config_file), str(root), names)
+    return one, run_forked(_dp4, 4, str(config_file), str(root), names)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -168,7 +168,7 @@ def test_rows_and_gathered_parameters_take_the_param_dtype_and_device():
     them; under zero_offload a CPU shard goes to the run's device before use. That move is checked
     here on the meta device only: the GPU path (NCCL, offloaded shards) needs two GPUs and is not
     run by the tests."""
-    ranks = run_distributed(_rows_cast_and_moved, 2)
+    ranks = run_forked(_rows_cast_and_moved, 2)
     bf16 = ranks[0]["table"].bfloat16()
     for rank, rows in zip(ranks, (4, 3)):
         assert rank["looked_up"].dtype == rank["logits"].dtype == rank["gathered"].dtype == torch.bfloat16

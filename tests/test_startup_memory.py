@@ -17,11 +17,11 @@ import pytest
 import torch
 import transformers
 
-from cases import Case, Cases
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.utils import TensorMemoryPeak, parameter_bytes
+from support.cases import Case, Cases
 
 pytestmark = pytest.mark.slow
 

@@ -21,12 +21,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from distributed_runner import run_distributed
 from libai_zoo import distributed, layers, models
 from libai_zoo.distributed import ContextParallel
 from libai_zoo.distributed.expert_parallel import combine, dispatch, gather_tokens, local_tokens, scatter_tokens
 from model_cases import VOCAB as MODEL_VOCAB
 from model_cases import qwen3_config
+from support.forked import run_forked
 
 pytestmark = pytest.mark.slow
 
@@ -504,12 +504,12 @@ def checkpoint_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2(checkpoint_dir):
-    return _merge(run_distributed(_worker, 2, 2, checkpoint_dir, False))
+    return _merge(run_forked(_worker, 2, 2, checkpoint_dir, False))
 
 
 @pytest.fixture(scope="module")
 def tp4(tp2, checkpoint_dir):
-    return _merge(run_distributed(_worker, 4, 4, checkpoint_dir, True))
+    return _merge(run_forked(_worker, 4, 4, checkpoint_dir, True))
 
 
 @pytest.fixture(params=[2, 4], ids=["tp2", "tp4"])

@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 
-from distributed_runner import run_distributed
 from libai_zoo import distributed, layers
 from libai_zoo.config import Recompute
 from libai_zoo.parallel import apply_activation_checkpointing
+from support.forked import run_forked
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def _checks() -> dict:
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_distributed(_checks, 2)
+    return run_forked(_checks, 2)
 
 
 def test_each_tp_rank_has_its_own_stream_and_the_shared_one_is_untouched(ranks):

@@ -328,10 +328,10 @@ def _dp2_runs(config_file: str, root: str) -> dict:
 
 @pytest.mark.slow
 def test_a_stream_at_dp2_logs_the_one_process_losses_and_resumes_exactly(config_file, tmp_path):
-    from distributed_runner import run_distributed
+    from support.forked import run_forked
 
     run_trainer(load(config_file, tmp_path / "one", "dataloader.train.streaming=true"))
-    dp2 = run_distributed(_dp2_runs, 2, str(config_file), str(tmp_path / "dp2"))[0]
+    dp2 = run_forked(_dp2_runs, 2, str(config_file), str(tmp_path / "dp2"))[0]
     one = losses(tmp_path / "one")
     assert sorted(dp2["straight"]) == sorted(dp2["resumed"]) == list(range(1, 7))
     assert max(abs(dp2["straight"][i] - one[i]) for i in one) <= 1e-5

@@ -376,13 +376,13 @@ def _tp2_losses(config_file: str, output_dir: str) -> dict[int, float]:
 @pytest.mark.slow
 def test_tensor_parallel_run_equals_one_process(config_file, tmp_path):
     """The same recipe at dist.tp=2 (two gloo processes) logs the one-process losses."""
-    from distributed_runner import run_distributed
+    from support.forked import run_forked
 
     no_dropout = tmp_path / "no_dropout.py"  # dropout masks of split activations depend on the layout
     no_dropout.write_text(config_file.read_text().replace(
         "n_head=4,", "n_head=4, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0,"))
     run(no_dropout, tmp_path / "one", "train.checkpoint.period=0", "train.max_iter=6")
-    tp2 = run_distributed(_tp2_losses, 2, str(no_dropout), str(tmp_path / "tp2"))[0]
+    tp2 = run_forked(_tp2_losses, 2, str(no_dropout), str(tmp_path / "tp2"))[0]
     one = losses(tmp_path / "one")
     assert sorted(tp2) == list(range(1, 7))
     assert max(abs(tp2[i] - one[i]) / one[i] for i in one) <= 1e-5

@@ -25,7 +25,6 @@ import torch
 import transformers
 from torch import nn
 
-from cases import Case, Cases
 from layouts import LAYOUTS, overrides
 from libai_zoo import models
 from libai_zoo.config import ConfigError, LazyConfig
@@ -34,6 +33,7 @@ from libai_zoo.hf import save_peft_adapter
 from libai_zoo.layers import apply_lora
 from libai_zoo.models import TransformersModel, trainable
 from libai_zoo.parallel import materialize
+from support.cases import Case, Cases
 from test_parallel_training import STEPS, _assert_same, train
 
 ROOT = Path(__file__).resolve().parents[1]
