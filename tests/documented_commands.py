@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/*.md", "projects/*/README.md", "tools/README.md")
 DOCSTRINGS = ("projects/*/*.py",)
 #: what a documented command starts with (after VAR=value assignments)
-PROGRAMS = ("python", "python3", "torchrun", "accelerate", "pytest", "bash")
+PROGRAMS = ("python", "python3", "torchrun", "accelerate", "pytest", "ruff", "bash")
 
 
 @dataclass(frozen=True)
