@@ -68,8 +68,8 @@ def one_process_layouts(cfg) -> list[Layout]:
     """The planner's layouts of one process at the config's micro-batch size: its recomputation choices."""
     run = run_settings(cfg)
     table = ModelTable.from_config(cfg.model)
-    found = enumerate_layouts(table, 1, run.micro_batch_size, seq_len=run.seq_len)
-    return list(dict.fromkeys(layout for layout in found if layout.micro_batch_size == run.micro_batch_size))
+    found = enumerate_layouts(table, 1, run.train.micro_batch_size, seq_len=run.seq_len)
+    return list(dict.fromkeys(layout for layout in found if layout.micro_batch_size == run.train.micro_batch_size))
 
 
 def measure(cfg) -> int:

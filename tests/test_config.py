@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, ReadonlyConfigError
 
 import libai_zoo.config
 from libai_zoo.config import (
@@ -519,15 +519,18 @@ def test_run_settings_parse_what_the_trainer_and_the_planner_read():
         "train.amp.enabled=true", "train.amp.dtype=fp16", "train.pipeline.schedule=interleaved_1f1b",
         "train.pipeline.virtual_stages=2", "train.pipeline.boundaries=[1,2,3]", "dist.sequence_parallel=true"])
     run = run_settings(cfg)
-    assert (run.seq_len, run.amp_dtype, run.micro_batch_size, run.global_batch_size) == (128, torch.float16, 16, 16)
-    assert run.pipeline == PipelineSettings("interleaved_1f1b", 2, (1, 2, 3)) and run.sequence_parallel
+    assert (run.seq_len, run.amp_dtype, run.train.micro_batch_size, run.train.global_batch_size) == \
+        (128, torch.float16, 16, 16)
+    assert run.pipeline == PipelineSettings("interleaved_1f1b", 2, (1, 2, 3)) and run.dist.sequence_parallel
+    with pytest.raises(ReadonlyConfigError):  # one view: what a run changes goes into cfg
+        run.train.max_iter = 1
     assert run.lora["rank"] == 0 and set(run.lora) == {"rank", "alpha", "dropout", "target_modules", "adapter", "layers"}
     assert run_settings(LazyConfig.load(ROOT / "projects/llama_sft/config.py")).seq_len == 512   # max_length
     assert run_settings(LazyConfig.load(ROOT / "projects/vit_classification/config.py")).seq_len is None  # images
     # a config built by hand reads the defaults for what it leaves out
     hand = OmegaConf.create({"train": {"global_batch_size": 4, "lora": None}})
     run = run_settings(hand)
-    assert (run.global_batch_size, run.micro_batch_size, run.amp_dtype, run.pipeline) == \
+    assert (run.train.global_batch_size, run.train.micro_batch_size, run.amp_dtype, run.pipeline) == \
         (4, 8, None, PipelineSettings("1f1b", 1, None))
     with pytest.raises(ConfigError, match=r"train\.amp\.dtype = 'fp8' must be one of \['bf16', 'fp16'\]"):
         run_settings(LazyConfig.apply_overrides(defaults(), ["train.amp.enabled=true", "train.amp.dtype=fp8"]))

@@ -76,21 +76,6 @@ def overrides_of(text: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------- tools/plan.py --json
-@pytest.fixture
-def one_meta_model(monkeypatch):
-    """`engine.checks.check_layout` builds ``cfg.model`` on the meta device at each call (30 ms for
-    7B); the candidates of one plan share the model, so build it once."""
-    built: dict[str, object] = {}
-
-    def instantiate_once(node):
-        key = OmegaConf.to_yaml(node)
-        if key not in built:
-            built[key] = instantiate_model(node)
-        return built[key]
-
-    monkeypatch.setattr(checks, "instantiate_model", instantiate_once)
-
-
 def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads: int,
                      *overrides: str) -> tuple[set[int], set[int]]:
     """Run the CLI for an H100 roofline with every candidate printed, and check each one: sorted by
@@ -156,12 +141,14 @@ def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads
     # and each layout the trainer's check tells apart, applied whole, reads back as itself and passes it
     cfg = copy.deepcopy(base)
     held: dict[str, str] = {}  # key -> the item cfg holds of it: setting it again would change nothing
-    for (tp, pp, _, _, micro_batches), text in shapes.items():
+    with torch.device("meta"):
+        model = instantiate_model(base.model)  # as the trainer, built once and checked at each layout
+    for (*_, micro_batches), text in shapes.items():
         changed = [item for item in text.split() if held.get(item.split("=")[0]) != item]
         LazyConfig.apply_overrides(cfg, changed)  # in place: pp = 1 leaves the pipeline keys, unread
         held.update((item.split("=")[0], item) for item in changed)
         assert Layout.from_config(cfg, world_size).overrides() == text
-        checks.check_layout(cfg, tp, pp, micro_batches)
+        checks.check_layout(model, run_settings(cfg), micro_batches)
     return tps, cps
 
 
@@ -169,7 +156,7 @@ ROOFLINE = pytest.mark.skipif(torch.cuda.is_available(), reason="an H100 here wo
 
 
 @ROOFLINE
-def test_plan_json_llama_7b_on_64_h100(plan_tool, capsys, tmp_path, one_meta_model):
+def test_plan_json_llama_7b_on_64_h100(plan_tool, capsys, tmp_path):
     # tp inside a node of 8 and dividing the 32 heads (and KV heads, MLP 11008, vocabulary 32000)
     # cp splits the 4096 tokens over up to 64 ranks (ones that leave the 7B fitting)
     tps, cps = check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 64, 32)
@@ -177,7 +164,7 @@ def test_plan_json_llama_7b_on_64_h100(plan_tool, capsys, tmp_path, one_meta_mod
 
 
 @ROOFLINE
-def test_plan_json_refuses_tp_the_heads_do_not_divide(plan_tool, capsys, tmp_path, one_meta_model):
+def test_plan_json_refuses_tp_the_heads_do_not_divide(plan_tool, capsys, tmp_path):
     # 12 heads of 128 (4 KV heads): tp 8 splits neither; 4 splits both
     tps, _ = check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 64, 12, "model.config.hidden_size=1536",
                               "model.config.num_attention_heads=12", "model.config.num_key_value_heads=4")

@@ -449,3 +449,23 @@ def test_clip_grad_norm_null_means_no_clipping(config_file, tmp_path):
     unclipped, huge = records(tmp_path / "null"), records(tmp_path / "huge")
     assert [r["loss"] for r in unclipped] == [r["loss"] for r in huge]
     assert all(r["grad_norm"] > 1.0 for r in unclipped)  # the default (1.0) would have clipped them
+
+
+def test_a_start_reads_the_config_once_and_builds_the_meta_model_once(config_file, tmp_path, monkeypatch):
+    """The run's settings are parsed once and the meta model built once: the layout checks and the
+    build read the same ones (the config is not read two ways)."""
+    import libai_zoo.engine.default_trainer as trainer_module
+    calls = {"run_settings": 0, "instantiate_model": 0}
+
+    def counted(name):
+        original = getattr(trainer_module, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(trainer_module, name, call)
+    counted("run_settings")
+    counted("instantiate_model")
+    trainer = run(config_file, tmp_path, "train.max_iter=1")
+    assert calls == {"run_settings": 1, "instantiate_model": 1}
+    assert trainer.settings.train.max_iter == 1 and trainer.settings.seq_len == 32

@@ -27,11 +27,11 @@ from torch import nn
 
 from layouts import LAYOUTS, overrides
 from libai_zoo import models
-from libai_zoo.config import ConfigError, LazyConfig
+from libai_zoo.config import ConfigError, LazyConfig, run_settings
 from libai_zoo.engine.checks import check_layout
 from libai_zoo.hf import save_peft_adapter
 from libai_zoo.layers import apply_lora
-from libai_zoo.models import TransformersModel, trainable
+from libai_zoo.models import TransformersModel, instantiate_model, trainable
 from libai_zoo.parallel import materialize
 from support.cases import Case, Cases
 from test_parallel_training import STEPS, _assert_same, train
@@ -251,6 +251,12 @@ def recipe(tmp_path):
     return tmp_path
 
 
+def meta_model(cfg) -> nn.Module:
+    """`cfg.model` as the trainer builds it for its checks: on the meta device."""
+    with torch.device("meta"):
+        return instantiate_model(cfg.model)
+
+
 @pytest.mark.parametrize("model, tp, pp, named", [
     ("bloom", 2, 1, "declares no tensor-parallel plan"),
     ("bloom", 1, 2, "declares no pipeline plan"),
@@ -262,8 +268,9 @@ def test_refused_before_any_process_group(recipe, model, tp, pp, named):
     the model, the reason and the way out."""
     cfg = LazyConfig.load(str(recipe / "config.py"))
     cfg.model = cfg.models[model]
+    cfg = LazyConfig.apply_overrides(cfg, [f"dist.tp={tp}", f"dist.pp={pp}"])
     with pytest.raises(ConfigError, match=named):
-        check_layout(cfg, tp=tp, pp=pp, num_micro_batches=2)
+        check_layout(meta_model(cfg), run_settings(cfg), num_micro_batches=2)
 
 
 def test_bare_body_is_refused():
@@ -308,9 +315,9 @@ def test_zoo_only_splits_are_refused(recipe, option, named):
     model, each is refused by name before any process group exists, never a silent no-op."""
     cfg = LazyConfig.apply_overrides(LazyConfig.load(str(recipe / "config.py")), [option])
     cfg.model = cfg.models["jamba"]
+    cfg = LazyConfig.apply_overrides(cfg, ["dist.tp=2"])
     with pytest.raises(ConfigError, match=named):
-        check_layout(cfg, tp=2, pp=1, num_micro_batches=2, ep=2 if "ep" in option else 1,
-                     cp=2 if "cp" in option else 1)
+        check_layout(meta_model(cfg), run_settings(cfg), num_micro_batches=2)
 
 
 def test_lora_adapter_is_peft_s(tmp_path):

@@ -1,9 +1,11 @@
 """What a run's config means, parsed once: `run_settings(cfg)` is what the trainer, the layout
-planner and its dry run read (the sequence length, the autocast dtype, the pipeline, the batch and
-memory settings), so they cannot read one config two ways.
+planner and its dry run read, so they cannot read one config two ways. It holds the ``train`` and
+``dist`` sections as the schema types them (every key, its default filled in: read-only), and what
+their values mean where a value needs parsing (the sequence length, the autocast dtype, the
+pipeline, the recomputation, float8). A key is stated once, in `schema.py`; nothing here copies one.
 
     settings = run_settings(cfg)
-    settings.seq_len, settings.amp_dtype, settings.pipeline.schedule
+    settings.seq_len, settings.amp_dtype, settings.pipeline.schedule, settings.train.micro_batch_size
 """
 
 from __future__ import annotations
@@ -98,25 +100,23 @@ FULL = Recompute("full", (), None)
 class RunSettings:
     """The parsed values of a run's config (see `run_settings`)."""
 
+    #: ``train`` and ``dist`` as the schema types them, every key present (read-only)
+    train: DictConfig
+    dist: DictConfig
     #: Tokens per sample of the training data; None when the dataset recipe states none (images).
     seq_len: int | None
     #: The autocast dtype of ``train.amp``; None without autocast.
     amp_dtype: torch.dtype | None
-    #: ``train.amp.fp32_residual``: the residual stream in float32 under autocast, not amp_dtype.
-    fp32_residual: bool
     pipeline: PipelineSettings
-    micro_batch_size: int
-    global_batch_size: int
-    zero_stage: int
     #: What activation checkpointing recomputes; None: nothing.
     activation_checkpoint: Recompute | None
-    sequence_parallel: bool
-    #: ``dist.cp``: the ranks each sample's sequence is split over (1: none).
-    context_parallel: int
-    #: ``train.lora`` as a plain dict, every key present.
-    lora: dict[str, Any]
     #: ``train.fp8``: what computes in float8; None: nothing.
     fp8: Float8 | None = None
+
+    @property
+    def lora(self) -> dict[str, Any]:
+        """``train.lora`` as a plain dict, every key present."""
+        return OmegaConf.to_container(self.train.lora, resolve=True)
 
 
 def run_settings(cfg: DictConfig) -> RunSettings:
@@ -124,22 +124,18 @@ def run_settings(cfg: DictConfig) -> RunSettings:
     ``train`` or ``dist`` (one built by hand) reads their defaults. A value no run can use is a
     `ConfigError` that names the key."""
     run = typed(OmegaConf.create({"train": cfg.get("train") or {}, "dist": cfg.get("dist") or {}},
-                                 flags=OBJECT_FLAGS))
+                                 flags=dict(OBJECT_FLAGS)))  # its own flags: read-only is set on them
+    OmegaConf.set_readonly(run, True)
     train = run.train
     pipe = train.pipeline
     return RunSettings(
+        train=train,
+        dist=run.dist,
         seq_len=_sequence_length(cfg.get("dataloader")),
         amp_dtype=_amp_dtype(train),
-        fp32_residual=train.amp.fp32_residual,
         pipeline=PipelineSettings(pipe.schedule, pipe.virtual_stages,
                                   None if pipe.boundaries is None else tuple(pipe.boundaries)),
-        micro_batch_size=train.micro_batch_size,
-        global_batch_size=train.global_batch_size,
-        zero_stage=train.zero_stage,
         activation_checkpoint=_recompute(train.activation_checkpoint),
-        sequence_parallel=run.dist.sequence_parallel,
-        context_parallel=run.dist.cp,
-        lora=OmegaConf.to_container(train.lora, resolve=True),
         fp8=_float8(train),
     )
 

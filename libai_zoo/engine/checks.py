@@ -1,17 +1,16 @@
 """What `DefaultTrainer` refuses before any process group exists: a batch that does not split into
 micro-batches, a model that does not split over tp, its experts over ep × tp, into pp stages, or its
-sequences over cp. (The parsed settings, AMP dtype and sequence length included, are
-`libai_zoo.config.run_settings`.)"""
+sequences over cp: on the model the trainer built once on the meta device, with the settings it
+parsed once (`libai_zoo.config.run_settings`)."""
 
 from __future__ import annotations
 
-import torch
 from omegaconf import DictConfig
 from torch import nn
 
 from libai_zoo import distributed
-from libai_zoo.config import ConfigError, RunSettings, run_settings
-from libai_zoo.models import CausalLM, all_layers, check_trainable, instantiate_model
+from libai_zoo.config import ConfigError, RunSettings
+from libai_zoo.models import CausalLM, all_layers, check_trainable
 from libai_zoo.parallel import check_pipeline_layout, check_stage_holdings
 
 
@@ -25,18 +24,17 @@ def accumulation_steps(train: DictConfig, dp: int) -> int:
     return train.global_batch_size // per_step
 
 
-def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: int = 1, cp: int = 1) -> None:
-    """Refuse a model that cannot be split over tp, whose experts cannot be split over ep × tp, that
-    cannot be cut into pp stages, or whose sequences cannot be split over cp (it is built on the meta
-    device: no memory, nothing read but a config)."""
-    with torch.device("meta"):
-        model = instantiate_model(cfg.model)
+def check_layout(model: nn.Module, settings: RunSettings, num_micro_batches: int) -> None:
+    """Refuse a `model` (built on the meta device: no memory, nothing read but a config) that cannot
+    be split over the settings' tp, whose experts cannot be split over ep × tp, that cannot be cut
+    into pp stages, or whose sequences cannot be split over cp."""
+    tp, pp, ep, cp = settings.dist.tp, settings.dist.pp, settings.dist.ep, settings.dist.cp
     check_trainable(model)
-    problems = model.layout_problems(sequence_parallel=tp > 1 and run_settings(cfg).sequence_parallel, cp=cp, ep=ep)
+    problems = model.layout_problems(sequence_parallel=tp > 1 and settings.dist.sequence_parallel, cp=cp, ep=ep)
     if problems:
         raise ConfigError(f"{type(model).__name__} cannot run this layout:\n  " + "\n  ".join(problems))
     if cp > 1:
-        check_context_parallel(model, cp, tp, run_settings(cfg))
+        check_context_parallel(model, cp, tp, settings)
     problems = distributed.tp_problems(model, tp) if tp > 1 else []
     if problems:
         raise ConfigError(f"the model cannot be split over dist.tp = {tp}:\n  " + "\n  ".join(problems))
@@ -48,7 +46,7 @@ def check_layout(cfg: DictConfig, tp: int, pp: int, num_micro_batches: int, ep: 
     if problems:
         raise ConfigError(f"the model cannot be cut into dist.pp = {pp} pipeline stages:\n  " + "\n  ".join(problems))
     if pp > 1:
-        pipe = run_settings(cfg).pipeline
+        pipe = settings.pipeline
         check_pipeline_layout(len(all_layers(model)), pp, schedule=pipe.schedule,
                               num_micro_batches=num_micro_batches, virtual_stages=pipe.virtual_stages,
                               boundaries=pipe.boundaries)
@@ -77,7 +75,7 @@ def check_context_parallel(model: nn.Module, cp: int, tp: int, settings: RunSett
     if seq_len is not None and seq_len % (2 * cp):
         raise ConfigError(f"the sequence length {seq_len} does not split into 2·cp = {2 * cp} equal chunks (dist.cp "
                           f"= {cp}): make the data's sequence length a multiple of {2 * cp}, or change dist.cp")
-    if seq_len is not None and settings.sequence_parallel and seq_len % (cp * tp):
+    if seq_len is not None and settings.dist.sequence_parallel and seq_len % (cp * tp):
         raise ConfigError(f"the sequence length {seq_len} does not split over cp × tp = {cp} × {tp} ranks (context "
                           f"and sequence parallelism): make it a multiple of {cp * tp}, or set "
                           f"dist.sequence_parallel=false")

@@ -81,23 +81,23 @@ class DefaultTrainer(TrainerBase):
         super().__init__()
         cfg = typed(cfg)  # a config built by hand gets every key of the schema too
         self.cfg, self.fast_dev_run = cfg, fast_dev_run
-        train = cfg.train
         auto_layout = None
         if cfg.dist.auto:  # the planner picks dp, tp, pp, ZeRO, AC, SP, micro-batch, schedule
             overrides, auto_layout = agree_on_layout(cfg, timeout=cfg.dist.init_timeout)
             LazyConfig.apply_overrides(cfg, overrides.split())
+        self.settings = run_settings(cfg)  # what the config means, read once: the run reads it, not cfg's keys
+        train, layout = self.settings.train, self.settings.dist
         # What can be refused without a process group is refused before one exists (checks.py).
         # (every refusal is a ConfigError naming the fix: tools/train.py prints it as one line)
-        dp, tp, pp = distributed.resolve_sizes(distributed.launched_world_size(), cfg.dist.dp, cfg.dist.tp, cfg.dist.pp,
-                                               cfg.dist.ep, cfg.dist.cp)
+        dp, _, _ = distributed.resolve_sizes(distributed.launched_world_size(), layout.dp, layout.tp, layout.pp,
+                                             layout.ep, layout.cp)
         self.accumulation = accumulation_steps(train, dp)
-        self.settings = run_settings(cfg)  # what the config means (sequence length, AMP dtype, pipeline)
         self.amp_dtype = self.settings.amp_dtype
         self.divergence = DivergenceWatch(train.on_divergence, train.max_bad_steps)
-        check_layout(cfg, tp, pp, self.accumulation, cfg.dist.ep, cfg.dist.cp)
-        self.ctx = distributed.init(dp=cfg.dist.dp, tp=cfg.dist.tp, pp=cfg.dist.pp, ep=cfg.dist.ep, cp=cfg.dist.cp,
-                                    sequence_parallel=cfg.dist.sequence_parallel,
-                                    timeout=cfg.dist.init_timeout)
+        meta_model = self.build_meta_model(cfg)
+        check_layout(meta_model, self.settings, self.accumulation)
+        self.ctx = distributed.init(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=layout.cp,
+                                    sequence_parallel=layout.sequence_parallel, timeout=layout.init_timeout)
         # a smoke test writes nowhere a real run reads: its own directory, emptied at each start
         self.output_dir = Path(train.output_dir) / "fast_dev_run" if fast_dev_run else Path(train.output_dir)
         if fast_dev_run:
@@ -116,7 +116,7 @@ class DefaultTrainer(TrainerBase):
         seed_all(train.seed)
         self.data_parallel = DataParallel(self.ctx, train.zero_stage, offload=train.zero_offload,
                                           param_dtype=fsdp_param_dtype(self.amp_dtype))
-        built = self.build_model(cfg)
+        built = self.build_model(cfg, meta_model)
         self.model_parts, self.pipeline, self.flops_per_token = built.parts, built.pipeline, built.flops_per_token
         self.whole_model = built.model
         self.layers = [layer for part in self.model_parts for layer in all_layers(part)]
@@ -138,7 +138,7 @@ class DefaultTrainer(TrainerBase):
                                     aliases=self.pipeline.tied_aliases() if self.pipeline else None,
                                     async_save=train.checkpoint.async_save, record=LazyConfig.to_yaml(cfg),
                                     model=self.whole_model,
-                                    timeout=cfg.dist.timeout, group=self.ctx.world_group)
+                                    timeout=layout.timeout, group=self.ctx.world_group)
         self.checkpoints = CheckpointManager(checkpointer, period=None if fast_dev_run else train.checkpoint.period,
                                              max_to_keep=train.checkpoint.max_to_keep,
                                              best_metric=train.best_metric, best_mode=train.best_mode,
@@ -157,13 +157,17 @@ class DefaultTrainer(TrainerBase):
         return self.checkpoints.checkpointer
 
     # -------------------------------------------------------------------------------- builders
-    def build_model(self, cfg: DictConfig) -> Parallelized:
-        """instantiate(cfg.model) on the meta device (a model, or a from_pretrained call: nothing is
-        read yet; it implements the model contract), with LoRA if asked (`add_lora`), `parallelize`d;
-        then each rank allocates only its own shards and fills them (`materialize`: the checkpoint's
-        slices, or fresh weights drawn alike at every layout from ``train.seed``); in train mode."""
+    def build_meta_model(self, cfg: DictConfig) -> nn.Module:
+        """instantiate(cfg.model) on the meta device: a model, or a from_pretrained call (nothing is
+        read yet; it implements the model contract). Built once: the layout checks and
+        `build_model` read the same one."""
         with torch.device("meta"):
-            model = instantiate_model(cfg.model)
+            return instantiate_model(cfg.model)
+
+    def build_model(self, cfg: DictConfig, model: nn.Module) -> Parallelized:
+        """The meta-built `model` with LoRA if asked (`add_lora`), `parallelize`d; then each rank
+        allocates only its own shards and fills them (`materialize`: the checkpoint's slices, or fresh
+        weights drawn alike at every layout from ``train.seed``); in train mode."""
         logger.info("model: %s, %.2fM parameters", type(model).__name__,
                     sum(p.numel() for p in model.parameters()) / 1e6)
         if isinstance(model, TransformersModel):
@@ -172,8 +176,8 @@ class DefaultTrainer(TrainerBase):
         built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
                             pipeline=self.settings.pipeline,
                             activation_checkpoint=self.settings.activation_checkpoint,
-                            compile_with=cfg.train.compile,
-                            residual=residual_dtype(self.amp_dtype, self.settings.fp32_residual),
+                            compile_with=self.settings.train.compile,
+                            residual=residual_dtype(self.amp_dtype, self.settings.train.amp.fp32_residual),
                             float8=self.settings.fp8)
         model, parts, pipeline = built.model, built.parts, built.pipeline
         seq_len = self.settings.seq_len  # MFU needs it; of the whole model, not of a pipeline stage
@@ -181,10 +185,10 @@ class DefaultTrainer(TrainerBase):
         start = time.perf_counter()
         # ZeRO offload keeps the shards in CPU memory: allocate them there (FSDP2 pins them)
         device = torch.device("cpu") if self.data_parallel.offload else self.ctx.device
-        loaded = [materialize(part, device, seed=cfg.train.seed, model=model, aliases=aliases) for part in parts]
+        loaded = [materialize(part, device, seed=self.settings.train.seed, model=model, aliases=aliases) for part in parts]
         logger.info("model materialised in %.1f s: %s", time.perf_counter() - start,
                     f"{sum(i['bytes_read'] for i in loaded) / 2**20:.2f} MiB read from {model.pretrained_source.path}"
-                    if loaded[0] else f"fresh weights from seed {cfg.train.seed}")
+                    if loaded[0] else f"fresh weights from seed {self.settings.train.seed}")
         return dataclasses.replace(built, parts=[part.train() for part in parts],
                                    flops_per_token=model.flops_per_token(seq_len) if seq_len else None)
 
@@ -216,7 +220,7 @@ class DefaultTrainer(TrainerBase):
         return build_optimizer(cfg.optim, model_parts)
 
     def build_lr_scheduler(self, cfg: DictConfig, optimizer: torch.optim.Optimizer):
-        return instantiate(_with(cfg.train.scheduler, optimizer=optimizer, max_iter=cfg.train.max_iter))
+        return instantiate(_with(cfg.train.scheduler, optimizer=optimizer, max_iter=self.settings.train.max_iter))
 
     def build_train_loader(self, cfg: DictConfig, consumed_samples: int = 0) -> DataLoader | Iterable:
         """The training data (`train_dataset`), resuming after `consumed_samples` (a global count).
@@ -232,15 +236,15 @@ class DefaultTrainer(TrainerBase):
                                  f"({consumed_samples} samples): a stream cannot go back; resume from the "
                                  f"checkpoint the state was saved with")
             dataset.load_state_dict(position.stream)
-            return stream_micro_batches(dataset, cfg.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
+            return stream_micro_batches(dataset, self.settings.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
                                         dp_size=self.ctx.dp, skip=skip)
-        sampler = MicroBatchSampler(len(dataset), cfg.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
+        sampler = MicroBatchSampler(len(dataset), self.settings.train.micro_batch_size, dp_rank=self.ctx.dp_rank,
                                     dp_size=self.ctx.dp, shuffle=cfg.dataloader.shuffle,
-                                    seed=cfg.train.seed, consumed_samples=consumed_samples,
-                                    global_batch_size=cfg.train.global_batch_size)
+                                    seed=self.settings.train.seed, consumed_samples=consumed_samples,
+                                    global_batch_size=self.settings.train.global_batch_size)
         # Its own generator: starting an iterator draws a seed, which must not move the global RNG
         # (dropout) differently in a resumed run than in an uninterrupted one.
-        generator = torch.Generator().manual_seed(cfg.train.seed + consumed_samples)
+        generator = torch.Generator().manual_seed(self.settings.train.seed + consumed_samples)
         return DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.dataloader.num_workers,
                           generator=generator)
 
@@ -254,7 +258,7 @@ class DefaultTrainer(TrainerBase):
             raise ValueError(f"dataloader.test is set but train.pipeline.schedule = {self.pipeline.schedule_name!r} "
                              f"cannot evaluate (torch has no forward-only schedule for its V-placed stages): use "
                              f"another schedule (zero_bubble, interleaved_1f1b), or set dataloader.test=null")
-        batch_size = cfg.train.micro_batch_size * (self.accumulation if pipelined else 1)
+        batch_size = self.settings.train.micro_batch_size * (self.accumulation if pipelined else 1)
         dataset = instantiate(cfg.dataloader.test)
         if isinstance(dataset, IterableDataset):
             raise ValueError("dataloader.test is a stream: an evaluation needs the same samples every time; build "
@@ -272,7 +276,7 @@ class DefaultTrainer(TrainerBase):
         act on the step (evaluation: `EvalHook.last`; checkpoints: `CheckpointManager.last_saved`),
         then those that account for it (goodput, the spread of step time), the writers of every
         scalar last. The step's result and time come from the loop."""
-        train = self.cfg.train
+        train = self.settings.train
         log_period = 1 if self.fast_dev_run else train.log_period
         peak = peak_flops(self.ctx.device, self.amp_dtype or torch.float32)
         act = [hooks.IterationTimer(self.flops_per_token, peak, self.ctx.world_size),
@@ -310,10 +314,10 @@ class DefaultTrainer(TrainerBase):
         if resume:
             logger.info("no checkpoint in %s: starting from scratch", self.output_dir)
         self.start_iter = 0
-        weights = self.cfg.train.load_weight
+        weights = self.settings.train.load_weight
         if weights:
             self.load_weight(weights)
-        adapter = self.cfg.train.lora.adapter
+        adapter = self.settings.train.lora.adapter
         if adapter:
             factors = read_peft_adapter(adapter, self.whole_model)  # read once for all of this rank's parts
             for part in self.model_parts:
@@ -336,7 +340,7 @@ class DefaultTrainer(TrainerBase):
     def train(self) -> None:
         """Train from `start_iter` (set by resume_or_load) to ``train.max_iter``. A collective that
         fails or times out is reported with the ranks it waited for (their last heartbeats)."""
-        max_iter = self.start_iter + 2 if self.fast_dev_run else self.cfg.train.max_iter
+        max_iter = self.start_iter + 2 if self.fast_dev_run else self.settings.train.max_iter
         if self.start_iter >= max_iter:  # no hook runs: the run's records stay those of what trained
             logger.info("the run is already at train.max_iter = %d: nothing to train (raise train.max_iter to go on, "
                         "or start over with --no-resume)", max_iter)
@@ -367,8 +371,8 @@ class DefaultTrainer(TrainerBase):
         self.heartbeat.beat(step, "forward, backward and optimizer step")
         result = self.step(micro_batches)
         self.storage.put_scalars(data_time=data_time, **result.scalars())
-        if self.iter == self.start_iter and self.cfg.dist.timeout:
-            self.ctx.set_timeout(self.cfg.dist.timeout)  # start-up is done: the shorter bound from now on
+        if self.iter == self.start_iter and self.settings.dist.timeout:
+            self.ctx.set_timeout(self.settings.dist.timeout)  # start-up is done: the shorter bound from now on
         self.heartbeat.beat(step, "hooks after the step (checkpoint, evaluation, logging)")
         if self.divergence.rollback_due(self.iter, result, self.step.nonfinite_grads, self.ctx.rank):
             back_to = self.divergence.roll_back(self.iter, self.checkpoints, self.data.position)
@@ -396,7 +400,7 @@ class DefaultTrainer(TrainerBase):
         """Evaluate on the test loader (``train.eval.max_batches`` batches at most)."""
         if self.test_loader is None:
             raise ValueError("no test data: set dataloader.test in the config")
-        max_batches = 2 if self.fast_dev_run else self.cfg.train.eval.max_batches
+        max_batches = 2 if self.fast_dev_run else self.settings.train.eval.max_batches
         forward = pipelined_forward(self.pipeline, self.model_parts[0]) if self.pipeline is not None else self.model
         if self.ctx.context_parallel is not None:
             forward = context_parallel_forward(forward, self.model_parts[0], self.ctx.context_parallel)

@@ -48,9 +48,9 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
                                      param_dtype=fsdp_param_dtype(run.amp_dtype))
         # the layout's schedule, its layers split evenly (as the planner's overrides run it)
         pipeline = PipelineSettings(layout.schedule, layout.virtual_stages) if layout.pp > 1 else None
-        built = parallelize(model, ctx, data_parallel, num_micro_batches=layout.num_micro_batches(run.global_batch_size),
+        built = parallelize(model, ctx, data_parallel, num_micro_batches=layout.num_micro_batches(run.train.global_batch_size),
                             pipeline=pipeline, activation_checkpoint=layout.activation_checkpoint,
-                            residual=residual_dtype(run.amp_dtype, run.fp32_residual), float8=run.fp8)
+                            residual=residual_dtype(run.amp_dtype, run.train.amp.fp32_residual), float8=run.fp8)
         params = unique_parameters(built.parts)
         for param in params:
             if param.requires_grad:

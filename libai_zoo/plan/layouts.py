@@ -45,12 +45,12 @@ class Layout:
     @classmethod
     def from_config(cls, cfg: DictConfig, world_size: int) -> Layout:
         """The layout a config's ``dist`` and ``train`` keys ask for at `world_size` (dp=-1 inferred)."""
-        dp, tp, pp = distributed.resolve_sizes(world_size, cfg.dist.dp, cfg.dist.tp, cfg.dist.pp, cfg.dist.ep,
-                                               cfg.dist.cp)
         run = run_settings(cfg)
-        return cls(dp, tp, pp, run.zero_stage, run.activation_checkpoint, run.sequence_parallel, run.micro_batch_size,
-                   run.pipeline.schedule if pp > 1 else None, run.pipeline.virtual_stages if pp > 1 else 1,
-                   cfg.dist.ep, cfg.dist.cp)
+        dist = run.dist
+        dp, tp, pp = distributed.resolve_sizes(world_size, dist.dp, dist.tp, dist.pp, dist.ep, dist.cp)
+        return cls(dp, tp, pp, run.train.zero_stage, run.activation_checkpoint, dist.sequence_parallel,
+                   run.train.micro_batch_size, run.pipeline.schedule if pp > 1 else None,
+                   run.pipeline.virtual_stages if pp > 1 else 1, dist.ep, dist.cp)
 
     @property
     def world_size(self) -> int:
