@@ -29,16 +29,19 @@ def build_pairs(a) -> dict[str, tuple]:
     h, nh, kv, ffn = a.hidden, a.heads, a.kv_heads, a.ffn
     gpt2 = GPT2Block(GPT2Config(n_embd=h, n_head=nh, n_inner=ffn, activation_function="gelu_new",
                                 attn_implementation="sdpa", resid_pdrop=0.0, attn_pdrop=0.0), layer_idx=0)
-    ours_gpt2 = layers.TransformerLayer(h, nh, ffn, activation="gelu_new", causal=True)
+    ours_gpt2 = layers.TransformerLayer(layers.LayerSpec(h, layers.AttentionSpec(nh, causal=True),
+                                                         layers.MLPSpec(ffn, activation="gelu_new")))
     bert = BertLayer(BertConfig(hidden_size=h, num_attention_heads=nh, intermediate_size=ffn,
                                 attn_implementation="sdpa", hidden_dropout_prob=0.0,
                                 attention_probs_dropout_prob=0.0))
-    ours_bert = layers.TransformerLayer(h, nh, ffn, norm_position="post", norm_eps=1e-12)
+    ours_bert = layers.TransformerLayer(layers.LayerSpec(h, layers.AttentionSpec(nh), layers.MLPSpec(ffn),
+                                                         norm_position="post", norm_eps=1e-12))
     llama_config = LlamaConfig(hidden_size=h, num_attention_heads=nh, num_key_value_heads=kv, intermediate_size=ffn,
                                rope_theta=10000.0, attn_implementation="sdpa")
     llama, rotary = LlamaDecoderLayer(llama_config, layer_idx=0), LlamaRotaryEmbedding(llama_config)
-    ours_llama = layers.TransformerLayer(h, nh, ffn, num_kv_heads=kv, norm="rmsnorm", activation="silu",
-                                         gated_mlp=True, bias=False, causal=True, rope_theta=10000.0)
+    attention = layers.AttentionSpec(nh, num_kv_heads=kv, causal=True, bias=False, rope_theta=10000.0)
+    mlp = layers.MLPSpec(ffn, activation="silu", gated=True, bias=False)
+    ours_llama = layers.TransformerLayer(layers.LayerSpec(h, attention, mlp, norm="rmsnorm"))
     positions = torch.arange(a.seq, device=a.device)[None].expand(a.batch, -1)
 
     def hf_llama(x):

@@ -25,11 +25,13 @@ from .parallel_layer import ParallelLayer
 from .relative_position_bias import RelativePositionBias, relative_position_bucket
 from .rotary import RotaryEmbedding, apply_rotary, yarn_mscale
 from .sequence_parallel import SequenceGather, SequenceScatter
+from .spec import AttentionSpec, LatentAttentionSpec, LayerSpec, MLPSpec, MoESpec
 from .transformer_layer import TransformerLayer
 from .window_attention import WindowAttention, WindowPositionBias
 
 __all__ = ["Attention", "LatentAttention", "Linear", "VocabEmbedding", "Embedding", "LMHead", "KVCache", "MLP", "LayerNorm", "RMSNorm",
-           "TransformerLayer", "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
+           "TransformerLayer", "LayerSpec", "AttentionSpec", "LatentAttentionSpec", "MLPSpec", "MoESpec",
+           "ParallelCrossEntropy", "SequenceScatter", "SequenceGather", "RotaryEmbedding",
            "ParallelLayer", "apply_rotary", "LoRA", "apply_lora", "merge_lora", "lora_adapters",
            "is_adapter_parameter", "fuse_qkv", "split_qkv", "fuse_kv", "split_kv",
            "packed_causal_mask", "layer_attention_mask", "ContextMask", "NORMS", "MoE", "Router", "Routing",

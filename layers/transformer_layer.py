@@ -7,8 +7,9 @@
     parallel  (GPT-J, MegaScale):     x = x + attn(norm(x)) + mlp(norm(x))        one norm
               (Pythia, GPT-NeoX-20B): x = x + attn(norm1(x)) + mlp(norm2(x))      two norms
 
+A `LayerSpec` (`spec.py`) describes the layer: its attention, its MLP and the arrangement.
 Each branch's output may be scaled before the residual add (``residual_multiplier``, Granite).
-With ``moe`` the MLP is a Mixture of Experts (`MoE`); called with ``router_stats`` (a [3, E]
+With an `MoESpec` the MLP is a Mixture of Experts (`MoE`); called with ``router_stats`` (a [3, E]
 tensor) such a layer returns (x, router_stats + its own statistics), a dense layer (x,
 router_stats): the statistics travel with the hidden states through the layers and pipeline stages.
 At tp>1 the sequential arrangements cost Megatron-LM's two all-reduces forward and two backward;
@@ -34,100 +35,58 @@ from .mlp import MLP
 from .moe import MoE
 from .norm import NORMS
 from .parallel_layer import ParallelLayer
-
-NORM_POSITIONS = ("pre", "post", "sandwich", "output")
-ATTENTION_KINDS = ("standard", "latent")
+from .spec import LatentAttentionSpec, LayerSpec, arguments
 
 
 class TransformerLayer(ParallelLayer, nn.Module):
-    """Attention (+ optional cross-attention) and MLP blocks; see the module docstring.
+    """Attention (+ optional cross-attention) and MLP blocks, as `spec` (a `LayerSpec`) describes
+    them; see the module docstring.
 
     Children: [``attn_norm``], ``attn``, [``attn_out_norm``], [``cross_attn_norm``, ``cross_attn``],
     [``mlp_norm``], ``mlp``, [``mlp_out_norm``]: ``*_norm`` normalizes a branch's input (pre,
     sandwich) or the residual sum (post), ``*_out_norm`` a branch's output (sandwich, output). The
     parallel block has ``attn_norm`` shared by both branches, or also ``mlp_norm`` with
-    ``parallel_norms=2``, and applies ``hidden_dropout`` once to their sum. ``bias`` sets every
-    bias; ``qkv_bias``, ``attention_out_bias`` and ``mlp_bias`` override it per part (Qwen2:
-    biases on q, k, v only). ``attention`` passes further `Attention` options (q/k norms, softmax
-    scale, soft-capping), or with ``attention_kind="latent"`` those of `LatentAttention` (DeepSeek's
-    multi-head latent attention: its ranks and head widths); the cross-attention shares its softmax
-    scale. ``moe`` makes the MLP an `MoE` of these arguments (hidden size and factory arguments
-    added, ``activation`` unless it gives one). ``mlp_dropout`` drops the MLP's activated neurons (T5).
+    ``parallel_norms=2``, and applies ``hidden_dropout`` once to their sum. ``attn`` is an
+    `Attention` (`AttentionSpec`) or a `LatentAttention` (`LatentAttentionSpec`: DeepSeek's
+    multi-head latent attention); the cross-attention has the self-attention's heads, biases,
+    dropout and softmax scale. ``mlp`` is an `MLP` (`MLPSpec`) or an `MoE` (`MoESpec`).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, norm: str = "layernorm", norm_eps: float = 1e-5,
-                 norm_position: str = "pre", parallel_block: bool = False, parallel_norms: int = 1,
-                 activation: str = "gelu", gated_mlp: bool = False, bias: bool = True, qkv_bias: bool | None = None,
-                 attention_out_bias: bool | None = None, mlp_bias: bool | None = None,
-                 attention_dropout: float = 0.0, hidden_dropout: float = 0.0, mlp_dropout: float = 0.0,
-                 residual_multiplier: float = 1.0,
-                 causal: bool = False, rope_theta: float | None = None,
-                 rope_scaling: dict | None = None, rotary_dim: int | None = None,
-                 sliding_window: int | None = None, attention: dict | None = None, attention_kind: str = "standard",
-                 cross_attention: bool = False, encoder_hidden_size: int | None = None, moe: dict | None = None,
-                 sequence_parallel: bool = True, device=None, dtype=None):
+    def __init__(self, spec: LayerSpec, *, sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__()
-        if norm not in NORMS:
-            raise ValueError(f"norm {norm!r} is not one of {sorted(NORMS)}")
-        if norm_position not in NORM_POSITIONS:
-            raise ValueError(f"norm_position {norm_position!r} is not one of {NORM_POSITIONS}")
-        if parallel_block and (cross_attention or norm_position != "pre"):
-            raise ValueError("parallel_block=True is a pre-norm self-attention layer: "
-                             "it does not combine with cross_attention or another norm_position")
-        if parallel_block and moe is not None:
-            raise ValueError("parallel_block=True shares one sync between attention and a dense MLP: "
-                             "an MoE layer is sequential (parallel_block=False)")
-        if attention_kind not in ATTENTION_KINDS:
-            raise ValueError(f"attention_kind {attention_kind!r} is not one of {ATTENTION_KINDS}")
-        if parallel_norms not in (1, 2):
-            raise ValueError(f"parallel_norms = {parallel_norms}: a parallel block has one norm or two")
-        qkv_bias = bias if qkv_bias is None else qkv_bias
-        attention_out_bias = bias if attention_out_bias is None else attention_out_bias
-        mlp_bias = bias if mlp_bias is None else mlp_bias
-        self.norm_position, self.parallel_block = norm_position, parallel_block
-        self.residual_multiplier = residual_multiplier
+        self.spec = spec
         self.sequence_parallel = sequence_parallel
-        fused_comm = not parallel_block
+        fused_comm = not spec.parallel_block
         factory = dict(sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        hidden, attention = spec.hidden_size, spec.attention
 
         def make_norm(when: bool = True):
-            return NORMS[norm](hidden_size, norm_eps, **factory) if when else None
+            return NORMS[spec.norm](hidden, spec.norm_eps, **factory) if when else None
 
-        inputs_normed = norm_position != "output"
-        outputs_normed = norm_position in ("sandwich", "output")
+        inputs_normed = spec.norm_position != "output"
+        outputs_normed = spec.norm_position in ("sandwich", "output")
         self.attn_norm = make_norm(inputs_normed)
-        heads = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, bias=qkv_bias, out_bias=attention_out_bias,
-                     dropout=attention_dropout)
-        if attention_kind == "latent":
-            if parallel_block or cross_attention or sliding_window or rotary_dim or head_dim or num_kv_heads:
-                raise ValueError("latent attention sets its own head widths (qk_nope_head_dim, qk_rope_head_dim, "
-                                 "v_head_dim in `attention`) and is a sequential self-attention: build it without "
-                                 "num_kv_heads, head_dim, rotary_dim, sliding_window, cross_attention, parallel_block")
-            self.attn = LatentAttention(hidden_size, num_heads, causal=causal, rope_theta=rope_theta,
-                                        rope_scaling=rope_scaling, bias=qkv_bias, out_bias=attention_out_bias,
-                                        dropout=attention_dropout, **(attention or {}), **factory)
+        if isinstance(attention, LatentAttentionSpec):
+            self.attn = LatentAttention(hidden, **arguments(attention), **factory)
         else:
-            self.attn = Attention(hidden_size, num_heads, causal=causal, rope_theta=rope_theta,
-                                  rope_scaling=rope_scaling, rotary_dim=rotary_dim, sliding_window=sliding_window,
-                                  sync_input=fused_comm, reduce_output=fused_comm, **(attention or {}), **heads,
+            self.attn = Attention(hidden, **arguments(attention), sync_input=fused_comm, reduce_output=fused_comm,
                                   **factory)
         self.attn_out_norm = make_norm(outputs_normed)
-        if cross_attention:
+        if spec.cross_attention:
             self.cross_attn_norm = make_norm()
-            self.cross_attn = Attention(hidden_size, num_heads, cross_attention=True,
-                                        kv_input_size=encoder_hidden_size,
-                                        softmax_scale=(attention or {}).get("softmax_scale"), **heads, **factory)
+            self.cross_attn = Attention(hidden, attention.num_heads, num_kv_heads=attention.num_kv_heads,
+                                        head_dim=attention.head_dim, bias=attention.bias, out_bias=attention.out_bias,
+                                        dropout=attention.dropout, softmax_scale=attention.softmax_scale,
+                                        cross_attention=True, kv_input_size=spec.encoder_hidden_size, **factory)
         else:
             self.cross_attn = None
-        self.mlp_norm = make_norm(inputs_normed and (not parallel_block or parallel_norms == 2))
-        if moe is None:
-            self.mlp = MLP(hidden_size, ffn_hidden_size, activation=activation, gated=gated_mlp, bias=mlp_bias,
-                           dropout=mlp_dropout, sync_input=fused_comm, reduce_output=fused_comm, **factory)
+        self.mlp_norm = make_norm(inputs_normed and (not spec.parallel_block or spec.parallel_norms == 2))
+        if spec.is_moe:
+            self.mlp = MoE(hidden, **arguments(spec.mlp), **factory)
         else:
-            self.mlp = MoE(hidden_size, **{"activation": activation, **moe}, **factory)
+            self.mlp = MLP(hidden, **arguments(spec.mlp), sync_input=fused_comm, reduce_output=fused_comm, **factory)
         self.mlp_out_norm = make_norm(outputs_normed)
-        self.dropout = nn.Dropout(hidden_dropout)
+        self.dropout = nn.Dropout(spec.hidden_dropout)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         """Residual-branch dropout; on a sequence shard (SP) from this tp rank's own random stream."""
@@ -140,8 +99,8 @@ class TransformerLayer(ParallelLayer, nn.Module):
         """x + the branch's output (normalized in sandwich/output placement, scaled, dropped out)."""
         if out_norm is not None:
             branch = out_norm(branch)
-        if self.residual_multiplier != 1.0:
-            branch = branch * self.residual_multiplier
+        if self.spec.residual_multiplier != 1.0:
+            branch = branch * self.spec.residual_multiplier
         return x + self._dropout(branch)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -160,7 +119,7 @@ class TransformerLayer(ParallelLayer, nn.Module):
     def _layer(self, x: torch.Tensor, attention_mask, position_ids, encoder_hidden_states, encoder_attention_mask,
                kv_cache, cross_kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the layer's output, its router statistics or None)."""
-        if self.parallel_block:
+        if self.spec.parallel_block:
             return self._residual(x, self._parallel_branches(x, attention_mask, position_ids, kv_cache), None), None
         # a 2-D mask of the tokens' padding (not while generating: it then covers the cached positions too)
         if isinstance(attention_mask, ContextMask):  # under cp: this rank's tokens'
@@ -170,7 +129,7 @@ class TransformerLayer(ParallelLayer, nn.Module):
                 and kv_cache is None else None
         cross = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
                      kv_cache=cross_kv_cache)
-        if self.norm_position == "post":
+        if self.spec.norm_position == "post":
             x = self.attn_norm(x + self._dropout(self.attn(x, attention_mask, position_ids, kv_cache=kv_cache)))
             if self.cross_attn is not None:
                 x = self.cross_attn_norm(x + self._dropout(self.cross_attn(x, **cross)))

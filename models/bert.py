@@ -24,10 +24,13 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, MaskedLMOu
 
 from libai_zoo.hf import WeightMap
 from libai_zoo.layers import (
+    AttentionSpec,
     Embedding,
     LayerNorm,
+    LayerSpec,
     Linear,
     LMHead,
+    MLPSpec,
     SequenceGather,
     SequenceScatter,
     TransformerLayer,
@@ -96,12 +99,10 @@ class BertModel(PreTrainedModel):
         hidden = config.hidden_size
         self.embeddings = BertEmbeddings(config, self.positions_after_padding)
         self.scatter = SequenceScatter()
-        self.layer = nn.ModuleList(
-            TransformerLayer(hidden, config.num_attention_heads, config.intermediate_size, norm_position="post",
-                             norm_eps=config.layer_norm_eps, activation=config.hidden_act,
-                             attention_dropout=config.attention_probs_dropout_prob,
-                             hidden_dropout=config.hidden_dropout_prob)
-            for _ in range(config.num_hidden_layers))
+        layer = LayerSpec(hidden, AttentionSpec(config.num_attention_heads, dropout=config.attention_probs_dropout_prob),
+                          MLPSpec(config.intermediate_size, activation=config.hidden_act), norm_position="post",
+                          norm_eps=config.layer_norm_eps, hidden_dropout=config.hidden_dropout_prob)
+        self.layer = nn.ModuleList(TransformerLayer(layer) for _ in range(config.num_hidden_layers))
         self.gather = SequenceGather()
         self.pooler = Linear(hidden, hidden, parallel="data", sequence_parallel=False) if add_pooling_layer else None
         self.post_init()

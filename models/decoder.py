@@ -5,11 +5,14 @@ description a family gives of itself.
         -> final norm -> lm_head (× logit scale, soft-capped) -> logits
 
 A family (GPT-2, Llama, Qwen3, Gemma, ...) is its config translated into a `DecoderSpec` (one
-`layers.TransformerLayer`'s arguments per layer: norm kind and placement, q/k norms, rotary per
-layer or none, sliding window, softmax scale and soft-cap, gated or plain MLP, residual
-multiplier; and the embedding and head around them), the attribute names of its parts
-(`DecoderNames`, Hugging Face's, so its weight map stays short) and its weight map. Its model
-file declares these in two small classes:
+`layers.LayerSpec` per layer, typed and frozen: its `AttentionSpec` (q/k norms, rotary per layer or
+none, sliding window, softmax scale and soft-cap) or DeepSeek's `LatentAttentionSpec`, its
+`MLPSpec` (gated or plain) or `MoESpec`, norm kind and placement, residual multiplier; and the
+embedding and head around them), the attribute names of its parts
+(`DecoderNames`, Hugging Face's, so its weight map stays short) and its weight map. A
+Llama-shaped family's layers are `llama.llama_layer`'s with what differs replaced
+(`dataclasses.replace`, `LayerSpec.with_attention`). Its model file declares these in two small
+classes:
 
     class Qwen3Model(DecoderModel):            config_class, base_model_prefix, names, describe, weight_map
     class Qwen3ForCausalLM(DecoderForCausalLM): body_class = Qwen3Model
@@ -32,6 +35,7 @@ from libai_zoo.layers import (
     NORMS,
     Embedding,
     KVCache,
+    LayerSpec,
     LMHead,
     Router,
     SequenceGather,
@@ -67,9 +71,9 @@ class DecoderSpec:
 
     vocab_size: int
     hidden_size: int
-    #: each layer's `layers.TransformerLayer` keyword arguments, in order (they may differ per layer:
-    #: sliding and full attention, rotary bases, NoPE layers)
-    layers: tuple[dict, ...]
+    #: each layer's `layers.LayerSpec`, in order (they may differ per layer: sliding and full
+    #: attention, rotary bases, NoPE layers, dense and MoE MLPs)
+    layers: tuple[LayerSpec, ...]
     final_norm: str = "rmsnorm"
     final_norm_eps: float = 1e-6
     padding_idx: int | None = None
@@ -85,8 +89,8 @@ class DecoderSpec:
     #: logits × logit_scale (Granite: 1 / logits_scaling), then capped at ±logit_softcap (Gemma 2)
     logit_scale: float = 1.0
     logit_softcap: float | None = None
-    #: Mixture of Experts: the experts of each MoE layer (0: no MoE layer; layers with a ``moe`` dict
-    #: are MoE layers), and transformers' auxiliary loss: added × router_aux_loss_coef to the loss when
+    #: Mixture of Experts: the experts of each MoE layer (0: no MoE layer; layers whose ``mlp`` is a
+    #: `layers.MoESpec` are MoE layers), and transformers' auxiliary loss: added × router_aux_loss_coef to the loss when
     #: output_router_logits; the router z-loss (ST-MoE) added × router_z_loss_coef
     num_experts: int = 0
     router_aux_loss_coef: float = 0.0
@@ -130,7 +134,7 @@ class DecoderModel(PreTrainedModel):
             setattr(self, names.positions, Embedding(spec.max_positions, hidden))
         self.embed_dropout = nn.Dropout(spec.embedding_dropout)
         self.scatter = SequenceScatter() if split_later else None
-        setattr(self, names.layers, nn.ModuleList(TransformerLayer(**layer) for layer in spec.layers))
+        setattr(self, names.layers, nn.ModuleList(TransformerLayer(layer) for layer in spec.layers))
         setattr(self, names.final_norm, NORMS[spec.final_norm](hidden, spec.final_norm_eps))
         self.gather = SequenceGather()
         self.post_init()

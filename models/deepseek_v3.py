@@ -20,13 +20,16 @@ correction bias after each step (`layers.Router.update_correction_bias`, `train.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import transformers
 
-from libai_zoo.layers import yarn_mscale
+from libai_zoo.layers import LatentAttentionSpec, LayerSpec, MoESpec, yarn_mscale
 
+from .config_reading import refuse_quantized, rope_settings
 from .decoder import DecoderForCausalLM, DecoderModel, DecoderNames, DecoderSpec
 from .hf_maps.llama import llama_weight_map
-from .llama import llama_layer, llama_spec, refuse_quantized, rope_settings
+from .llama import llama_layer, llama_spec
 
 
 class DeepseekV3Config(transformers.DeepseekV3Config):
@@ -42,22 +45,27 @@ def softmax_scale(config, scaling: dict | None) -> float:
     return scale
 
 
-def deepseek_v3_layer(config, index: int) -> dict:
-    """Layer `index` as `TransformerLayer` arguments: latent attention, a dense or an MoE MLP."""
-    latent = dict(q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
-                  qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
-                  v_head_dim=config.v_head_dim, rope_interleave=config.rope_interleave,
-                  softmax_scale=softmax_scale(config, rope_settings(config)[1]))
-    layer = llama_layer(config, index, num_kv_heads=None, head_dim=None, attention_kind="latent", attention=latent)
+def deepseek_v3_layer(config, index: int) -> LayerSpec:
+    """Layer `index`: Llama's, with latent attention, and a dense or an MoE MLP."""
+    layer = llama_layer(config, index)
+    theta, scaling = rope_settings(config)
+    bias = config.attention_bias
+    latent = LatentAttentionSpec(num_heads=config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
+                                 qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+                                 v_head_dim=config.v_head_dim, q_lora_rank=config.q_lora_rank, bias=bias,
+                                 out_bias=bias, dropout=config.attention_dropout, rope_theta=theta,
+                                 rope_scaling=scaling, rope_interleave=config.rope_interleave,
+                                 softmax_scale=softmax_scale(config, scaling))
+    layer = replace(layer, attention=latent)
     if index < config.first_k_dense_replace:
         return layer
-    moe = dict(num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
-               ffn_hidden_size=config.moe_intermediate_size, router="sigmoid_group",
-               norm_topk_prob=config.norm_topk_prob, n_group=config.n_group, topk_group=config.topk_group,
-               routed_scaling_factor=config.routed_scaling_factor, score_correction_bias=True,
-               shared_expert_size=config.moe_intermediate_size * config.n_shared_experts
-               if config.n_shared_experts else None)
-    return {**layer, "moe": moe}
+    moe = MoESpec(num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
+                  ffn_hidden_size=config.moe_intermediate_size, router="sigmoid_group",
+                  norm_topk_prob=config.norm_topk_prob, n_group=config.n_group, topk_group=config.topk_group,
+                  routed_scaling_factor=config.routed_scaling_factor, score_correction_bias=True,
+                  activation=config.hidden_act, shared_expert_size=config.moe_intermediate_size * config.n_shared_experts
+                  if config.n_shared_experts else None)
+    return replace(layer, mlp=moe)
 
 
 def deepseek_v3_spec(config) -> DecoderSpec:

@@ -19,14 +19,17 @@ the vision tower and projector are skipped, and the load says so. Weights are na
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import transformers
 
 from libai_zoo.hf import Container
+from libai_zoo.layers import LayerSpec
 
+from .config_reading import rope_settings
 from .decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
 from .hf_maps.llama import llama_weight_map
-from .llama import llama_layer, llama_spec, rope_settings
+from .llama import llama_layer, llama_spec
 
 
 class GemmaConfig(transformers.GemmaConfig):
@@ -41,23 +44,23 @@ class Gemma3TextConfig(transformers.Gemma3TextConfig):
     """Hugging Face's Gemma3TextConfig: reads a Gemma 3 text config.json unchanged and writes it back."""
 
 
-def gemma_layer(config, index: int, **changes) -> dict:
+def gemma_layer(config, index: int) -> LayerSpec:
     """Llama's layer with (1 + w) norms (the activation is the config's: GELU-tanh)."""
-    return llama_layer(config, index, norm="rmsnorm_1p", **changes)
+    return replace(llama_layer(config, index), norm="rmsnorm_1p")
 
 
-def gemma2_layer(config, index: int, **changes) -> dict:
+def gemma2_layer(config, index: int) -> LayerSpec:
     """Gemma's layer in sandwich norms, its softmax scaled by query_pre_attn_scalar and capped."""
-    attention = dict(softmax_scale=config.query_pre_attn_scalar ** -0.5, softcap=config.attn_logit_softcapping)
-    return gemma_layer(config, index, norm_position="sandwich", attention=attention, **changes)
+    layer = replace(gemma_layer(config, index), norm_position="sandwich")
+    return layer.with_attention(softmax_scale=config.query_pre_attn_scalar ** -0.5,
+                                softcap=config.attn_logit_softcapping)
 
 
-def gemma3_layer(config, index: int) -> dict:
-    """Gemma 2's layer with per-head q/k norms and the rotary table of its layer type."""
+def gemma3_layer(config, index: int) -> LayerSpec:
+    """Gemma 2's layer with per-head (1 + w) q/k norms and the rotary table of its layer type."""
     theta, scaling = rope_settings(config, config.rope_parameters[config.layer_types[index]])
-    layer = gemma2_layer(config, index, rope_theta=theta, rope_scaling=scaling)
-    layer["attention"].update(qk_norm="head", qk_norm_eps=config.rms_norm_eps, qk_norm_kind="rmsnorm_1p")
-    return layer
+    return gemma2_layer(config, index).with_attention(rope_theta=theta, rope_scaling=scaling, qk_norm="head",
+                                                      qk_norm_eps=config.rms_norm_eps, qk_norm_kind="rmsnorm_1p")
 
 
 def gemma_spec(config, layer=gemma_layer) -> DecoderSpec:

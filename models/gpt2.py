@@ -15,6 +15,8 @@ import torch
 import transformers
 from torch import nn
 
+from libai_zoo.layers import AttentionSpec, LayerSpec, MLPSpec
+
 from .decoder import DecoderForCausalLM, DecoderModel, DecoderNames, DecoderSpec
 from .hf_maps.gpt2 import gpt2_weight_map
 
@@ -31,9 +33,10 @@ def gpt2_spec(config: GPT2Config) -> DecoderSpec:
         if getattr(config, key, not value) == value:
             raise ValueError(f"GPT2Config.{key}={value} is not supported by libai_zoo's GPT-2")
     hidden = config.n_embd
-    layer = dict(hidden_size=hidden, num_heads=config.n_head, ffn_hidden_size=config.n_inner or 4 * hidden,
-                 norm="layernorm", norm_eps=config.layer_norm_epsilon, activation=config.activation_function,
-                 attention_dropout=config.attn_pdrop, hidden_dropout=config.resid_pdrop, causal=True)
+    attention = AttentionSpec(num_heads=config.n_head, causal=True, dropout=config.attn_pdrop)
+    mlp = MLPSpec(config.n_inner or 4 * hidden, activation=config.activation_function)
+    layer = LayerSpec(hidden, attention, mlp, norm="layernorm", norm_eps=config.layer_norm_epsilon,
+                      hidden_dropout=config.resid_pdrop)
     return DecoderSpec(vocab_size=config.vocab_size, hidden_size=hidden, layers=(layer,) * config.n_layer,
                        final_norm="layernorm", final_norm_eps=config.layer_norm_epsilon,
                        max_positions=config.n_positions, token_types=True, embedding_dropout=config.embd_pdrop)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import transformers
 
+from libai_zoo.layers import AttentionSpec, LayerSpec, MLPSpec
+
+from .config_reading import rope_settings
 from .decoder import DecoderForCausalLM, DecoderModel, DecoderNames, DecoderSpec
 from .hf_maps.gpt_neox import gpt_neox_weight_map
-from .llama import rope_settings
 
 
 class GPTNeoXConfig(transformers.GPTNeoXConfig):
@@ -32,13 +34,12 @@ def rotary_fraction(config) -> float:
 def gpt_neox_spec(config: GPTNeoXConfig) -> DecoderSpec:
     hidden, heads = config.hidden_size, config.num_attention_heads
     theta, scaling = rope_settings(config)
-    layer = dict(hidden_size=hidden, num_heads=heads, ffn_hidden_size=config.intermediate_size,
-                 norm="layernorm", norm_eps=config.layer_norm_eps, activation=config.hidden_act,
-                 qkv_bias=config.attention_bias, attention_out_bias=config.attention_bias, mlp_bias=True,
-                 attention_dropout=config.attention_dropout, hidden_dropout=config.hidden_dropout,
-                 causal=True, rope_theta=theta, rope_scaling=scaling,
-                 rotary_dim=int(hidden // heads * rotary_fraction(config)),
-                 parallel_block=config.use_parallel_residual, parallel_norms=2)
+    attention = AttentionSpec(num_heads=heads, causal=True, bias=config.attention_bias,
+                              dropout=config.attention_dropout, rope_theta=theta, rope_scaling=scaling,
+                              rotary_dim=int(hidden // heads * rotary_fraction(config)))
+    layer = LayerSpec(hidden, attention, MLPSpec(config.intermediate_size, activation=config.hidden_act),
+                      norm="layernorm", norm_eps=config.layer_norm_eps, hidden_dropout=config.hidden_dropout,
+                      parallel_block=config.use_parallel_residual, parallel_norms=2)
     return DecoderSpec(vocab_size=config.vocab_size, hidden_size=hidden, layers=(layer,) * config.num_hidden_layers,
                        final_norm="layernorm", final_norm_eps=config.layer_norm_eps,
                        embedding_dropout=config.hidden_dropout)

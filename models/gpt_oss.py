@@ -17,24 +17,29 @@ dequantize it. The loss adds router_aux_loss_coef × the load-balancing loss whe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import transformers
 from torch import nn
 
+from libai_zoo.layers import LayerSpec, MoESpec
+
+from .config_reading import refuse_quantized
 from .decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
 from .hf_maps.gpt_oss import gpt_oss_weight_map
-from .llama import llama_layer, moe_spec, refuse_quantized
+from .llama import llama_layer, moe_spec
 
 
 class GptOssConfig(transformers.GptOssConfig):
     """Hugging Face's GptOssConfig: reads a gpt-oss config.json unchanged and writes it back."""
 
 
-def gpt_oss_layer(config: GptOssConfig, index: int) -> dict:
-    moe = dict(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
-               ffn_hidden_size=config.intermediate_size, router="topk_softmax", router_bias=True, bias=True,
-               swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha)
-    return llama_layer(config, index, attention=dict(sinks=True), moe=moe)
+def gpt_oss_layer(config: GptOssConfig, index: int) -> LayerSpec:
+    moe = MoESpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                  ffn_hidden_size=config.intermediate_size, router="topk_softmax", router_bias=True, bias=True,
+                  activation=config.hidden_act, swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha)
+    return replace(llama_layer(config, index), mlp=moe).with_attention(sinks=True)
 
 
 def gpt_oss_spec(config: GptOssConfig) -> DecoderSpec:

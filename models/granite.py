@@ -6,7 +6,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import transformers
+
+from libai_zoo.layers import LayerSpec
 
 from .decoder import DecoderForCausalLM, DecoderModel
 from .hf_maps.llama import llama_weight_map
@@ -17,9 +21,9 @@ class GraniteConfig(transformers.GraniteConfig):
     """Hugging Face's GraniteConfig: reads a Granite config.json unchanged and writes it back."""
 
 
-def granite_layer(config: GraniteConfig, index: int) -> dict:
-    return llama_layer(config, index, residual_multiplier=config.residual_multiplier,
-                       attention=dict(softmax_scale=config.attention_multiplier))
+def granite_layer(config: GraniteConfig, index: int) -> LayerSpec:
+    layer = replace(llama_layer(config, index), residual_multiplier=config.residual_multiplier)
+    return layer.with_attention(softmax_scale=config.attention_multiplier)
 
 
 def granite_spec(config: GraniteConfig):

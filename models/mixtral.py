@@ -11,8 +11,11 @@ load-balancing loss when ``output_router_logits``.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import transformers
+
+from libai_zoo.layers import LayerSpec, MoESpec
 
 from .decoder import DecoderForCausalLM, DecoderModel, DecoderNames
 from .hf_maps.llama import llama_weight_map
@@ -23,10 +26,10 @@ class MixtralConfig(transformers.MixtralConfig):
     """Hugging Face's MixtralConfig: reads a Mixtral config.json unchanged and writes it back."""
 
 
-def mixtral_layer(config: MixtralConfig, index: int) -> dict:
-    moe = dict(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
-               ffn_hidden_size=config.intermediate_size, norm_topk_prob=True)
-    return llama_layer(config, index, moe=moe)
+def mixtral_layer(config: MixtralConfig, index: int) -> LayerSpec:
+    moe = MoESpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                  ffn_hidden_size=config.intermediate_size, norm_topk_prob=True, activation=config.hidden_act)
+    return replace(llama_layer(config, index), mlp=moe)
 
 
 class MixtralModel(DecoderModel):

@@ -12,8 +12,11 @@ gathered.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import transformers
+
+from libai_zoo.layers import LayerSpec
 
 from .decoder import DecoderForCausalLM, DecoderModel
 from .hf_maps.llama import llama_weight_map
@@ -24,11 +27,11 @@ class Olmo2Config(transformers.Olmo2Config):
     """Hugging Face's Olmo2Config: reads an OLMo 2 config.json unchanged and writes it back."""
 
 
-def olmo2_layer(config: Olmo2Config, index: int) -> dict:
+def olmo2_layer(config: Olmo2Config, index: int) -> LayerSpec:
     """OLMo 2's RMSNorms apply their weight before the cast back (it matters under bf16)."""
-    return llama_layer(config, index, norm_position="output", norm="rmsnorm_fp32_weight",
-                       attention=dict(qk_norm="projection", qk_norm_eps=config.rms_norm_eps,
-                                      qk_norm_kind="rmsnorm_fp32_weight"))
+    layer = replace(llama_layer(config, index), norm_position="output", norm="rmsnorm_fp32_weight")
+    return layer.with_attention(qk_norm="projection", qk_norm_eps=config.rms_norm_eps,
+                                qk_norm_kind="rmsnorm_fp32_weight")
 
 
 class Olmo2Model(DecoderModel):

@@ -8,8 +8,11 @@ projections (as OLMo 2's) and Mixture-of-Experts MLPs in every layer: softmax ro
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import transformers
+
+from libai_zoo.layers import LayerSpec, MoESpec
 
 from .decoder import DecoderForCausalLM, DecoderModel
 from .hf_maps.llama import llama_weight_map
@@ -20,14 +23,15 @@ class OlmoeConfig(transformers.OlmoeConfig):
     """Hugging Face's OlmoeConfig: reads an OLMoE config.json unchanged and writes it back."""
 
 
-def olmoe_layer(config: OlmoeConfig, index: int) -> dict:
+def olmoe_layer(config: OlmoeConfig, index: int) -> LayerSpec:
     if config.clip_qkv is not None:
         raise ValueError(f"clip_qkv = {config.clip_qkv}: libai_zoo's OLMoE does not clip q, k and v; "
                          f"use a checkpoint without it (clip_qkv null)")
-    moe = dict(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
-               ffn_hidden_size=config.intermediate_size, norm_topk_prob=config.norm_topk_prob)
-    return llama_layer(config, index, moe=moe,
-                       attention=dict(qk_norm="projection", qk_norm_eps=config.rms_norm_eps))
+    moe = MoESpec(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                  ffn_hidden_size=config.intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                  activation=config.hidden_act)
+    layer = replace(llama_layer(config, index), mlp=moe)
+    return layer.with_attention(qk_norm="projection", qk_norm_eps=config.rms_norm_eps)
 
 
 class OlmoeModel(DecoderModel):

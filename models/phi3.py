@@ -12,8 +12,11 @@ each head's channels).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import transformers
+
+from libai_zoo.layers import LayerSpec
 
 from .decoder import DecoderForCausalLM, DecoderModel
 from .gpt_neox import rotary_fraction
@@ -25,10 +28,10 @@ class Phi3Config(transformers.Phi3Config):
     """Hugging Face's Phi3Config: reads a Phi-3 / Phi-4 config.json unchanged and writes it back."""
 
 
-def phi3_layer(config: Phi3Config, index: int) -> dict:
+def phi3_layer(config: Phi3Config, index: int) -> LayerSpec:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return llama_layer(config, index, rotary_dim=int(head_dim * rotary_fraction(config)),
-                       hidden_dropout=config.resid_pdrop)
+    layer = replace(llama_layer(config, index), hidden_dropout=config.resid_pdrop)
+    return layer.with_attention(rotary_dim=int(head_dim * rotary_fraction(config)))
 
 
 class Phi3Model(DecoderModel):

@@ -12,8 +12,11 @@ are renormalised only with ``norm_topk_prob``.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import transformers
+
+from libai_zoo.layers import LayerSpec, MoESpec
 
 from .decoder import DecoderForCausalLM, DecoderModel
 from .hf_maps.llama import llama_weight_map
@@ -30,20 +33,22 @@ def is_sparse(config, index: int) -> bool:
             and (index + 1) % config.decoder_sparse_step == 0)
 
 
-def qwen_moe_layer(config, index: int, **changes) -> dict:
+def qwen_moe_layer(config, index: int, **shared) -> LayerSpec:
     """Layer `index` of a Qwen-MoE-shaped config: a Llama layer, its MLP an MoE of
-    ``moe_intermediate_size`` experts where `is_sparse` (with the further `MoE` arguments of
-    ``changes["moe"]``); the other `changes` as `llama_layer`'s."""
-    moe = changes.pop("moe", {})
-    if is_sparse(config, index):
-        changes["moe"] = dict(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
-                              ffn_hidden_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob, **moe)
-    return llama_layer(config, index, **changes)
+    ``moe_intermediate_size`` experts where `is_sparse` (with the `MoESpec` fields `shared`: a
+    shared expert)."""
+    layer = llama_layer(config, index)
+    if not is_sparse(config, index):
+        return layer
+    return replace(layer, mlp=MoESpec(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                                      ffn_hidden_size=config.moe_intermediate_size,
+                                      norm_topk_prob=config.norm_topk_prob, activation=config.hidden_act, **shared))
 
 
-def qwen2_moe_layer(config: Qwen2MoeConfig, index: int) -> dict:
-    shared = dict(shared_expert_size=config.shared_expert_intermediate_size, shared_expert_gate=True)
-    return qwen_moe_layer(config, index, qkv_bias=config.qkv_bias, attention_out_bias=False, moe=shared)
+def qwen2_moe_layer(config: Qwen2MoeConfig, index: int) -> LayerSpec:
+    layer = qwen_moe_layer(config, index, shared_expert_size=config.shared_expert_intermediate_size,
+                           shared_expert_gate=True)
+    return layer.with_attention(bias=config.qkv_bias, out_bias=False)
 
 
 class Qwen2MoeModel(DecoderModel):

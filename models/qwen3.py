@@ -10,6 +10,8 @@ import functools
 
 import transformers
 
+from libai_zoo.layers import LayerSpec
+
 from .decoder import DecoderForCausalLM, DecoderModel
 from .hf_maps.llama import llama_weight_map
 from .llama import llama_layer, llama_spec
@@ -19,8 +21,8 @@ class Qwen3Config(transformers.Qwen3Config):
     """Hugging Face's Qwen3Config: reads a Qwen3 config.json unchanged and writes it back."""
 
 
-def qwen3_layer(config: Qwen3Config, index: int) -> dict:
-    return llama_layer(config, index, attention=dict(qk_norm="head", qk_norm_eps=config.rms_norm_eps))
+def qwen3_layer(config: Qwen3Config, index: int) -> LayerSpec:
+    return llama_layer(config, index).with_attention(qk_norm="head", qk_norm_eps=config.rms_norm_eps)
 
 
 class Qwen3Model(DecoderModel):

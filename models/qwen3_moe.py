@@ -9,6 +9,8 @@ import functools
 
 import transformers
 
+from libai_zoo.layers import LayerSpec
+
 from .decoder import DecoderForCausalLM, DecoderModel
 from .hf_maps.llama import llama_weight_map
 from .llama import moe_spec
@@ -19,8 +21,8 @@ class Qwen3MoeConfig(transformers.Qwen3MoeConfig):
     """Hugging Face's Qwen3MoeConfig: reads a Qwen3-MoE config.json unchanged and writes it back."""
 
 
-def qwen3_moe_layer(config: Qwen3MoeConfig, index: int) -> dict:
-    return qwen_moe_layer(config, index, attention=dict(qk_norm="head", qk_norm_eps=config.rms_norm_eps))
+def qwen3_moe_layer(config: Qwen3MoeConfig, index: int) -> LayerSpec:
+    return qwen_moe_layer(config, index).with_attention(qk_norm="head", qk_norm_eps=config.rms_norm_eps)
 
 
 class Qwen3MoeModel(DecoderModel):

@@ -8,6 +8,8 @@ import functools
 
 import transformers
 
+from libai_zoo.layers import LayerSpec
+
 from .decoder import DecoderForCausalLM, DecoderModel
 from .hf_maps.llama import llama_weight_map
 from .llama import llama_layer, llama_spec
@@ -17,8 +19,9 @@ class SmolLM3Config(transformers.SmolLM3Config):
     """Hugging Face's SmolLM3Config: reads a SmolLM3 config.json unchanged and writes it back."""
 
 
-def smollm3_layer(config: SmolLM3Config, index: int) -> dict:
-    return llama_layer(config, index, **({} if config.no_rope_layers[index] else {"rope_theta": None}))
+def smollm3_layer(config: SmolLM3Config, index: int) -> LayerSpec:
+    layer = llama_layer(config, index)
+    return layer if config.no_rope_layers[index] else layer.with_attention(rope_theta=None)
 
 
 class SmolLM3Model(DecoderModel):

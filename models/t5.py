@@ -53,8 +53,11 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2
 
 from libai_zoo.layers import (
     NORMS,
+    AttentionSpec,
     EncoderDecoderCache,
+    LayerSpec,
     LMHead,
+    MLPSpec,
     RelativePositionBias,
     RMSNorm,
     SequenceGather,
@@ -98,11 +101,13 @@ class T5Stack(nn.Module):
             bidirectional=not decoder)
         self.dropout = nn.Dropout(rate)
         self.scatter = SequenceScatter()
-        block = dict(head_dim=config.d_kv, norm=NORM, norm_eps=config.layer_norm_epsilon,
-                     activation=config.dense_act_fn, gated_mlp=config.is_gated_act, bias=False,
-                     attention_dropout=rate, hidden_dropout=rate, mlp_dropout=rate, causal=decoder,
-                     cross_attention=decoder, attention={"softmax_scale": 1.0})
-        self.block = nn.ModuleList(TransformerLayer(config.d_model, config.num_heads, config.d_ff, **block)
+        attention = AttentionSpec(num_heads=config.num_heads, head_dim=config.d_kv, causal=decoder, bias=False,
+                                  dropout=rate, softmax_scale=1.0)
+        mlp = MLPSpec(config.d_ff, activation=config.dense_act_fn, gated=config.is_gated_act, bias=False,
+                      dropout=rate)
+        block = LayerSpec(config.d_model, attention, mlp, norm=NORM, norm_eps=config.layer_norm_epsilon,
+                          hidden_dropout=rate, cross_attention=decoder)
+        self.block = nn.ModuleList(TransformerLayer(block)
                                    for _ in range(config.num_decoder_layers if decoder else config.num_layers))
         self.final_layer_norm = NORMS[NORM](config.d_model, config.layer_norm_epsilon)
         self.gather = SequenceGather()

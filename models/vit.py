@@ -15,7 +15,16 @@ import transformers
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
-from libai_zoo.layers import LayerNorm, Linear, SequenceGather, SequenceScatter, TransformerLayer
+from libai_zoo.layers import (
+    AttentionSpec,
+    LayerNorm,
+    LayerSpec,
+    Linear,
+    MLPSpec,
+    SequenceGather,
+    SequenceScatter,
+    TransformerLayer,
+)
 from libai_zoo.layers.mlp import ACTIVATIONS
 
 from .classifier import Classifier
@@ -64,13 +73,11 @@ class ViTModel(PreTrainedModel):
         hidden = config.hidden_size
         self.embeddings = ViTEmbeddings(config)
         self.scatter = SequenceScatter()
-        self.layer = nn.ModuleList(
-            TransformerLayer(hidden, config.num_attention_heads, config.intermediate_size,
-                             norm_eps=config.layer_norm_eps, activation=config.hidden_act, bias=config.qkv_bias,
-                             attention_out_bias=True, mlp_bias=True,
-                             attention_dropout=config.attention_probs_dropout_prob,
-                             hidden_dropout=config.hidden_dropout_prob)
-            for _ in range(config.num_hidden_layers))
+        attention = AttentionSpec(config.num_attention_heads, bias=config.qkv_bias, out_bias=True,
+                                  dropout=config.attention_probs_dropout_prob)
+        layer = LayerSpec(hidden, attention, MLPSpec(config.intermediate_size, activation=config.hidden_act),
+                          norm_eps=config.layer_norm_eps, hidden_dropout=config.hidden_dropout_prob)
+        self.layer = nn.ModuleList(TransformerLayer(layer) for _ in range(config.num_hidden_layers))
         self.gather = SequenceGather()
         self.layernorm = LayerNorm(hidden, config.layer_norm_eps, sequence_parallel=False)
         self.pooler = None

@@ -76,7 +76,7 @@ def test_single_process_needs_no_process_group():
     assert ctx.world_group is None and distributed.run_group() is None
     assert not dist.is_initialized()
     assert distributed.get_context() is ctx
-    model = layers.TransformerLayer(16, 4, 32)
+    model = layers.TransformerLayer(layers.LayerSpec(16, layers.AttentionSpec(4), layers.MLPSpec(32)))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert distributed.shard(model) is model
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
@@ -117,7 +117,8 @@ def _layouts() -> dict:
     for name, sizes, cp in (("dp2_cp2", (2, 1, 1), 2), ("cp2_tp2", (1, 2, 1), 2), ("dp2_tp2", (2, 2, 1), 1)):
         ctx = distributed.init(*sizes, cp=cp)
         context = ctx.context_parallel
-        layer = distributed.shard(layers.TransformerLayer(16, 4, 32), ctx).attn
+        spec = layers.LayerSpec(16, layers.AttentionSpec(4), layers.MLPSpec(32))
+        layer = distributed.shard(layers.TransformerLayer(spec), ctx).attn
         out[name] = {"dp_rank": ctx.dp_rank, **{dim: dist.get_process_group_ranks(ctx.group(dim))
                                                 for dim in ("cp", "dp", "dp_cp")},
                      "context_parallel": context and (context.size, context.rank),

@@ -37,6 +37,15 @@ def _without_kwarg(cls, key: str, value=None):
     return "__init__", patched
 
 
+def _layer_with(**values):
+    """TransformerLayer.__init__ with the fields `values` names of its `LayerSpec` replaced (a feature off)."""
+    init = layers.TransformerLayer.__init__
+
+    def patched(self, spec, **kwargs):
+        init(self, dataclasses.replace(spec, **values), **kwargs)
+    return "__init__", patched
+
+
 def _with_kwargs(cls, **values):
     """cls.__init__ with the keywords `values` names forced to their values (a feature off)."""
     init = cls.__init__
@@ -157,8 +166,7 @@ FEATURES = {
     ("qwen3", "per-head q/k norms"): (layers.Attention, ("_norm_qk", lambda self, q, k: (q, k))),
     ("qwen3", "sliding window on layer 2"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
     ("mistral", "sliding window"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
-    ("pythia", "parallel residual"): (layers.TransformerLayer,
-                                      _without_kwarg(layers.TransformerLayer, "parallel_block", False)),
+    ("pythia", "parallel residual"): (layers.TransformerLayer, _layer_with(parallel_block=False)),
     ("olmo2", "norms on the branch outputs"): (layers.TransformerLayer,
                                                 ("_residual", lambda self, x, branch, out_norm: x + branch)),
     ("olmo2", "q/k norms over the whole projection"): (layers.Attention, ("_norm_qk", _norm_qk_per_head)),
@@ -171,10 +179,8 @@ FEATURES = {
     ("gemma2", "query_pre_attn_scalar"): (layers.Attention, _without_kwarg(layers.Attention, "softmax_scale")),
     ("gemma2", "sliding window on layer 1"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
     ("gemma3", "per-head (1 + w) q/k norms"): (layers.Attention, ("_norm_qk", lambda self, q, k: (q, k))),
-    ("gemma3", "local rope base"): (layers.TransformerLayer,
-                                    _without_kwarg(layers.TransformerLayer, "rope_theta", GEMMA3_GLOBAL_BASE)),
-    ("gemma3", "global rope scaling"): (layers.TransformerLayer,
-                                        _without_kwarg(layers.TransformerLayer, "rope_scaling")),
+    ("gemma3", "local rope base"): (layers.Attention, _without_kwarg(layers.Attention, "rope_theta", GEMMA3_GLOBAL_BASE)),
+    ("gemma3", "global rope scaling"): (layers.Attention, _without_kwarg(layers.Attention, "rope_scaling")),
     ("phi3", "fused qkv_proj read in the grouped layout"): (
         rules.PackedQKV, ("load", lambda self, read, shard, zoo_shape, rows=None: read(self.name))),
     ("phi3", "gate_up_proj split as [gate; up]"): (
@@ -187,8 +193,7 @@ FEATURES = {
                                                _with_scaling(short_factor=lambda s: [1.0] * len(s["short_factor"]))),
     ("phi3_short", "sliding window"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
     ("granite", "embedding multiplier"): (DecoderSpec, _without_kwarg(DecoderSpec, "embedding_multiplier", 1.0)),
-    ("granite", "residual multiplier"): (layers.TransformerLayer,
-                                         _without_kwarg(layers.TransformerLayer, "residual_multiplier", 1.0)),
+    ("granite", "residual multiplier"): (layers.TransformerLayer, _layer_with(residual_multiplier=1.0)),
     ("granite", "attention multiplier"): (layers.Attention, _without_kwarg(layers.Attention, "softmax_scale")),
     ("granite", "logits scaling"): (layers.LMHead, _without_kwarg(layers.LMHead, "logit_scale", 1.0)),
     ("mixtral", "top-k weights renormalised"): (layers.MoE, _without_kwarg(layers.MoE, "norm_topk_prob", False)),
@@ -222,7 +227,7 @@ FEATURES = {
     ("gpt_oss", "expert biases"): (layers.Experts, _zeroed(layers.Experts, "gate_bias", "up_bias", "down_bias")),
     ("gpt_oss", "SwiGLU clamp limit"): (layers.Experts, _without_kwarg(layers.Experts, "swiglu_limit", float("inf"))),
     ("gpt_oss", "sliding window on layer 0"): (layers.Attention, _without_kwarg(layers.Attention, "sliding_window")),
-    ("gpt_oss", "YaRN"): (layers.TransformerLayer, _without_kwarg(layers.TransformerLayer, "rope_scaling")),
+    ("gpt_oss", "YaRN"): (layers.Attention, _without_kwarg(layers.Attention, "rope_scaling")),
     ("smollm3", "NoPE layers"): (layers.Attention, _rotary_everywhere(layers.Attention)),
     ("t5", "relative position bias"): (
         layers.RelativePositionBias, ("forward", lambda self, query_length, key_length, past=0:

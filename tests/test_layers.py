@@ -368,7 +368,9 @@ def test_pre_norm_layer_is_gpt2_block():
     config = GPT2Config(n_embd=32, n_head=4, n_inner=64, activation_function="gelu_new",
                         attn_implementation="sdpa", resid_pdrop=0.0, attn_pdrop=0.0)
     hf = GPT2Block(config, layer_idx=0).eval()
-    ours = layers.TransformerLayer(32, 4, 64, activation="gelu_new", causal=True, norm_eps=config.layer_norm_epsilon)
+    ours = layers.TransformerLayer(layers.LayerSpec(32, layers.AttentionSpec(4, causal=True),
+                                                    layers.MLPSpec(64, activation="gelu_new"),
+                                                    norm_eps=config.layer_norm_epsilon))
     sd = hf.state_dict()
     q, k, v = conv1d_t(sd["attn.c_attn.weight"]).chunk(3)
     qb, kb, vb = sd["attn.c_attn.bias"].chunk(3)
@@ -387,7 +389,8 @@ def test_post_norm_layer_is_bert_layer():
     config = BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, attn_implementation="sdpa",
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     hf = BertLayer(config).eval()
-    ours = layers.TransformerLayer(32, 4, 64, norm_position="post", activation="gelu", norm_eps=config.layer_norm_eps)
+    ours = layers.TransformerLayer(layers.LayerSpec(32, layers.AttentionSpec(4), layers.MLPSpec(64, activation="gelu"),
+                                                    norm_position="post", norm_eps=config.layer_norm_eps))
     sd = hf.state_dict()
     p = "attention.self."
     load(ours, {"attn.qkv.weight": layers.fuse_qkv(sd[p + "query.weight"], sd[p + "key.weight"],
@@ -414,8 +417,9 @@ def test_llama_style_layer_is_llama_decoder_layer():
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
                          rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="sdpa")
     hf = LlamaDecoderLayer(config, layer_idx=0).eval()
-    ours = layers.TransformerLayer(32, 4, 48, num_kv_heads=2, norm="rmsnorm", norm_eps=1e-5, activation="silu",
-                                   gated_mlp=True, bias=False, causal=True, rope_theta=500000.0)
+    attention = layers.AttentionSpec(4, num_kv_heads=2, causal=True, bias=False, rope_theta=500000.0)
+    ours = layers.TransformerLayer(layers.LayerSpec(32, attention, layers.MLPSpec(48, "silu", gated=True, bias=False),
+                                                    norm="rmsnorm", norm_eps=1e-5))
     for p in hf.parameters():  # norms start at one; make them matter
         nn.init.normal_(p, std=0.3)
     sd = hf.state_dict()
@@ -447,7 +451,7 @@ def test_longrope_tables_are_phi3s():
     from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from libai_zoo.models.llama import rope_settings
+    from libai_zoo.models.config_reading import rope_settings
 
     config = Phi3Config(hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
                         original_max_position_embeddings=16, partial_rotary_factor=0.75,
@@ -467,7 +471,7 @@ def test_yarn_tables_are_transformers(mscales):
     """YaRN's frequencies (kept, divided and ramped channels: beta_fast 32 and beta_slow 1 over an
     original context of 64 put channel pairs 0-1 / 2-4 / 5-7 of 16 on each side) and its cos/sin
     multiplier equal transformers' tables: mscale(factor) plain (Qwen), the mscale ratio (DeepSeek)."""
-    from libai_zoo.models.llama import rope_settings
+    from libai_zoo.models.config_reading import rope_settings
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -512,10 +516,10 @@ def test_latent_attention_is_deepseek_v3_attention(q_lora_rank):
     for p in ref.parameters():  # norms start at one; make them matter
         nn.init.normal_(p, std=0.3)
     scale = (12 + 8) ** -0.5 * (0.1 * math.log(4) + 1) ** 2
-    ours = layers.TransformerLayer(64, 4, 8, norm="rmsnorm", bias=False, causal=True, rope_theta=10000.0,
-                                   rope_scaling=rope, attention_kind="latent",
-                                   attention=dict(q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=12,
-                                                  qk_rope_head_dim=8, v_head_dim=10, softmax_scale=scale)).attn
+    latent = layers.LatentAttentionSpec(4, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=12,
+                                        qk_rope_head_dim=8, v_head_dim=10, rope_theta=10000.0, rope_scaling=rope,
+                                        softmax_scale=scale)
+    ours = layers.TransformerLayer(layers.LayerSpec(64, latent, layers.MLPSpec(8, bias=False), norm="rmsnorm")).attn
     ours.load_state_dict({k.replace("o_proj", "out"): v for k, v in ref.attn.state_dict().items()})
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1, :2] = 0
@@ -554,7 +558,8 @@ def test_correction_bias_moves_against_the_load_of_a_step():
 
 
 def test_parallel_block_is_attention_plus_mlp():
-    layer = layers.TransformerLayer(32, 4, 64, parallel_block=True, causal=True, rope_theta=10000.0)
+    layer = layers.TransformerLayer(layers.LayerSpec(32, layers.AttentionSpec(4, causal=True, rope_theta=10000.0),
+                                                     layers.MLPSpec(64), parallel_block=True))
     x = torch.randn(2, 6, 32)
     h = layer.attn_norm(x)
     # inside the block both output projections return partial sums; the block adds their biases once
@@ -563,8 +568,19 @@ def test_parallel_block_is_attention_plus_mlp():
 
 
 def test_layer_options_are_checked():
+    """A layer spec is checked where it is written: a misspelled field is a TypeError, a value no
+    layer builds a ValueError naming the problem, before anything is built."""
+    attention, mlp = layers.AttentionSpec(4), layers.MLPSpec(64)
+    with pytest.raises(TypeError, match="norm_postion"):
+        layers.LayerSpec(32, attention, mlp, norm_postion="post")
+    with pytest.raises(TypeError, match="qk_nrom"):
+        layers.LayerSpec(32, attention, mlp).with_attention(qk_nrom="head")
     with pytest.raises(ValueError, match="parallel_block"):
-        layers.TransformerLayer(32, 4, 64, parallel_block=True, norm_position="post")
+        layers.LayerSpec(32, attention, mlp, parallel_block=True, norm_position="post")
+    with pytest.raises(ValueError, match="an MoE layer is sequential"):
+        layers.LayerSpec(32, attention, layers.MoESpec(4, 2, 16), parallel_block=True)
+    with pytest.raises(ValueError, match="norm 'rms_norm' is not one of"):
+        layers.LayerSpec(32, attention, mlp, norm="rms_norm")
     with pytest.raises(ValueError, match="num_kv_heads"):
         layers.Attention(32, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="activation"):

@@ -20,6 +20,7 @@ import json
 import pickle
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from libai_zoo import models
 from libai_zoo.convert import load_checkpoint_model
 from libai_zoo.convert.megatron_core import write_megatron_core
 from libai_zoo.convert.torch_dist import COMMON
+from libai_zoo.layers import LayerSpec, MoESpec
 from libai_zoo.models.decoder import DecoderForCausalLM, DecoderModel, DecoderSpec
 from libai_zoo.models.hf_maps.llama import llama_weight_map
 from libai_zoo.models.llama import llama_layer, llama_spec
@@ -248,10 +250,10 @@ class UnusualModel(DecoderModel):
 
     @staticmethod
     def describe(config) -> DecoderSpec:
-        def layer(config, index: int) -> dict:
-            return llama_layer(config, index, norm="rmsnorm_1p", norm_position="sandwich", residual_multiplier=0.5,
-                               rope_theta=10000.0 if index else None,
-                               attention=dict(softcap=50.0, qk_norm="projection"))
+        def layer(config, index: int) -> LayerSpec:
+            layer = replace(llama_layer(config, index), norm="rmsnorm_1p", norm_position="sandwich",
+                            residual_multiplier=0.5)
+            return layer.with_attention(rope_theta=10000.0 if index else None, softcap=50.0, qk_norm="projection")
 
         return llama_spec(config, layer=layer, embedding_multiplier=4.0, logit_softcap=30.0)
 
@@ -279,7 +281,7 @@ def test_what_megatron_core_cannot_express_is_refused_by_name(tmp_path):
         write_megatron_core(UnusualForCausalLM(config), tmp_path / "unusual")
     for words in ("embedding_multiplier = 4.0: the embeddings scaled",
                   "logit_softcap = 30.0: final-logit soft-capping (Gemma 2)",
-                  "layer 1 has rope_theta = 10000.0, layer 0 None: Megatron-Core builds every layer alike",
+                  "layer 1 has attention rope_theta = 10000.0, layer 0 None: Megatron-Core builds every layer alike",
                   "norm 'rmsnorm_1p': Megatron-Core's layers have LayerNorm or RMSNorm",
                   "norm_position 'sandwich'", "residual_multiplier 0.5 (Granite)",
                   "no positions (rope_theta=None: NoPE layers)", "q/k norm 'projection' (over the whole projection",
@@ -294,10 +296,12 @@ class UnusualMoE(models.MixtralModel):
 
     @staticmethod
     def describe(config) -> DecoderSpec:
-        def layer(config, index: int) -> dict:
-            moe = dict(num_experts=4 + 2 * (index == 3), top_k=2, ffn_hidden_size=24, router="topk_softmax",
-                       router_bias=True, bias=True, capacity_factor=1.25)
-            return llama_layer(config, index, ffn_hidden_size=48 + 16 * index, moe=moe if index > 1 else None)
+        def layer(config, index: int) -> LayerSpec:
+            if index < 2:
+                return llama_layer(config, index).with_mlp(ffn_hidden_size=48 + 16 * index)
+            moe = MoESpec(num_experts=4 + 2 * (index == 3), top_k=2, ffn_hidden_size=24, router="topk_softmax",
+                          router_bias=True, bias=True, capacity_factor=1.25)
+            return replace(llama_layer(config, index), mlp=moe)
 
         return llama_spec(config, layer=layer, num_experts=4)
 

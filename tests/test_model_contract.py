@@ -36,7 +36,9 @@ class TinyTagger(nn.Module, TrainableModel):
         super().__init__()
         self.embed_tokens = layers.VocabEmbedding(VOCAB, hidden)
         self.blocks = nn.ModuleList(
-            layers.TransformerLayer(hidden, heads, 2 * hidden, norm="rmsnorm", parallel_block=True, bias=False)
+            layers.TransformerLayer(layers.LayerSpec(hidden, layers.AttentionSpec(heads, bias=False),
+                                                     layers.MLPSpec(2 * hidden, bias=False), norm="rmsnorm",
+                                                     parallel_block=True))
             for _ in range(num_layers))
         self.final = layers.RMSNorm(hidden, 1e-6)
         self.tagger = layers.Linear(hidden, TAGS, parallel="data", sequence_parallel=False)

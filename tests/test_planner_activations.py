@@ -22,6 +22,7 @@ the weight gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from contextlib import contextmanager, nullcontext
@@ -75,11 +76,11 @@ def llama_config(layers_: int, attention_dropout: float = 0.0, cls=transformers.
                attention_dropout=attention_dropout, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **extra)
 
 
-def sandwich_layer(config, index: int) -> dict:
+def sandwich_layer(config, index: int) -> layers.LayerSpec:
     """Gemma-2-like options on a Llama: sandwich norms, per-head q/k norms, capped scores, and a
     window of 32 on even layers."""
-    return llama_layer(config, index, norm_position="sandwich", sliding_window=32 if index % 2 == 0 else None,
-                       attention=dict(qk_norm="head", softcap=30.0))
+    layer = dataclasses.replace(llama_layer(config, index), norm_position="sandwich")
+    return layer.with_attention(sliding_window=32 if index % 2 == 0 else None, qk_norm="head", softcap=30.0)
 
 
 class SandwichModel(LlamaModel):
@@ -374,9 +375,11 @@ def test_layer_under_sp_saves_no_gathered_input(kind, tp, monkeypatch):
     def build():
         torch.manual_seed(0)
         if kind == "llama":
-            return layers.TransformerLayer(64, 8, 192, num_kv_heads=4, norm="rmsnorm", activation="silu",
-                                           gated_mlp=True, bias=False, causal=True, rope_theta=10000.0, dtype=BF16)
-        return layers.TransformerLayer(64, 8, 256, activation="gelu_new", causal=True, dtype=BF16)
+            attention = layers.AttentionSpec(8, num_kv_heads=4, causal=True, bias=False, rope_theta=10000.0)
+            mlp = layers.MLPSpec(192, activation="silu", gated=True, bias=False)
+            return layers.TransformerLayer(layers.LayerSpec(64, attention, mlp, norm="rmsnorm"), dtype=BF16)
+        gpt = layers.LayerSpec(64, layers.AttentionSpec(8, causal=True), layers.MLPSpec(256, activation="gelu_new"))
+        return layers.TransformerLayer(gpt, dtype=BF16)
 
     measured, shard = _layer_saved_bytes(build(), tp, 64)
     monkeypatch.setattr(linear_module, "gathered_linears", _gathering_linears)

@@ -43,6 +43,16 @@ def _padding_mask() -> torch.Tensor:
     return mask
 
 
+def _layer(attention: layers.AttentionSpec | layers.LatentAttentionSpec, mlp: layers.MLPSpec | None = None,
+           **options) -> layers.TransformerLayer:
+    """A layer of width H: `attention`, `mlp` (default a plain MLP of FFN neurons) and the `LayerSpec` `options`."""
+    return layers.TransformerLayer(layers.LayerSpec(H, attention, mlp or layers.MLPSpec(FFN), **options))
+
+
+SWIGLU = layers.MLPSpec(FFN, activation="silu", gated=True, bias=False)
+LATENT = dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+
+
 def _x(*shape) -> torch.Tensor:
     return torch.randn(*shape)
 
@@ -93,28 +103,26 @@ CASES = {
         [_x(B, S, H), _padding_mask(), torch.arange(S).repeat(B, 1) + 2], [1 if sp else None, None, None],
         1 if sp else None),
     "layer_latent_q_proj": lambda sp: (
-        layers.TransformerLayer(H, HEADS, FFN, norm="rmsnorm", gated_mlp=True, activation="silu", bias=False,
-                                causal=True, rope_theta=10000.0, attention_kind="latent",
-                                attention=dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)),
+        _layer(layers.LatentAttentionSpec(HEADS, **LATENT), SWIGLU, norm="rmsnorm"),
         [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
-    "layer_gpt2": lambda sp: (layers.TransformerLayer(H, HEADS, FFN, activation="gelu_new", causal=True),
+    "layer_gpt2": lambda sp: (_layer(layers.AttentionSpec(HEADS, causal=True), layers.MLPSpec(FFN, "gelu_new")),
                               [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
     "layer_bert_post_norm": lambda sp: (
-        layers.TransformerLayer(H, HEADS, FFN, norm_position="post", norm_eps=1e-12), [_x(B, S, H), _padding_mask()],
+        _layer(layers.AttentionSpec(HEADS), norm_position="post", norm_eps=1e-12), [_x(B, S, H), _padding_mask()],
         [1 if sp else None, None], 1 if sp else None),
     "layer_llama": lambda sp: (
-        layers.TransformerLayer(H, HEADS, FFN, num_kv_heads=KV_HEADS, norm="rmsnorm", norm_eps=1e-6,
-                                activation="silu", gated_mlp=True, bias=False, causal=True, rope_theta=500000.0),
+        _layer(layers.AttentionSpec(HEADS, num_kv_heads=KV_HEADS, causal=True, bias=False, rope_theta=500000.0),
+               SWIGLU, norm="rmsnorm", norm_eps=1e-6),
         [_x(B, S, H), _padding_mask()], [1 if sp else None, None], 1 if sp else None),
     "layer_parallel_block": lambda sp: (
-        layers.TransformerLayer(H, HEADS, FFN, parallel_block=True, causal=True, rope_theta=10000.0),
+        _layer(layers.AttentionSpec(HEADS, causal=True, rope_theta=10000.0), parallel_block=True),
         [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
     "layer_sliding_window": lambda sp: (
-        layers.TransformerLayer(H, HEADS, FFN, num_kv_heads=KV_HEADS, norm="rmsnorm", gated_mlp=True,
-                                activation="silu", causal=True, rope_theta=10000.0, sliding_window=4),
+        _layer(layers.AttentionSpec(HEADS, num_kv_heads=KV_HEADS, causal=True, rope_theta=10000.0, sliding_window=4),
+               layers.MLPSpec(FFN, "silu", gated=True), norm="rmsnorm"),
         [_x(B, S, H)], [1 if sp else None], 1 if sp else None),
     "layer_decoder_cross": lambda sp: (
-        layers.TransformerLayer(H, HEADS, FFN, causal=True, cross_attention=True, encoder_hidden_size=ENC_H),
+        _layer(layers.AttentionSpec(HEADS, causal=True), cross_attention=True, encoder_hidden_size=ENC_H),
         [_x(B, S, H), None, None, _x(B, ENC_S, ENC_H), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])],
         [1 if sp else None, None, None, None, None], 1 if sp else None),
     "cross_entropy_mean": lambda sp: _cross_entropy("mean"),
@@ -198,7 +206,7 @@ def _count_collectives():
 
 def _count_layer_step(sp: bool, parallel_block: bool) -> dict[str, dict[str, int]]:
     torch.manual_seed(0)
-    layer = layers.TransformerLayer(H, HEADS, FFN, causal=True, parallel_block=parallel_block)
+    layer = _layer(layers.AttentionSpec(HEADS, causal=True), parallel_block=parallel_block)
     distributed.shard(layer, sequence_parallel=sp)
     x = _x(B, S // layer.tp.size if sp else S, H).requires_grad_()
     with _count_collectives() as forward:
@@ -233,8 +241,8 @@ def _bad_inputs(tp_size: int) -> dict[str, str]:
 
 def _reference_layer(seed: int) -> layers.TransformerLayer:
     torch.manual_seed(seed)
-    return layers.TransformerLayer(H, HEADS, FFN, num_kv_heads=KV_HEADS, norm="rmsnorm", activation="silu",
-                                   gated_mlp=True, causal=True, rope_theta=10000.0)
+    return _layer(layers.AttentionSpec(HEADS, num_kv_heads=KV_HEADS, causal=True, rope_theta=10000.0),
+                  layers.MLPSpec(FFN, "silu", gated=True), norm="rmsnorm")
 
 
 def _checkpoint_input() -> torch.Tensor:
@@ -330,9 +338,9 @@ def _cp_packed() -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ((5, 7, 4), (9, 7))])
 
 
-def _cp_llama(**kwargs) -> layers.TransformerLayer:
-    return layers.TransformerLayer(H, HEADS, FFN, num_kv_heads=KV_HEADS, norm="rmsnorm", activation="silu",
-                                   gated_mlp=True, bias=False, causal=True, rope_theta=10000.0, **kwargs)
+def _cp_llama() -> layers.TransformerLayer:
+    return _layer(layers.AttentionSpec(HEADS, num_kv_heads=KV_HEADS, causal=True, bias=False, rope_theta=10000.0),
+                  SWIGLU, norm="rmsnorm")
 
 
 # name -> (builder of the layer, of the padding mask or None, of the position_ids or None)
@@ -351,13 +359,12 @@ CP_CASES = {
                            None, None),
     "layer_llama_gqa_causal": (_cp_llama, None, None),
     "layer_llama_packed": (_cp_llama, None, _cp_packed),
-    "layer_packed_window_one_kv_head": (lambda: layers.TransformerLayer(
-        H, HEADS, FFN, num_kv_heads=1, causal=True, rope_theta=10000.0, sliding_window=3), None, _cp_packed),
+    "layer_packed_window_one_kv_head": (lambda: _layer(layers.AttentionSpec(
+        HEADS, num_kv_heads=1, causal=True, rope_theta=10000.0, sliding_window=3)), None, _cp_packed),
     "layer_llama_padding": (_cp_llama, _cp_padding, None),
-    "layer_latent": (lambda: layers.TransformerLayer(
-        H, HEADS, FFN, norm="rmsnorm", causal=True, rope_theta=10000.0, attention_kind="latent",
-        attention=dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)),
-        None, None),
+    "layer_latent": (lambda: _layer(layers.LatentAttentionSpec(HEADS, q_lora_rank=12, bias=True, **LATENT),
+                                    norm="rmsnorm"),
+                     None, None),
 }
 
 
@@ -450,7 +457,7 @@ def _cp_errors(cp: ContextParallel) -> dict[str, str]:
             "mask_4d": run(attention, x, torch.ones(B, 1, CP_S, CP_S, dtype=torch.bool)),
             "odd": run(attention, _x(B, 3, H)),
             "cross": "; ".join(distributed.cp_problems(
-                layers.TransformerLayer(H, HEADS, FFN, cross_attention=True), cp.size))}
+                _layer(layers.AttentionSpec(HEADS), cross_attention=True), cp.size))}
 
 
 def _context_parallel() -> dict:

@@ -31,7 +31,9 @@ def _checks() -> dict:
     results = {"own": own, "shared": shared, "untouched": untouched}
     for sp in (False, True):
         torch.manual_seed(1)
-        layer = layers.TransformerLayer(16, 4, 32, attention_dropout=0.3, hidden_dropout=0.2, causal=True)
+        spec = layers.LayerSpec(16, layers.AttentionSpec(4, causal=True, dropout=0.3), layers.MLPSpec(32),
+                                hidden_dropout=0.2)
+        layer = layers.TransformerLayer(spec)
         checkpointed, selective = copy.deepcopy(layer), copy.deepcopy(layer)
         for module in (layer, checkpointed, selective):
             distributed.shard(module, ctx, sequence_parallel=sp)

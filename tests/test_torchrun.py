@@ -16,8 +16,9 @@ SCRIPT = textwrap.dedent("""
 
     ctx = distributed.init(tp=2, sequence_parallel=True)
     torch.manual_seed(0)
-    layer = layers.TransformerLayer(32, 8, 64, num_kv_heads=4, norm="rmsnorm", gated_mlp=True,
-                                    activation="silu", causal=True, rope_theta=10000.0)
+    attention = layers.AttentionSpec(8, num_kv_heads=4, causal=True, rope_theta=10000.0)
+    mlp = layers.MLPSpec(64, activation="silu", gated=True)
+    layer = layers.TransformerLayer(layers.LayerSpec(32, attention, mlp, norm="rmsnorm"))
     full = copy.deepcopy(layer)
     x = torch.randn(2, 8, 32)
     distributed.shard(layer)

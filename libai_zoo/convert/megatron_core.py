@@ -36,7 +36,7 @@ The grouped `linear_qkv` is libai_zoo's fused `qkv` row for row, so the map
 Hugging Face maps (`libai_zoo.hf.rules`); Hugging Face names and layouts are the models' own
 maps' business (`save_pretrained`, `from_pretrained`), never restated here. The map and the
 args a model is written with are read off the built decoder (`DecoderSpec`: each layer's
-`TransformerLayer` options), never its family's name: any family Megatron-Core can express is
+`LayerSpec`), never its family's name: any family Megatron-Core can express is
 written, and an option it cannot express is refused by name (`architecture_args`).
 
 The architecture comes from the run's `args` (`common.pt`, or the torch files' "args"), which
@@ -47,11 +47,10 @@ checks them against the tensors, naming every problem in one error.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -61,7 +60,8 @@ from torch import nn
 from libai_zoo import models
 from libai_zoo.hf import read_config
 from libai_zoo.hf.rules import PaddedRows, Part, Same, WeightMap, linear
-from libai_zoo.layers import Attention, MoE, TransformerLayer, merge_lora
+from libai_zoo.layers import AttentionSpec, LatentAttentionSpec, LayerSpec, MLPSpec, MoE, MoESpec, merge_lora
+from libai_zoo.layers.spec import arguments
 from libai_zoo.models.decoder import DecoderForCausalLM, DecoderSpec
 
 from . import torch_dist
@@ -468,16 +468,19 @@ def megatron_args(model: nn.Module, padded_vocab: int, make_vocab_size_divisible
                               seq_length=positions)
 
 
-# Megatron-Core's GPTModel (local or Transformer Engine layers) as `TransformerLayer` options:
-# what it cannot express, by option, with a word on who has it. An option not named here nor read
-# by `architecture_args` is refused when it differs from its default, so a new layer option of
-# the zoo is refused until this file learns it.
-LAYER_DEFAULTS = {name: p.default for name, p in inspect.signature(TransformerLayer).parameters.items()
-                  if p.default is not p.empty}
-ATTENTION_DEFAULTS = {name: p.default for name, p in inspect.signature(Attention).parameters.items()
-                      if p.default is not p.empty}
-NOT_ARCHITECTURE = {"sequence_parallel", "device", "dtype", "attention_dropout", "hidden_dropout",
-                    "parallel_norms", "encoder_hidden_size", "sync_input", "reduce_output", "dropout"}
+# Megatron-Core's GPTModel (local or Transformer Engine layers) as the zoo's layer specs
+# (`layers.LayerSpec` and the specs of its attention and MLP): what it cannot express, by field,
+# with a word on who has it. A field not named here nor read by `architecture_args` is refused
+# when it differs from its default, so a new field of the layer specs is refused until this file
+# learns it.
+def _defaults(spec_class) -> dict:
+    """A spec class's fields that have defaults, with them."""
+    return {field.name: field.default for field in fields(spec_class) if field.default is not MISSING}
+
+
+LAYER_DEFAULTS, ATTENTION_DEFAULTS = _defaults(LayerSpec), _defaults(AttentionSpec)
+MLP_DEFAULTS, MOE_DEFAULTS = _defaults(MLPSpec), _defaults(MoESpec)
+NOT_ARCHITECTURE = {"dropout", "hidden_dropout", "parallel_norms", "encoder_hidden_size"}
 SPEC_UNCONVERTED = {
     "embedding_multiplier": "the embeddings scaled (Gemma's sqrt(hidden), Granite's embedding_multiplier): "
                             "Megatron-Core's GPTModel embeds unscaled",
@@ -488,56 +491,71 @@ SPEC_UNCONVERTED = {
 SPEC_READ = {"vocab_size", "hidden_size", "layers", "final_norm", "final_norm_eps", "max_positions", "padding_idx",
              "token_types", "embedding_dropout", "multiplier_in_dtype", "num_experts", "router_aux_loss_coef",
              "output_router_logits", "router_z_loss_coef"}
-# the TransformerLayer options architecture_args reads (and refuses the values of that have no form)
-LAYER_READ = {"num_heads", "hidden_size", "ffn_hidden_size", "num_kv_heads", "head_dim", "norm", "norm_eps",
-              "norm_position", "parallel_block", "residual_multiplier", "causal", "cross_attention", "gated_mlp",
-              "activation", "bias", "qkv_bias", "attention_out_bias", "mlp_bias", "rope_theta", "rope_scaling",
-              "rotary_dim", "sliding_window", "moe"}
+# the LayerSpec, AttentionSpec and MLPSpec fields architecture_args reads (and refuses the values of that have no form)
+LAYER_READ = {"hidden_size", "attention", "mlp", "norm", "norm_eps", "norm_position", "parallel_block",
+              "residual_multiplier", "cross_attention"}
+ATTENTION_READ = {"num_heads", "num_kv_heads", "head_dim", "causal", "bias", "out_bias", "rope_theta", "rope_scaling",
+                  "rotary_dim", "sliding_window", "qk_norm", "qk_norm_eps", "qk_norm_kind"}
+MLP_READ = {"ffn_hidden_size", "activation", "gated", "bias"}
 GELUS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> --bias-gelu-fusion (tanh)
+
+
+def _built_alike(layer: LayerSpec) -> dict:
+    """What Megatron-Core builds alike in every layer, by name: the layer's fields and its
+    attention's, but the sliding window (--window-attn-skip-freq skips it on some) and the MLP
+    (dense and MoE layers: --moe-layer-freq; compared by `_mlp_args`)."""
+    own = {name: value for name, value in arguments(layer).items() if name not in ("attention", "mlp")}
+    attention = {f"attention {name}": value for name, value in arguments(layer.attention).items()
+                 if name != "sliding_window"}
+    return {**own, "attention": type(layer.attention).__name__, **attention}
 
 
 def architecture_args(model: nn.Module) -> dict:
     """Megatron-LM's architecture args of a zoo decoder, read off its `DecoderSpec` (every layer's
-    `TransformerLayer` options), so any family built on the declarative decoder converts when
-    Megatron-Core can express it; what it cannot is named, all of it, in one ValueError."""
+    `LayerSpec`), so any family built on the declarative decoder converts when Megatron-Core can
+    express it; what it cannot is named, all of it, in one ValueError."""
     if not isinstance(model, DecoderForCausalLM):
         raise ValueError(f"{type(model).__name__} has no Megatron-Core form: Megatron-Core's GPTModel is a "
                          f"decoder-only causal LM (libai_zoo's DecoderForCausalLM families)")
     spec, problems = model.body.spec, []
-    # the MLP may differ between dense and MoE layers (--moe-layer-freq): compared by _moe_args
-    for i, layer in enumerate(spec.layers[1:], start=1):
-        for key in sorted(k for k in set(layer) | set(spec.layers[0])
-                          if k not in ("sliding_window", "moe", "ffn_hidden_size")
-                          and layer.get(k) != spec.layers[0].get(k)):
-            problems.append(f"layer {i} has {key} = {layer.get(key)!r}, layer 0 {spec.layers[0].get(key)!r}: "
-                            f"Megatron-Core builds every layer alike (only the sliding window may be skipped on some: "
-                            f"--window-attn-skip-freq; dense and MoE layers: --moe-layer-freq)")
-    layer = {**LAYER_DEFAULTS, **spec.layers[0]}
-    attention = {**ATTENTION_DEFAULTS, **(layer.pop("attention") or {})}
+    layer = spec.layers[0]
+    first = _built_alike(layer)
+    for i, each in enumerate(spec.layers[1:], start=1):
+        options = _built_alike(each)
+        problems += [f"layer {i} has {key} = {options.get(key)!r}, layer 0 {first.get(key)!r}: Megatron-Core builds "
+                     f"every layer alike (only the sliding window may be skipped on some: --window-attn-skip-freq; "
+                     f"dense and MoE layers: --moe-layer-freq)"
+                     for key in sorted(options.keys() | first.keys()) if options.get(key) != first.get(key)]
     refuse = {name: value for name, value in spec.__dict__.items()
               if name not in SPEC_READ and value != DecoderSpec.__dataclass_fields__[name].default}
     problems += [f"{name} = {value!r}: " + SPEC_UNCONVERTED.get(name, "no Megatron-Core form here")
                  for name, value in refuse.items()]
+    attention = layer.attention
+    if isinstance(attention, LatentAttentionSpec):
+        problems.append("latent attention (DeepSeek-V3's LatentAttentionSpec): Megatron-Core's multi-latent "
+                        "attention is not converted")
+        _refuse(model, problems)
 
     def check(when: bool, problem: str) -> None:
         if when:
             problems.append(problem)
 
-    heads, hidden = layer["num_heads"], layer["hidden_size"]
-    norm = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(layer["norm"])
-    check(norm is None, f"norm {layer['norm']!r}: Megatron-Core's layers have LayerNorm or RMSNorm (Gemma's (1 + w) "
+    heads, hidden = attention.num_heads, layer.hidden_size
+    norm = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(layer.norm)
+    check(norm is None, f"norm {layer.norm!r}: Megatron-Core's layers have LayerNorm or RMSNorm (Gemma's (1 + w) "
                         f"RMSNorm in float32 has no Megatron-Core form here)")
-    check((spec.final_norm, spec.final_norm_eps) != (layer["norm"], layer["norm_eps"]),
-          f"final norm {spec.final_norm} (eps {spec.final_norm_eps}) unlike the layers' {layer['norm']} (eps "
-          f"{layer['norm_eps']}): Megatron-Core has one normalization and one layernorm_epsilon")
-    check(layer["norm_position"] != "pre", f"norm_position {layer['norm_position']!r}: Megatron-Core's GPT layer "
-                                           f"normalizes each branch's input (pre-norm) only")
-    check(layer["parallel_block"], "parallel_block (attention and MLP side by side: GPT-J, Pythia): Megatron-Core's "
-                                   "GPT layer is sequential")
-    check(layer["residual_multiplier"] != 1.0, f"residual_multiplier {layer['residual_multiplier']} (Granite): "
-                                               f"Megatron-Core adds the branches unscaled")
-    check(not layer["causal"] or layer["cross_attention"], "Megatron-Core's GPTModel is causal self-attention only")
-    gated, act = layer["gated_mlp"], layer["activation"]
+    check((spec.final_norm, spec.final_norm_eps) != (layer.norm, layer.norm_eps),
+          f"final norm {spec.final_norm} (eps {spec.final_norm_eps}) unlike the layers' {layer.norm} (eps "
+          f"{layer.norm_eps}): Megatron-Core has one normalization and one layernorm_epsilon")
+    check(layer.norm_position != "pre", f"norm_position {layer.norm_position!r}: Megatron-Core's GPT layer "
+                                        f"normalizes each branch's input (pre-norm) only")
+    check(layer.parallel_block, "parallel_block (attention and MLP side by side: GPT-J, Pythia): Megatron-Core's "
+                                "GPT layer is sequential")
+    check(layer.residual_multiplier != 1.0, f"residual_multiplier {layer.residual_multiplier} (Granite): "
+                                            f"Megatron-Core adds the branches unscaled")
+    check(not attention.causal or layer.cross_attention, "Megatron-Core's GPTModel is causal self-attention only")
+    mlp, mlp_args = _mlp_args(spec, problems)
+    gated, act = mlp.gated, mlp.activation
     if gated:
         check(act != "silu", f"a gated MLP with {act!r}: Megatron-LM's --swiglu gates with SiLU")
     else:
@@ -546,31 +564,33 @@ def architecture_args(model: nn.Module) -> dict:
     check(norm is not None and gated != (norm == "RMSNorm"),
           f"a {'gated' if gated else 'plain'} MLP with {norm}: converted Megatron-Core models have SwiGLU with RMSNorm "
           f"(Llama) or GELU with LayerNorm (GPT)")
-    qkv_b, out_b, mlp_b = (layer["bias"] if layer[key] is None else layer[key]
-                           for key in ("qkv_bias", "attention_out_bias", "mlp_bias"))
+    qkv_b, mlp_b = attention.bias, mlp.bias
+    out_b = attention.bias if attention.out_bias is None else attention.out_bias
     check(not (qkv_b == out_b == mlp_b or (qkv_b and not out_b and not mlp_b)),
           f"biases on q/k/v {qkv_b}, o {out_b}, MLP {mlp_b}: Megatron-LM has all of them (--add-bias-linear), none, "
           f"or q/k/v only (--add-qkv-bias)")
     check(not gated and not out_b, "a GELU MLP without biases: converted GPT models have biases (--add-bias-linear)")
-    head_dim = layer["head_dim"] or hidden // heads
-    moe = _moe_args(spec, layer, problems)
-    args = dict(num_layers=len(spec.layers), hidden_size=hidden, ffn_hidden_size=moe.pop("ffn_hidden_size"),
-                num_attention_heads=heads, kv_channels=head_dim,
-                group_query_attention=(layer["num_kv_heads"] or heads) != heads,
-                num_query_groups=layer["num_kv_heads"] or heads, normalization=norm, norm_epsilon=layer["norm_eps"],
+    head_dim = attention.head_dim or hidden // heads
+    args = dict(num_layers=len(spec.layers), hidden_size=hidden, num_attention_heads=heads, kv_channels=head_dim,
+                group_query_attention=(attention.num_kv_heads or heads) != heads,
+                num_query_groups=attention.num_kv_heads or heads, normalization=norm, norm_epsilon=layer.norm_eps,
                 swiglu=gated, bias_gelu_fusion=not gated and GELUS.get(act, False), add_bias_linear=out_b,
-                add_qkv_bias=qkv_b, hidden_dropout=layer["hidden_dropout"],
-                attention_dropout=layer["attention_dropout"], **_position_args(spec, layer, head_dim, problems),
-                **_attention_args(spec, layer, attention, problems), **moe)
-    problems += [f"layer option {name} = {value!r}: no Megatron-Core form here" for name, value in layer.items()
+                add_qkv_bias=qkv_b, hidden_dropout=layer.hidden_dropout, attention_dropout=attention.dropout,
+                **_position_args(spec, attention, head_dim, problems), **_attention_args(spec, attention, problems),
+                **mlp_args)
+    problems += [f"layer option {name} = {value!r}: no Megatron-Core form here" for name, value in arguments(layer).items()
                  if name not in LAYER_READ | NOT_ARCHITECTURE and value != LAYER_DEFAULTS.get(name)]
-    if problems:
-        raise ValueError(f"{type(model).__name__} ({model.config.model_type}) has no Megatron-Core form; "
-                         f"{len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    _refuse(model, problems)
     return args
 
 
-MOE_DEFAULTS = {name: p.default for name, p in inspect.signature(MoE).parameters.items() if p.default is not p.empty}
+def _refuse(model: nn.Module, problems: list[str]) -> None:
+    """Every problem `architecture_args` found, in one ValueError (none: nothing to refuse)."""
+    if problems:
+        raise ValueError(f"{type(model).__name__} ({model.config.model_type}) has no Megatron-Core form; "
+                         f"{len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+
 # the MoE options Megatron-Core's MoE layer has no form for here, with who has them
 MOE_UNCONVERTED = {
     "router": "a router other than softmax then top-k (DeepSeek-V3's sigmoid_group, gpt-oss's topk_softmax) is not "
@@ -586,52 +606,61 @@ MOE_UNCONVERTED = {
     "topk_group": "group-limited routing (DeepSeek-V3) is not converted",
     "routed_scaling_factor": "routed weights scaled (DeepSeek-V3) is not converted",
 }
+MOE_READ = {"num_experts", "top_k", "ffn_hidden_size", "norm_topk_prob", "activation", "gated", "shared_expert_size",
+            "shared_expert_gate", "grouped_mm"}
 
 
-def _moe_args(spec: DecoderSpec, layer: dict, problems: list[str]) -> dict:
-    """Megatron-LM's MoE args (--num-experts, --moe-router-topk, --moe-ffn-hidden-size, top-k
-    renormalised unless --moe-router-pre-softmax, --moe-layer-freq as a list when some layers are
-    dense, a shared expert and its gate) and the dense layers' --ffn-hidden-size. The auxiliary-
-    and z-loss coefficients are carried as they are (the run trains with them when
-    output_router_logits): Megatron-Core's losses are per layer, its auxiliary loss 1/k of
-    transformers', so a run's loss is not comparable number for number."""
-    moes = [each.get("moe") for each in spec.layers]
-    dense = {each["ffn_hidden_size"] for each in spec.layers if not each.get("moe")}
-    if not any(moes):
-        return dict(ffn_hidden_size=layer["ffn_hidden_size"], num_experts=None, moe_layer_freq=1)
-    first = next(i for i, each in enumerate(moes) if each)
-    problems += [f"layer {i}'s MoE has {key} = {each.get(key)!r}, layer {first}'s {moes[first].get(key)!r}: "
-                 f"Megatron-Core's MoE layers are alike" for i, each in enumerate(moes) if each
-                 for key in sorted(set(each) | set(moes[first])) if each.get(key) != moes[first].get(key)]
-    if len(dense) > 1:
-        problems.append(f"dense layers of {sorted(dense)} neurons: Megatron-Core's have one --ffn-hidden-size")
-    moe = {**MOE_DEFAULTS, **moes[first]}
+def _mlp_args(spec: DecoderSpec, problems: list[str]) -> tuple[MLPSpec | MoESpec, dict]:
+    """The layers' MLP (the first dense layer's, else the first MoE's: its activation, gating and
+    bias are the model's), and Megatron-LM's MLP args: the dense layers' --ffn-hidden-size and the
+    MoE args (--num-experts, --moe-router-topk, --moe-ffn-hidden-size, top-k renormalised unless
+    --moe-router-pre-softmax, --moe-layer-freq as a list when some layers are dense, a shared
+    expert and its gate). The auxiliary- and z-loss coefficients are carried as they are (the run
+    trains with them when output_router_logits): Megatron-Core's losses are per layer, its
+    auxiliary loss 1/k of transformers', so a run's loss is not comparable number for number."""
+    dense = [(i, each.mlp) for i, each in enumerate(spec.layers) if not each.is_moe]
+    moes = [(i, each.mlp) for i, each in enumerate(spec.layers) if each.is_moe]
+    for kind, alike in (("MLP", dense), ("MoE", moes)):
+        if alike:
+            (first, mlp), ignored = alike[0], {"ffn_hidden_size"} if kind == "MLP" else set()
+            problems += [f"layer {i}'s {kind} has {key} = {getattr(each, key)!r}, layer {first}'s "
+                         f"{getattr(mlp, key)!r}: Megatron-Core's {'dense' if kind == 'MLP' else 'MoE'} layers are alike"
+                         for i, each in alike[1:] for key in arguments(mlp)
+                         if key not in ignored and getattr(each, key) != getattr(mlp, key)]
+    widths = sorted({mlp.ffn_hidden_size for _, mlp in dense})
+    if len(widths) > 1:
+        problems.append(f"dense layers of {widths} neurons: Megatron-Core's have one --ffn-hidden-size")
+    if dense:
+        problems += [f"MLP {name} = {value!r}: no Megatron-Core form here" for name, value in arguments(dense[0][1]).items()
+                     if name not in MLP_READ and value != MLP_DEFAULTS.get(name)]
+    if not moes:
+        return dense[0][1], dict(ffn_hidden_size=widths[0], num_experts=None, moe_layer_freq=1)
+    moe = moes[0][1]
     for name, why in MOE_UNCONVERTED.items():
-        if moe[name] != MOE_DEFAULTS[name]:
-            problems.append(f"MoE {name} = {moe[name]!r}: {why}")
-    read = {"num_experts", "top_k", "ffn_hidden_size", "norm_topk_prob", "activation", "gated", "shared_expert_size",
-            "shared_expert_gate", "grouped_mm", "sequence_parallel", "device", "dtype"}
-    problems += [f"MoE {name} = {value!r}: no Megatron-Core form here" for name, value in moe.items()
-                 if name not in read | set(MOE_UNCONVERTED) and value != MOE_DEFAULTS.get(name)]
-    if (moe["activation"], moe["gated"]) != (layer["activation"], layer["gated_mlp"]):
-        problems.append(f"experts with {moe['activation']} (gated {moe['gated']}) in layers whose MLP has "
-                        f"{layer['activation']} (gated {layer['gated_mlp']}): Megatron-Core's experts have the MLP's")
+        if getattr(moe, name) != MOE_DEFAULTS[name]:
+            problems.append(f"MoE {name} = {getattr(moe, name)!r}: {why}")
+    problems += [f"MoE {name} = {value!r}: no Megatron-Core form here" for name, value in arguments(moe).items()
+                 if name not in MOE_READ | set(MOE_UNCONVERTED) and value != MOE_DEFAULTS.get(name)]
+    mlp = dense[0][1] if dense else moe
+    if (moe.activation, moe.gated) != (mlp.activation, mlp.gated):
+        problems.append(f"experts with {moe.activation} (gated {moe.gated}) in layers whose MLP has "
+                        f"{mlp.activation} (gated {mlp.gated}): Megatron-Core's experts have the MLP's")
     scale = spec.output_router_logits
-    return dict(
-        ffn_hidden_size=dense.pop() if dense else moe["ffn_hidden_size"], num_experts=moe["num_experts"],
-        moe_router_topk=moe["top_k"], moe_ffn_hidden_size=moe["ffn_hidden_size"],
-        moe_router_pre_softmax=not moe["norm_topk_prob"],
-        moe_layer_freq=1 if all(moes) else [int(bool(each)) for each in moes],
-        moe_shared_expert_intermediate_size=moe["shared_expert_size"], moe_shared_expert_gate=moe["shared_expert_gate"],
+    return mlp, dict(
+        ffn_hidden_size=widths[0] if dense else moe.ffn_hidden_size, num_experts=moe.num_experts,
+        moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_layer_freq=1 if not dense else [int(each.is_moe) for each in spec.layers],
+        moe_shared_expert_intermediate_size=moe.shared_expert_size, moe_shared_expert_gate=moe.shared_expert_gate,
         moe_router_score_function="softmax", moe_router_topk_scaling_factor=None, moe_router_enable_expert_bias=False,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=spec.router_aux_loss_coef if scale else 0.0,
         moe_z_loss_coeff=spec.router_z_loss_coef or None, moe_router_dtype="fp32", moe_grouped_gemm=False,
         moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=None)
 
 
-def _position_args(spec: DecoderSpec, layer: dict, head_dim: int, problems: list[str]) -> dict:
+def _position_args(spec: DecoderSpec, attention: AttentionSpec, head_dim: int, problems: list[str]) -> dict:
     """Learned positions, or RoPE's base, scaling (llama3 or linear) and rotated fraction."""
-    theta, scaling = layer["rope_theta"], layer["rope_scaling"]
+    theta, scaling = attention.rope_theta, attention.rope_scaling
     args = dict(rotary_base=10000, rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0,
                 rotary_seq_len_interpolation_factor=None)
     if spec.max_positions is not None:
@@ -644,7 +673,7 @@ def _position_args(spec: DecoderSpec, layer: dict, head_dim: int, problems: list
         return dict(args, position_embedding_type="none", add_position_embedding=False)
     args.update(position_embedding_type="rope", add_position_embedding=False,
                 rotary_base=int(theta) if float(theta).is_integer() else theta,
-                rotary_percent=(layer["rotary_dim"] or head_dim) / head_dim)
+                rotary_percent=(attention.rotary_dim or head_dim) / head_dim)
     rope_type = (scaling or {}).get("rope_type")
     if rope_type == "llama3":
         others = {key: scaling.get(key) for key in LLAMA3_SCALING if scaling.get(key) != LLAMA3_SCALING[key]}
@@ -660,16 +689,16 @@ def _position_args(spec: DecoderSpec, layer: dict, head_dim: int, problems: list
     return args
 
 
-def _attention_args(spec: DecoderSpec, layer: dict, attention: dict, problems: list[str]) -> dict:
+def _attention_args(spec: DecoderSpec, attention: AttentionSpec, problems: list[str]) -> dict:
     """Per-head q/k norms (--qk-layernorm) and the sliding window (--window-size, skipped on the
     full-attention layers by --window-attn-skip-freq)."""
-    qk = attention.pop("qk_norm")
+    layer, qk = spec.layers[0], attention.qk_norm
     if qk == "head":
-        if layer["norm"] != "rmsnorm" or attention["qk_norm_eps"] != layer["norm_eps"]:
-            problems.append(f"RMSNorm q/k norms (eps {attention['qk_norm_eps']}) with {layer['norm']} layers (eps "
-                            f"{layer['norm_eps']}): Megatron-Core's --qk-layernorm is the layers' norm")
-        if attention["qk_norm_kind"] != "rmsnorm":
-            problems.append(f"{attention['qk_norm_kind']} q/k norms (Gemma 3's (1 + w)): Megatron-Core's q/k norms "
+        if layer.norm != "rmsnorm" or attention.qk_norm_eps != layer.norm_eps:
+            problems.append(f"RMSNorm q/k norms (eps {attention.qk_norm_eps}) with {layer.norm} layers (eps "
+                            f"{layer.norm_eps}): Megatron-Core's --qk-layernorm is the layers' norm")
+        if attention.qk_norm_kind != "rmsnorm":
+            problems.append(f"{attention.qk_norm_kind} q/k norms (Gemma 3's (1 + w)): Megatron-Core's q/k norms "
                             f"are the layers' RMSNorm")
     elif qk is not None:
         problems.append(f"q/k norm {qk!r} (over the whole projection: OLMo 2): Megatron-Core's --qk-layernorm "
@@ -678,10 +707,10 @@ def _attention_args(spec: DecoderSpec, layer: dict, attention: dict, problems: l
                                     "attention_multiplier): not converted",
                    "softcap": "attention logit soft-capping (Gemma 2): Megatron-Core has none",
                    "sinks": "attention sinks (gpt-oss): not converted"}
-    known = NOT_ARCHITECTURE | {"qk_norm_eps", "qk_norm_kind"}
     problems += [f"attention {name} = {value!r}: " + unconverted.get(name, "no Megatron-Core form here")
-                 for name, value in attention.items() if name not in known and value != ATTENTION_DEFAULTS.get(name)]
-    windows = [each.get("sliding_window") for each in spec.layers]
+                 for name, value in arguments(attention).items()
+                 if name not in ATTENTION_READ | NOT_ARCHITECTURE and value != ATTENTION_DEFAULTS.get(name)]
+    windows = [each.attention.sliding_window for each in spec.layers]
     sizes = sorted({w for w in windows if w is not None})
     args = dict(qk_layernorm=qk == "head", window_size=None, window_attn_skip_freq=None)
     if len(sizes) > 1:

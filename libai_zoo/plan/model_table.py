@@ -19,7 +19,7 @@ from torch import nn
 from libai_zoo import distributed
 from libai_zoo.config import ConfigError, Float8
 from libai_zoo.hf import apply_lora_config
-from libai_zoo.layers import Attention, LatentAttention, Linear, LMHead
+from libai_zoo.layers import Attention, LatentAttention, Linear, LMHead, TransformerLayer
 from libai_zoo.models import CausalLM, all_layers, check_trainable, instantiate_model
 from libai_zoo.parallel import check_stage_holdings, kept_reason, optional_modules, split_layers, stage_modules
 
@@ -128,7 +128,7 @@ class ModelTable:
         self.hidden_size: int = attention[0][0].out.out_features
         self.attention_width: float = sum(m.attention_width for ms in attention for m in ms) / self.num_layers
         self._attention = attention[0]
-        self.parallel_block = bool(getattr(layers[0], "parallel_block", False))
+        self.parallel_block = isinstance(layers[0], TransformerLayer) and layers[0].spec.parallel_block
         #: the head's outputs per token: a language model's vocabulary (0 for a classifier, whose
         #: outputs per sample are few)
         heads = [m for m in model.modules() if isinstance(m, LMHead)]

@@ -86,7 +86,7 @@ def llama_weight_map(body, prefix: str, lm_head: bool = False) -> WeightMap:
     for i, layer in indexed_layers(body.layers):
         z = h = f"{p}layers.{i}."
         a, attn, mlp = h + "self_attn.", layer.attn, layer.mlp
-        for zoo, hf in NORM_NAMES[layer.norm_position].items():
+        for zoo, hf in NORM_NAMES[layer.spec.norm_position].items():
             rules += linear(z + zoo, h + hf, bias=False)
         if isinstance(attn, LatentAttention):
             rules += latent_attention_rules(attn, z + "attn.", a)
