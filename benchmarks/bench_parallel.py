@@ -303,19 +303,19 @@ def measure_layout(config_file: str, output_dir: str, overrides: list[str], time
 
     optimizer.zero_grad = measuring_zero_grad
     next_batches = _batches(trainer)
-    trainer.step(next_batches())
+    trainer.train_step(next_batches())
     _barrier()
     counter = DispatchCounter()
     RECORDER.records, RECORDER.active, state["capture"] = [], True, True
     with counter:
-        trainer.step(next_batches())
+        trainer.train_step(next_batches())
     RECORDER.active = False
     times = []
     for _ in range(timed_steps):
         batches = next_batches()
         _barrier()
         start = time.perf_counter()
-        trainer.step(batches)
+        trainer.train_step(batches)
         times.append((time.perf_counter() - start) * 1e3)
     result = dict(coords=(ctx.pp_rank, ctx.dp_rank, ctx.tp_rank), params=state["params"], grads=state["grads"],
                   optim=state["optim"], collectives=RECORDER.records, dispatch_c10d=dict(counter.c10d),
@@ -381,7 +381,7 @@ def measure_bubble(config_file: str, output_dir: str, overrides: list[str], step
     timed around each call: backward is measured, not assumed 2x forward)."""
     trainer = build_trainer(config_file, output_dir, overrides)
     next_batches = _batches(trainer)
-    trainer.step(next_batches())  # builds the schedule (and infers the shapes)
+    trainer.train_step(next_batches())  # builds the schedule (and infers the shapes)
     pipeline = trainer.pipeline
     (schedule,) = pipeline._schedules.values()  # the one built for the training batches
     stage = schedule._stage
@@ -406,7 +406,7 @@ def measure_bubble(config_file: str, output_dir: str, overrides: list[str], step
         batches = next_batches()
         _barrier()
         busy.clear()
-        trainer.step(batches)
+        trainer.train_step(batches)
         rows.append(dict(busy))
     result = dict(pp_rank=trainer.ctx.pp_rank, micro_batches=pipeline.num_micro_batches, steps=rows)
     distributed.destroy()

@@ -53,7 +53,7 @@ def measure(overrides: list[str], output_dir: str, steps: int) -> dict:
         batches = [next(loader) for _ in range(trainer.accumulation)]
         torch.distributed.barrier()
         start = time.perf_counter()
-        trainer.step(batches)
+        trainer.train_step(batches)
         if index:
             times.append(time.perf_counter() - start)
     distributed.destroy()

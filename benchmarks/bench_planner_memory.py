@@ -80,17 +80,17 @@ def measure(cfg) -> int:
         trainer = DefaultTrainer(cfg)
     logging.getLogger("libai_zoo").setLevel(logging.WARNING)
     loader = iter(trainer.build_train_loader(cfg))
-    trainer.step([next(loader)])  # the optimizer state exists from here on
+    trainer.train_step([next(loader)])  # the optimizer state exists from here on
     batch = [next(loader)]
     if trainer.ctx.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        trainer.step(batch)
+        trainer.train_step(batch)
         measured = torch.cuda.max_memory_allocated()
     else:
         before = sum(map(parameter_bytes, trainer.model_parts)) + optimizer_state_bytes(trainer.optimizer)
         with TensorMemoryPeak() as peak:
-            trainer.step(batch)
+            trainer.train_step(batch)
         measured = before + peak.bytes
     distributed.destroy()
     return measured

@@ -102,7 +102,7 @@ def measure(config_file: str, output_dir: str, name: str) -> dict:
         trainer.optimizer.register_step_pre_hook(before_step)
         trainer.optimizer.register_step_post_hook(after_step)
         loader = iter(trainer.build_train_loader(trainer.cfg))
-        metrics = trainer.step([next(loader) for _ in range(trainer.accumulation)])
+        metrics = trainer.train_step([next(loader) for _ in range(trainer.accumulation)])
         ctx = trainer.ctx
         return {"pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank,
                 "params": sum(parameter_bytes(part) for part in parts), "skipped": float(metrics.skipped), **seen}

@@ -345,7 +345,7 @@ def test_goodput_file_is_json_and_accounts_saves_and_evaluations(config_file, tm
     run_trainer(cfg)
     account = json.loads((out / "goodput.json").read_text())
     assert account["restarts"] == 0 and account["last_iter"] == 2 and account["productive_s"] > 0
-    # the stall of the save after step 2 and both evaluations, read from the manager and EvalHook
+    # the stall of the save after step 2 and both evaluations, read from the trainer's records
     assert account["checkpoint_s"] > 0 and account["eval_s"] > 0 and list(account["productive_at"]) == ["2"]
     evaluated = [r["iteration"] for r in records(out) if "eval/loss" in r]
     assert evaluated == [1, 2]
@@ -364,8 +364,9 @@ class GoodputClock:
     def attempt(self, start_iter: int = 0):
         """A process starts now, builds for 1 s and begins training (`before_train`)."""
         from libai_zoo.engine.goodput import Goodput
-        hook = Goodput(self.out, self.now, self.namespace(last_saved=None))
+        hook = Goodput(self.out, self.now)
         hook.trainer = self.namespace(start_iter=start_iter, resumes=True, iter=start_iter, step_time=0.0,
+                                      checkpoint_manager=self.namespace(last_saved=None), last_evaluation=None,
                                       storage=self.namespace(put_scalars=lambda **scalars: None))
         self.now += 1.0
         hook.before_train()

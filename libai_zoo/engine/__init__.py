@@ -3,14 +3,11 @@
 from . import hooks
 from .default_trainer import DefaultTrainer
 from .divergence import DivergenceError
-from .evaluator import Evaluator
+from .evaluator import Evaluation, Evaluator
 from .events import EventStorage
 from .hooks import (
-    Checkpoints,
-    EvalHook,
     GenerateSample,
     IterationTimer,
-    LRScheduler,
     PeriodicWriter,
     ProgressBar,
     StepTimeSpread,
@@ -19,6 +16,6 @@ from .preemption import EXIT_PREEMPTED, Preempted
 from .train_step import StepResult, TrainStep
 from .trainer_base import HookBase, RolledBack, TrainerBase
 
-__all__ = ["TrainerBase", "HookBase", "DefaultTrainer", "TrainStep", "StepResult", "Evaluator", "EventStorage",
-           "hooks", "IterationTimer", "LRScheduler", "Checkpoints", "EvalHook", "StepTimeSpread", "PeriodicWriter",
+__all__ = ["TrainerBase", "HookBase", "DefaultTrainer", "TrainStep", "StepResult", "Evaluator", "Evaluation",
+           "EventStorage", "hooks", "IterationTimer", "StepTimeSpread", "PeriodicWriter",
            "ProgressBar", "GenerateSample", "DivergenceError", "Preempted", "EXIT_PREEMPTED", "RolledBack"]

@@ -48,7 +48,7 @@ from libai_zoo.utils import peak_flops, seed_all, setup_logging
 from . import hooks
 from .checks import accumulation_steps, check_layout
 from .divergence import DivergenceError, DivergenceWatch
-from .evaluator import Evaluator, context_parallel_forward, pipelined_forward, run_evaluation
+from .evaluator import Evaluation, Evaluator, context_parallel_forward, pipelined_forward, run_evaluation
 from .events import ConsoleWriter, JSONWriter, TensorBoardWriter
 from .faults import fault_injector
 from .goodput import Goodput
@@ -125,7 +125,7 @@ class DefaultTrainer(TrainerBase):
         self.optimizer = self.build_optimizer(cfg, self.model_parts)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
         self.configured = ConfiguredSettings(self.optimizer, self.scheduler)  # what a resume keeps of the config
-        self.step = TrainStep(self.model_parts, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
+        self.train_step = TrainStep(self.model_parts, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
                               clip_grad_norm=train.clip_grad_norm, data_parallel=self.data_parallel,
                               pipeline=self.pipeline, expert_bias_update_rate=train.expert_bias_update_rate)
         self.data = TrainingData(self.train_dataset, lambda samples: self.build_train_loader(self.cfg, samples),
@@ -133,28 +133,30 @@ class DefaultTrainer(TrainerBase):
                                  samples_per_read=train.micro_batch_size * self.ctx.dp,
                                  prefetch=cfg.dataloader.prefetch, num_workers=cfg.dataloader.num_workers)
         checkpointer = Checkpointer(self.output_dir, self.model_parts, self.optimizer,
-                                    stateful={"scheduler": self.scheduler, "scaler": self.step.scaler,
+                                    stateful={"scheduler": self.scheduler, "scaler": self.train_step.scaler,
                                               "data": self.data.position},
                                     aliases=self.pipeline.tied_aliases() if self.pipeline else None,
                                     async_save=train.checkpoint.async_save, record=LazyConfig.to_yaml(cfg),
                                     model=self.whole_model,
                                     timeout=layout.timeout, group=self.ctx.world_group)
-        self.checkpoints = CheckpointManager(checkpointer, period=None if fast_dev_run else train.checkpoint.period,
-                                             max_to_keep=train.checkpoint.max_to_keep,
-                                             best_metric=train.best_metric, best_mode=train.best_mode,
-                                             on_restore=self.configured.reapply)  # the config's settings win
+        self.checkpoint_manager = CheckpointManager(checkpointer,
+                                                    period=None if fast_dev_run else train.checkpoint.period,
+                                                    max_to_keep=train.checkpoint.max_to_keep,
+                                                    best_metric=train.best_metric, best_mode=train.best_mode,
+                                                    on_restore=self.configured.reapply)  # the config's settings win
         self.preemption = Preemption(self.ctx.device, self.ctx.world_group)
         self.test_loader = self.build_test_loader(cfg)
         self.evaluator = self.build_evaluator(cfg)
         self.started_at = started_at
         self.goodput: Goodput | None = None  # build_hooks makes it (the main process's time account)
+        self.last_evaluation: Evaluation | None = None  # the latest evaluation (`complete_step`)
         self.register_hooks(self.build_hooks())
         self.resumes = True  # resume_or_load(resume=False) starts a new run over the directory
 
     @property
     def checkpointer(self) -> Checkpointer:
-        """What writes and reads this run's checkpoints (`checkpoints` decides when)."""
-        return self.checkpoints.checkpointer
+        """What writes and reads this run's checkpoints (`checkpoint_manager` decides when and what to keep)."""
+        return self.checkpoint_manager.checkpointer
 
     # -------------------------------------------------------------------------------- builders
     def build_meta_model(self, cfg: DictConfig) -> nn.Module:
@@ -271,32 +273,48 @@ class DefaultTrainer(TrainerBase):
 
     def build_hooks(self) -> list[hooks.HookBase]:
         """The built-in hooks, then the config's own ``hooks`` list (LazyCalls of HookBase subclasses).
-
-        In this order, because each reads what the ones before it did at this step: first those that
-        act on the step (evaluation: `EvalHook.last`; checkpoints: `CheckpointManager.last_saved`),
-        then those that account for it (goodput, the spread of step time), the writers of every
-        scalar last. The step's result and time come from the loop."""
+        They observe the step and the trainer's records (`complete_step` has evaluated and saved by
+        then), so their order does not matter."""
         train = self.settings.train
         log_period = 1 if self.fast_dev_run else train.log_period
         peak = peak_flops(self.ctx.device, self.amp_dtype or torch.float32)
-        act = [hooks.IterationTimer(self.flops_per_token, peak, self.ctx.world_size),
-               fault_injector(self.ctx.rank, self.output_dir),
-               hooks.LRScheduler(self.optimizer, self.scheduler)]
-        evaluation = (hooks.EvalHook(1 if self.fast_dev_run else train.eval.period, self.test, self.checkpoints)
-                      if self.test_loader is not None else None)
-        act.append(evaluation)
-        act.append(hooks.Checkpoints(self.checkpoints))
+        built = [hooks.IterationTimer(self.flops_per_token, peak, self.ctx.world_size),
+                 fault_injector(self.ctx.rank, self.output_dir)]
+        if self.ctx.world_size > 1:
+            built.append(hooks.StepTimeSpread(log_period, self.ctx.device, self.ctx.world_group))
         if self.ctx.is_main_process:
-            self.goodput = Goodput(self.output_dir, self.started_at, self.checkpoints, evaluation)
-        account = [hooks.StepTimeSpread(log_period, self.ctx.device, self.ctx.world_group)
-                   if self.ctx.world_size > 1 else None, self.goodput]
-        write = []
-        if self.ctx.is_main_process:
+            self.goodput = Goodput(self.output_dir, self.started_at)
             writers = [ConsoleWriter(), JSONWriter(self.output_dir / "metrics.json")]
             if train.tensorboard:
                 writers.append(TensorBoardWriter(self.output_dir / "tensorboard"))
-            write = [hooks.PeriodicWriter(writers, log_period, evaluation), hooks.ProgressBar()]
-        return act + account + write + [instantiate(hook) for hook in self.cfg.get("hooks") or []]
+            built += [self.goodput, hooks.PeriodicWriter(writers, log_period), hooks.ProgressBar()]
+        return built + [instantiate(hook) for hook in self.cfg.get("hooks") or []]
+
+    def complete_step(self) -> None:
+        """After the step, before the hooks observe it: the learning rate it used is recorded and the
+        schedule advances; the test set is evaluated every ``train.eval.period`` steps and after the
+        last (`last_evaluation`; the checkpoint manager keeps the best); the checkpoint manager saves
+        when a save is due (its `last_saved`) and commits a finished background write."""
+        done = self.iter + 1
+        self.storage.put_scalar("lr", self.optimizer.param_groups[0]["lr"])
+        self.scheduler.step()
+        period = 1 if self.fast_dev_run else self.settings.train.eval.period
+        if self.test_loader is not None and ((period and done % period == 0) or done == self.max_iter):
+            start = time.perf_counter()
+            results = self.test()
+            self.last_evaluation = Evaluation(done, results, time.perf_counter() - start)
+            self.storage.put_scalar("eval_s", self.last_evaluation.seconds)
+            self.storage.put_scalars(**{f"eval/{name}": value for name, value in results.items()})
+            logger.info("evaluation after %d steps: %s", done,
+                        ", ".join(f"{name} = {value:.4f}" for name, value in results.items()))
+            self.checkpoint_manager.evaluated(done, results)
+        saved = self.checkpoint_manager.after_step(done, last=done == self.max_iter)
+        if saved is not None:
+            self.storage.put_scalar("checkpoint_s", saved.stall_s)
+
+    def complete_train(self) -> None:
+        """Every step ran: the last background checkpoint write is committed."""
+        self.checkpoint_manager.finish()
 
     # ------------------------------------------------------------------------------------ resume
     def resume_or_load(self, resume: bool = True) -> None:
@@ -305,11 +323,11 @@ class DefaultTrainer(TrainerBase):
         from ``train.load_weight`` if set (a Hugging Face directory or a trainer checkpoint:
         weights only)."""
         self.resumes = resume
-        restored = self.checkpoints.start(resume)
+        restored = self.checkpoint_manager.start(resume)
         if restored is not None:
             path, self.start_iter = restored
             logger.info("resumed from %s at iteration %d", path, self.start_iter)
-            self.step.refresh_float8_scales()
+            self.train_step.refresh_float8_scales()
             return
         if resume:
             logger.info("no checkpoint in %s: starting from scratch", self.output_dir)
@@ -333,7 +351,7 @@ class DefaultTrainer(TrainerBase):
                 load_hf_parts(self.whole_model, self.model_parts, reader, aliases=aliases)
         else:
             self.checkpointer.load(path)  # refuses another model's checkpoint, adapters included
-        self.step.refresh_float8_scales()
+        self.train_step.refresh_float8_scales()
         logger.info("loaded weights from %s", path)
 
     # ------------------------------------------------------------------------------- the loop
@@ -369,14 +387,14 @@ class DefaultTrainer(TrainerBase):
         micro_batches = self.data.next_step()
         data_time = time.perf_counter() - start
         self.heartbeat.beat(step, "forward, backward and optimizer step")
-        result = self.step(micro_batches)
+        result = self.train_step(micro_batches)
         self.storage.put_scalars(data_time=data_time, **result.scalars())
         if self.iter == self.start_iter and self.settings.dist.timeout:
             self.ctx.set_timeout(self.settings.dist.timeout)  # start-up is done: the shorter bound from now on
         self.heartbeat.beat(step, "hooks after the step (checkpoint, evaluation, logging)")
-        if self.divergence.rollback_due(self.iter, result, self.step.nonfinite_grads, self.ctx.rank):
-            back_to = self.divergence.roll_back(self.iter, self.checkpoints, self.data.position)
-            self.step.refresh_float8_scales()
+        if self.divergence.rollback_due(self.iter, result, self.train_step.nonfinite_grads, self.ctx.rank):
+            back_to = self.divergence.roll_back(self.iter, self.checkpoint_manager, self.data.position)
+            self.train_step.refresh_float8_scales()
             self.data.open(back_to)
             if self.goodput is not None:
                 self.goodput.rolled_back(back_to, self.iter + 1)
@@ -390,7 +408,7 @@ class DefaultTrainer(TrainerBase):
         if signum is None:
             return
         done = self.iter + 1
-        path = self.checkpoints.save_now(done)
+        path = self.checkpoint_manager.save_now(done)
         if self.goodput is not None:
             self.goodput.checkpointed(done)
         raise Preempted(f"stopped on {signum.name} after {done} steps; checkpoint {path} is saved: run the same "

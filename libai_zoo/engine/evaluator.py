@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,15 @@ from transformers.modeling_outputs import ModelOutput
 
 from libai_zoo.distributed import ContextParallel
 from libai_zoo.parallel import Pipeline, context_parallel_part
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """An evaluation after `iteration` steps: its results and the seconds it took."""
+
+    iteration: int
+    results: dict[str, float]
+    seconds: float
 
 
 class Evaluator:

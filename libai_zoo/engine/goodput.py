@@ -22,9 +22,6 @@ import socket
 import time
 from pathlib import Path
 
-from libai_zoo.checkpoint import CheckpointManager
-
-from .hooks import EvalHook
 from .trainer_base import HookBase
 
 logger = logging.getLogger("libai_zoo")
@@ -35,14 +32,13 @@ FILE = "goodput.json"
 class Goodput(HookBase):
     """Keeps the job's time account in `output_dir`/goodput.json (the main process only).
 
-    ``started_at``: when this process started (time.time()), so that start-up counts as lost;
-    ``checkpoints`` and ``evaluation`` (the run's `EvalHook`, if any): where the step's checkpoint
-    stall and evaluation time are read (their hooks run before this one)."""
+    ``started_at``: when this process started (time.time()), so that start-up counts as lost. The
+    step's checkpoint stall and evaluation time are the trainer's records: its checkpoint manager's
+    `last_saved` and its `last_evaluation` (done after the step, before the hooks)."""
 
-    def __init__(self, output_dir: str | Path, started_at: float, checkpoints: CheckpointManager,
-                 evaluation: EvalHook | None = None):
+    def __init__(self, output_dir: str | Path, started_at: float):
         self.path = Path(output_dir) / FILE
-        self.started_at, self.checkpoints, self.evaluation = started_at, checkpoints, evaluation
+        self.started_at = started_at
         self.account: dict = {}
 
     def before_train(self) -> None:
@@ -88,9 +84,9 @@ class Goodput(HookBase):
 
     def after_step(self) -> None:
         account, done = self.account, self.trainer.iter + 1
-        saved = self.checkpoints.last_saved  # outside the step's time, like the evaluation
+        saved = self.trainer.checkpoint_manager.last_saved  # outside the step's time, like the evaluation
         saved = saved if saved is not None and saved.iteration == done else None
-        evaluated = self.evaluation.last if self.evaluation is not None else None
+        evaluated = self.trainer.last_evaluation
         if saved is not None:
             account["checkpoint_s"] += saved.stall_s
         if evaluated is not None and evaluated.iteration == done:

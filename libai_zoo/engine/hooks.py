@@ -1,6 +1,7 @@
-"""The built-in hooks of `DefaultTrainer`: timing, LR schedule, evaluation, asking for checkpoints,
-the spread of step time over ranks, log writing and a progress bar. They read the step's
-`StepResult` (`trainer.last_step`) and time (`trainer.step_time`)."""
+"""The built-in hooks of `DefaultTrainer`: timing, the spread of step time over ranks, log writing,
+a progress bar and a sample at the end. They observe: they read the step's `StepResult`
+(`trainer.last_step`), its time (`trainer.step_time`) and the trainer's records (its latest
+`Evaluation`), not one another."""
 
 from __future__ import annotations
 
@@ -8,13 +9,11 @@ import logging
 import resource
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from libai_zoo.checkpoint import CheckpointManager
 from libai_zoo.utils import mfu
 
 from .trainer_base import HookBase
@@ -54,67 +53,6 @@ class IterationTimer(HookBase):
             logger.info("trained %d steps in %.1f s (%.4f s/step)", steps, total, total / steps)
 
 
-class LRScheduler(HookBase):
-    """Record the learning rate used by the step, then advance the schedule."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, scheduler):
-        self.optimizer, self.scheduler = optimizer, scheduler
-
-    def after_step(self) -> None:
-        self.trainer.storage.put_scalar("lr", self.optimizer.param_groups[0]["lr"])
-        self.scheduler.step()
-
-
-class Checkpoints(HookBase):
-    """Asks the run's `CheckpointManager` after every step (it saves when one is due and commits a
-    finished background write) and records the loop's stall as ``checkpoint_s``; at the end of
-    the run it commits the last write."""
-
-    def __init__(self, manager: CheckpointManager):
-        self.manager = manager
-
-    def after_step(self) -> None:
-        saved = self.manager.after_step(self.trainer.iter + 1, last=self.trainer.iter + 1 == self.trainer.max_iter)
-        if saved is not None:
-            self.trainer.storage.put_scalar("checkpoint_s", saved.stall_s)
-
-    def after_train(self) -> None:
-        self.manager.finish()
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """An evaluation after `iteration` steps: its results and the seconds it took."""
-
-    iteration: int
-    results: dict[str, float]
-    seconds: float
-
-
-class EvalHook(HookBase):
-    """Run `eval_function()` (a dict of metrics) every `period` steps and after the last; record
-    them as "eval/<name>", keep the latest as `last` (an `Evaluation`, which the writers and the
-    goodput account read), and hand them to `checkpoints` (a `CheckpointManager`, which keeps the
-    best) when given."""
-
-    def __init__(self, period: int, eval_function, checkpoints: CheckpointManager | None = None):
-        self.period, self.eval_function, self.checkpoints = period, eval_function, checkpoints
-        self.last: Evaluation | None = None
-
-    def after_step(self) -> None:
-        done = self.trainer.iter + 1
-        if (self.period and done % self.period == 0) or done == self.trainer.max_iter:
-            start = time.perf_counter()
-            results = self.eval_function()
-            self.last = Evaluation(done, results, time.perf_counter() - start)
-            self.trainer.storage.put_scalar("eval_s", self.last.seconds)
-            self.trainer.storage.put_scalars(**{f"eval/{name}": value for name, value in results.items()})
-            logger.info("evaluation after %d steps: %s", done,
-                        ", ".join(f"{name} = {value:.4f}" for name, value in results.items()))
-            if self.checkpoints is not None:
-                self.checkpoints.evaluated(done, results)
-
-
 def is_log_step(trainer, period: int) -> bool:
     """Whether the step just done is logged: the run's first (the starting loss), every `period`-th
     and the last."""
@@ -149,14 +87,14 @@ class StepTimeSpread(HookBase):
 
 class PeriodicWriter(HookBase):
     """Call every writer after the run's first step (the starting loss), every `period` steps,
-    after the last step, and after a step that `evaluation` (the run's `EvalHook`, if any)
-    evaluated, whatever the period: its results are recorded at that step only."""
+    after the last step, and after a step the trainer evaluated (`trainer.last_evaluation`),
+    whatever the period: its results are recorded at that step only."""
 
-    def __init__(self, writers: list, period: int, evaluation: EvalHook | None = None):
-        self.writers, self.period, self.evaluation = writers, period, evaluation
+    def __init__(self, writers: list, period: int):
+        self.writers, self.period = writers, period
 
     def after_step(self) -> None:
-        last = self.evaluation.last if self.evaluation is not None else None
+        last = self.trainer.last_evaluation
         evaluated = last is not None and last.iteration == self.trainer.iter + 1
         if evaluated or is_log_step(self.trainer, self.period):
             for writer in self.writers:

@@ -1,14 +1,16 @@
-"""The training loop and its hooks: everything that is not forward/backward/step is a hook.
+"""The training loop and its hooks: the trainer acts, the hooks observe and report.
 
     before_train
     for iteration in [start_iter, max_iter):
-        before_step ; run_step ; after_step ; end_step
-    after_train                     only when every step ran (not when the loop raised)
+        before_step ; run_step ; complete_step ; after_step ; end_step
+    complete_train ; after_train    only when every step ran (not when the loop raised)
     close                           always: release files, progress bars
 
 `trainer.iter` is the index of the running step, so after_step sees `iter + 1` steps done. The
 loop times each step (`step_time`: before_step hooks and `run_step`) and keeps what `run_step`
-returned (`last_step`) for the hooks to read. `run_step` returns `RolledBack` when the run went
+returned (`last_step`). `complete_step` is the trainer's own work after a step (DefaultTrainer:
+the LR schedule, an evaluation, a checkpoint when one is due); the hooks then read the step's
+result and the trainer's records, never one another, so their order does not matter. `run_step` returns `RolledBack` when the run went
 back to an earlier state (a divergence rollback): the loop goes on from there, and that step
 has no after_step. When the loop raises, the log says at which iteration, and no hook does work
 meant for a finished run.
@@ -35,8 +37,9 @@ class RolledBack:
 
 class HookBase:
     """Override any of the callbacks; `self.trainer` is set by `register_hooks`. A hook observes the
-    step and reports (or does its side work: the LR schedule, evaluation, asking for a checkpoint);
-    whether the run goes on is the loop's to decide, though a hook may raise to stop it."""
+    step and reports (timing, goodput, the writers, a sample at the end); it reads the trainer's
+    records, never another hook's. Whether the run goes on is the loop's to decide, though a hook
+    may raise to stop it (a fault injected on purpose)."""
 
     trainer: TrainerBase
 
@@ -92,6 +95,7 @@ class TrainerBase:
                     self.iter = outcome.iteration
                     continue
                 self.last_step, self.step_time = outcome, time.perf_counter() - start
+                self.complete_step()
                 self._call("after_step")
                 self.end_step()
                 self.iter += 1
@@ -100,6 +104,7 @@ class TrainerBase:
             log("the run stopped at iteration %d: %s: %s", self.iter + 1, type(error).__name__, error)
             raise
         else:
+            self.complete_train()
             self._call("after_train")
         finally:
             self._call("close")
@@ -111,6 +116,13 @@ class TrainerBase:
     def run_step(self) -> object:
         """One step; returns its result (kept as `last_step`), or `RolledBack`."""
         raise NotImplementedError
+
+    def complete_step(self) -> None:
+        """The trainer's own work after a step, before the hooks observe it (`iter + 1` steps done).
+        The default does nothing."""
+
+    def complete_train(self) -> None:
+        """The trainer's own work after the last step, before the after_train hooks. The default does nothing."""
 
     def end_step(self) -> None:
         """After the step's hooks (`iter + 1` steps done): the loop's own decision to stop or go on
