@@ -46,25 +46,24 @@ def softmax_scale(config, scaling: dict | None) -> float:
 
 
 def deepseek_v3_layer(config, index: int) -> LayerSpec:
-    """Layer `index`: Llama's, with latent attention, and a dense or an MoE MLP."""
-    layer = llama_layer(config, index)
+    """Layer `index`: Llama's with latent attention; its MLP dense in the first
+    first_k_dense_replace layers, an MoE after them."""
     theta, scaling = rope_settings(config)
-    bias = config.attention_bias
-    latent = LatentAttentionSpec(num_heads=config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
-                                 qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
-                                 v_head_dim=config.v_head_dim, q_lora_rank=config.q_lora_rank, bias=bias,
-                                 out_bias=bias, dropout=config.attention_dropout, rope_theta=theta,
+    latent = LatentAttentionSpec(num_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
+                                 kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+                                 qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+                                 bias=config.attention_bias, dropout=config.attention_dropout, rope_theta=theta,
                                  rope_scaling=scaling, rope_interleave=config.rope_interleave,
                                  softmax_scale=softmax_scale(config, scaling))
-    layer = replace(layer, attention=latent)
+    layer = replace(llama_layer(config, index), attention=latent)
     if index < config.first_k_dense_replace:
         return layer
+    shared = config.moe_intermediate_size * config.n_shared_experts if config.n_shared_experts else None
     moe = MoESpec(num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
                   ffn_hidden_size=config.moe_intermediate_size, router="sigmoid_group",
                   norm_topk_prob=config.norm_topk_prob, n_group=config.n_group, topk_group=config.topk_group,
                   routed_scaling_factor=config.routed_scaling_factor, score_correction_bias=True,
-                  activation=config.hidden_act, shared_expert_size=config.moe_intermediate_size * config.n_shared_experts
-                  if config.n_shared_experts else None)
+                  activation=config.hidden_act, shared_expert_size=shared)
     return replace(layer, mlp=moe)
 
 
