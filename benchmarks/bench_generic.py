@@ -117,7 +117,7 @@ class Run:
         self.built = parallelize(model, ctx, self.data_parallel)
         materialize(self.built.parts[0], ctx.device, seed=0, model=self.built.model)
         self.optimizer = torch.optim.AdamW(param_groups(self.built.parts), lr=1e-4)
-        self.step = TrainStep(self.built.parts, self.optimizer, device=ctx.device, amp_dtype=amp_dtype,
+        self.step = TrainStep(self.built.parts, self.optimizer, ctx=ctx, amp_dtype=amp_dtype,
                               data_parallel=self.data_parallel)
         # transformers' attention implementation; the zoo's layer always calls F.scaled_dot_product_attention
         self.attention = getattr(self.built.model.config, "_attn_implementation", None) or "sdpa (zoo layer)"

@@ -398,7 +398,7 @@ def _train(task: str, model_type: str, layout: str, rank: int, declared: dict) -
                 materialize(part, device, seed=0, model=built.model, aliases=aliases)
         parts = [part.train() for part in parts]
         optimizer = torch.optim.AdamW(unique_parameters(parts), lr=LR)
-        step = TrainStep(parts, optimizer, device=device, data_parallel=data_parallel, pipeline=pipeline,
+        step = TrainStep(parts, optimizer, ctx=ctx, data_parallel=data_parallel, pipeline=pipeline,
                          clip_grad_norm=1.0)
         losses = []
         for batch in global_batches(task, model.config):

@@ -265,7 +265,7 @@ def _step_with_a_part_without_targets(root: str, cp: int) -> tuple[float, float]
         model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
                                            embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0))
         built = parallelize(model, ctx, data_parallel := DataParallel(ctx, 0))
-        step = TrainStep(built.parts, torch.optim.SGD(built.parts[0].parameters(), lr=0.1), device=ctx.device,
+        step = TrainStep(built.parts, torch.optim.SGD(built.parts[0].parameters(), lr=0.1), ctx=ctx,
                          data_parallel=data_parallel)
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
         labels = ids.clone()

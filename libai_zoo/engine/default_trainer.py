@@ -125,9 +125,9 @@ class DefaultTrainer(TrainerBase):
         self.optimizer = self.build_optimizer(cfg, self.model_parts)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
         self.configured = ConfiguredSettings(self.optimizer, self.scheduler)  # what a resume keeps of the config
-        self.train_step = TrainStep(self.model_parts, self.optimizer, device=self.ctx.device, amp_dtype=self.amp_dtype,
-                              clip_grad_norm=train.clip_grad_norm, data_parallel=self.data_parallel,
-                              pipeline=self.pipeline, expert_bias_update_rate=train.expert_bias_update_rate)
+        self.train_step = TrainStep(self.model_parts, self.optimizer, ctx=self.ctx, amp_dtype=self.amp_dtype,
+                                    clip_grad_norm=train.clip_grad_norm, data_parallel=self.data_parallel,
+                                    pipeline=self.pipeline, expert_bias_update_rate=train.expert_bias_update_rate)
         self.data = TrainingData(self.train_dataset, lambda samples: self.build_train_loader(self.cfg, samples),
                                  global_batch_size=train.global_batch_size, micro_batches=self.accumulation,
                                  samples_per_read=train.micro_batch_size * self.ctx.dp,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from libai_zoo import distributed
+from libai_zoo.distributed import ParallelContext
 from libai_zoo.layers import MoE
 from libai_zoo.optim import clip_grad_norm_, unique_parameters
 from libai_zoo.parallel import (
@@ -82,17 +83,23 @@ class TrainStep:
     implements the model contract. ``amp_dtype`` None trains in the parameters' dtype; bf16
     autocasts; fp16 autocasts with a dynamic loss scaler that skips a step whose gradients
     overflowed and lowers the scale. A step whose gradient norm is not finite is skipped in every
-    mode. ``clip_grad_norm`` None or 0: no clipping. ``data_parallel`` (wrapped around the model,
-    it reduces gradients over dp during backward) syncs on the last micro-batch and counts targets
-    over the run's world group (its parallel context's); ``pipeline`` runs the micro-batches through the pipeline
-    schedule. Under context parallelism each micro-batch is cut to this cp rank's part of every
-    sequence (`context_parallel_part`) and the gradients meet over dp × cp.
+    mode. ``clip_grad_norm`` None or 0: no clipping. ``ctx``: the run's parallel context (None: one
+    process), over whose world group the targets are counted; ``data_parallel`` (wrapped around the
+    model, it reduces gradients over dp during backward) syncs on the last micro-batch;
+    ``pipeline`` runs the micro-batches through the pipeline schedule. Under context parallelism
+    each micro-batch is cut to this cp rank's part of every sequence (`context_parallel_part`) and
+    the gradients meet over dp × cp. ``device``: where the batches go (the context's device by default).
     """
 
-    def __init__(self, model_parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer, *, device: torch.device,
+    def __init__(self, model_parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer, *,
+                 ctx: ParallelContext | None = None, device: torch.device | None = None,
                  amp_dtype: torch.dtype | None = None, clip_grad_norm: float | None = None,
                  data_parallel: DataParallel | None = None, pipeline: Pipeline | None = None,
                  expert_bias_update_rate: float = 0.0):
+        if ctx is None and (data_parallel is not None or pipeline is not None):
+            raise ValueError("a data-parallel or pipelined TrainStep counts its targets over the run's ranks: pass "
+                             "ctx, the ParallelContext the model was parallelized with")
+        device = device or (ctx.device if ctx is not None else torch.device("cpu"))
         self.model_parts, self.optimizer, self.device = list(model_parts), optimizer, device
         self.model = self.model_parts[0]  # what the contract's batch methods are asked of
         self.params = unique_parameters(self.model_parts)
@@ -101,7 +108,6 @@ class TrainStep:
         self.nonfinite_grads: list[str] = []
         self.amp_dtype, self.clip_grad_norm = amp_dtype, clip_grad_norm or 0.0
         self.data_parallel, self.pipeline = data_parallel, pipeline
-        ctx = data_parallel.ctx if data_parallel is not None else None
         self.dp = ctx.dp if ctx is not None else 1  # ranks reading different samples
         # ranks scoring different tokens (dp × cp), over which the gradients are averaged
         self.shards = ctx.data_parallel_size if ctx is not None else 1
@@ -159,36 +165,10 @@ class TrainStep:
         split = [self.model.split_batch(batch) for batch in batches]
         counts = [float(self.model.num_loss_targets(targets)) for _, targets in split]
         total = self._total(counts)
-        loss = torch.zeros((), device=self.device)
-        aux = None  # the mean auxiliary loss of this rank's micro-batches (a Mixture of Experts')
         if self.pipeline is not None:
-            inputs = {key: torch.cat([batch_inputs[key] for batch_inputs, _ in split]) for key in split[0][0]}
-            targets = torch.cat([batch_targets for _, batch_targets in split])
-            with self._autocast():
-                summed = self.pipeline.step(inputs, targets, loss_scale=self.shards / total)
-            loss += self.pipeline.broadcast_loss(summed) / self.shards
-            if self.model.has_aux_loss:
-                aux = torch.tensor(self.pipeline.broadcast_loss(self.pipeline.aux_loss), device=self.device)
-            self.pipeline.sync_tied_grads()
+            loss, aux = self._pipelined(split, total)
         else:
-            for i, (batch, count) in enumerate(zip(batches, counts)):
-                context = self.data_parallel.micro_batch(last=i == len(batches) - 1) \
-                    if self.data_parallel is not None else nullcontext()
-                if not count and self.context_parallel is not None:
-                    batch = _one_scored_target(batch)
-                with context:
-                    with self._autocast():
-                        output = self.model(**batch, return_logits=False)
-                    # Each rank's share of the global mean; the dp (× cp) reduction averages, hence × dp·cp.
-                    micro_loss = output.loss
-                    objective = micro_loss * (count * self.shards / total)
-                    if self.model.has_aux_loss:  # a mean over micro-batches, not over targets
-                        term = self.model.aux_loss(output.router_stats)
-                        micro_loss = micro_loss - term
-                        objective = micro_loss * (count * self.shards / total) + term / len(batches)
-                        aux = term.detach().float() / len(batches) + (0 if aux is None else aux)
-                    self.scaler.scale(objective).backward()
-                loss += micro_loss.detach().float() * (count / total)
+            loss, aux = self._accumulated(batches, counts, total)
         if self.data_parallel is not None:
             self.data_parallel.all_reduce_sum(loss)
             if aux is not None:
@@ -224,6 +204,43 @@ class TrainStep:
                           loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
                           aux_loss=None if aux is None else aux.item(), expert_imbalance=imbalance,
                           dropped_tokens=dropped)
+
+    def _pipelined(self, split: list[tuple[dict, torch.Tensor]], total: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward of every micro-batch through the pipeline schedule: (this rank's share
+        of the mean loss, the mean auxiliary loss or None), the same on every stage."""
+        inputs = {key: torch.cat([batch_inputs[key] for batch_inputs, _ in split]) for key in split[0][0]}
+        targets = torch.cat([batch_targets for _, batch_targets in split])
+        with self._autocast():
+            result = self.pipeline.step(inputs, targets, loss_scale=self.shards / total)
+        self.pipeline.sync_tied_grads()
+        loss = torch.tensor(result.loss / self.shards, device=self.device)
+        return loss, None if result.aux_loss is None else torch.tensor(result.aux_loss, device=self.device)
+
+    def _accumulated(self, batches: list[dict], counts: list[float],
+                     total: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward of each micro-batch in turn, gradients accumulated (data parallelism
+        syncs on the last): (this rank's share of the mean loss, the mean auxiliary loss of this
+        rank's micro-batches or None)."""
+        loss, aux = torch.zeros((), device=self.device), None
+        for i, (batch, count) in enumerate(zip(batches, counts)):
+            context = self.data_parallel.micro_batch(last=i == len(batches) - 1) \
+                if self.data_parallel is not None else nullcontext()
+            if not count and self.context_parallel is not None:
+                batch = _one_scored_target(batch)
+            with context:
+                with self._autocast():
+                    output = self.model(**batch, return_logits=False)
+                # Each rank's share of the global mean; the dp (× cp) reduction averages, hence × dp·cp.
+                micro_loss = output.loss
+                objective = micro_loss * (count * self.shards / total)
+                if self.model.has_aux_loss:  # a mean over micro-batches, not over targets
+                    term = self.model.aux_loss(output.router_stats)
+                    micro_loss = micro_loss - term
+                    objective = micro_loss * (count * self.shards / total) + term / len(batches)
+                    aux = term.detach().float() / len(batches) + (0 if aux is None else aux)
+                self.scaler.scale(objective).backward()
+            loss += micro_loss.detach().float() * (count / total)
+        return loss, aux
 
     def _routing(self, update_bias: bool) -> tuple[float, float]:
         """The step's routing over the global batch: (worst layer's max / mean tokens per expert,

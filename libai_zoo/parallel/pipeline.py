@@ -254,6 +254,16 @@ def prune_for_stage(model: nn.Module, layer_range: range, is_first: bool, is_las
 TARGETS = "pipeline_targets"
 
 
+@dataclass(frozen=True)
+class PipelineStepResult:
+    """What `Pipeline.step` did, the same on every rank of the pp group: the sum over micro-batches
+    of their losses (each × the step's `loss_scale`) without the auxiliary terms, and a Mixture of
+    Experts' mean auxiliary loss (None for a model without one)."""
+
+    loss: float
+    aux_loss: float | None
+
+
 class PipelineStageModule(nn.Module):
     """One pipeline stage: ``model`` is the pruned copy (full-model parameter names).
 
@@ -465,7 +475,7 @@ class Pipeline:
     of pp works, and so does any count below 2 × pp); the local batch must divide into
     num_micro_batches (checked at each step).
 
-    A step: ``loss = pipeline.step(inputs, targets, loss_scale)`` on every rank (the model's
+    A step: ``result = pipeline.step(inputs, targets, loss_scale)`` on every rank (the model's
     `split_batch` of the local batch; repeat for gradient accumulation), then once before the
     optimizer: `distributed.finalize_grads` on each of `model_parts` under sequence parallelism,
     `sync_tied_grads()`, clipping (counting `tied_duplicates()` once) and the optimizer step over
@@ -503,8 +513,7 @@ class Pipeline:
         self.has_last = any(s.is_last for s in self.stages)
         self.last_stage_rank = self.stage_ranks[-1]
         self.main_input_name = model.main_input_name
-        #: The step's mean auxiliary loss (`aux_loss`) on the rank of the last stage; None without one.
-        self.aux_loss: torch.Tensor | None = None
+        self.has_aux_loss = model.has_aux_loss
 
         # Parameters several stages hold (an embedding and its LM head): each holds a copy, and the
         # copies' gradients are summed over the pp ranks holding them.
@@ -596,7 +605,9 @@ class Pipeline:
         return self._schedules[train, shapes]
 
     def _run(self, train: bool, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
-             loss_scale: float) -> torch.Tensor | None:
+             loss_scale: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the sum of the micro-batch losses without the auxiliary terms, the mean auxiliary loss or
+        None) on the rank of the last stage; (None, None) elsewhere."""
         main = inputs.get(self.main_input_name)
         if main is None:
             raise ValueError(f"the batch has no {self.main_input_name!r}, the input the first stage embeds "
@@ -623,29 +634,27 @@ class Pipeline:
         else:
             schedule.eval(*args, target=target, losses=losses, return_outputs=False, **others)
         if not self.has_last:
-            return None
+            return None, None
         summed = torch.stack([loss.detach() for loss in losses]).sum()
         aux = [a for stage in self.stages for a in stage.aux_losses]
         if not aux:
-            self.aux_loss = None
-            return summed
-        # the step's mean auxiliary loss, and the losses without it
-        self.aux_loss = torch.stack(aux).mean()
-        return summed - self.aux_loss
+            return summed, None
+        aux_loss = torch.stack(aux).mean()  # the step's mean auxiliary loss, and the losses without it
+        return summed - aux_loss, aux_loss
 
-    def step(self, inputs: dict[str, torch.Tensor], targets: torch.Tensor, loss_scale: float) -> torch.Tensor | None:
+    def step(self, inputs: dict[str, torch.Tensor], targets: torch.Tensor, loss_scale: float) -> PipelineStepResult:
         """Forward and backward of this rank's stages over the local batch, split into
         num_micro_batches. Each micro-batch's loss is the sum over its targets times `loss_scale`;
-        gradients accumulate into ``.grad`` (summed over micro-batches). Returns the sum of the
-        micro-batch losses (detached) on the rank holding the last stage, None elsewhere. Every rank
-        of the pp group passes inputs of the same shapes."""
-        return self._run(True, inputs, targets, loss_scale)
+        gradients accumulate into ``.grad`` (summed over micro-batches). Every rank of the pp group
+        passes inputs of the same shapes and gets the same result (broadcast from the last stage)."""
+        loss, aux_loss = self._run(True, inputs, targets, loss_scale)
+        return PipelineStepResult(self._broadcast(loss), self._broadcast(aux_loss) if self.has_aux_loss else None)
 
     def eval_step(self, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> float:
         """Forward only: the sum of the local batch's losses over its targets, on every rank of the pp group."""
-        return self.broadcast_loss(self._run(False, inputs, targets, 1.0))
+        return self._broadcast(self._run(False, inputs, targets, 1.0)[0])
 
-    def broadcast_loss(self, loss: torch.Tensor | None) -> float:
+    def _broadcast(self, loss: torch.Tensor | None) -> float:
         """The last stage's value of `loss` on every rank of the pp group (call it on all of them)."""
         value = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
         if loss is not None:
