@@ -393,7 +393,7 @@ def _train(task: str, model_type: str, layout: str, rank: int, declared: dict) -
                                 pipeline=PipelineSettings("1f1b", 1) if pp > 1 else None,
                                 activation_checkpoint=FULL if layout == "dp2_zero3" else None)
             parts, pipeline, device = built.parts, built.pipeline, ctx.device
-            aliases = pipeline.tied_aliases() if pipeline is not None else None
+            aliases = pipeline.tied.aliases() if pipeline is not None else None
             for part in parts:
                 materialize(part, device, seed=0, model=built.model, aliases=aliases)
         parts = [part.train() for part in parts]

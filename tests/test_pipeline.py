@@ -33,9 +33,9 @@ from libai_zoo.parallel.pipeline import (
     Pipeline,
     PipelineStageModule,
     StageLayers,
-    _shared_parameters,
     prune_for_stage,
     split_layers,
+    stage_shared_parameters,
 )
 from support.forked import run_forked
 
@@ -138,7 +138,7 @@ def _grads(pipe, ctx) -> dict[str, torch.Tensor]:
 
     for part in pipe.model_parts:
         distributed.finalize_grads(part)  # partial (sequence-parallel) gradients of norms
-    pipe.sync_tied_grads()
+    pipe.tied.sync_grads()
     grads = {}
     for name, param in _named_parameters(pipe).items():
         grad = param.grad
@@ -170,7 +170,7 @@ def _run_layout(layout, models: dict, batches: dict) -> dict:
             "stage_indices": [s.stage_index for s in pipe.stages],
             "layers": [get_layer_stack(s.model).indices for s in pipe.stages],
             "duplicates": [n for n, p in _named_parameters(pipe).items()
-                           if any(p is d for d in pipe.tied_duplicates())],
+                           if any(p is d for d in pipe.tied.duplicates())],
         }
     distributed.destroy()
     return results
@@ -317,7 +317,7 @@ def test_encoder_decoder_stages_chain_to_the_models_loss(case, edges):
     ranges = split_layers(6, len(edges) + 1, list(edges))
     stages = [prune_for_stage(model, r, s == 0, s == len(ranges) - 1) for s, r in enumerate(ranges)]
     whole = dict(model.named_parameters())
-    for shared in _shared_parameters(model, ranges):
+    for shared in stage_shared_parameters(model, ranges):
         assert shared.canonical in whole, shared
         for stage, name in shared.names.items():
             assert torch.equal(dict(stages[stage].named_parameters())[name], whole[shared.canonical]), (stage, name)

@@ -135,7 +135,7 @@ class DefaultTrainer(TrainerBase):
         checkpointer = Checkpointer(self.output_dir, self.model_parts, self.optimizer,
                                     stateful={"scheduler": self.scheduler, "scaler": self.train_step.scaler,
                                               "data": self.data.position},
-                                    aliases=self.pipeline.tied_aliases() if self.pipeline else None,
+                                    aliases=self.pipeline.tied.aliases() if self.pipeline else None,
                                     async_save=train.checkpoint.async_save, record=LazyConfig.to_yaml(cfg),
                                     model=self.whole_model,
                                     timeout=layout.timeout, group=self.ctx.world_group)
@@ -183,7 +183,7 @@ class DefaultTrainer(TrainerBase):
                             float8=self.settings.fp8)
         model, parts, pipeline = built.model, built.parts, built.pipeline
         seq_len = self.settings.seq_len  # MFU needs it; of the whole model, not of a pipeline stage
-        aliases = pipeline.tied_aliases() if pipeline is not None else None
+        aliases = pipeline.tied.aliases() if pipeline is not None else None
         start = time.perf_counter()
         # ZeRO offload keeps the shards in CPU memory: allocate them there (FSDP2 pins them)
         device = torch.device("cpu") if self.data_parallel.offload else self.ctx.device
@@ -346,7 +346,7 @@ class DefaultTrainer(TrainerBase):
         """Model weights only, from a Hugging Face directory or a trainer checkpoint (any layout)."""
         path = Path(path)
         if (path / "config.json").is_file():
-            aliases = self.pipeline.tied_aliases() if self.pipeline is not None else None
+            aliases = self.pipeline.tied.aliases() if self.pipeline is not None else None
             with HFWeightReader(path) as reader:
                 load_hf_parts(self.whole_model, self.model_parts, reader, aliases=aliases)
         else:

@@ -177,7 +177,7 @@ class TrainStep:
             distributed.finalize_grads(part)
         self.scaler.unscale_(self.optimizer)
         pp_group = [self.pipeline.pp_group] if self.pipeline is not None else []
-        excluded = self.pipeline.tied_duplicates() if self.pipeline is not None else []
+        excluded = self.pipeline.tied.duplicates() if self.pipeline is not None else []
         grad_norm = clip_grad_norm_(self.params, self.clip_grad_norm, sum_over=pp_group, exclude=excluded)
         skipped = False
         loss_value = loss.item()  # the same on every rank (reduced over dp, broadcast from the last stage)
@@ -212,7 +212,7 @@ class TrainStep:
         targets = torch.cat([batch_targets for _, batch_targets in split])
         with self._autocast():
             result = self.pipeline.step(inputs, targets, loss_scale=self.shards / total)
-        self.pipeline.sync_tied_grads()
+        self.pipeline.tied.sync_grads()
         loss = torch.tensor(result.loss / self.shards, device=self.device)
         return loss, None if result.aux_loss is None else torch.tensor(result.aux_loss, device=self.device)
 

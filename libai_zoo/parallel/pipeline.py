@@ -60,6 +60,8 @@ from libai_zoo.distributed import ContextParallel, ExpertParallel, ParallelConte
 from libai_zoo.layers import uncounted
 from libai_zoo.models import Stack, check_trainable
 
+from .tied_weights import SharedParameter, TiedWeights, shared_parameters
+
 
 @dataclass(frozen=True)
 class _ScheduleKind:
@@ -350,29 +352,11 @@ class PipelineStageModule(nn.Module):
                 f"{self.layer_range.stop - 1}")
 
 
-@dataclass(frozen=True)
-class _SharedParameter:
-    """A parameter several stages hold (an embedding tied to the LM head, shared with a decoder; a
-    stack's position bias): each holds a copy, under `names[stage]`; `canonical` is its name in the
-    whole model (what checkpoints and weight maps call it), the lowest stage's copy counts in norms."""
-
-    names: dict[int, str]
-    canonical: str
-
-
-def _shared_parameters(model: nn.Module, layer_ranges: list[range]) -> list[_SharedParameter]:
-    """Every parameter that more than one of the stages running `layer_ranges` holds, through the
-    modules besides their layers that they hold (`stage_modules`)."""
-    held: dict[int, dict[int, str]] = {}
+def stage_shared_parameters(model: nn.Module, layer_ranges: list[range]) -> list[SharedParameter]:
+    """The parameters more than one of the stages running `layer_ranges` hold, through the modules
+    besides their layers that they hold (`stage_modules`)."""
     last = len(layer_ranges) - 1
-    for stage, layer_range in enumerate(layer_ranges):
-        paths = stage_modules(model, layer_range, stage == 0, stage == last)
-        # in registration order, as the stage's pruned copy names them: its first name under a path it holds
-        for name, param in model.named_parameters(remove_duplicate=False):
-            if any(name.startswith(path + ".") for path in paths):
-                held.setdefault(id(param), {}).setdefault(stage, name)
-    canonical = {id(param): name for name, param in model.named_parameters()}
-    return [_SharedParameter(names, canonical[key]) for key, names in held.items() if len(names) > 1]
+    return shared_parameters(model, [stage_modules(model, r, s == 0, s == last) for s, r in enumerate(layer_ranges)])
 
 
 def splits_backward(schedule: str) -> bool:
@@ -448,7 +432,7 @@ def check_stage_holdings(model: nn.Module, pp: int, *, schedule: str,
                           f"output): choose 1f1b, interleaved_1f1b or gpipe, or boundaries that put the whole decoder "
                           f"on the last stage")
     ranks = _stage_ranks(pp, num_stages, _KINDS[schedule].placement)
-    for shared in _shared_parameters(model, ranges):
+    for shared in stage_shared_parameters(model, ranges):
         held = Counter((ranks[stage], name) for stage, name in shared.names.items())
         (rank, name), copies = held.most_common(1)[0]
         if copies > 1:
@@ -478,7 +462,7 @@ class Pipeline:
     A step: ``result = pipeline.step(inputs, targets, loss_scale)`` on every rank (the model's
     `split_batch` of the local batch; repeat for gradient accumulation), then once before the
     optimizer: `distributed.finalize_grads` on each of `model_parts` under sequence parallelism,
-    `sync_tied_grads()`, clipping (counting `tied_duplicates()` once) and the optimizer step over
+    `tied.sync_grads()`, clipping (counting `tied.duplicates()` once) and the optimizer step over
     the parts' parameters. Data parallelism wraps each of `stages` (FSDP2: `DataParallel.wrap`);
     the schedule then reduces a stage's gradients over dp once, after its last micro-batch.
     """
@@ -515,62 +499,11 @@ class Pipeline:
         self.main_input_name = model.main_input_name
         self.has_aux_loss = model.has_aux_loss
 
-        # Parameters several stages hold (an embedding and its LM head): each holds a copy, and the
-        # copies' gradients are summed over the pp ranks holding them.
-        self.shared = _shared_parameters(model, self.layer_ranges) if self.num_stages > 1 else []
-        self._shared_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        ranks = ctx.mesh.mesh.reshape(ctx.pp, -1, ctx.tp)  # [pp, (edp, ep, cp), tp]: dp and cp flattened
-        for holders in sorted({self._holders(shared) for shared in self.shared}):
-            if len(holders) < 2:
-                continue
-            for d in range(ranks.shape[1]):
-                for t in range(ranks.shape[2]):
-                    members = [int(ranks[pp_rank, d, t]) for pp_rank in holders]
-                    group = ctx.new_group(members)  # every rank creates every group, in the same order
-                    if ctx.rank in members:
-                        self._shared_groups[holders] = group
+        #: Weights several stages hold (an embedding and its LM head): their copies' gradients are
+        #: summed over the pp ranks holding them (`TiedWeights.sync_grads`).
+        self.tied = TiedWeights(stage_shared_parameters(model, self.layer_ranges) if self.num_stages > 1 else [],
+                                {stage.stage_index: stage.model for stage in self.stages}, self.stage_ranks, ctx)
         self._schedules: dict[tuple, object] = {}
-
-    # ---- parameters several stages hold
-    def _holders(self, shared: _SharedParameter) -> tuple[int, ...]:
-        """The pp ranks holding a copy of `shared`."""
-        return tuple(sorted({self.stage_ranks[stage] for stage in shared.names}))
-
-    def _local_copies(self, shared: _SharedParameter) -> list[tuple[str, nn.Parameter, bool]]:
-        """(name, this rank's copy, whether it is the canonical one) for each local stage holding `shared`."""
-        first = min(shared.names)
-        return [(shared.names[stage.stage_index], stage.model.get_parameter(shared.names[stage.stage_index]),
-                 stage.stage_index == first) for stage in self.stages if stage.stage_index in shared.names]
-
-    def tied_aliases(self) -> dict[str, str]:
-        """{this rank's name of a shared weight held under another name: its name in the whole model}."""
-        return {name: shared.canonical for shared in self.shared
-                for name, _, _ in self._local_copies(shared) if name != shared.canonical}
-
-    def tied_duplicates(self) -> list[nn.Parameter]:
-        """This rank's copies of shared weights other than the canonical ones: count them once in a
-        global gradient norm."""
-        return [copy for shared in self.shared for _, copy, canonical in self._local_copies(shared) if not canonical]
-
-    @torch.no_grad()
-    def sync_tied_grads(self) -> None:
-        """Sum the gradients of every copy of a shared weight, so that each holds the full gradient
-        and gets the same optimizer update. Call it once per optimizer step, after the last
-        backward (and after `distributed.finalize_grads` under sequence parallelism): calling it
-        after each of several accumulated steps would count the other copies' parts again. Every
-        rank calls it; a no-op without shared weights or with one stage."""
-        for shared in self.shared:
-            copies = [copy for _, copy, _ in self._local_copies(shared)]
-            if not copies or not copies[0].requires_grad:  # frozen (LoRA's base weights): no gradient
-                continue
-            total = copies[0].grad if copies[0].grad is not None else torch.zeros_like(copies[0])
-            for other in copies[1:]:
-                total = total + _grad_or_zeros(other)
-            group = self._shared_groups.get(self._holders(shared))
-            if group is not None:
-                dist.all_reduce(total.to_local() if isinstance(total, DTensor) else total, group=group)
-            for index, held in enumerate(copies):
-                held.grad = total if index == 0 else total.clone()
 
     # ---- one training step
     @staticmethod
@@ -668,6 +601,3 @@ class Pipeline:
         return (f"Pipeline(schedule={self.schedule_name}, pp={self.pp}, stages={self.num_stages}, "
                 f"micro_batches={self.num_micro_batches}, pp_rank={self.pp_rank} holds {{{local}}})")
 
-
-def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
-    return param.grad if param.grad is not None else torch.zeros_like(param)
