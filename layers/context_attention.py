@@ -18,16 +18,18 @@ The mask is the attention layer's own (`ContextMask`), made from the whole seque
 code hands the layers their inputs unchanged (`attention.layer_attention_mask`). Causal chunk i of
 the 2·cp sees the keys [0, end of chunk i) (under a sliding window w, only from its first query's
 position − w + 1 on: the rest is never computed); with no other rule its queries get a lower-right
-aligned causal bias (`torch.nn.attention.bias.causal_lower_right`), which SDPA runs with a flash
-kernel where the device has one (SDPA's own ``is_causal`` aligns top-left: wrong with fewer
-queries than keys). Any other rule (sliding window, documents, padding), and a layer that computes
-its scores itself (soft-cap, sinks), gets an explicit boolean mask per chunk, made once per forward
-for all the layers of one kind.
+aligned causal bias (`torch.nn.attention.bias.causal_lower_right`, made through this module's
+mask factory `causal_bias`, which `causal_biases_made_by` swaps: the planner's fake tensors cannot
+make one), which SDPA runs with a flash kernel where the device has one (SDPA's own ``is_causal``
+aligns top-left: wrong with fewer queries than keys). Any other rule (sliding window, documents,
+padding), and a layer that computes its scores itself (soft-cap, sinks), gets an explicit boolean
+mask per chunk, made once per forward for all the layers of one kind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
@@ -36,6 +38,27 @@ from libai_zoo.distributed.context_parallel import ContextParallel, all_gather_s
 
 #: one SDPA call of a rank's queries: (first query, end of its queries, first and end of the keys it sees, mask)
 Segment = tuple[int, int, int, int, "torch.Tensor | None"]
+
+_causal_bias: Callable[[int, int], torch.Tensor] = causal_lower_right
+
+
+def causal_bias(queries: int, keys: int) -> torch.Tensor:
+    """The mask factory of a causal chunk with no other rule: the lower-right aligned causal bias
+    of `queries` queries over `keys` keys (torch's `causal_lower_right`, a `CausalBias` holding
+    no data), or what the factory given to `causal_biases_made_by` makes."""
+    return _causal_bias(queries, keys)
+
+
+@contextmanager
+def causal_biases_made_by(factory: Callable[[int, int], torch.Tensor]) -> Iterator[None]:
+    """Meanwhile `ContextMask` makes its lower-right causal biases as ``factory(queries, keys)``
+    (the seam of `causal_bias`): the planner makes torch's outside its fake tensor mode."""
+    global _causal_bias
+    previous, _causal_bias = _causal_bias, factory
+    try:
+        yield
+    finally:
+        _causal_bias = previous
 
 
 class ContextMask:
@@ -89,9 +112,9 @@ class ContextMask:
                  explicit: bool) -> list[Segment]:
         """The SDPA calls of a layer over this rank's `length` queries: per chunk when causal (its
         keys end where the chunk does, and under a sliding window begin where its first query's
-        window does), else one over the whole sequence; a mask is a
-        `causal_lower_right` bias or None where only causality rules (unless ``explicit``: then a
-        boolean one), else boolean [B or 1, 1, queries, keys] (True = attend)."""
+        window does), else one over the whole sequence; a mask is a lower-right causal bias
+        (`causal_bias`) or None where only causality rules (unless ``explicit``: then a boolean
+        one), else boolean [B or 1, 1, queries, keys] (True = attend)."""
         key = (length, device, causal, sliding_window, explicit)
         if key not in self._segments:
             self._segments[key] = self._build(length, device, causal, sliding_window, explicit)
@@ -110,7 +133,7 @@ class ContextMask:
         segments = []
         for start, stop, begin, end in spans:
             if plain and not explicit:
-                segments.append((start, stop, begin, end, causal_lower_right(stop - start, end) if causal else None))
+                segments.append((start, stop, begin, end, causal_bias(stop - start, end) if causal else None))
                 continue
             q_pos, k_pos = everywhere[start:stop, None], torch.arange(begin, end, device=device)[None]
             allowed = torch.ones(stop - start, end - begin, dtype=torch.bool, device=device)

@@ -7,7 +7,9 @@ router, replace the dense MLP's (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-o
 
 The computation of the experts on tokens sorted by expert is one method, `MoE._compute(tokens,
 counts)`: it runs the local `Experts` here, and is where expert parallelism exchanges the tokens
-with the ranks that hold their experts (all-to-all) and back.
+with the ranks that hold their experts (all-to-all) and back. The counts per expert are made in
+one place, `routing_counts`: the seam through which the planner, whose fake tensors have no
+routing, states its own (`routing_counted_by`).
 
 Each forward also returns the layer's router statistics, a float32 [3, E] tensor: row 0 the tokens
 routed to each expert (summed over the k slots; no gradient), row 1 the sum over tokens of the
@@ -29,7 +31,7 @@ any other, on the whole input.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -56,6 +58,34 @@ from .parallel_layer import ParallelLayer
 from .recomputed import recomputed
 
 ROUTERS = ("softmax_topk", "sigmoid_group", "topk_softmax")
+
+
+def count_slots(slots: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The slots routed to each of `num_experts` experts, an integer [E] tensor, from `slots` (each
+    slot's expert id), counted on the device (no host sync): how `routing_counts` counts by default."""
+    return slots.new_zeros(num_experts).scatter_add_(0, slots, torch.ones_like(slots))
+
+
+_count_routing: Callable[[torch.Tensor, int], torch.Tensor] = count_slots
+
+
+def routing_counts(slots: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The slots routed to each expert [E] (`count_slots`). Every MoE layer counts its routing here
+    and nowhere else, so a ``counter`` given to `routing_counted_by` sees and decides every count."""
+    return _count_routing(slots, num_experts)
+
+
+@contextmanager
+def routing_counted_by(counter: Callable[[torch.Tensor, int], torch.Tensor]) -> Iterator[None]:
+    """Meanwhile every MoE layer's counts per expert are ``counter(slots, num_experts)`` (the
+    seam of `routing_counts`): the planner measures a layer on fake tensors, which have no routing,
+    with balanced counts (`plan.kernel_emulation`)."""
+    global _count_routing
+    previous, _count_routing = _count_routing, counter
+    try:
+        yield
+    finally:
+        _count_routing = previous
 
 
 @dataclass
@@ -453,7 +483,7 @@ class MoE(ParallelLayer, nn.Module):
         order within an expert), over capacity dropped, computed, weighted and added back."""
         slots = routing.experts.reshape(-1)
         order = torch.argsort(slots, stable=True)
-        counts = slots.new_zeros(self.num_experts).scatter_add_(0, slots, torch.ones_like(slots))  # no host sync
+        counts = routing_counts(slots, self.num_experts)
         if self.capacity_factor is not None:
             order, counts = self._drop_over_capacity(order, counts, len(tokens))
         token_of = order // self.top_k

@@ -14,10 +14,12 @@ whole experts, a contiguous block of expert ids. One MoE layer's routed path on 
     stats = reduce_from_tp(stats, tp)  the router statistics of every tp rank's tokens
                                        (`collectives`: all-reduce forward, identity backward)
 
-Both exchanges are `all_to_all_single` with uneven splits (the counts are exchanged first), on
-torch's autograd-aware functional collective, so backward sends the gradients the reverse way:
-an expert's gradient is the sum over every token routed to it from any rank of the group. A rank
-may send no rows and an expert may receive none.
+Both exchanges are `all_to_all_single` with uneven splits (the counts are exchanged first, by
+`exchange_counts`), on torch's autograd-aware functional collective, so backward sends the
+gradients the reverse way: an expert's gradient is the sum over every token routed to it from any
+rank of the group. A rank may send no rows and an expert may receive none. The counts' exchange is
+a seam: `counts_exchanged_by` states what a rank receives instead of asking the group (the
+planner's fake process group exchanges no values; it takes every rank to route alike).
 
 Expert parameters are DTensors of their global shape [E, ...] placed Shard(0) on the ept mesh (so
 checkpoints reshard them across ep), and data parallelism shards or replicates them over "edp".
@@ -28,6 +30,8 @@ as for every dense parameter.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +112,34 @@ class Route:
     order: torch.Tensor   # the received rows, taken in this order, are grouped by local expert
 
 
+def _all_to_all_counts(received: torch.Tensor, counts: torch.Tensor, ep: ExpertParallel) -> None:
+    dist.all_to_all_single(received, counts, group=ep.group)
+
+
+_exchange_counts: Callable[[torch.Tensor, torch.Tensor, ExpertParallel], None] = _all_to_all_counts
+
+
+def exchange_counts(received: torch.Tensor, counts: torch.Tensor, ep: ExpertParallel) -> None:
+    """Fill `received` (like `counts`) with what each rank of the group sends this rank's experts,
+    `counts` [E] (int64) being the rows this rank sends each expert of the group: ``received[s·L +
+    j]`` rows from rank s for local expert j (L experts a rank). One all-to-all over the group, or
+    what the exchange given to `counts_exchanged_by` writes."""
+    _exchange_counts(received, counts, ep)
+
+
+@contextmanager
+def counts_exchanged_by(exchange: Callable[[torch.Tensor, torch.Tensor, ExpertParallel], None]) -> Iterator[None]:
+    """Meanwhile `dispatch` has ``exchange(received, counts, ep)`` fill in what the group's ranks
+    send this rank (the seam of `exchange_counts`): the planner, on a fake process group, has every
+    rank route alike (`plan.kernel_emulation`)."""
+    global _exchange_counts
+    previous, _exchange_counts = _exchange_counts, exchange
+    try:
+        yield
+    finally:
+        _exchange_counts = previous
+
+
 def dispatch(rows: torch.Tensor, counts: torch.Tensor, ep: ExpertParallel
              ) -> tuple[torch.Tensor, torch.Tensor, Route]:
     """Send this rank's `rows` (sorted by global expert id; ``counts[e]`` of them for expert e, an
@@ -119,7 +151,7 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, ep: ExpertParallel
     counts = counts.to(torch.int64)
     # received[s, j]: rows source rank s sends to this rank's local expert j
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=ep.group)
+    exchange_counts(received, counts, ep)
     received = received.view(ep.size, local)
     sent = counts.view(ep.size, local).sum(1).tolist()
     from_each = received.sum(1).tolist()

@@ -28,27 +28,12 @@ it runs, with no planner change.
   runs in chunks above `LMHead.chunk_bytes` of logits: its two points are then taken on the same
   side of that threshold as the micro-batch asked.
 
-The device a run is planned for need not be here. Fake CPU tensors run what CPU runs (its SDPA
-kernel choice, its dropout). For CUDA the kernels whose saved tensors differ are swapped (a
-`TorchFunctionMode`): dropout runs as `native_dropout` (a bool mask, as CUDA's fused dropout) and
-SDPA runs the kernel `sdpa_backend` names for CUDA, a fused one measured as CPU's flash kernel
-(q, k, v, output and a float32 logsumexp: what flash, memory-efficient and cuDNN attention keep;
-their RNG state is a few bytes), or with values narrower than the keys (latent attention, which
-flash cannot run) as the memory-efficient kernel CUDA then runs, the math path as torch's math decomposition (as on CPU: in
-float32, a float dropout mask). Autocast is CPU's: its lower-precision list holds the matmuls and
-SDPA, as CUDA's does; the float32 lists differ in ops these layers already run in float32.
-
-A Mixture-of-Experts layer's routed path depends on the routing, which fake tensors do not have:
-it is measured under a stated assumption (`Shapes.routing_imbalance`). Inside an MoE layer the
-router's token counts per expert (an integer `scatter_add_` over the slots) are balanced (the T·k
-slots of T tokens spread evenly over the experts), and the integer bookkeeping on them runs on
-real tensors; in the expert
-group's exchange every rank is taken to route alike, so the counts a rank receives are those it
-sends, times the imbalance factor (the most loaded rank receives that many times its fair share
-of T·k rows; 1.0: balanced). Its own code then runs as usual: router, sorting, the all-to-all
-(fake), the experts on as many rows as they receive (expert by expert unless in bf16: on fake
-tensors the layer runs the grouped GEMM only where its meta kernel does, as CUDA). Capacity
-dropping (a data-dependent selection) is not measured.
+The device a run is planned for need not be here, nor the layout's other ranks, nor the routing
+fake tensors do not have: the probe runs inside `kernel_emulation.emulated`, which makes it run
+CUDA's kernels where their saved tensors differ from CPU's, make its cp masks, and route its
+Mixture-of-Experts layers under a stated assumption (`Shapes.routing_imbalance`: balanced counts
+per expert, every rank of the expert group routing alike), each through a seam the layer owns
+(see that module). Capacity dropping (a data-dependent selection) is not measured.
 
 Not measured: padding/custom attention masks, KV caches (inference), the transient memory of
 backward itself (gradients, a recomputed checkpoint or loss chunk).
@@ -64,12 +49,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.nn.attention.bias import CausalBias
-from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -77,43 +58,12 @@ from torch.utils.flop_counter import flop_registry
 from libai_zoo import distributed
 from libai_zoo.config import Float8, Recompute
 from libai_zoo.distributed import ContextParallel, local
-from libai_zoo.layers import LMHead, context_attention
+from libai_zoo.layers import LMHead
 from libai_zoo.models import all_layers, get_layer_stack
 from libai_zoo.parallel import apply_activation_checkpointing, context_parallel_part, convert_to_float8, to_residual
 
 from .fake_world import fake_world
-
-
-def _asked_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                   dropout: float) -> str | None:
-    """torch's own choice (`torch._fused_sdp_choice` on tiny tensors); None from a torch without it."""
-    q = torch.zeros(1, num_heads, 64, head_dim, dtype=dtype, device=device_type)
-    kv = torch.zeros(1, num_kv_heads, 64, head_dim, dtype=dtype, device=device_type)
-    try:
-        choice = torch._fused_sdp_choice(q, kv, kv, None, dropout, True, scale=None,
-                                         enable_gqa=num_heads != num_kv_heads)
-    except (AttributeError, TypeError, RuntimeError):
-        return None
-    return "math" if choice == torch.nn.attention.SDPBackend.MATH.value else "fused"
-
-
-@functools.lru_cache(maxsize=None)
-def sdpa_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dropout: float) -> str:
-    """"fused" (flash, memory-efficient, cuDNN, CPU flash: O(S) saved) or "math" (O(S²) saved):
-    the kernel `F.scaled_dot_product_attention` picks for a causal self-attention without mask.
-
-    Asked of torch (`torch._fused_sdp_choice` on tiny tensors) when `device_type` is present on
-    this machine; otherwise the rule of torch 2.13: CPU runs its flash kernel unless there is
-    dropout, CUDA runs a fused kernel (fp32 with grouped-query attention, which falls back to
-    math on CUDA, is not told apart without a GPU)."""
-    present = device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
-    asked = _asked_backend(device_type, dtype, num_heads, num_kv_heads, head_dim, dropout) if present else None
-    if asked is not None:
-        return asked
-    if device_type == "cpu":
-        return "math" if dropout > 0 else "fused"
-    return "fused"
+from .kernel_emulation import emulated
 
 
 @dataclass(frozen=True)
@@ -306,114 +256,6 @@ class _FakeMode(FakeTensorMode):
         if func is torch.ops.aten._to_copy.default and _storage(args[0])[0] in self.parameters:
             self.casts[_storage(out)[0]] = out
         return out
-
-
-class _TargetKernels(TorchFunctionMode):
-    """On fake CPU tensors, run dropout and SDPA as CUDA would (see the module docstring)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.dropout:
-            return self._dropout(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
-            return self._attention(*args, **kwargs)
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _dropout(x, p=0.5, training=True, inplace=False):
-        if not training or p == 0.0:
-            return x
-        return torch.native_dropout(x, p, True)[0]
-
-    @staticmethod
-    def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if isinstance(attn_mask, CausalBias):  # lower-right causal (cp's chunks): a flag to CUDA's fused kernels
-            attn_mask, is_causal = None, True
-        if torch.is_autocast_enabled("cpu"):  # what autocast would do to SDPA's inputs
-            dtype = torch.get_autocast_dtype("cpu")
-            q, k, v = (t.to(dtype) for t in (q, k, v))
-            if attn_mask is not None and attn_mask.is_floating_point():
-                attn_mask = attn_mask.to(dtype)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:  # CUDA's SDPA turns it into an additive mask
-            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
-        backend = sdpa_backend("cuda", q.dtype, q.shape[1], k.shape[1], q.shape[-1], float(dropout_p))
-        # values narrower than the keys (latent attention), or a bias that is learned (T5's position
-        # bias): flash cannot run them, CUDA runs its memory-efficient kernel
-        if backend == "fused" and (v.shape[-1] != q.shape[-1] or (attn_mask is not None and attn_mask.requires_grad)):
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
-        if backend == "fused":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
-
-
-class _PlannedRouting(TorchFunctionMode):
-    """Inside an MoE layer on fake tensors: balanced counts per expert, and real integer arithmetic
-    on them (every call whose tensors are all plain real tensors, and `torch.arange`, runs outside
-    the fake mode), so the layer's own code can size its buffers (module docstring)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.scatter_add_ and not args[0].is_floating_point():  # the tokens per expert
-            slots, experts = args[2].numel(), args[0].numel()
-            with unset_fake_temporarily():
-                return slots // experts + (torch.arange(experts) < slots % experts).long()
-        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        if all(type(x) is torch.Tensor for x in tensors) and (tensors or func is torch.arange):
-            with unset_fake_temporarily():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-@contextmanager
-def _real_causal_biases() -> Iterator[None]:
-    """Attention under cp builds its lower-right causal masks (`causal_lower_right`, a tensor
-    subclass holding no data) outside the fake mode, which cannot make them."""
-    original = context_attention.causal_lower_right
-
-    def causal_lower_right(*args, **kwargs):
-        with unset_fake_temporarily():
-            return original(*args, **kwargs)
-
-    context_attention.causal_lower_right = causal_lower_right
-    try:
-        yield
-    finally:
-        context_attention.causal_lower_right = original
-
-
-@contextmanager
-def _symmetric_exchange(imbalance: float) -> Iterator[None]:
-    """The fake process group's all-to-all of real (count) tensors: each rank receives what it
-    sends (every rank routes alike), times `imbalance`."""
-    original = dist.all_to_all_single
-
-    def all_to_all_single(output, input, *args, **kwargs):
-        if type(output) is torch.Tensor and type(input) is torch.Tensor:
-            with unset_fake_temporarily():
-                output.copy_(torch.ceil(input.double() * imbalance).to(output.dtype))
-            return None
-        return original(output, input, *args, **kwargs)
-
-    dist.all_to_all_single = all_to_all_single
-    try:
-        yield
-    finally:
-        dist.all_to_all_single = original
-
-
-def _route_as_planned(model: nn.Module) -> None:
-    """Run each MoE layer of `model` (a module with ``shard_experts_`` and ``top_k``) under `_PlannedRouting`."""
-    for module in model.modules():
-        if callable(getattr(module, "shard_experts_", None)) and hasattr(module, "top_k"):
-            module.forward = functools.partial(_planned_forward, module.forward)
-
-
-def _planned_forward(forward, *args, **kwargs):
-    with _PlannedRouting():
-        return forward(*args, **kwargs)
 
 
 class _SavedCounter:
@@ -641,14 +483,12 @@ class SavedActivations:
             distributed.shard(model, ctx)
             if self._float8 is not None:
                 convert_to_float8([model], self._float8, gather_float8=False, log=False)
-            _route_as_planned(model)
             if modules:
                 for stack in model.stacks():
                     apply_activation_checkpointing(model.get_submodule(stack.path),
                                                    Recompute("selective", modules, None))
             casts = _FakeMode()
-            with (casts, _TargetKernels() if shapes.device == "cuda" else nullcontext(),
-                  _symmetric_exchange(shapes.routing_imbalance), _real_causal_biases()):
+            with casts, emulated(model, device=shapes.device, routing_imbalance=shapes.routing_imbalance):
                 for module in model.modules():  # each module once (nn.Module.to_empty's swap of a fake
                     # tensor fails on a module registered under two paths: T5's shared table)
                     module._apply(lambda t: torch.empty_like(t, device="cpu"), recurse=False)

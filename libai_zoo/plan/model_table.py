@@ -19,7 +19,7 @@ from torch import nn
 from libai_zoo import distributed
 from libai_zoo.config import ConfigError, Float8
 from libai_zoo.hf import apply_lora_config
-from libai_zoo.layers import Attention, LatentAttention, Linear, LMHead, TransformerLayer
+from libai_zoo.layers import Attention, LatentAttention, Linear, LMHead, MoE, TransformerLayer
 from libai_zoo.models import CausalLM, all_layers, check_trainable, instantiate_model
 from libai_zoo.parallel import check_stage_holdings, kept_reason, optional_modules, split_layers, stage_modules
 
@@ -80,7 +80,7 @@ class _SplitRecorder:
 
 
 class _ExpertRecorder:
-    """Stands in for `distributed.ExpertParallel` in an MoE layer's ``shard_experts_``: records which
+    """Stands in for `distributed.ExpertParallel` in `MoE.shard_experts_`: records which
     parameters are split over the expert group, and splits nothing."""
 
     ep, tp, size, rank = 1, 1, 1, 0
@@ -179,8 +179,7 @@ class ModelTable:
         #: the Mixture-of-Experts layers: each one's (experts, experts per token); {} for a dense model
         self.moe: dict[int, tuple[int, int]] = {
             index: (module.num_experts, module.top_k) for index, layer in enumerate(layers)
-            for module in layer.modules() if callable(getattr(module, "shard_experts_", None))
-            and hasattr(module, "top_k")}
+            for module in layer.modules() if isinstance(module, MoE)}
         self._ep_problems: dict[tuple[int, int], list[str]] = {}
         self._layout_problems: dict[tuple[bool, int, int], list[str]] = {}
         self._stage_problems: dict[tuple[int, str, int], str | None] = {}
@@ -361,10 +360,10 @@ def _float8_weights(model: nn.Module, parameters: list[ParameterInfo], skip: tup
 
 
 def _record_experts(model: nn.Module) -> set[int]:
-    """The parameters the MoE layers' own ``shard_experts_`` split over the expert group (ids)."""
+    """The parameters the MoE layers' own `MoE.shard_experts_` split over the expert group (ids)."""
     recorder = _ExpertRecorder()
     for module in model.modules():
-        if callable(getattr(module, "shard_experts_", None)):
+        if isinstance(module, MoE):
             module.shard_experts_(recorder)
     return recorder.experts
 
