@@ -23,25 +23,10 @@ from libai_zoo.models import GPT2Config, GPT2LMHeadModel
 from libai_zoo.parallel import apply_activation_checkpointing
 from libai_zoo.plan.activations import saved_bytes
 from model_cases import zoo_model
+from support.recipes import saved_recipe
 from trainer_runs import losses, records, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_gpt_dataset
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-    vocab_size=8192, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
-dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=32,
-                                                    cache_dir="{cache}"),
-                  test=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=32,
-                                                   cache_dir="{cache}"))
-'''
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +34,8 @@ def config_file(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("trainer")
     documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:300]
     (root / "text.txt").write_text("\n\n".join(documents))
-    path = root / "config.py"
-    path.write_text(CONFIG.format(text=root / "text.txt", tokenizer=ROOT / "data/tokenizer", cache=root / "cache"))
-    return path
+    return saved_recipe(root / "config.yaml", "tiny_gpt2.py", f"dataloader.train.text_file={root / 'text.txt'}",
+                        f"dataloader.train.cache_dir={root / 'cache'}")
 
 
 def run(config_file: Path, output_dir: Path, *overrides: str, resume: bool = False,
@@ -378,9 +362,9 @@ def test_tensor_parallel_run_equals_one_process(config_file, tmp_path):
     """The same recipe at dist.tp=2 (two gloo processes) logs the one-process losses."""
     from support.forked import run_forked
 
-    no_dropout = tmp_path / "no_dropout.py"  # dropout masks of split activations depend on the layout
-    no_dropout.write_text(config_file.read_text().replace(
-        "n_head=4,", "n_head=4, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0,"))
+    no_dropout = saved_recipe(  # dropout masks of split activations depend on the layout
+        tmp_path / "no_dropout.yaml", config_file, "+model.config.embd_pdrop=0.0", "+model.config.attn_pdrop=0.0",
+        "+model.config.resid_pdrop=0.0")
     run(no_dropout, tmp_path / "one", "train.checkpoint.period=0", "train.max_iter=6")
     tp2 = run_forked(_tp2_losses, 2, str(no_dropout), str(tmp_path / "tp2"))[0]
     one = losses(tmp_path / "one")
