@@ -18,6 +18,7 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.models import TrainableModel
 from support.forked import run_forked
+from support.recipes import config_path
 from trainer_runs import losses, run_trainer
 
 VOCAB, TAGS, SEQ, STEPS = 64, 3, 16, 6
@@ -117,22 +118,12 @@ class BufferedTagger(ScaledTagger):
     init_buffers = TrainableModel.init_buffers  # the default: no buffers allowed
 
 
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from test_model_contract import {model}, TaggingData
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall({model})()
-dataloader = dict(train=LazyCall(TaggingData)(), shuffle=False)
-'''
+CONFIG = str(config_path("tagger.py"))  # trains TinyTagger; `model_is` names another model of this module
 
 
-def config_file(root: Path, model: str = "TinyTagger") -> str:
-    path = root / f"{model}.py"
-    path.write_text(CONFIG.format(model=model))
-    return str(path)
+def model_is(model: str) -> str:
+    """The override that trains another model of this module."""
+    return f"model._target_=test_model_contract.{model}"
 
 
 def train(config: str, output_dir: str, *overrides: str) -> dict[int, float]:
@@ -150,10 +141,9 @@ def _tp2_and_pp2(config: str, root: str) -> dict:
 
 @pytest.mark.slow
 def test_a_user_model_trains_at_tp2_and_pp2_like_one_process(tmp_path):
-    config = config_file(tmp_path)
-    one = train(config, str(tmp_path / "one"), "train.micro_batch_size=8")
+    one = train(CONFIG, str(tmp_path / "one"), "train.micro_batch_size=8")
     assert sorted(one) == list(range(1, STEPS + 1)) and one[STEPS] < one[1] - 0.05  # it learns
-    runs = run_forked(_tp2_and_pp2, 2, config, str(tmp_path))[0]
+    runs = run_forked(_tp2_and_pp2, 2, CONFIG, str(tmp_path))[0]
     for layout, logged in runs.items():
         assert sorted(logged) == sorted(one), layout
         assert max(abs(logged[i] - one[i]) / one[i] for i in one) <= 1e-5, (layout, logged, one)
@@ -168,7 +158,7 @@ def test_a_user_model_trains_at_tp2_and_pp2_like_one_process(tmp_path):
     ("MisnamedStack", "MisnamedStack does not fit the model contract (libai_zoo.models.TrainableModel): "
                       "'layers' names no submodule")])
 def test_a_model_lacking_part_of_the_contract_is_refused_naming_it(tmp_path, model, message):
-    cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file(tmp_path, model)), [f"train.output_dir={tmp_path}"])
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(CONFIG), [model_is(model), f"train.output_dir={tmp_path}"])
     with pytest.raises(TypeError) as error:
         DefaultTrainer(cfg)
     assert message in str(error.value)
@@ -177,15 +167,16 @@ def test_a_model_lacking_part_of_the_contract_is_refused_naming_it(tmp_path, mod
 def test_buffers_are_computed_by_init_buffers_or_refused(tmp_path):
     """The trainer builds on the meta device, where a buffer has no value: init_buffers gives it
     one, and a model without it is refused, naming the buffer."""
-    cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file(tmp_path, "ScaledTagger")), [
-        f"train.output_dir={tmp_path / 'scaled'}", "train.micro_batch_size=8", "train.global_batch_size=8"])
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(CONFIG), [
+        model_is("ScaledTagger"), f"train.output_dir={tmp_path / 'scaled'}", "train.micro_batch_size=8",
+        "train.global_batch_size=8"])
     trainer = DefaultTrainer(cfg)
     try:
         assert torch.equal(trainer.model.scale, torch.full((TAGS,), 0.5))
     finally:
         distributed.destroy()
-    cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file(tmp_path, "BufferedTagger")), [
-        f"train.output_dir={tmp_path / 'buffered'}"])
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(CONFIG), [
+        model_is("BufferedTagger"), f"train.output_dir={tmp_path / 'buffered'}"])
     with pytest.raises(TypeError, match=r"BufferedTagger holds buffers \['scale'\].*implement init_buffers"):
         DefaultTrainer(cfg)
     distributed.destroy()
