@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from libai_zoo.config import LazyConfig
+from support.recipes import recipe
 from trainer_runs import run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,29 +150,10 @@ def test_command_line(tmp_path):
                                      f"output_dir (its train.output_dir, e.g. output/gpt2_pretrain)")
 
 
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel
-from recorded_data import RecordedTokens
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-    vocab_size=128, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0))
-dataloader = dict(train=LazyCall(RecordedTokens)(num_samples=64, seq_len=16, vocab_size=128,
-                                                 record_dir="${train.output_dir}/samples"),
-                  test=LazyCall(RecordedTokens)(num_samples=4, seq_len=16, vocab_size=128,
-                                                record_dir="${train.output_dir}/samples"))
-train.update(max_iter=6, micro_batch_size=2, global_batch_size=2, log_period=2, eval=dict(period=4),
-             checkpoint=dict(period=100))
-'''
 
 
 def test_a_real_run(tmp_path):
-    (tmp_path / "config.py").write_text(CONFIG)
-    cfg = LazyConfig.apply_overrides(LazyConfig.load(str(tmp_path / "config.py")),
-                                     [f"train.output_dir={tmp_path / 'run'}"])
+    cfg = recipe("recorded_gpt2_1layer.py", f"train.output_dir={tmp_path / 'run'}")
     run_trainer(cfg)
     out = plot.main([str(tmp_path / "run"), "--out", str(tmp_path / "plot.png"), "--x", "time"])
     assert out.is_file()
