@@ -8,7 +8,8 @@ if __name__ != "libai_zoo.layers":  # `import layers` from the repository root w
     raise ImportError(f"`layers/` is installed as `libai_zoo.layers`: write `from libai_zoo import layers` or "
                       f"`import libai_zoo.layers`, not `import layers` (imported here as `{__name__}`)")
 
-from .attention import Attention, fuse_kv, fuse_qkv, layer_attention_mask, packed_causal_mask, split_kv, split_qkv
+from .attention import Attention
+from .attention_masks import layer_attention_mask, packed_causal_mask
 from .context_attention import ContextMask
 from .cross_entropy import ParallelCrossEntropy
 from .drop_path import DropPath
@@ -22,6 +23,7 @@ from .mlp import MLP
 from .moe import Experts, MoE, Router, Routing, load_balancing_loss, router_z_loss, uncounted
 from .norm import NORMS, LayerNorm, RMSNorm
 from .parallel_layer import ParallelLayer
+from .qkv_layout import fuse_kv, fuse_qkv, split_kv, split_qkv
 from .relative_position_bias import RelativePositionBias, relative_position_bucket
 from .rotary import RotaryEmbedding, apply_rotary, yarn_mscale
 from .sequence_parallel import SequenceGather, SequenceScatter

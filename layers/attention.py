@@ -48,6 +48,7 @@ from torch import nn
 
 from libai_zoo.distributed import TensorParallel, local
 
+from .attention_masks import sdpa_mask
 from .context_attention import ContextMask, context_attention
 from .kv_cache import KVCache
 from .linear import Linear
@@ -297,34 +298,6 @@ class Attention(ParallelLayer, nn.Module):
                 f"{', '.join(kinds)}{self.parallel_repr()}")
 
 
-def sdpa_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device, *, causal: bool,
-              sliding_window: int | None = None) -> tuple[torch.Tensor | None, bool]:
-    """(attn_mask, is_causal) for SDPA; queries are the last q_len of the k_len positions."""
-    if attention_mask is None and sliding_window is None:
-        if not causal:
-            return None, False
-        if q_len == k_len:
-            return None, True
-        if q_len == 1:  # one new token after cached ones sees them all
-            return None, False
-    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
-    k_pos = torch.arange(k_len, device=device)[None, :]
-    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-    if causal:
-        allowed &= k_pos <= q_pos
-    if sliding_window is not None:
-        distance = q_pos - k_pos if causal else (q_pos - k_pos).abs()
-        allowed &= distance < sliding_window
-    if attention_mask is None:
-        return allowed, False
-    if attention_mask.dim() == 2:  # [B, S_k] padding mask, 1 = token
-        # A query that may see nothing (left padding) gets zeros from SDPA (torch >= 2.5), as in transformers.
-        return allowed & attention_mask[:, None, None, :].bool(), False
-    if attention_mask.dtype == torch.bool:
-        return allowed & attention_mask, False
-    return attention_mask.masked_fill(~allowed, float("-inf")), False
-
-
 def attend(layer: ParallelLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            is_causal: bool, scale: float | None, softcap: float | None = None,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -362,74 +335,3 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     return F.dropout(probs, dropout) @ v if dropout else probs @ v
-
-
-def packed_causal_mask(attention_mask: torch.Tensor | None,
-                       position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """The mask every layer of a causal LM takes, made once per forward.
-
-    transformers' convention (`masking_utils.find_packed_sequence_indices`): with no attention_mask,
-    position_ids [B, S] that do not step by one (that restart) mark several sequences packed in a
-    row; a token then sees only the earlier tokens of its own sequence. That gives a block-diagonal
-    causal mask [B, 1, S, S] (True = attend) that `Attention` takes as it is, also after a sequence
-    parallel gather (it spans the whole sequence). Without packing (one sequence per row) it returns
-    None, so attention keeps SDPA's ``is_causal`` fast path; an attention_mask is returned as given.
-    """
-    if attention_mask is not None or position_ids is None:
-        return attention_mask
-    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
-    sequence = starts.cumsum(-1)  # which packed sequence each token belongs to
-    if not sequence[:, -1].any():
-        return None
-    length = position_ids.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    return ((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]
-
-
-def layer_attention_mask(module: nn.Module, attention_mask: torch.Tensor | None,
-                         position_ids: torch.Tensor | None) -> torch.Tensor | ContextMask | None:
-    """The attention_mask every layer of `module` (a model, or its stack of layers) takes, made once
-    per forward: `packed_causal_mask`'s in one process; under context parallelism (the ``cp`` of its
-    first parallel layer: `distributed.shard` sets it on all of them) a `ContextMask`, the whole
-    sequence's padding and documents gathered over cp, from which each attention layer masks its
-    queries by global position (a rank's local position_ids jump between its two chunks)."""
-    cp = next((m.cp for m in module.modules() if isinstance(m, ParallelLayer)), None)
-    if cp is None:
-        return packed_causal_mask(attention_mask, position_ids)
-    return ContextMask(cp, attention_mask, position_ids)
-
-
-def _interleave_groups(parts: list[torch.Tensor], num_groups: int) -> torch.Tensor:
-    """Cut each part into `num_groups` row blocks and put block i of every part side by side."""
-    blocks = [p.reshape(num_groups, p.shape[0] // num_groups, *p.shape[1:]) for p in parts]
-    fused = torch.cat(blocks, dim=1)
-    return fused.reshape(-1, *fused.shape[2:])
-
-
-def _split_groups(fused: torch.Tensor, num_groups: int, rows: list[int]) -> list[torch.Tensor]:
-    grouped = fused.reshape(num_groups, -1, *fused.shape[1:])
-    pieces = grouped.split([r // num_groups for r in rows], dim=1)
-    return [p.reshape(-1, *fused.shape[1:]) for p in pieces]
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Separate Q, K, V weights (or biases), heads along dim 0, -> the grouped `qkv` layout:
-    [g0: its q heads, k0, v0 | g1: ... ], so any equal tp split of the rows holds whole groups."""
-    return _interleave_groups([q, k, v], num_kv_heads)
-
-
-def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> list[torch.Tensor]:
-    """The grouped `qkv` weight (or bias) -> [q, k, v], inverse of `fuse_qkv`."""
-    head_dim = qkv.shape[0] // (num_heads + 2 * num_kv_heads)
-    kv_rows = num_kv_heads * head_dim
-    return _split_groups(qkv, num_kv_heads, [num_heads * head_dim, kv_rows, kv_rows])
-
-
-def fuse_kv(k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Separate K, V weights (or biases) -> the grouped `kv` layout of cross-attention [k0, v0 | k1, v1 | ...]."""
-    return _interleave_groups([k, v], num_kv_heads)
-
-
-def split_kv(kv: torch.Tensor, num_kv_heads: int) -> list[torch.Tensor]:
-    """The grouped cross-attention `kv` weight (or bias) -> [k, v], inverse of `fuse_kv`."""
-    return _split_groups(kv, num_kv_heads, [kv.shape[0] // 2] * 2)

@@ -15,7 +15,7 @@ one SDPA call per chunk keeps the fused kernels. The price: each rank holds the 
 runs (and saves it for backward), and the exchange is not overlapped with compute as a ring's is.
 
 The mask is the attention layer's own (`ContextMask`), made from the whole sequence: the model
-code hands the layers their inputs unchanged (`attention.layer_attention_mask`). Causal chunk i of
+code hands the layers their inputs unchanged (`attention_masks.layer_attention_mask`). Causal chunk i of
 the 2·cp sees the keys [0, end of chunk i) (under a sliding window w, only from its first query's
 position − w + 1 on: the rest is never computed); with no other rule its queries get a lower-right
 aligned causal bias (`torch.nn.attention.bias.causal_lower_right`, made through this module's

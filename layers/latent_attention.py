@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import attend, sdpa_mask
+from .attention import attend
+from .attention_masks import sdpa_mask
 from .context_attention import ContextMask, context_attention
 from .kv_cache import KVCache
 from .linear import Linear, column_inputs

@@ -15,7 +15,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from libai_zoo import layers
-from libai_zoo.layers.attention import sdpa_mask
+from libai_zoo.layers.attention_masks import sdpa_mask
 from libai_zoo.layers.mlp import gated
 from libai_zoo.layers.recomputed import recomputed
 from libai_zoo.layers.rotary import rotate_half
