@@ -29,6 +29,7 @@ from libai_zoo.data import (
     text_dataset,
 )
 from libai_zoo.engine import default_trainer
+from support.recipes import saved_recipe
 from trainer_runs import losses, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,25 +212,6 @@ def test_a_tokenizer_larger_than_the_model_names_both_sizes_and_the_fix(sources,
 
 
 # ------------------------------------------------------------------------------------- the trainer
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_text_dataset
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-    vocab_size=8192, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
-    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-dataloader = dict(train=LazyCall(build_text_dataset)(path="{corpus}", tokenizer_dir="{tokenizer}", seq_len=16,
-                                                     cache_dir="{cache}", streaming=False),
-                  shuffle=False, num_workers=0)
-train.update(max_iter=6, micro_batch_size=2, global_batch_size=4, log_period=1, checkpoint=dict(period=3))
-optim.lr = 1e-3
-'''
-
-
 @pytest.fixture(scope="module")
 def config_file(texts, sources, tmp_path_factory) -> Path:
     """A corpus of 22 windows: the stream starts its second epoch in step 6 (the sampler, which
@@ -238,9 +220,8 @@ def config_file(texts, sources, tmp_path_factory) -> Path:
     with open(root / "corpus.jsonl", "w") as f:
         f.writelines(json.dumps({"text": text}) + "\n" for text in texts[:8])
     assert len(by_hand(texts[:8], SEQ_LEN)) == 22
-    path = root / "config.py"
-    path.write_text(CONFIG.format(corpus=root / "corpus.jsonl", tokenizer=TOKENIZER, cache=root / "cache"))
-    return path
+    return saved_recipe(root / "config.yaml", "text_gpt2.py", f"dataloader.train.path={root / 'corpus.jsonl'}",
+                        f"dataloader.train.cache_dir={root / 'cache'}")
 
 
 def load(config_file: Path, output_dir: Path, *overrides: str):
