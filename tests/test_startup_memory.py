@@ -22,27 +22,13 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.engine import DefaultTrainer
 from libai_zoo.utils import TensorMemoryPeak, parameter_bytes
 from support.cases import Case, Cases
+from support.recipes import config_path
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT, OVERHEAD = 1.15, 256 * 1024  # the issue's bound: 1.15 × shard + largest tensor + a fixed overhead
 
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.models import LlamaConfig, LlamaForCausalLM
-from recorded_data import RecordedTokens
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
-    vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
-    num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
-pretrained = LazyCall("libai_zoo.models.LlamaForCausalLM.from_pretrained")(path="{hf_dir}", dtype="float32")
-dataloader = dict(train=LazyCall(RecordedTokens)(num_samples=64, seq_len=16, vocab_size=512,
-                                                 record_dir="${{train.output_dir}}/samples"))
-'''
 
 LAYOUTS = {
     "tp4": ["dist.tp=4", "train.micro_batch_size=8"],
@@ -54,11 +40,10 @@ LAYOUTS = {
 def build(config_file: str, output_dir: str, overrides: list[str], pretrained: bool = False) -> dict:
     """Build a trainer under tensor accounting; return its peak, this rank's shard, the largest
     parameter's bytes, the full value of every parameter this rank holds, and the bytes it read."""
-    cfg = LazyConfig.load(config_file)
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(config_file), [
+        f"train.output_dir={output_dir}", "train.global_batch_size=8", *overrides])
     if pretrained:
         cfg.model = cfg.pretrained
-    cfg = LazyConfig.apply_overrides(cfg, [f"train.output_dir={output_dir}", "train.global_batch_size=8",
-                                           *overrides])
     try:
         with TensorMemoryPeak() as peak:
             trainer = DefaultTrainer(cfg)
@@ -80,11 +65,11 @@ def setup(root: Path) -> None:
         vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
     hf.save_pretrained(root / "hf")
-    (root / "config.py").write_text(CONFIG.format(hf_dir=root / "hf"))
 
 
 def _build(root: str, name: str, overrides: list[str], pretrained: bool = False) -> dict:
-    return build(f"{root}/config.py", f"{root}/{name}", overrides, pretrained)
+    return build(str(config_path("startup_llama.py")), f"{root}/{name}", [f"pretrained.path={root}/hf", *overrides],
+                 pretrained)
 
 
 PRETRAINED_AT = ["dist.dp=2", "dist.tp=2", "train.zero_stage=3", "train.micro_batch_size=4"]
