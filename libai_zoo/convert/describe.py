@@ -129,7 +129,7 @@ def describe_dcp(path: str | Path) -> str:
 ARGS_SHOWN = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
               "seq_length", "padded_vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
               "params_dtype")
-# What decides a Megatron-Core model's family and form (megatron_core.megatron_config reads them).
+# What decides a Megatron-Core model's family and form (megatron_core_config.megatron_config reads them).
 ARCHITECTURE_SHOWN = ("position_embedding_type", "normalization", "swiglu", "group_query_attention",
                       "num_query_groups", "kv_channels", "add_bias_linear", "add_qkv_bias",
                       "untie_embeddings_and_output_weights", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
