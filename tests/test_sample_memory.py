@@ -25,6 +25,7 @@ from libai_zoo.engine import DefaultTrainer, GenerateSample
 from libai_zoo.models import get_layer_stack
 from libai_zoo.utils import TensorMemoryPeak
 from support.forked import run_forked
+from support.recipes import config_path
 
 pytestmark = pytest.mark.slow
 
@@ -33,25 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: layer's parameters); the allowance holds the KV cache, one token's activations and logits.
 LAYER_COPIES, ALLOWANCE = 2, 256 * 1024
 
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from recorded_data import RecordedTokens
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-gpt2 = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-    vocab_size=8192, n_positions=64, n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0))
-gpt2_128 = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-    vocab_size=8192, n_positions=64, n_embd=128, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0))
-llama = LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
-    vocab_size=8192, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=0))
-model = gpt2
-dataloader = dict(train=LazyCall(RecordedTokens)(num_samples=16, seq_len=16, vocab_size=8192,
-                                                 record_dir="${train.output_dir}/samples"))
-'''
+CONFIG = str(config_path("sample_models.py"))  # its gpt2, gpt2_128 and llama: `sample` picks one
 
 
 def sample(config_file: str, output_dir: str, name: str, overrides: list[str]) -> dict:
@@ -108,12 +91,10 @@ def runs(request, tmp_path_factory):
     names = [item.callspec.params["case"] for item in request.session.items
              if item.originalname == "test_the_sample_holds_one_layer_at_a_time_on_every_rank"]
     root = tmp_path_factory.mktemp("sample")
-    config_file = root / "config.py"
-    config_file.write_text(CONFIG)
-    one = {model: sample(str(config_file), str(root / f"one_{model}"), model,
+    one = {model: sample(CONFIG, str(root / f"one_{model}"), model,
                          ["train.micro_batch_size=4", "train.global_batch_size=4"])
            for model, _, amp, _ in {CASES[name] for name in names} if not amp}
-    return one, run_forked(_dp4, 4, str(config_file), str(root), names)
+    return one, run_forked(_dp4, 4, CONFIG, str(root), names)
 
 
 @pytest.mark.parametrize("case", list(CASES))
