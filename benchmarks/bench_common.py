@@ -1,4 +1,5 @@
-"""Helpers the benchmark scripts share: dtypes, the alternating timing loop, peak memory, run metadata.
+"""Helpers the benchmark scripts share: dtypes, the alternating timing loop, peak memory, run metadata,
+and the parallel benchmarks' forked GPT-2 training runs.
 
 Imported by the benchmark scripts (run as scripts, so `benchmarks/` is on the path); it puts `tests/` on
 the path too, whose `support.forked.run_forked` is the benchmarks' multi-process runner as it is the tests'.
@@ -6,17 +7,27 @@ the path too, whose `support.forked.run_forked` is the benchmarks' multi-process
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import json
+import logging
+import os
 import platform
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import transformers
+
+if TYPE_CHECKING:
+    from libai_zoo.engine import DefaultTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -76,3 +87,91 @@ def run_meta(device: str, **settings) -> dict:
 def write_json(path: str, meta: dict, results: dict) -> None:
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
+
+
+# ------------------------------------------------------------------ the parallel benchmarks' training runs
+# A tiny GPT-2 (fp32, global batch 8, data from data/corpus/python_docs.txt, vocabulary 8192 from
+# data/tokenizer) trained by `DefaultTrainer` inside forked gloo processes (`support.forked.run_forked`):
+# bench_layout_state_collectives.py, bench_pipeline_bubble.py and bench_gradient_overlap.py.
+ROOT = Path(__file__).resolve().parents[1]
+GLOBAL_BATCH = 8
+
+GPT2_CONFIG = '''
+from libai_zoo.config import LazyCall, get_config
+from libai_zoo.data import build_gpt_dataset
+from libai_zoo.models import GPT2Config, GPT2LMHeadModel
+
+train = get_config("common/train.py").train
+dist = get_config("common/train.py").dist
+optim = get_config("common/optim.py").optim
+model = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
+    vocab_size=8192, n_positions={seq}, n_embd={hidden}, n_layer={layers}, n_head={heads}, bos_token_id=0,
+    eos_token_id=0, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0))
+dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len={seq},
+                                                    cache_dir="{cache}"))
+'''
+
+
+def write_gpt2_configs(root: Path, documents: int, heads: int, shapes: dict[str, tuple[int, int, int]]) -> dict:
+    """The corpus's first `documents` documents as root/text.txt, and per name in `shapes` (hidden, layers,
+    seq) a GPT-2 config file root/NAME.py training on them (tokens cached in root/cache); name -> its path."""
+    documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:documents]
+    (root / "text.txt").write_text("\n\n".join(documents))
+    files = {}
+    for key, (hidden, layers, seq) in shapes.items():
+        files[key] = root / f"{key}.py"
+        files[key].write_text(GPT2_CONFIG.format(hidden=hidden, layers=layers, heads=heads, seq=seq,
+                                                 text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
+                                                 cache=root / "cache"))
+    return files
+
+
+def fill_token_cache(config_file: str) -> None:
+    """Tokenize the config's corpus into its token cache in this process, so the forked workers read it."""
+    from libai_zoo.config import LazyConfig, instantiate
+
+    instantiate(LazyConfig.load(config_file).dataloader.train)
+
+
+def forked_gloo_setup() -> None:
+    """Before forking workers: no launcher's rank variables (run_forked sets its own), no warnings."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(var, None)
+    warnings.filterwarnings("ignore")
+
+
+def overrides_for(dp: int, tp: int, pp: int, zero: int, micro_batches: int = 1) -> list[str]:
+    """Trainer overrides for a layout; `micro_batches` per step (pipelined layouts), else one per dp rank."""
+    return [f"dist.dp={dp}", f"dist.tp={tp}", f"dist.pp={pp}", f"train.zero_stage={zero}",
+            f"train.micro_batch_size={GLOBAL_BATCH // dp // micro_batches}"]
+
+
+def build_trainer(config_file: str, output_dir: str, overrides: list[str]) -> DefaultTrainer:
+    from libai_zoo.config import LazyConfig
+    from libai_zoo.engine import DefaultTrainer
+
+    cfg = LazyConfig.load(config_file)
+    cfg = LazyConfig.apply_overrides(cfg, [
+        f"train.output_dir={output_dir}", "train.max_iter=100", f"train.global_batch_size={GLOBAL_BATCH}",
+        "train.log_period=1000", "train.checkpoint.period=0", "optim.lr=1e-3", "train.clip_grad_norm=1.0",
+        *overrides])
+    with contextlib.redirect_stdout(io.StringIO()):  # the trainer's console log (its handler keeps this stream)
+        trainer = DefaultTrainer(cfg)
+    logging.getLogger("libai_zoo").setLevel(logging.WARNING)
+    return trainer
+
+
+def train_batches(trainer: DefaultTrainer):
+    """A function returning the next step's micro-batches from the trainer's loader."""
+    loader = iter(trainer.build_train_loader(trainer.cfg))
+    return lambda: [next(loader) for _ in range(trainer.accumulation)]
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def run_all(fn, jobs: dict, *args) -> dict:
+    """fn(*job, *args) for each named job (what a forked worker runs): name -> its result."""
+    return {name: fn(*job, *args) for name, job in jobs.items()}

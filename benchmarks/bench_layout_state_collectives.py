@@ -1,4 +1,4 @@
-"""What 3-D parallelism and ZeRO divide, what they communicate, and the 1F1B pipeline bubble.
+"""What 3-D parallelism and ZeRO divide and what they communicate: training state and collectives per rank.
 
 A tiny GPT-2 (fp32, global batch 8, data from data/corpus/python_docs.txt, vocabulary 8192 from
 data/tokenizer) is trained by `DefaultTrainer` at each layout inside forked gloo processes (the
@@ -15,36 +15,28 @@ one-process baseline runs in the parent). Per layout the script reports:
 2. the collectives of one steady-state step (after a warm-up step) by kind, counted by wrapping the
    `torch.distributed` functions, cross-checked against the c10d ops the dispatcher sees (which also
    catches functional collectives, `torch.ops._c10d_functional.*`); for tensor-parallel layouts the
-   all-reduces on the tp group against Megatron-LM's 4 per layer per micro-batch plus the extras;
-3. the 1F1B bubble at pp = 4 (4 processes) and pp = 2 (2 processes) for m micro-batches on a larger
-   model: 1 - (time a rank computes its stage: forward, loss, backward) / (time of its pipeline step),
-   against (p - 1) / (m + p - 1);
-4. the share of the data-parallel gradient all-reduce hidden under backward at dp2 and dp4 (ZeRO-0,
-   the larger model): the step with its communication against the same step with it removed,
-   before (one all-reduce after backward) and after (FSDP2's replicate, per layer during backward).
+   all-reduces on the tp group against Megatron-LM's 4 per layer per micro-batch plus the extras.
 
-    python benchmarks/bench_parallel.py                                    # everything, ~30 s on 2 cores
-    python benchmarks/bench_parallel.py --layouts dp4,tp4 --bubble-pp ""   # a subset, no bubble runs
-    python benchmarks/bench_parallel.py --out benchmarks/results/bench_parallel_2026-11-22_cpu2_fp32.json
+The 1F1B bubble is bench_pipeline_bubble.py's, the gradient all-reduce hidden under backward
+bench_gradient_overlap.py's.
+
+    python benchmarks/bench_layout_state_collectives.py                    # every layout
+    python benchmarks/bench_layout_state_collectives.py --layouts dp4,tp4  # a subset
+    python benchmarks/bench_layout_state_collectives.py --out layouts.json   # also as JSON
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import inspect
-import io
-import itertools
 import json
-import logging
 import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -54,31 +46,27 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench_common import run_meta, write_json
+from bench_common import (
+    GLOBAL_BATCH,
+    ROOT,
+    barrier,
+    build_trainer,
+    forked_gloo_setup,
+    overrides_for,
+    run_all,
+    run_meta,
+    train_batches,
+    write_gpt2_configs,
+    write_json,
+)
 from libai_zoo import distributed
 from libai_zoo.config import LazyConfig, instantiate
-from libai_zoo.engine import DefaultTrainer
 from libai_zoo.parallel.pipeline import split_layers
 from libai_zoo.utils.memory import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from support.forked import run_forked
 
-ROOT = Path(__file__).resolve().parents[1]
-GLOBAL_BATCH, WORLD = 8, 4
-
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_gpt_dataset
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-    vocab_size=8192, n_positions={seq}, n_embd={hidden}, n_layer={layers}, n_head={heads}, bos_token_id=0,
-    eos_token_id=0, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0))
-dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len={seq},
-                                                    cache_dir="{cache}"))
-'''
+WORLD = 4
+COMMON_FILE = str(Path(__file__).resolve().with_name("bench_common.py"))
 
 # name -> (dp, tp, pp, zero stage); every layout trains the global batch of 8 on 4 processes.
 LAYOUTS = {
@@ -87,24 +75,6 @@ LAYOUTS = {
     "tp2_pp2": (1, 2, 2, 0),
 }
 PP_MICRO_BATCHES = 4  # micro-batches of the pipelined layouts in sections 1-2 (1F1B needs >= pp)
-
-
-def overrides_for(dp: int, tp: int, pp: int, zero: int, micro_batches: int = 1) -> list[str]:
-    """Trainer overrides for a layout; `micro_batches` per step (pipelined layouts), else one per dp rank."""
-    return [f"dist.dp={dp}", f"dist.tp={tp}", f"dist.pp={pp}", f"train.zero_stage={zero}",
-            f"train.micro_batch_size={GLOBAL_BATCH // dp // micro_batches}"]
-
-
-def balanced_boundaries(layers: int, pp: int, head_layers: float) -> list[int] | None:
-    """First layer of stages 1..pp-1 that minimizes the slowest stage, counting each layer 1 and the last
-    stage's LM head + loss `head_layers` more (None: the trainer's default split of equal layer counts)."""
-    if head_layers <= 0:
-        return None
-    def cost(cut):
-        edges = [0, *cut, layers]
-        costs = [b - a + (head_layers if i == pp - 1 else 0) for i, (a, b) in enumerate(zip(edges, edges[1:]))]
-        return max(costs), -min(costs)
-    return list(min(itertools.combinations(range(1, layers), pp - 1), key=cost))
 
 
 # ------------------------------------------------------------------------------ collective counting
@@ -230,7 +200,8 @@ def _call_site() -> str:
         for marker, label in SUBSYSTEMS.items():
             if marker in path:
                 return label
-        if path.startswith(str(ROOT)) and "site-packages" not in path and os.path.abspath(path) != this_file:
+        if (path.startswith(str(ROOT)) and "site-packages" not in path
+                and os.path.abspath(path) not in (this_file, COMMON_FILE)):
             qualname = frame.f_code.co_qualname
             if not path.endswith("dist/collectives.py"):
                 return f"{Path(path).relative_to(ROOT)}:{qualname}"
@@ -261,29 +232,6 @@ class DispatchCounter(TorchDispatchMode):
 RECORDER: CollectiveRecorder | None = None
 
 
-# ----------------------------------------------------------------------------------- a training run
-def build_trainer(config_file: str, output_dir: str, overrides: list[str]) -> DefaultTrainer:
-    cfg = LazyConfig.load(config_file)
-    cfg = LazyConfig.apply_overrides(cfg, [
-        f"train.output_dir={output_dir}", "train.max_iter=100", f"train.global_batch_size={GLOBAL_BATCH}",
-        "train.log_period=1000", "train.checkpoint.period=0", "optim.lr=1e-3", "train.clip_grad_norm=1.0",
-        *overrides])
-    with contextlib.redirect_stdout(io.StringIO()):  # the trainer's console log (its handler keeps this stream)
-        trainer = DefaultTrainer(cfg)
-    logging.getLogger("libai_zoo").setLevel(logging.WARNING)
-    return trainer
-
-
-def _batches(trainer: DefaultTrainer):
-    loader = iter(trainer.build_train_loader(trainer.cfg))
-    return lambda: [next(loader) for _ in range(trainer.accumulation)]
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def measure_layout(config_file: str, output_dir: str, overrides: list[str], timed_steps: int) -> dict:
     """One warm-up step (optimizer state, pipeline shapes), one counted step (state bytes, collectives),
     then `timed_steps` timed ones; this rank's figures."""
@@ -302,9 +250,9 @@ def measure_layout(config_file: str, output_dir: str, overrides: list[str], time
         return zero_grad(*args, **kwargs)
 
     optimizer.zero_grad = measuring_zero_grad
-    next_batches = _batches(trainer)
+    next_batches = train_batches(trainer)
     trainer.train_step(next_batches())
-    _barrier()
+    barrier()
     counter = DispatchCounter()
     RECORDER.records, RECORDER.active, state["capture"] = [], True, True
     with counter:
@@ -313,7 +261,7 @@ def measure_layout(config_file: str, output_dir: str, overrides: list[str], time
     times = []
     for _ in range(timed_steps):
         batches = next_batches()
-        _barrier()
+        barrier()
         start = time.perf_counter()
         trainer.train_step(batches)
         times.append((time.perf_counter() - start) * 1e3)
@@ -323,98 +271,6 @@ def measure_layout(config_file: str, output_dir: str, overrides: list[str], time
                   accumulation=trainer.accumulation, micro_batch=trainer.cfg.train.micro_batch_size)
     distributed.destroy()
     return result
-
-
-def measure_overlap(config_file: str, output_dir: str, overrides: list[str], rounds: int) -> dict:
-    """Forward + backward of one micro-batch at ZeRO-0, in alternating rounds, three ways: as the
-    trainer runs it (replicate all-reduces each layer's gradients as backward makes them: "after"),
-    with the gradient sync removed ("no comm"), and with it removed from backward and done as one
-    coalesced all-reduce of every gradient afterwards, which is what ZeRO-0 did before ("before");
-    plus that all-reduce alone ("comm"). Median ms of each on this rank."""
-    from libai_zoo.distributed.collectives import all_reduce_coalesced_
-
-    trainer = build_trainer(config_file, output_dir, overrides)
-    model, data_parallel = trainer.model, trainer.data_parallel
-    batch = {k: v.to(trainer.ctx.device) for k, v in _batches(trainer)()[0].items()}
-    buffers = [torch.zeros_like(p.to_local()) for p in model.parameters()]
-    group = trainer.ctx.group("dp")
-
-    def comm():
-        all_reduce_coalesced_(buffers, group)
-
-    def step(sync: bool, serial: bool):
-        with data_parallel.micro_batch(last=sync):
-            model(**batch, return_logits=False).loss.backward()
-        if serial:
-            comm()
-        model.zero_grad(set_to_none=True)
-
-    ways = {"after": lambda: step(True, False), "no_comm": lambda: step(False, False),
-            "before": lambda: step(False, True), "comm": comm}
-    for way in ways.values():  # warm-up
-        way()
-    times = {name: [] for name in ways}
-    for _ in range(rounds):
-        for name, way in ways.items():
-            _barrier()
-            start = time.perf_counter()
-            way()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    distributed.destroy()
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def analyse_overlap(runs: dict) -> dict:
-    """Share of the gradient all-reduce time hidden under backward: 1 - (step - step without it) / its
-    time alone, from the slowest rank's medians."""
-    result = {}
-    for name, ranks in runs.items():
-        worst = {way: max(r[way] for r in ranks) for way in ranks[0]}
-        result[name] = dict(ms=worst, hidden_before=1 - (worst["before"] - worst["no_comm"]) / worst["comm"],
-                            hidden_after=1 - (worst["after"] - worst["no_comm"]) / worst["comm"])
-    return result
-
-
-def measure_bubble(config_file: str, output_dir: str, overrides: list[str], steps: int) -> dict:
-    """Per pipeline step of this rank: its wall time inside `Pipeline.step` and the time it computed
-    (the torch PipelineStage's forward_one_chunk and backward_one_chunk, and the loss on the last stage,
-    timed around each call: backward is measured, not assumed 2x forward)."""
-    trainer = build_trainer(config_file, output_dir, overrides)
-    next_batches = _batches(trainer)
-    trainer.train_step(next_batches())  # builds the schedule (and infers the shapes)
-    pipeline = trainer.pipeline
-    (schedule,) = pipeline._schedules.values()  # the one built for the training batches
-    stage = schedule._stage
-    busy = Counter()
-
-    def timed(name, fn):
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                busy[name] += time.perf_counter() - start
-        return run
-
-    stage.forward_one_chunk = timed("forward", stage.forward_one_chunk)
-    stage.backward_one_chunk = timed("backward", stage.backward_one_chunk)
-    schedule._maybe_compute_loss = timed("loss", schedule._maybe_compute_loss)
-    pipeline.step = timed("step", pipeline.step)
-    rows = []
-    for _ in range(steps):
-        batches = next_batches()
-        _barrier()
-        busy.clear()
-        trainer.train_step(batches)
-        rows.append(dict(busy))
-    result = dict(pp_rank=trainer.ctx.pp_rank, micro_batches=pipeline.num_micro_batches, steps=rows)
-    distributed.destroy()
-    return result
-
-
-def _run_all(fn, jobs: dict, *args) -> dict:
-    return {name: fn(*job, *args) for name, job in jobs.items()}
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -564,33 +420,8 @@ def analyse(a, table, baseline: dict, layout_results: dict) -> dict:
     return out
 
 
-def analyse_bubble(runs: dict) -> dict:
-    out = {}
-    for name, ranks in runs.items():
-        p, m = len(ranks), ranks[0]["micro_batches"]
-        per_rank = []
-        for r in ranks:
-            fractions = [1 - (s.get("forward", 0) + s.get("backward", 0) + s.get("loss", 0)) / s["step"]
-                         for s in r["steps"]]
-            compute = [s.get("forward", 0) + s.get("backward", 0) + s.get("loss", 0) for s in r["steps"]]
-            per_rank.append(dict(pp_rank=r["pp_rank"], bubble=statistics.median(fractions),
-                                 step_ms=statistics.median(s["step"] for s in r["steps"]) * 1e3,
-                                 compute_ms=statistics.median(compute) * 1e3,
-                                 forward_ms=statistics.median(s.get("forward", 0) for s in r["steps"]) * 1e3,
-                                 backward_ms=statistics.median(s.get("backward", 0) for s in r["steps"]) * 1e3))
-        # With unequal stages (the last one holds the LM head): step ≈ Σ t_i + (m - 1) max t_i, t_i = a
-        # stage's compute per micro-batch; rank i idles 1 - m t_i / step of it.
-        per_micro = [r["compute_ms"] / m for r in per_rank]
-        predicted_step = sum(per_micro) + (m - 1) * max(per_micro)
-        out[name] = dict(pp=p, micro_batches=m, analytic=(p - 1) / (m + p - 1),
-                         measured_mean=statistics.mean(r["bubble"] for r in per_rank),
-                         imbalanced_analytic_mean=statistics.mean(1 - m * t / predicted_step for t in per_micro),
-                         per_rank=per_rank)
-    return out
 
-
-# ---------------------------------------------------------------------------------------- printing
-def print_report(a, baseline: dict, layouts: dict, tp_rows: list, bubble: dict) -> None:
+def print_report(a, baseline: dict, layouts: dict, tp_rows: list) -> None:
     print(f"1-process baseline: parameters {_kib(baseline['params'])} KiB, gradients {_kib(baseline['grads'])} KiB, "
           f"AdamW state {_kib(baseline['optim'])} KiB, step {baseline['step_ms']:.1f} ms")
     if layouts:
@@ -627,22 +458,6 @@ def print_report(a, baseline: dict, layouts: dict, tp_rows: list, bubble: dict) 
             parts = ", ".join(f"{site} {n}" for site, (n, _) in sorted(t["by_site"].items()))
             print(f"   {name}: {parts}")
 
-    if bubble:
-        print("\n3) 1F1B bubble = 1 - compute / step per rank (compute = timed forward_one_chunk + loss + "
-              "backward_one_chunk)")
-        splits = {b["pp"]: "/".join(str(len(r)) for r in split_layers(a.bubble_layers, b["pp"], b["boundaries"]))
-                  for b in bubble.values()}
-        print(f"   GPT-2 hidden {a.bubble_hidden}, {a.bubble_layers} layers, seq {a.bubble_seq}, global batch "
-              f"{GLOBAL_BATCH}; layers per stage " + ", ".join(f"pp{p}: {v}" for p, v in splits.items())
-              + f" (LM head + loss counted as {a.head_layers:g} layers)")
-        print(f"{'run':<14}{'p':>3}{'m':>4} {'analytic':>9} {'measured':>9} {'pred.':>7}   "
-              f"per rank: bubble (step ms, compute ms, bwd/fwd)")
-        for name, b in bubble.items():
-            ranks = "  ".join(f"{r['bubble']:.2f} ({r['step_ms']:.0f}, {r['compute_ms']:.0f}, "
-                              f"{r['backward_ms'] / max(r['forward_ms'], 1e-9):.1f})" for r in b["per_rank"])
-            print(f"{name:<14}{b['pp']:>3}{b['micro_batches']:>4} {b['analytic']:>9.3f} {b['measured_mean']:>9.3f} "
-                  f"{b['imbalanced_analytic_mean']:>7.3f}   {ranks}")
-
 
 NOTES = """
 notes:
@@ -667,18 +482,6 @@ notes:
   the LM head input's gradient all-reduce (its column-parallel copy_to_tp), vocab-parallel cross
   entropy's MAX and SUM all-reduces (b×s and 2×b×s floats), and one gradient-norm all-reduce of the
   squared norm of the tp-split gradients (the norms' and biases' are replicated and counted locally).
-- Bubble: on CPU, 4 processes on 2 cores (pp=4) are oversubscribed: compute slows when all stages
-  are busy and speeds up in the bubbles, so the timings distort the fraction; pp=2 runs 2 processes
-  (one core each). Backward is timed, not taken as 2x forward (bwd/fwd above). The last stage also
-  runs the 8192-way LM head and loss, so the layers are cut with train.pipeline.boundaries to even
-  out the stages (--head-layers 0: equal layer counts); "pred." is the mean bubble predicted from the
-  measured per-stage compute t_i (step ≈ Σ t_i + (m-1)·max t_i). Waiting on p2p and the schedule's
-  own Python time count as bubble.
-- Overlap: "before" is what ZeRO-0 did until now (one coalesced all-reduce of every gradient after
-  the last backward: nothing hidden by construction); "after" is FSDP2's replicate, which starts each
-  layer's all-reduce as soon as backward has made its gradients. hidden = 1 - (step - step without
-  the sync) / (the all-reduce alone). On 2 CPU cores gloo's communication threads compete with
-  compute for the same cores, so the share hidden here understates what separate NCCL streams hide.
 """
 
 
@@ -690,47 +493,20 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)} ('' for none)")
     parser.add_argument("--timed-steps", type=int, default=3, help="timed steps per layout (median step ms)")
-    parser.add_argument("--micro-batches", default="4,8", help="micro-batch counts of the bubble runs")
-    parser.add_argument("--bubble-pp", default="4,2", help="pipeline sizes of the bubble runs ('' for none)")
-    parser.add_argument("--bubble-hidden", type=int, default=128)
-    parser.add_argument("--bubble-layers", type=int, default=16)
-    parser.add_argument("--bubble-seq", type=int, default=128)
-    parser.add_argument("--bubble-steps", type=int, default=5, help="timed pipeline steps (median taken)")
-    parser.add_argument("--head-layers", type=float, default=4.0,
-                        help="cost of the LM head + loss in layers, to balance the bubble runs' stages "
-                             "(0: equal layer counts, the trainer's default)")
-    parser.add_argument("--overlap-dp", default="2,4", help="dp sizes of the overlap runs ('' for none)")
-    parser.add_argument("--overlap-rounds", type=int, default=7, help="timed rounds of the overlap runs (median)")
     parser.add_argument("--documents", type=int, default=200, help="documents of the corpus to tokenize")
     parser.add_argument("--out", help="also write the results as JSON here")
     a = parser.parse_args()
     names = [n.strip() for n in a.layouts.split(",") if n.strip()]
     if unknown := [n for n in names if n not in LAYOUTS]:
         parser.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
-    micro_batches = [int(m) for m in a.micro_batches.split(",") if m.strip()]
-    bubble_pp = [int(p) for p in a.bubble_pp.split(",") if p.strip()]
-    overlap_dp = [int(d) for d in a.overlap_dp.split(",") if d.strip()]
-    for p in bubble_pp:
-        if p not in (2, 4) or any(m < p or GLOBAL_BATCH % m for m in micro_batches):
-            parser.error(f"bubble runs take pp 2 or 4 and micro-batch counts m >= pp dividing {GLOBAL_BATCH}")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        os.environ.pop(var, None)
-    warnings.filterwarnings("ignore")
+    forked_gloo_setup()
     global RECORDER
     RECORDER = CollectiveRecorder()
     started = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:a.documents]
-        (root / "text.txt").write_text("\n\n".join(documents))
-        files = {}
-        for key, (hidden, layers, seq) in {"main": (a.hidden, a.layers, a.seq),
-                                           "bubble": (a.bubble_hidden, a.bubble_layers, a.bubble_seq)}.items():
-            files[key] = root / f"{key}.py"
-            files[key].write_text(CONFIG.format(hidden=hidden, layers=layers, heads=a.heads, seq=seq,
-                                                text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
-                                                cache=root / "cache"))
+        files = write_gpt2_configs(root, a.documents, a.heads, {"main": (a.hidden, a.layers, a.seq)})
         # The one-process baseline, in this process (it also fills the token cache the workers read).
         base = measure_layout(str(files["main"]), str(root / "one_process"), ["train.micro_batch_size=8"],
                               a.timed_steps)
@@ -740,22 +516,8 @@ def main() -> None:
                     overrides_for(*LAYOUTS[n], PP_MICRO_BATCHES if LAYOUTS[n][2] > 1 else 1)) for n in names}
         raw = {}
         if jobs:
-            ranks = run_forked(_run_all, WORLD, measure_layout, jobs, a.timed_steps)
+            ranks = run_forked(run_all, WORLD, measure_layout, jobs, a.timed_steps)
             raw = {n: [r[n] for r in ranks] for n in names}
-        bubble_raw, boundaries = {}, {}
-        for p in bubble_pp:
-            cut = balanced_boundaries(a.bubble_layers, p, a.head_layers)
-            extra = [f"train.pipeline.boundaries=[{','.join(map(str, cut))}]"] if cut else []
-            runs = {f"pp{p}_m{m}": (str(files["bubble"]), str(root / f"bubble_pp{p}_m{m}"),
-                                    overrides_for(1, 1, p, 0, m) + extra) for m in micro_batches}
-            boundaries[p] = cut
-            ranks = run_forked(_run_all, p, measure_bubble, runs, a.bubble_steps)
-            bubble_raw.update({n: [r[n] for r in ranks] for n in runs})
-        overlap_raw = {}
-        for d in overlap_dp:  # the bubble model (larger): one micro-batch of 8 / dp per rank at ZeRO-0
-            runs = {f"dp{d}": (str(files["bubble"]), str(root / f"overlap_dp{d}"), overrides_for(d, 1, 1, 0))}
-            ranks = run_forked(_run_all, d, measure_overlap, runs, a.overlap_rounds)
-            overlap_raw.update({n: [r[n] for r in ranks] for n in runs})
 
     layouts = analyse(a, table, base, raw)
     tp_rows = []
@@ -763,31 +525,15 @@ def main() -> None:
         if e["layout"]["tp"] > 1:
             last = next(r for r in e["per_rank"] if r["coords"]["pp"] == e["layout"]["pp"] - 1)
             tp_rows += [(f"{n} r{i}", e["per_rank"][i]["tp_all_reduce"]) for i in dict.fromkeys((0, last["rank"]))]
-    bubble = analyse_bubble(bubble_raw)
-    overlap = analyse_overlap(overlap_raw)
-    for b in bubble.values():
-        b["boundaries"] = boundaries[b["pp"]]
     meta = run_meta("cpu", dtype="fp32", processes=WORLD, backend="gloo", global_batch=GLOBAL_BATCH,
                     hidden=a.hidden, layers=a.layers, heads=a.heads, seq=a.seq, vocab=8192,
-                    bubble=dict(hidden=a.bubble_hidden, layers=a.bubble_layers, seq=a.bubble_seq, pp=bubble_pp,
-                                micro_batches=micro_batches, steps=a.bubble_steps, head_layers=a.head_layers,
-                                boundaries={f"pp{p}": cut for p, cut in boundaries.items()}),
                     cpus=os.cpu_count(), worker_threads=1, wall_s=round(time.perf_counter() - started, 1))
     print(json.dumps(meta))
-    print_report(a, base, layouts, tp_rows, bubble)
-    if overlap:
-        print("\n4) gradient all-reduce hidden under backward at ZeRO-0 (forward + backward of one micro-batch, "
-              "slowest rank's median ms)")
-        print(f"{'run':<6}{'no comm':>9}{'comm':>8}{'before':>9}{'after':>8}   hidden before   hidden after")
-        for name, o in overlap.items():
-            ms = o["ms"]
-            print(f"{name:<6}{ms['no_comm']:>9.1f}{ms['comm']:>8.1f}{ms['before']:>9.1f}{ms['after']:>8.1f}   "
-                  f"{o['hidden_before']:>13.0%}   {o['hidden_after']:>12.0%}")
+    print_report(a, base, layouts, tp_rows)
     print(NOTES.rstrip())
     if a.out:
         baseline = {k: base[k] for k in ("params", "grads", "optim", "step_ms")}
-        write_json(a.out, meta, {"baseline": baseline, "parameters": table, "layouts": layouts, "bubble": bubble,
-                                 "overlap": overlap})
+        write_json(a.out, meta, {"baseline": baseline, "parameters": table, "layouts": layouts})
 
 
 if __name__ == "__main__":
