@@ -25,13 +25,14 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from libai_zoo.layers import KVCache, layer_attention_mask
+from libai_zoo.utils.transformers_versions import cache_output_name
 
 from .contract import IGNORE_INDEX, TrainableModel
 from .generation import GenerationMixin
 
 TARGET_KEYS = ("labels", "shift_labels")
 #: What the installed transformers calls the KV cache in forward arguments and outputs.
-CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+CACHE_NAME = cache_output_name(BaseModelOutputWithPast)
 
 
 def pick_cache(cache: list[KVCache] | None, past_key_values: list[KVCache] | None) -> list[KVCache] | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from libai_zoo.utils.transformers_versions import rope_parameters, rope_theta
+
 
 def rope_settings(config, params: dict | None = None) -> tuple[float, dict | None]:
     """(base, scaling) of RoPE, from ``params`` or the config's ``rope_parameters`` (transformers 5)
@@ -13,10 +15,10 @@ def rope_settings(config, params: dict | None = None) -> tuple[float, dict | Non
     and later), "longrope" (Phi-3, Phi-4: `longrope_scaling`) and "yarn" (Qwen's long contexts,
     DeepSeek-V3)."""
     if params is None:
-        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        params = rope_parameters(config)
     params = dict(params)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    theta = rope_theta(params, config)
     if rope_type == "default":
         return theta, None
     if rope_type not in ("linear", "llama3", "longrope", "yarn"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import transformers
 
 from libai_zoo.layers import AttentionSpec, LayerSpec, MLPSpec
+from libai_zoo.utils.transformers_versions import partial_rotary_factor
 
 from .config_reading import rope_settings
 from .decoder import DecoderForCausalLM, DecoderModel, DecoderNames, DecoderSpec
@@ -27,8 +28,7 @@ class GPTNeoXConfig(transformers.GPTNeoXConfig):
 
 def rotary_fraction(config) -> float:
     """The share of each head's channels that rotate (rotary_pct; partial_rotary_factor in transformers 5)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("partial_rotary_factor", getattr(config, "rotary_pct", 1.0)))
+    return partial_rotary_factor(config)
 
 
 def gpt_neox_spec(config: GPTNeoXConfig) -> DecoderSpec:

@@ -65,6 +65,7 @@ from libai_zoo.layers import (
     TransformerLayer,
     VocabEmbedding,
 )
+from libai_zoo.utils.transformers_versions import tie_word_embeddings_as_saved
 
 from .causal_lm import CACHE_NAME, LMHeadLoss, pick_cache
 from .contract import IGNORE_INDEX, Stack, TrainableModel
@@ -80,9 +81,9 @@ class KeepsTiedHead:
     """A config mixin: ``tie_word_embeddings`` as config.json says (transformers 5 forces it true)."""
 
     def __post_init__(self, **kwargs):
-        tied = kwargs.get("tie_word_embeddings", getattr(self, "tie_word_embeddings", True))
+        tied = tie_word_embeddings_as_saved(self, kwargs)
         super().__post_init__(**kwargs)
-        self.tie_word_embeddings = tied is not False
+        self.tie_word_embeddings = tied
 
 
 class T5Config(KeepsTiedHead, transformers.T5Config):

@@ -44,15 +44,11 @@ from transformers.loss.loss_utils import ForSequenceClassificationLoss
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.auto import modeling_auto
 
-try:  # transformers 5: tensors fused on load (an MoE's experts)
-    from transformers.conversion_mapping import Concatenate, MergeModulelist, get_checkpoint_conversion_mapping
-except ImportError:  # transformers 4 holds them as saved
-    get_checkpoint_conversion_mapping = None
-
 from libai_zoo.config import ConfigError, instantiate
 from libai_zoo.hf.loading import PretrainedSource, checkpoint_tensors, resolve_dtype
 from libai_zoo.hf.rules import Either, Joined, Rule, Same, Stacked, WeightMap
 from libai_zoo.layers import LMHead
+from libai_zoo.utils.transformers_versions import conversion_mapping
 
 from .causal_lm import TARGET_KEYS, CausalLM
 from .contract import IGNORE_INDEX, TrainableModel
@@ -584,12 +580,14 @@ def stacked_experts(model_type: str, shapes: dict[str, torch.Size]) -> dict[str,
     (its checkpoint conversion mapping: merged along a new dim 0, and joined along dim 1 where
     several projections make one, as gate and up make ``experts.gate_up_proj``), by name."""
     rules: dict[str, Rule] = {}
-    if get_checkpoint_conversion_mapping is None:
+    mapping = conversion_mapping()  # transformers 4 holds the experts' tensors as saved
+    if mapping is None:
         return rules
-    for converter in get_checkpoint_conversion_mapping(model_type) or ():
+    for converter in mapping.get_checkpoint_conversion_mapping(model_type) or ():
         operations = [type(op) for op in getattr(converter, "operations", ())]
         targets = getattr(converter, "target_patterns", [])
-        if len(targets) != 1 or operations not in ([MergeModulelist], [MergeModulelist, Concatenate]):
+        merged = [mapping.MergeModulelist]
+        if len(targets) != 1 or operations not in (merged, [*merged, mapping.Concatenate]):
             continue
         target = name_pattern(targets[0])
         for name, shape in shapes.items():

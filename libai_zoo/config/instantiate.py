@@ -15,11 +15,12 @@ import importlib
 import inspect
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import is_dataclass
 from typing import Any
 
 import omegaconf
 from omegaconf import Container, DictConfig, OmegaConf
+
+from libai_zoo.utils.transformers_versions import is_dataclass_type
 
 TARGET = "_target_"
 # The config flag that lets a node hold any Python object (a callable, a built model).
@@ -59,7 +60,7 @@ class LazyCall:
                               "is given to LazyCall itself")
         # omegaconf reads a dataclass type as a structured-config schema (transformers 5 configs are
         # dataclasses), so such a target is stored by its dotted name.
-        target = dotted_name(self.target) if isinstance(self.target, type) and is_dataclass(self.target) \
+        target = dotted_name(self.target) if is_dataclass_type(self.target) \
             else self.target
         return OmegaConf.create({TARGET: target, **kwargs}, flags=OBJECT_FLAGS)
 

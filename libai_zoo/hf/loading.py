@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from libai_zoo import distributed
 from libai_zoo.layers import is_adapter_parameter
+from libai_zoo.utils.transformers_versions import DEFAULT_LOAD_DTYPE, checkpoint_dtype
 
 from .reader import Container, HFWeightReader
 from .rules import Either, WeightMap
@@ -154,7 +155,8 @@ def check_hf_weights(model: nn.Module, reader: HFWeightReader, *, strict: bool =
                   for name, shape in expected.items()
                   if name in available and tuple(reader.shape(available[name])) != tuple(shape)]
     if mismatched or (strict and (missing or unexpected)):
-        # the other form of the missing tensors (transformers 5's fused experts) would do as well
+        # the other form of the missing tensors (transformers 5's fused experts: transformers_versions.FUSED_MOE)
+        # would do as well
         instead = list(dict.fromkeys(name for rule in weight_map.rules if isinstance(rule, Either)
                                      and any(name in missing for name in rule.hf) for name in rule.alternative.hf))
         raise ValueError(_load_error(type(model).__name__, reader.path, missing, unexpected, mismatched, strict,
@@ -201,8 +203,10 @@ def _container(model: nn.Module, keys: list[str]) -> Container | None:
 
 def resolve_dtype(dtype: torch.dtype | str | None, config) -> torch.dtype:
     """None or "auto": the checkpoint's dtype (config.json's ``dtype``), as transformers 5 does."""
-    if dtype is None or dtype == "auto":
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if dtype is None:
+        dtype = DEFAULT_LOAD_DTYPE
+    if dtype == "auto":
+        dtype = checkpoint_dtype(config) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

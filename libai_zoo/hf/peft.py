@@ -39,13 +39,9 @@ from torch.distributed.tensor import DTensor
 from libai_zoo.config.schema import LoraConfig
 from libai_zoo.distributed import fill_shard_, run_group
 from libai_zoo.layers import apply_lora, lora_adapters
+from libai_zoo.utils.transformers_versions import conversion_mapping
 
 from .rules import Adapter, Either, PackedQKV, Stacked, Transposed, joined
-
-try:  # transformers 5: the renames its loading applies, which PEFT's module names follow
-    from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
-except ImportError:  # transformers 4 renames nothing: the modules are the checkpoint's
-    get_checkpoint_conversion_mapping = None
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -84,10 +80,11 @@ def _renames(model: nn.Module) -> list[tuple[str, str]]:
     model's type, in its order: PEFT adapts the modules in memory and names its adapters so
     (Swin's attention.self.query is attention.q_proj, its output.dense mlp.fc2)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if get_checkpoint_conversion_mapping is None or model_type is None:
+    mapping = conversion_mapping()  # transformers 4 renames nothing: the modules are the checkpoint's
+    if mapping is None or model_type is None:
         return []
-    return [(source, target) for converter in get_checkpoint_conversion_mapping(model_type) or ()
-            if isinstance(converter, WeightRenaming)
+    return [(source, target) for converter in mapping.get_checkpoint_conversion_mapping(model_type) or ()
+            if isinstance(converter, mapping.WeightRenaming)
             for source, target in zip(converter.source_patterns, converter.target_patterns)]
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from libai_zoo.utils.transformers_versions import DTYPE_KEYS
+
 CONFIG = "config.json"
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -53,7 +55,7 @@ class Container:
     def inner_config(self, config: dict) -> dict:
         """The held model's config out of the container's, with the container's dtype and head
         tying (transformers ties the container's head by the container's tie_word_embeddings)."""
-        outer = {key: config[key] for key in ("dtype", "torch_dtype", "tie_word_embeddings") if key in config}
+        outer = {key: config[key] for key in (*DTYPE_KEYS, "tie_word_embeddings") if key in config}
         return {**config[self.config_key], **outer}
 
     def names(self, keys: list[str]) -> dict[str, str]:

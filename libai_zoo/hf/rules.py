@@ -362,7 +362,8 @@ class Stacked(Rule):
     dim 0 (`expert_range`: all of them in one process), each tensor in the rest of its block.
 
     ``fused`` names the parameter transformers 5 makes of these tensors in memory (and PEFT's
-    ``target_parameters`` adapters with it): ``….experts.gate_up_proj`` [E, 2I, h] holds gate
+    ``target_parameters`` adapters with it; `utils.transformers_versions.FUSED_GATE_UP`,
+    `FUSED_DOWN`): ``….experts.gate_up_proj`` [E, 2I, h] holds gate
     (``block`` 0 of ``blocks`` 2 along its rows) and up (block 1), ``….experts.down_proj`` is down.
     The adapter of an expert projection (A [E, r, in], B [E, out, r]) is saved as that
     parameter's; without ``fused`` it has no PEFT form. Read back, it is that parameter's adapter

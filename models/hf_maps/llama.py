@@ -11,6 +11,7 @@ import re
 
 from libai_zoo.hf.rules import Either, Part, Rule, Same, Stacked, WeightMap, linear, qkv
 from libai_zoo.layers import LatentAttention, MoE
+from libai_zoo.utils.transformers_versions import FUSED_DOWN, FUSED_GATE_UP, FUSED_MOE
 
 #: norm_position -> the layer's norms (zoo name -> Hugging Face name)
 NORM_NAMES = {
@@ -43,20 +44,20 @@ def moe_rules(moe: MoE, z: str, h: str, names) -> list[Rule]:
     [E, H, I]) reads as well, each rank its experts; they are also what PEFT's adapters on the
     experts name."""
     gate, up, down = names.experts
-    count, m, fused = moe.num_experts, h + names.moe + ".", h + "mlp."
+    count, m, fused = moe.num_experts, h + names.moe + ".", h + FUSED_MOE + "."
     router = linear(z + "router", m + "gate", bias=moe.router.bias is not None)
     if m != fused:  # Mixtral's block_sparse_moe is transformers 5's mlp
         router = [Either(rule, Same(rule.zoo, fused + rule.name.removeprefix(m))) for rule in router]
     rules = [*router,
              Either(Stacked(z + "experts.gate_proj", m + f"experts.{{}}.{gate}.weight", count,
-                            fused + "experts.gate_up_proj", 0, 2),
-                    Part(z + "experts.gate_proj", fused + "experts.gate_up_proj", 0, 2, dim=1)),
+                            fused + FUSED_GATE_UP, 0, 2),
+                    Part(z + "experts.gate_proj", fused + FUSED_GATE_UP, 0, 2, dim=1)),
              Either(Stacked(z + "experts.up_proj", m + f"experts.{{}}.{up}.weight", count,
-                            fused + "experts.gate_up_proj", 1, 2),
-                    Part(z + "experts.up_proj", fused + "experts.gate_up_proj", 1, 2, dim=1)),
+                            fused + FUSED_GATE_UP, 1, 2),
+                    Part(z + "experts.up_proj", fused + FUSED_GATE_UP, 1, 2, dim=1)),
              Either(Stacked(z + "experts.down_proj", m + f"experts.{{}}.{down}.weight", count,
-                            fused + "experts.down_proj"),
-                    Same(z + "experts.down_proj", fused + "experts.down_proj"))]
+                            fused + FUSED_DOWN),
+                    Same(z + "experts.down_proj", fused + FUSED_DOWN))]
     if moe.router.e_score_correction_bias is not None:
         rules.append(Same(z + "router.e_score_correction_bias", m + "gate.e_score_correction_bias"))
     if moe.shared_expert is not None:
