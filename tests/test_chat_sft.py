@@ -23,6 +23,7 @@ from libai_zoo.data.chat_dataset import pack_greedily
 from libai_zoo.layers import packed_causal_mask
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, get_layer_stack
 from support.cases import Case, Cases
+from support.recipes import config_path
 from trainer_runs import losses, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,26 +291,7 @@ def test_packed_batch_equals_transformers(shipped_sample, tmp_path, kind):
 
 # ----------------------------------------------------------------------- trainer, multi-process
 STEPS, GLOBAL_BATCH, TOL = 4, 8, 1e-5
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_chat_dataset
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-models = dict(
-    llama=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
-        vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, bos_token_id=0, eos_token_id=0)),
-    gpt2=LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-        vocab_size=8192, n_positions=256, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
-        embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)),
-)
-model = models["llama"]
-dataloader = dict(train=LazyCall(build_chat_dataset)(path="{data}", tokenizer_dir="{tokenizer}", max_length=256,
-                                                     chat_template={template!r}, cache_dir="{cache}"))
-'''
+CONFIG = str(config_path("chat_models.py"))  # its llama and gpt2: `train` picks one
 # The covering design (tests/layouts.py): packed data differs where positions restart and
 # conversations are masked apart, under sequence parallelism (split sequences), context parallelism
 # (conversations cut over ranks, each attending within itself by global position; a rank's part may
@@ -330,14 +312,14 @@ def train(config_file: str, output_dir: str, model: str, overrides: list[str]) -
 
 
 def _run(root: str, model: str, layout: str) -> dict[int, float]:
-    return train(f"{root}/config.py", f"{root}/{model}_{layout}", model, layout_overrides(layout))
+    return train(CONFIG, f"{root}/{model}_{layout}", model, [
+        f"dataloader.train.path={root}/chats.jsonl", f"dataloader.train.cache_dir={root}/cache",
+        *layout_overrides(layout)])
 
 
 def setup(root: Path) -> None:
     data = root / "chats.jsonl"
     data.write_text("".join(SHIPPED.read_text().splitlines(keepends=True)[:96]))
-    (root / "config.py").write_text(CONFIG.format(data=data, tokenizer=TOKENIZER, template=TEMPLATE,
-                                                  cache=root / "cache"))
 
 
 CASES = {  # the references run first: they also fill the data cache the workers read
