@@ -23,6 +23,7 @@ from libai_zoo.layers import Experts, Linear, MoE, apply_lora, is_adapter_parame
 from libai_zoo.models import Gemma3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, Phi3ForCausalLM, RobertaForMaskedLM
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes
 from model_cases import CASES, gemma3_text_config, make_hf_model, make_inputs
+from support.recipes import saved_recipe
 from test_convert import cli
 from trainer_runs import losses, run_trainer
 
@@ -360,28 +361,13 @@ def test_peft_default_targets_adapt_q_and_v_of_the_fused_qkv(tmp_path):
     assert (model(ids).logits - trained.eval()(ids).logits).abs().max() <= 1e-5
 
 
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_gpt_dataset
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall("libai_zoo.models.AutoModelForCausalLM.from_pretrained")(path="{hf}", dtype="float32")
-dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
-                                                    cache_dir="{cache}"))
-'''
-
-
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("lora")
     documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:100]
     (root / "text.txt").write_text("\n\n".join(documents))
-    path = root / "config.py"
-    path.write_text(CONFIG.format(hf=tiny_llama_hf(root / "hf"), text=root / "text.txt",
-                                  tokenizer=ROOT / "data/tokenizer", cache=root / "cache"))
-    return path
+    return saved_recipe(root / "config.yaml", "pretrained_on_text.py", f"model.path={tiny_llama_hf(root / 'hf')}",
+                        f"dataloader.train.text_file={root / 'text.txt'}", f"dataloader.train.cache_dir={root / 'cache'}")
 
 
 def lora_run(config_file: Path, output_dir: Path, *overrides: str, **kwargs):
