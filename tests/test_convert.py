@@ -37,6 +37,7 @@ from libai_zoo.config import LazyConfig
 from libai_zoo.data import PackedTokenDataset
 from libai_zoo.engine import DefaultTrainer
 from support.forked import run_forked
+from support.recipes import recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "tools" / "convert"
@@ -95,17 +96,6 @@ def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------- HF -> zoo -> trainer -> HF (4 processes)
-CONFIG = '''
-from libai_zoo.config import LazyCall, LazyConfig, get_config
-from test_convert import token_dataset
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyConfig.load("{zoo}/config.yaml").model    # the model hf-to-zoo recorded
-dataloader = dict(train=LazyCall(token_dataset)(num_samples={samples}, seq_len={seq}, vocab={vocab}), shuffle=False)
-'''
-
 RUNS = {  # name -> (converted checkpoint, or "hf": the Hugging Face directory itself; steps, overrides)
     "dp2_tp2": ("zoo_dp2_tp2", 2, ["dist.dp=2", "dist.tp=2", "train.micro_batch_size=4", "optim.lr=0.0"]),
     "tp2_pp2": ("zoo_tp2_pp2", 2, ["dist.tp=2", "dist.pp=2", "train.micro_batch_size=4", "optim.lr=0.0"]),
@@ -175,8 +165,11 @@ def runs(tmp_path_factory, hf_dir):
     root = tmp_path_factory.mktemp("convert_runs")
     ok("hf-to-zoo", hf_dir, root / "zoo_dp2_tp2", "--dp", 2, "--tp", 2)
     ok("hf-to-zoo", hf_dir, root / "zoo_tp2_pp2", "--tp", 2, "--pp", 2)
-    config_file = root / "config.py"
-    config_file.write_text(CONFIG.format(zoo=root / "zoo_dp2_tp2", samples=SAMPLES, seq=SEQ, vocab=VOCAB))
+    cfg = recipe("converted_gpt2.py", f"dataloader.train.num_samples={SAMPLES}", f"dataloader.train.seq_len={SEQ}",
+                 f"dataloader.train.vocab={VOCAB}")
+    cfg.model = LazyConfig.load(root / "zoo_dp2_tp2" / "config.yaml", keys="model").model  # what hf-to-zoo recorded
+    config_file = root / "config.yaml"
+    LazyConfig.save(cfg, config_file)
     shutil.copytree(hf_dir, root / "hf_without_ln_f")
     weights = safetensors.torch.load_file(hf_dir / "model.safetensors")
     safetensors.torch.save_file({k: v for k, v in weights.items() if "ln_f" not in k},
