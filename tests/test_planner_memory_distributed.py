@@ -25,32 +25,15 @@ from libai_zoo.plan.memory import OptimizerState, state_bytes
 from libai_zoo.plan.model_table import ModelTable
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from support.cases import Case, Cases
+from support.recipes import config_path
 
 pytestmark = pytest.mark.slow
 
 GLOBAL_BATCH = 8
-VOCAB = 1030  # 515 rows per tp rank: FSDP2 pads them at dp 2 and 4; 18 positions pad at dp 4
+#: the models (gpt2, llama) and data; its vocabulary, 1030, is 515 rows per tp rank: FSDP2 pads them at
+#: dp 2 and 4; 18 positions pad at dp 4
+CONFIG = str(config_path("planner_models.py"))
 
-CONFIG = f'''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from recorded_data import RecordedTokens
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-models = dict(
-    gpt2=LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-        vocab_size={VOCAB}, n_positions=18, n_embd=36, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0,
-        embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)),
-    llama=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
-        vocab_size={VOCAB}, hidden_size=40, intermediate_size=72, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
-)
-model = models["gpt2"]
-dataloader = dict(train=LazyCall(RecordedTokens)(num_samples=64, seq_len=16, vocab_size={VOCAB},
-                                                 record_dir="${{train.output_dir}}/samples"))
-'''
 
 L = Layout
 BF16 = ["train.amp.enabled=true", "train.amp.dtype=bf16"]  # FSDP2 computes in bf16, keeps fp32 shards
@@ -111,20 +94,18 @@ def measure(config_file: str, output_dir: str, name: str) -> dict:
 
 
 def _measure(root: str, name: str) -> dict:
-    return measure(f"{root}/config.py", f"{root}/{name}", name)
+    return measure(CONFIG, f"{root}/{name}", name)
 
 
-RUNS = Cases(__file__, {name: Case(4, _measure, (name,)) for name in LAYOUTS},
-             setup=lambda root: (root / "config.py").write_text(CONFIG))
+RUNS = Cases(__file__, {name: Case(4, _measure, (name,)) for name in LAYOUTS})
 runs = RUNS.fixture()
 
 
 @pytest.fixture(scope="module")
 def planner(runs):
     """The config file, the model tables and the optimizer state the planner counts with."""
-    config_file = str(runs.root / "config.py")
-    cfg = LazyConfig.load(config_file)
-    return config_file, {model: ModelTable.from_config(cfg.models[model]) for model in cfg.models}, \
+    cfg = LazyConfig.load(CONFIG)
+    return CONFIG, {model: ModelTable.from_config(cfg.models[model]) for model in cfg.models}, \
         OptimizerState.probe(cfg.optim)
 
 
