@@ -25,37 +25,17 @@ from libai_zoo.data import IndexedDatasetWriter, IndexedGPTDataset, MicroBatchSa
 from libai_zoo.engine import DivergenceError
 from recorded_data import attempts
 from support.forked import run_forked
+from support.recipes import config_path
 from trainer_runs import losses, records, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 MAX_ITER, PER_RANK_STEP = 8, 2  # micro-batch 2, global batch 4: 2 samples per dp rank and step at dp2, 4 at dp1
 
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel
-from recorded_data import RecordedTokens
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-    vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
-    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-dataloader = dict(train=LazyCall(RecordedTokens)(num_samples=256, seq_len=16, vocab_size=128,
-                                                 record_dir="${train.output_dir}/samples"),
-                  prefetch=0)
-train.update(max_iter=8, micro_batch_size=2, global_batch_size=4, log_period=1, checkpoint=dict(period=2),
-             clip_grad_norm=1.0)
-optim.lr = 1e-3
-'''
-
 
 @pytest.fixture(scope="module")
-def config_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("resilience") / "config.py"
-    path.write_text(CONFIG)
-    return path
+def config_file() -> Path:
+    return config_path("recorded_gpt2.py")
 
 
 def load(config_file: Path, output_dir: Path, *overrides: str):

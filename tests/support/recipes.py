@@ -4,7 +4,7 @@ Python), each test's own values (paths, sizes) given as overrides, as a user run
 
     cfg = recipe("tiny_gpt2.py", f"dataloader.train.text_file={text}")    # a loaded, overridden DictConfig
     path = saved_recipe(tmp / "config.yaml", "tiny_gpt2.py", ...)          # the same, on disk for a subprocess
-    argv = [str(config_path("plot_gpt2.py")), *overrides]                  # or the file and its overrides
+    argv = [str(config_path("recorded_gpt2.py")), *overrides]              # or the file and its overrides
 """
 
 from __future__ import annotations
