@@ -21,7 +21,9 @@ run's layout instead, the same on every rank:
 A rank's peak is then its shard plus one layer as FSDP gathers it (its flat all-gather buffer and
 the layer's parameters, both the layer's size, meet while FSDP copies one into the other), plus
 the KV cache and one token's activations; every step gathers each layer once, as a training
-forward does.
+forward does. That holds for the process's RSS too (`utils.memory.mapped_allocations`: glibc maps the
+gathered buffers and unmaps them when freed, instead of its heap growing by them token after token;
+on a model that had not stepped, each rank's peak RSS rose by twice the model).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from libai_zoo.layers import LMHead
 from libai_zoo.models import all_layers
+from libai_zoo.utils.memory import mapped_allocations
 
 from .data_parallel import DataParallel, set_forward_prefetch
 
@@ -72,7 +75,8 @@ def layer_by_layer(model: nn.Module, data_parallel: DataParallel) -> Iterator[nn
             handles.append(module.register_forward_pre_hook(_gather_hook(own, to)))
             handles.append(module.register_forward_hook(_release_hook(own)))
     try:
-        yield _without_root_hooks(model)
+        with mapped_allocations():
+            yield _without_root_hooks(model)
     finally:
         for handle in handles:
             handle.remove()
