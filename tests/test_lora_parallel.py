@@ -56,7 +56,7 @@ def _reference(root: str, model: str, variant: str) -> dict[int, float]:
     """One process; the plain run also exports its adapter (the `adapter` variant starts from it)."""
     out = f"{root}/one_{model}_{variant}"
     more = [f"train.checkpoint.period={STEPS}"] if variant == "plain" else []
-    logged = train(f"{root}/config.py", out, model, ["train.micro_batch_size=8", *more,
+    logged = train(f"{root}/config.yaml", out, model, ["train.micro_batch_size=8", *more,
                                                       *_overrides(root, model, variant)])  # later keys win
     if variant == "plain":
         export_adapter(f"{out}/model_{STEPS:07d}", f"{root}/adapter_{model}")
@@ -65,13 +65,13 @@ def _reference(root: str, model: str, variant: str) -> dict[int, float]:
 
 def _run(root: str, model: str, layout: str, variant: str, extra: tuple = ()) -> dict[int, float]:
     name = _name(model, layout, variant) + ("_dropout" if extra else "")
-    return train(f"{root}/config.py", f"{root}/{name}", model,
+    return train(f"{root}/config.yaml", f"{root}/{name}", model,
                  [*overrides(layout), *_overrides(root, model, variant), *extra])
 
 
 def _bytes(root: str, kind: str) -> dict:
     """This rank's state bytes after one step at dp2 ZeRO-1, full fine-tuning or LoRA."""
-    with trained_one_step(f"{root}/config.py", f"{root}/bytes_{kind}",
+    with trained_one_step(f"{root}/config.yaml", f"{root}/bytes_{kind}",
                           [*overrides(BYTES_LAYOUT), *(LORA if kind == "lora" else [])]) as trainer:
         batch = next(iter(trainer.build_train_loader(trainer.cfg)))
         trainer.model(**batch).loss.backward()  # the step freed its gradients: make them again

@@ -43,6 +43,7 @@ from libai_zoo.parallel import DataParallel, materialize, parallelize
 from libai_zoo.utils import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from model_cases import zoo_model
 from support.cases import Case, Cases
+from support.recipes import saved_recipe
 from trainer_runs import losses, records, run_trainer
 
 pytestmark = pytest.mark.slow
@@ -53,42 +54,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # costs a fraction of a second of collective latency
 STEPS, GLOBAL_BATCH, TOL = 4, 8, 1e-5
 SAVED_AT = 2  # the checkpoints the resume cases start from: the rest of the run, steps 3-4, is theirs
-
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_gpt_dataset
-from libai_zoo.data import DigitsDataset
-from libai_zoo.models import (AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSeq2SeqLM, GPT2Config,
-                              GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM)
-from model_cases import uneven_router
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-models = dict(
-    gpt2=LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-        vocab_size=8192, n_positions=32, n_embd=32, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0,
-        embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)),
-    llama=LazyCall(AutoModelForCausalLM.from_pretrained)(path="{hf}/llama"),
-    mqa=LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
-        vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)),
-    **{{family: LazyCall(dict(t5=AutoModelForSeq2SeqLM, swin=AutoModelForImageClassification).get(
-        family, AutoModelForCausalLM).from_pretrained)(path=f"{hf}/{{family}}") for family in {families!r}}},
-    moe=LazyCall(uneven_router)(name="mixtral", vocab_size=8192, num_hidden_layers=4, num_local_experts=8),
-)
-models.update(fp8=models["gpt2"], fp8_rowwise=models["gpt2"])  # trained with train.fp8 (FAMILY_OPTIONS)
-model = models["gpt2"]
-dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
-                                                    cache_dir="{cache}"),
-                  test=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
-                                                   cache_dir="{cache}"))
-#: the data of a model that reads no text
-dataloaders = dict(swin=dict(train=LazyCall(DigitsDataset)(path="{digits}", split="train"),
-                             test=LazyCall(DigitsDataset)(path="{digits}", split="valid")))
-'''
-
-
 
 def train(config_file: str, output_dir: str, model: str, overrides: list[str], *, resume: bool = False,
           interrupt_after: int | None = None) -> dict[int, float]:
@@ -160,9 +125,10 @@ def loss_in_chunks():
 
 
 def write_config(root: Path) -> tuple[Path, list[str]]:
-    """CONFIG over the corpus's first 200 documents, written in `root`, and the Hugging Face directories
-    its Llama and families load (as the recipes start, so that every layout reads its part of a
-    directory); (its path, the documents)."""
+    """The models' recipe (tests/support/configs/parallel_models.py) over the corpus's first 200
+    documents, saved as `root`/config.yaml, and the Hugging Face directories its Llama and families
+    load (as the recipes start, so that every layout reads its part of a directory); (its path, the
+    documents)."""
     documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:200]
     (root / "text.txt").write_text("\n\n".join(documents))
     torch.manual_seed(0)  # the directories' weights, whatever the session ran before
@@ -172,31 +138,26 @@ def write_config(root: Path) -> tuple[Path, list[str]]:
     for family in FAMILY_LAYOUTS:
         changes = FAMILY_CHANGES.get(family, dict(vocab_size=8192, num_hidden_layers=4))
         zoo_model(dict(swin="swin_cls").get(family, family), **changes).save_pretrained(root / "hf" / family)
-    config_file = root / "config.py"
-    config_file.write_text(CONFIG.format(text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
-                                         cache=root / "cache", hf=root / "hf", families=tuple(FAMILY_LAYOUTS),
-                                         digits=ROOT / "data/digits/digits.csv.gz"))
+    config_file = saved_recipe(root / "config.yaml", "parallel_models.py", f"hf_dir={root / 'hf'}",
+                               f"dataloader.train.text_file={root / 'text.txt'}",
+                               f"dataloader.train.cache_dir={root / 'cache'}")
     return config_file, documents
 
 
 def setup(root: Path) -> None:
-    """The configs the cases read: CONFIG over the corpus's text, and over the same documents in
+    """The configs the cases read: the models' recipe over the corpus's text, and over the same documents in
     Megatron's indexed format."""
     config_file, documents = write_config(root)
     tokenizer = load_tokenizer(ROOT / "data/tokenizer")
     with IndexedDatasetWriter(root / "corpus_text_document") as writer:
         for document in documents:
             writer.add_document(tokenizer(document).input_ids + [tokenizer.eos_token_id])
-    text_data = 'LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,'
-    indexed_data = f'LazyCall(build_indexed_gpt_dataset)(prefixes=["{root}/corpus_text_document"], seq_len=16,'
-    indexed = CONFIG.replace(text_data, indexed_data).replace(
-        "import build_gpt_dataset", "import build_gpt_dataset, build_indexed_gpt_dataset")
-    (root / "config_indexed.py").write_text(indexed.format(cache=root / "cache", hf=root / "hf",
-                                                           families=tuple(FAMILY_LAYOUTS),
-                                                           digits=ROOT / "data/digits/digits.csv.gz"))
+    saved_recipe(root / "config_indexed.yaml", "parallel_models_indexed.py", f"hf_dir={root / 'hf'}",
+                 f"dataloader.train.prefixes=[{root / 'corpus_text_document'}]",
+                 f"dataloader.train.cache_dir={root / 'cache'}")
 
 
-def _run(root: str, name: str, model: str, layout: str, config: str = "config.py", extra: tuple = ()) -> dict:
+def _run(root: str, name: str, model: str, layout: str, config: str = "config.yaml", extra: tuple = ()) -> dict:
     """Train `model` at `layout` for STEPS steps: the losses, gradient norms and the
     final evaluation loss rank 0 logged."""
     out = f"{root}/{name}"
@@ -222,7 +183,7 @@ def _errors(root: str) -> dict:
                       "cp_ep": ["dist.dp=2", "dist.ep=2", "dist.cp=2", "train.micro_batch_size=4"],
                       "cp_seq_len": ["dist.cp=4", "dataloader.train.seq_len=12"]}.items():
         try:
-            train(f"{root}/config.py", f"{root}/error_{name}", "moe" if name == "experts" else "gpt2", bad)
+            train(f"{root}/config.yaml", f"{root}/error_{name}", "moe" if name == "experts" else "gpt2", bad)
         except Exception as error:  # noqa: BLE001 - the message is what is checked
             errors[name] = str(error)
     return errors
@@ -230,7 +191,7 @@ def _errors(root: str) -> dict:
 
 def _checkpoint(root: str) -> Path:
     """GPT-2 at dp2×tp2 ZeRO-3, stopped after step SAVED_AT and its checkpoint."""
-    train(f"{root}/config.py", f"{root}/ckpt", "gpt2",
+    train(f"{root}/config.yaml", f"{root}/ckpt", "gpt2",
           [*overrides("dp2_tp2_zero3"), f"train.checkpoint.period={SAVED_AT}"], interrupt_after=SAVED_AT)
     return Path(root) / "ckpt"
 
@@ -245,12 +206,12 @@ def _resume(root: str, layout: str, checkpoint: str = "ckpt", model: str = "gpt2
         (Path(target) / "metrics.json").unlink()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    return train(f"{root}/config.py", target, model, [*overrides(layout), *extra], resume=True)
+    return train(f"{root}/config.yaml", target, model, [*overrides(layout), *extra], resume=True)
 
 
 def _cp_checkpoint(root: str) -> Path:
     """GPT-2 at cp2 × dp2 with ZeRO-3 (sharded over dp × cp), stopped after step SAVED_AT and its checkpoint."""
-    train(f"{root}/config.py", f"{root}/cp_ckpt", "gpt2",
+    train(f"{root}/config.yaml", f"{root}/cp_ckpt", "gpt2",
           [*overrides("cp2_dp2_zero3"), f"train.checkpoint.period={SAVED_AT}"], interrupt_after=SAVED_AT)
     return Path(root) / "cp_ckpt"
 
@@ -278,7 +239,7 @@ def _step_with_a_part_without_targets(root: str, cp: int) -> tuple[float, float]
 
 def _moe_checkpoint(root: str) -> Path:
     """The MoE at dp2_ep2 (ZeRO-3), stopped after step SAVED_AT and its checkpoint."""
-    train(f"{root}/config.py", f"{root}/moe_ckpt", "moe",
+    train(f"{root}/config.yaml", f"{root}/moe_ckpt", "moe",
           [*overrides("dp2_ep2_zero3"), f"train.checkpoint.period={SAVED_AT}"], interrupt_after=SAVED_AT)
     return Path(root) / "moe_ckpt"
 
@@ -324,23 +285,23 @@ def _fp8_broken_scale(root: str, broken: str) -> dict:
                 precompute(layers)
         patch = mock.patch.object(train_step, "precompute_float8_scales", first_only)
     with patch:
-        return _run(root, f"fp8_{broken}", "fp8", layout, "config.py", _extra("fp8", layout))
+        return _run(root, f"fp8_{broken}", "fp8", layout, "config.yaml", _extra("fp8", layout))
 
 
 def _fp8_checkpoint(root: str) -> Path:
     """Float8 GPT-2 at dp2 ZeRO-3 (weights gathered in float8), stopped after step SAVED_AT and its checkpoint."""
-    train(f"{root}/config.py", f"{root}/fp8_ckpt", "fp8",
+    train(f"{root}/config.yaml", f"{root}/fp8_ckpt", "fp8",
           [*overrides("dp2_zero3"), *_extra("fp8", "dp2_zero3"), f"train.checkpoint.period={SAVED_AT}"],
           interrupt_after=SAVED_AT)
     return Path(root) / "fp8_ckpt"
 
 
 def _state_bytes(root: str, layout: str) -> int:
-    return state_bytes(f"{root}/config.py", f"{root}/bytes_{layout}", overrides(layout))
+    return state_bytes(f"{root}/config.yaml", f"{root}/bytes_{layout}", overrides(layout))
 
 
 def _optimizer_bytes_dp4_zero1(root: str) -> tuple[list[int], int]:
-    return optimizer_bytes_per_rank(f"{root}/config.py", f"{root}/optimizer_bytes_dp4_zero1",
+    return optimizer_bytes_per_rank(f"{root}/config.yaml", f"{root}/optimizer_bytes_dp4_zero1",
                                     ["dist.dp=4", "train.zero_stage=1", "train.micro_batch_size=2"])
 
 
@@ -382,17 +343,17 @@ def _reference(model: str, layout: str) -> str:
 
 
 CASES = {
-    **{f"{model}_one": Case(1, _run, (f"{model}_one", model, "one", "config.py", _extra(model, "one")))
+    **{f"{model}_one": Case(1, _run, (f"{model}_one", model, "one", "config.yaml", _extra(model, "one")))
        for model in TRAINED if model != "moe"},
-    **{f"moe_one_mb{mb}": Case(1, _run, (f"moe_one_mb{mb}", "moe", "one", "config.py",
+    **{f"moe_one_mb{mb}": Case(1, _run, (f"moe_one_mb{mb}", "moe", "one", "config.yaml",
                                          (*_extra("moe", "one"), f"train.micro_batch_size={mb}"))) for mb in (4, 2)},
-    "fp8_one_mb4": Case(1, _run, ("fp8_one_mb4", "fp8", "one", "config.py",
+    "fp8_one_mb4": Case(1, _run, ("fp8_one_mb4", "fp8", "one", "config.yaml",
                                   (*_extra("fp8", "one"), "train.micro_batch_size=4"))),
-    "indexed_one": Case(1, _run, ("indexed_one", "gpt2", "one", "config_indexed.py")),
-    **{f"{model}_{layout}": Case(_world(layout), _run, (f"{model}_{layout}", model, layout, "config.py",
+    "indexed_one": Case(1, _run, ("indexed_one", "gpt2", "one", "config_indexed.yaml")),
+    **{f"{model}_{layout}": Case(_world(layout), _run, (f"{model}_{layout}", model, layout, "config.yaml",
                                                          _extra(model, layout)), needs=(_reference(model, layout),))
        for model, layouts in TRAINED.items() for layout in layouts},
-    **{f"indexed_{layout}": Case(_world(layout), _run, (f"indexed_{layout}", "gpt2", layout, "config_indexed.py"),
+    **{f"indexed_{layout}": Case(_world(layout), _run, (f"indexed_{layout}", "gpt2", layout, "config_indexed.yaml"),
                                  needs=("indexed_one",)) for layout in INDEXED_LAYOUTS},
     "ckpt": Case(4, _checkpoint, needs=("gpt2_one",)),
     **{f"resume_{layout}": Case(_world(layout), _resume, (layout,), needs=("ckpt",)) for layout in RESUME_AT},
