@@ -34,6 +34,7 @@ from libai_zoo.layers import apply_lora
 from libai_zoo.models import TransformersModel, instantiate_model, trainable
 from libai_zoo.parallel import materialize
 from support.cases import Case, Cases
+from support.recipes import saved_recipe
 from test_parallel_training import STEPS, _assert_same, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,33 +53,10 @@ SUITE = {
 }
 FROM_DIRECTORY = ("cohere", "jamba")  # the others are built by transformers.AutoModelForCausalLM.from_config
 
-CONFIG = '''
-import transformers
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_gpt_dataset
-from libai_zoo.models import AutoModelForCausalLM
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-models = {models}
-model = models["phi"]
-dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len=16,
-                                                    cache_dir="{cache}"))
-'''
-
 
 def config(name: str) -> transformers.PretrainedConfig:
     cls, features = SUITE[name]
     return getattr(transformers, cls)(**SIZES, **features)
-
-
-def _model_expression(name: str, root: Path) -> str:
-    if name in FROM_DIRECTORY:
-        return f'LazyCall(AutoModelForCausalLM.from_pretrained)(path="{root}/hf/{name}")'
-    cls, features = SUITE[name]
-    return (f"LazyCall(transformers.AutoModelForCausalLM.from_config)(config=LazyCall(transformers.{cls})("
-            f"**{dict(SIZES, **features)!r}))")
 
 
 def setup(root: Path) -> None:
@@ -87,18 +65,17 @@ def setup(root: Path) -> None:
     torch.manual_seed(0)
     for name in FROM_DIRECTORY:
         transformers.AutoModelForCausalLM.from_config(config(name)).save_pretrained(root / "hf" / name)
-    expressions = "{" + ", ".join(f"{name!r}: {_model_expression(name, root)}" for name in SUITE) + "}"
-    (root / "config.py").write_text(CONFIG.format(models=expressions, text=root / "text.txt",
-                                                  tokenizer=ROOT / "data/tokenizer", cache=root / "cache"))
+    saved_recipe(root / "config.yaml", "transformers_suite.py", f"hf_dir={root / 'hf'}",
+                 f"dataloader.train.text_file={root / 'text.txt'}", f"dataloader.train.cache_dir={root / 'cache'}")
 
 
 def _run(root: str, model: str, layout: str, extra: tuple = ()) -> dict[int, float]:
     name = f"{'lora' if extra == LORA else model}_{layout}"
-    return train(f"{root}/config.py", f"{root}/{name}", model, [*overrides(layout), *extra])
+    return train(f"{root}/config.yaml", f"{root}/{name}", model, [*overrides(layout), *extra])
 
 
 def _checkpoint(root: str) -> None:
-    train(f"{root}/config.py", f"{root}/phi_ckpt", "phi",
+    train(f"{root}/config.yaml", f"{root}/phi_ckpt", "phi",
           [*overrides("dp2_tp2_zero3"), f"train.checkpoint.period={SAVED_AT}"], interrupt_after=SAVED_AT)
 
 
@@ -108,7 +85,7 @@ def _resume(root: str, layout: str) -> dict[int, float]:
         shutil.copytree(f"{root}/phi_ckpt", target)
         (Path(target) / "metrics.json").unlink()
     torch.distributed.barrier()
-    return train(f"{root}/config.py", target, "phi", [*overrides(layout)], resume=True)
+    return train(f"{root}/config.yaml", target, "phi", [*overrides(layout)], resume=True)
 
 
 #: LoRA by transformers' module names (the zoo's adapters on the layers the door swapped in)
@@ -266,7 +243,7 @@ def meta_model(cfg) -> nn.Module:
 def test_refused_before_any_process_group(recipe, model, tp, pp, named):
     """What a model's declarations do not allow is refused before any process group exists, naming
     the model, the reason and the way out."""
-    cfg = LazyConfig.load(str(recipe / "config.py"))
+    cfg = LazyConfig.load(str(recipe / "config.yaml"))
     cfg.model = cfg.models[model]
     cfg = LazyConfig.apply_overrides(cfg, [f"dist.tp={tp}", f"dist.pp={pp}"])
     with pytest.raises(ConfigError, match=named):
@@ -313,7 +290,7 @@ def test_other_tasks_equal_transformers(task):
 def test_zoo_only_splits_are_refused(recipe, option, named):
     """Sequence, context and expert parallelism split the zoo's own layers: asked of a transformers
     model, each is refused by name before any process group exists, never a silent no-op."""
-    cfg = LazyConfig.apply_overrides(LazyConfig.load(str(recipe / "config.py")), [option])
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(str(recipe / "config.yaml")), [option])
     cfg.model = cfg.models["jamba"]
     cfg = LazyConfig.apply_overrides(cfg, ["dist.tp=2"])
     with pytest.raises(ConfigError, match=named):
