@@ -16,32 +16,30 @@ import pytest
 import torch
 
 from libai_zoo.models import GPT2Config, GPT2LMHeadModel
+from support.recipes import config_path
 from trainer_runs import losses
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO_BATCH, PROCESSES, ACCUMULATION, STEPS, SEQ_LEN, WARMUP = 2, 2, 2, 6, 32, 2
 
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_gpt_dataset
+CONFIG = config_path("pretrained_on_text.py")
 
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall("libai_zoo.models.GPT2LMHeadModel.from_pretrained")(path="{hf_dir}", dtype="float32")
-dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}",
-                                                    seq_len={seq_len}, cache_dir="{cache}"))
-train.update(max_iter={steps}, micro_batch_size={micro_batch}, global_batch_size={global_batch}, log_period=1,
-             checkpoint=dict(period=100), clip_grad_norm=1.0,
-             scheduler=LazyCall("libai_zoo.optim.WarmupCosineLR")(warmup_iters={warmup}, min_lr_ratio=0.0))
-optim.lr = 1e-3
-optim.betas = (0.9, 0.95)
-'''
+
+def recipe_overrides(workdir: Path) -> list[str]:
+    """The config's keys for this test, as tools/train.py takes them on the command line: the GPT-2
+    directory, the text, the batches and the schedule that projects/accelerate_loop's flags repeat."""
+    return [
+        "model._target_=libai_zoo.models.GPT2LMHeadModel.from_pretrained", f"model.path={workdir / 'hf'}",
+        f"dataloader.train.text_file={workdir / 'text.txt'}", f"dataloader.train.cache_dir={workdir / 'cache'}",
+        f"dataloader.train.seq_len={SEQ_LEN}", f"train.max_iter={STEPS}", f"train.micro_batch_size={MICRO_BATCH}",
+        f"train.global_batch_size={MICRO_BATCH * PROCESSES * ACCUMULATION}", "train.log_period=1",
+        "train.checkpoint.period=100", "train.clip_grad_norm=1.0", f"train.scheduler.warmup_iters={WARMUP}",
+        "train.scheduler.min_lr_ratio=0.0", "optim.lr=1e-3", "optim.betas=[0.9,0.95]"]
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """A tiny GPT-2 Hugging Face directory (dropout off), a slice of the corpus and a trainer config on them."""
+    """A tiny GPT-2 Hugging Face directory (dropout off) and a slice of the corpus."""
     root = tmp_path_factory.mktemp("accelerate")
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
@@ -49,10 +47,6 @@ def workdir(tmp_path_factory) -> Path:
                     ).save_pretrained(root / "hf")
     documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:300]
     (root / "text.txt").write_text("\n\n".join(documents))
-    (root / "config.py").write_text(CONFIG.format(
-        hf_dir=root / "hf", text=root / "text.txt", tokenizer=ROOT / "data/tokenizer", cache=root / "cache",
-        seq_len=SEQ_LEN, steps=STEPS, micro_batch=MICRO_BATCH, global_batch=MICRO_BATCH * PROCESSES * ACCUMULATION,
-        warmup=WARMUP))
     (root / "home").mkdir()
     return root
 
@@ -85,7 +79,7 @@ def run(command: list[str], env: dict) -> subprocess.CompletedProcess:
 
 def train(workdir: Path, launcher: list[str], name: str) -> Path:
     out = workdir / name
-    run([*launcher, str(ROOT / "tools/train.py"), str(workdir / "config.py"), f"train.output_dir={out}",
+    run([*launcher, str(ROOT / "tools/train.py"), str(CONFIG), *recipe_overrides(workdir), f"train.output_dir={out}",
          "dist.dp=2"], launch_env(workdir))
     return out
 
