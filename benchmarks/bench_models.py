@@ -9,6 +9,7 @@ and, on CUDA, its TFLOP/s (see `step_flops`) and the peak memory of a step (see 
 
     python benchmarks/bench_models.py                       # CPU, fp32, small sizes, all models
     python benchmarks/bench_models.py --models gpt2,llama --steps 5
+    python benchmarks/bench_models.py --models gpt2 --elementwise-recompute always   # norms recomputed
     python benchmarks/bench_models.py --device cuda --dtype bf16 --hidden 1024 --heads 16 --layers 12 \\
         --seq 1024 --batch 8 --vocab 32768 --image 224 --patch 16 --out benchmarks/results/bench_models_h100.json
 """
@@ -23,6 +24,7 @@ import transformers
 
 from bench_common import DTYPES, alternate, peak_memory_mb, run_meta, write_json
 from libai_zoo import models as zoo
+from libai_zoo.layers.recomputed import ELEMENTWISE_RECOMPUTE, set_elementwise_recompute
 
 # name -> (libai_zoo.models class, transformers class); both take the same transformers config.
 MODELS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM",
@@ -137,6 +139,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed rounds (median taken over them)")
     parser.add_argument("--iters", type=int, default=1, help="steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each model first")
+    parser.add_argument("--elementwise-recompute", choices=sorted(ELEMENTWISE_RECOMPUTE), default="auto",
+                        help="libai_zoo's train.elementwise_recompute: when norms and act(gate)*up recompute in backward")
     parser.add_argument("--out", help="also write the results as JSON here")
     a = parser.parse_args()
     names = [n.strip() for n in a.models.split(",") if n.strip()]
@@ -155,6 +159,7 @@ def main() -> None:
         with torch.device(a.device):  # initialize on the device: quicker for large sizes on CUDA
             pair = {"libai_zoo": getattr(zoo, cls)(config),
                     "transformers": getattr(transformers, cls)(config)}
+        set_elementwise_recompute(pair["libai_zoo"], a.elementwise_recompute)
         opts = {}
         for side, model in pair.items():
             model.to(a.device, dtype).train()
@@ -176,7 +181,7 @@ def main() -> None:
 
     meta = run_meta(a.device, dtype=a.dtype, batch=a.batch, seq=a.seq, hidden=a.hidden, heads=a.heads,
                     kv_heads=a.kv_heads, layers=a.layers, ffn=a.ffn, vocab=a.vocab, image=a.image, patch=a.patch,
-                    steps=a.steps, iters=a.iters, warmup=a.warmup)
+                    steps=a.steps, iters=a.iters, warmup=a.warmup, elementwise_recompute=a.elementwise_recompute)
     cuda = a.device.startswith("cuda")
     print(json.dumps(meta))
     print(f"{'model':<9} {'params M ours/HF':>17} {'libai_zoo ms':>13} {'transformers ms':>16} {'ratio':>7} "

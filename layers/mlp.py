@@ -7,7 +7,8 @@ act(gate(x)) * up(x); both split the same neurons, so any tp keeps each gate wit
 The two share one input sync (one all-reduce of the input gradient), as one fused weight would.
 act(gate)·up keeps only gate's and up's outputs for backward (`gated`), so the gated MLP saves its
 input, gate, up and the down projection's input: 6·ffn elements per token beside the input, as
-Megatron-LM's. ``dropout`` drops activated neurons before the down projection (T5); each tp rank
+Megatron-LM's (``elementwise_recompute``, `recomputed.ELEMENTWISE_RECOMPUTE`: "never" keeps act(gate)
+too; the plain act(up) is kept in every mode: its input is what its backward reads). ``dropout`` drops activated neurons before the down projection (T5); each tp rank
 draws its own neurons' masks from its random stream, as one process would draw them.
 """
 
@@ -23,7 +24,7 @@ from torch import nn
 
 from .linear import Linear, column_inputs
 from .parallel_layer import ParallelLayer, indivisible
-from .recomputed import recomputed
+from .recomputed import recomputed, recomputes
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -43,8 +44,12 @@ ACTIVATIONS = {
 }
 
 
-def gated(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up, saving gate and up only: backward recomputes act(gate) (`recomputed`)."""
+def gated(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor,
+          recompute: bool = True) -> torch.Tensor:
+    """act(gate) * up, saving gate and up only: backward recomputes act(gate) (`recomputed`);
+    ``recompute=False``: as autograd saves it (act(gate) besides)."""
+    if not recompute:
+        return act(gate) * up
     return recomputed(lambda g, u: act(g) * u, gate, up)
 
 
@@ -66,6 +71,7 @@ class MLP(ParallelLayer, nn.Module):
         self.down = Linear(ffn_hidden_size, hidden_size, bias, "row", reduce_output=reduce_output,
                            sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         self.dropout = nn.Dropout(dropout)
+        self.elementwise_recompute = "auto"
 
     def tp_problems(self, tp_size: int) -> list[str]:
         return indivisible(self.ffn_hidden_size, tp_size, "ffn_hidden_size (MLP hidden neurons)",
@@ -91,7 +97,9 @@ class MLP(ParallelLayer, nn.Module):
     def _activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
         """act(up), or act(gate) * up keeping only gate and up (`gated`): the seam selective
         recomputation ("mlp_act") wraps."""
-        return self.act(up) if gate is None else gated(self.act, gate, up)
+        if gate is None:
+            return self.act(up)
+        return gated(self.act, gate, up, recomputes(self.elementwise_recompute, True))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation_name}, gated={self.gate is not None}{self.parallel_repr()}"

@@ -2,9 +2,11 @@
 sequence parallelism (each rank normalizes its own tokens; weight gradients are then partial
 and summed over tp by `libai_zoo.distributed.finalize_grads`).
 
-Both keep only their input for backward, in its own dtype, and recompute the normalised values
+Both can keep only their input for backward, in its own dtype, and recompute the normalised values
 there (`recomputed`): no float32 copy of a bf16 input (autocast runs layer_norm in float32), no
-normalised values beside the weighted ones. A norm over a tp-split dimension (``split_dim``)
+normalised values beside the weighted ones. ``elementwise_recompute`` says when
+(`recomputed.ELEMENTWISE_RECOMPUTE`; "auto": an RMSNorm always, a LayerNorm only when autocast
+upcasts its input, since a LayerNorm in its input's dtype keeps no more than its input, mean and rstd). A norm over a tp-split dimension (``split_dim``)
 then all-reduces its square sums again in backward (a [B, S, 1] tensor).
 
 RMSNorm also covers what today's decoders add: the weight applied in float32 before the cast
@@ -28,7 +30,7 @@ from libai_zoo.distributed import TensorParallel, local
 from libai_zoo.distributed.collectives import sum_over_tp
 
 from .parallel_layer import ParallelLayer, indivisible
-from .recomputed import recomputed
+from .recomputed import recomputed, recomputes
 
 
 class LayerNorm(ParallelLayer, nn.LayerNorm):
@@ -38,10 +40,15 @@ class LayerNorm(ParallelLayer, nn.LayerNorm):
                  *, sequence_parallel: bool = True, device=None, dtype=None):
         super().__init__(hidden_size, eps, elementwise_affine, bias, device=device, dtype=dtype)
         self.sequence_parallel = sequence_parallel
+        self.elementwise_recompute = "auto"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return recomputed(self._normalize, x, local(self.weight, partial_grad=self.sp),
-                          local(self.bias, partial_grad=self.sp))
+        weight, bias = local(self.weight, partial_grad=self.sp), local(self.bias, partial_grad=self.sp)
+        # recomputing frees memory only where autocast would keep a float32 copy of the input
+        upcast = x.dtype != torch.float32 and torch.is_autocast_enabled(x.device.type)
+        if recomputes(self.elementwise_recompute, upcast):
+            return recomputed(self._normalize, x, weight, bias)
+        return self._normalize(x, weight, bias)
 
     def _normalize(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
@@ -70,6 +77,7 @@ class RMSNorm(ParallelLayer, nn.RMSNorm):
         self.cast_to_weight = cast_to_weight
         self.split_input, self.split_dim = split_input, split_dim
         self.sequence_parallel = sequence_parallel
+        self.elementwise_recompute = "auto"
 
     def tp_problems(self, tp_size: int) -> list[str]:
         if not self.split_dim:
@@ -84,7 +92,10 @@ class RMSNorm(ParallelLayer, nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self.sp or (self.tp is not None and self.split_input)
-        return recomputed(self._normalize, x, local(self.weight, partial_grad=partial))
+        weight = local(self.weight, partial_grad=partial)
+        if recomputes(self.elementwise_recompute, True):  # frees the normalised values beside the weighted
+            return recomputed(self._normalize, x, weight)
+        return self._normalize(x, weight)
 
     def _normalize(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         if self.split_dim and self.tp is not None:

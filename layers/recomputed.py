@@ -6,6 +6,21 @@ copy of a norm's input, the normalised values beside the weighted ones, act(gate
 `recomputed(fn, *tensors)` saves `tensors` alone; backward runs `fn` on them again, with the same
 ops under the forward's autocast state, and differentiates that, so the gradients are the ones
 autograd gives without it, bit for bit.
+
+Whether a layer recomputes is its ``elementwise_recompute`` (``train.elementwise_recompute``, set on
+a model by `set_elementwise_recompute`; `ELEMENTWISE_RECOMPUTE`). Recomputing frees memory only where
+the op would keep more than its inputs, and it is not free where the kernels are cheap: a LayerNorm in
+its input's dtype keeps its input, mean and rstd, so recomputing it frees 8 bytes a token while it
+runs the forward again inside a nested autograd pass. Measured (2-core CPU, fp32, torch 2.13.0+cpu,
+2026-12-03; benchmarks/results/README.md, "elementwise_recompute"): one LayerNorm forward + backward
+of [4, 128, 256] takes 0.70 ms recomputed against 0.34 ms kept (2 threads; 0.91 against 0.49 ms on 1),
+and GPT-2's training step (hidden 256, 4 layers, seq 128, batch 4: 9 LayerNorms) 1.011-1.017 × as long
+with its norms recomputed ("always") as kept ("auto"). Under autocast, where CUDA runs layer_norm in
+float32, a kept LayerNorm holds a float32 copy of its 16-bit input: recomputing it frees 2 bytes an
+element. "auto", the default, recomputes where that frees memory: every RMSNorm (which keeps its
+normalised values besides), act(gate)·up (act(gate)) and a LayerNorm whose 16-bit input autocast
+upcasts; a LayerNorm in its input's dtype runs as `F.layer_norm`. So a bf16-autocast run saves what it
+saved before, and the planner, which measures the layers as they run (`plan.activations`), counts it.
 """
 
 from __future__ import annotations
@@ -13,6 +28,30 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
+#: ``train.elementwise_recompute``: when the cheap ops of a layer (its norms, act(gate)·up) recompute in
+#: backward rather than keep what autograd saves (module docstring).
+ELEMENTWISE_RECOMPUTE = {
+    "auto": "where it frees memory: RMSNorm, act(gate)·up, a LayerNorm whose input autocast upcasts",
+    "always": "every norm and act(gate)·up keeps only its inputs (a float32 LayerNorm too: 8 bytes a token)",
+    "never": "autograd's own saved tensors everywhere (no recompute; RMSNorm and gated MLPs keep more)",
+}
+
+
+def recomputes(mode: str, frees_memory: bool) -> bool:
+    """Whether an op under ``elementwise_recompute`` = `mode` recomputes, given whether doing so frees
+    memory there."""
+    return mode == "always" or (mode == "auto" and frees_memory)
+
+
+def set_elementwise_recompute(model: nn.Module, mode: str) -> None:
+    """Set ``elementwise_recompute`` on every layer of `model` that has one (norms, MLPs)."""
+    if mode not in ELEMENTWISE_RECOMPUTE:
+        raise ValueError(f"elementwise_recompute = {mode!r} is not one of {sorted(ELEMENTWISE_RECOMPUTE)}")
+    for module in model.modules():
+        if hasattr(module, "elementwise_recompute"):
+            module.elementwise_recompute = mode
 
 
 class _Recomputed(torch.autograd.Function):

@@ -284,7 +284,7 @@ def test_get_config_train_has_the_contract_keys():
         amp=dict(enabled=False, dtype="bf16", fp32_residual=False),
         fp8=dict(enabled=False, recipe="tensorwise", skip=[]),
         activation_checkpoint=dict(enabled=False, granularity="full", modules=["core_attn"], num_layers=None),
-        zero_stage=0, zero_offload=False, compile=False, log_period=10,
+        elementwise_recompute="auto", zero_stage=0, zero_offload=False, compile=False, log_period=10,
         checkpoint=dict(period=500, max_to_keep=None, async_save=False),
         eval=dict(period=0, max_batches=None), clip_grad_norm=1.0, max_bad_steps=5, on_divergence="stop",
         load_weight=None,

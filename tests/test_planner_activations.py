@@ -440,7 +440,9 @@ def test_the_residual_stream_has_the_stated_precision(fp32):
     """Under bf16 autocast with float32 weights (no FSDP2 bf16 parameters), `cast_residual` hands
     each layer its hidden states in bf16 (the default) or float32 (``train.amp.fp32_residual``);
     the planner's figure is the real one, and float32 costs a layer its two norms' inputs in 4
-    bytes instead of 2: 4 bytes per token and hidden unit."""
+    bytes instead of 2: 4 bytes per token and hidden unit, and their mean and rstd (4 + 4 bytes a
+    token each), which a LayerNorm in its input's dtype keeps rather than recomputes
+    (``train.elementwise_recompute`` "auto": recomputing it would free nothing else)."""
     batch, seq = 2, 64
     dtype = residual_dtype(BF16, fp32)
     model = MODELS["gpt2_nodrop"](2).train()
@@ -457,7 +459,7 @@ def test_the_residual_stream_has_the_stated_precision(fp32):
     planned = {d: planner.layer(0, Shapes(batch, seq, amp_dtype=BF16, device="cpu", residual_dtype=d))
                for d in (torch.bfloat16, torch.float32)}
     check(measured, 2 * planned[dtype], "two layers")
-    assert planned[torch.float32] - planned[torch.bfloat16] == 4 * batch * seq * 64
+    assert planned[torch.float32] - planned[torch.bfloat16] == 4 * batch * seq * 64 + 2 * batch * seq * 8
 
 
 def test_selective_recomputation_frees_what_megatron_frees():

@@ -112,6 +112,9 @@ class RunSettings:
     activation_checkpoint: Recompute | None
     #: ``train.fp8``: what computes in float8; None: nothing.
     fp8: Float8 | None = None
+    #: ``train.elementwise_recompute``: when norms and act(gate)·up recompute in backward
+    #: (`libai_zoo.layers.recomputed.ELEMENTWISE_RECOMPUTE`; `set_elementwise_recompute` applies it).
+    elementwise_recompute: str = "auto"
 
     @property
     def lora(self) -> dict[str, Any]:
@@ -137,7 +140,17 @@ def run_settings(cfg: DictConfig) -> RunSettings:
                                   None if pipe.boundaries is None else tuple(pipe.boundaries)),
         activation_checkpoint=_recompute(train.activation_checkpoint),
         fp8=_float8(train),
+        elementwise_recompute=_elementwise_recompute(train.elementwise_recompute),
     )
+
+
+def _elementwise_recompute(mode: str) -> str:
+    """``train.elementwise_recompute`` checked against the layers' choices."""
+    from libai_zoo.layers.recomputed import ELEMENTWISE_RECOMPUTE  # the layers own the meaning
+    if mode not in ELEMENTWISE_RECOMPUTE:
+        raise ConfigError(f"train.elementwise_recompute = {mode!r} is not one of: "
+                          + "; ".join(f"{name!r} ({what})" for name, what in ELEMENTWISE_RECOMPUTE.items()))
+    return mode
 
 
 def _recompute(section: DictConfig) -> Recompute | None:

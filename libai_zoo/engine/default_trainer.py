@@ -31,6 +31,7 @@ from libai_zoo.config import LazyConfig, instantiate, run_settings, typed
 from libai_zoo.data import MicroBatchSampler, check_dataset, stream_micro_batches
 from libai_zoo.hf import HFWeightReader, apply_lora_config, load_hf_parts, load_peft_adapter, read_peft_adapter
 from libai_zoo.layers import lora_adapters
+from libai_zoo.layers.recomputed import set_elementwise_recompute
 from libai_zoo.models import TransformersModel, all_layers, instantiate_model
 from libai_zoo.optim import ConfiguredSettings, build_optimizer
 from libai_zoo.parallel import (
@@ -175,6 +176,7 @@ class DefaultTrainer(TrainerBase):
         if isinstance(model, TransformersModel):
             logger.info("%s is transformers' own model, made trainable: %s", type(model).__name__, model.describe())
         self.add_lora(cfg, model)
+        set_elementwise_recompute(model, self.settings.elementwise_recompute)
         built = parallelize(model, self.ctx, self.data_parallel, num_micro_batches=self.accumulation,
                             pipeline=self.settings.pipeline,
                             activation_checkpoint=self.settings.activation_checkpoint,

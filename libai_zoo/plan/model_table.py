@@ -20,6 +20,7 @@ from libai_zoo import distributed
 from libai_zoo.config import ConfigError, Float8
 from libai_zoo.hf import apply_lora_config
 from libai_zoo.layers import Attention, LatentAttention, Linear, LMHead, MoE, TransformerLayer
+from libai_zoo.layers.recomputed import set_elementwise_recompute
 from libai_zoo.models import CausalLM, all_layers, check_trainable, instantiate_model
 from libai_zoo.parallel import check_stage_holdings, kept_reason, optional_modules, split_layers, stage_modules
 
@@ -220,13 +221,15 @@ class ModelTable:
 
     @classmethod
     def from_config(cls, model_cfg: DictConfig, lora: DictConfig | dict | None = None,
-                    float8: Float8 | None = None) -> ModelTable:
+                    float8: Float8 | None = None, elementwise_recompute: str = "auto") -> ModelTable:
         """Instantiate a model recipe (a LazyCall, or a from_pretrained call, which reads nothing)
         on the meta device, with the LoRA adapters ``train.lora`` puts on it (its base frozen);
-        `float8`: ``train.fp8`` (`run_settings(cfg).fp8`)."""
+        `float8`: ``train.fp8`` (`run_settings(cfg).fp8`); its layers recompute their cheap ops as
+        ``train.elementwise_recompute`` says, so the activations are measured as the run keeps them."""
         with torch.device("meta"):
             model = instantiate_model(model_cfg)
             apply_lora_config(model, lora or {})
+            set_elementwise_recompute(model, elementwise_recompute)
             return cls(model, float8)
 
     def float8_weights(self, tp: int = 1) -> frozenset[int]:

@@ -131,7 +131,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
     if overhead_bytes is None:
         overhead_bytes = 0 if on_cpu else GPU_OVERHEAD
     run = run_settings(cfg)
-    table = ModelTable.from_config(cfg.model, run.lora, run.fp8)
+    table = ModelTable.from_config(cfg.model, run.lora, run.fp8, run.elementwise_recompute)
     seq_len = seq_len or run.seq_len or table.image_tokens
     if seq_len is None:
         raise ValueError("the planner needs the sequence length: give dataloader.train a seq_len (or max_length), "
