@@ -30,13 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-#: ``train.elementwise_recompute``: when the cheap ops of a layer (its norms, act(gate)·up) recompute in
-#: backward rather than keep what autograd saves (module docstring).
-ELEMENTWISE_RECOMPUTE = {
-    "auto": "where it frees memory: RMSNorm, act(gate)·up, a LayerNorm whose input autocast upcasts",
-    "always": "every norm and act(gate)·up keeps only its inputs (a float32 LayerNorm too: 8 bytes a token)",
-    "never": "autograd's own saved tensors everywhere (no recompute; RMSNorm and gated MLPs keep more)",
-}
+from libai_zoo.config.settings import ELEMENTWISE_RECOMPUTE
 
 
 def recomputes(mode: str, frees_memory: bool) -> bool:

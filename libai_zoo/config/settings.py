@@ -40,6 +40,14 @@ RECOMPUTE_MODULES = {
     "layernorm": "the layer's input norms (before attention and MLP), output discarded",
 }
 
+#: ``train.elementwise_recompute``: when the cheap ops of a layer (its norms, act(gate)·up) recompute in
+#: backward rather than keep what autograd saves (`layers.recomputed` says what each frees).
+ELEMENTWISE_RECOMPUTE = {
+    "auto": "where it frees memory: RMSNorm, act(gate)·up, a LayerNorm whose input autocast upcasts",
+    "always": "every norm and act(gate)·up keeps only its inputs (a float32 LayerNorm too: 8 bytes a token)",
+    "never": "autograd's own saved tensors everywhere (no recompute; RMSNorm and gated MLPs keep more)",
+}
+
 
 @dataclass(frozen=True)
 class PipelineSettings:
@@ -113,7 +121,7 @@ class RunSettings:
     #: ``train.fp8``: what computes in float8; None: nothing.
     fp8: Float8 | None = None
     #: ``train.elementwise_recompute``: when norms and act(gate)·up recompute in backward
-    #: (`libai_zoo.layers.recomputed.ELEMENTWISE_RECOMPUTE`; `set_elementwise_recompute` applies it).
+    #: (`ELEMENTWISE_RECOMPUTE`; `layers.recomputed.set_elementwise_recompute` applies it).
     elementwise_recompute: str = "auto"
 
     @property
@@ -146,7 +154,6 @@ def run_settings(cfg: DictConfig) -> RunSettings:
 
 def _elementwise_recompute(mode: str) -> str:
     """``train.elementwise_recompute`` checked against the layers' choices."""
-    from libai_zoo.layers.recomputed import ELEMENTWISE_RECOMPUTE  # the layers own the meaning
     if mode not in ELEMENTWISE_RECOMPUTE:
         raise ConfigError(f"train.elementwise_recompute = {mode!r} is not one of: "
                           + "; ".join(f"{name!r} ({what})" for name, what in ELEMENTWISE_RECOMPUTE.items()))
