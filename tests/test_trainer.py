@@ -420,6 +420,22 @@ def test_a_failed_run_logs_where_it_stopped_and_does_no_success_work(config_file
     assert "trained 2 steps" in (tmp_path / "whole" / "log.txt").read_text() and isinstance(sample.text, str)
 
 
+def test_a_hook_registered_after_the_writers_has_its_scalars_on_the_same_line(config_file, tmp_path):
+    """Hooks record in after_step and the writers write in report_step, so a hook's order does not
+    matter: a config's own hook (registered after the built-in writers) reaches each step's line."""
+    from libai_zoo.engine import HookBase
+
+    class Records(HookBase):
+        def after_step(self) -> None:
+            self.trainer.storage.put_scalar("custom", float(self.trainer.iter + 1))
+
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(str(config_file)), [
+        f"train.output_dir={tmp_path}", "train.max_iter=3", "train.micro_batch_size=4", "train.global_batch_size=4",
+        "train.log_period=1", "train.checkpoint.period=0"])
+    run_trainer(cfg, hooks=[Records()])
+    assert [(r["iteration"], r.get("custom")) for r in records(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+
 def test_a_short_run_cuts_a_longer_warmup_with_a_warning(config_file, tmp_path):
     run(config_file, tmp_path, "train.max_iter=3", "train.scheduler.warmup_iters=40", "train.checkpoint.period=0")
     assert [r["lr"] for r in records(tmp_path)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])

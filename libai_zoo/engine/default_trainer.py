@@ -276,7 +276,8 @@ class DefaultTrainer(TrainerBase):
     def build_hooks(self) -> list[hooks.HookBase]:
         """The built-in hooks, then the config's own ``hooks`` list (LazyCalls of HookBase subclasses).
         They observe the step and the trainer's records (`complete_step` has evaluated and saved by
-        then), so their order does not matter."""
+        then) and the writers write in report_step, after every hook recorded, so their order does
+        not matter."""
         train = self.settings.train
         log_period = 1 if self.fast_dev_run else train.log_period
         peak = peak_flops(self.ctx.device, self.amp_dtype or torch.float32)

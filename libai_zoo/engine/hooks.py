@@ -88,12 +88,13 @@ class StepTimeSpread(HookBase):
 class PeriodicWriter(HookBase):
     """Call every writer after the run's first step (the starting loss), every `period` steps,
     after the last step, and after a step the trainer evaluated (`trainer.last_evaluation`),
-    whatever the period: its results are recorded at that step only."""
+    whatever the period: its results are recorded at that step only. It writes in report_step, so
+    a line holds what every hook recorded in after_step."""
 
     def __init__(self, writers: list, period: int):
         self.writers, self.period = writers, period
 
-    def after_step(self) -> None:
+    def report_step(self) -> None:
         last = self.trainer.last_evaluation
         evaluated = last is not None and last.iteration == self.trainer.iter + 1
         if evaluated or is_log_step(self.trainer, self.period):

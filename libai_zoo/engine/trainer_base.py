@@ -2,7 +2,7 @@
 
     before_train
     for iteration in [start_iter, max_iter):
-        before_step ; run_step ; complete_step ; after_step ; end_step
+        before_step ; run_step ; complete_step ; after_step ; report_step ; end_step
     complete_train ; after_train    only when every step ran (not when the loop raised)
     close                           always: release files, progress bars
 
@@ -10,7 +10,9 @@
 loop times each step (`step_time`: before_step hooks and `run_step`) and keeps what `run_step`
 returned (`last_step`). `complete_step` is the trainer's own work after a step (DefaultTrainer:
 the LR schedule, an evaluation, a checkpoint when one is due); the hooks then read the step's
-result and the trainer's records, never one another, so their order does not matter. `run_step` returns `RolledBack` when the run went
+result and the trainer's records, never one another: in after_step they record the step's scalars
+in `trainer.storage`, in report_step (once every hook has recorded) the writers write them out, so
+their order does not matter. `run_step` returns `RolledBack` when the run went
 back to an earlier state (a divergence rollback): the loop goes on from there, and that step
 has no after_step. When the loop raises, the log says at which iteration, and no hook does work
 meant for a finished run.
@@ -58,6 +60,9 @@ class HookBase:
     def after_step(self) -> None:
         """After each step; `trainer.iter + 1` steps are done, `trainer.last_step` is the step's result."""
 
+    def report_step(self) -> None:
+        """After every hook's after_step, when the step's scalars are all in `trainer.storage`."""
+
 
 class TrainerBase:
     """A loop over `run_step` with hooks around it; subclasses implement `run_step`."""
@@ -97,6 +102,7 @@ class TrainerBase:
                 self.last_step, self.step_time = outcome, time.perf_counter() - start
                 self.complete_step()
                 self._call("after_step")
+                self._call("report_step")
                 self.end_step()
                 self.iter += 1
         except BaseException as error:
