@@ -24,7 +24,8 @@ import transformers
 
 from bench_common import DTYPES, alternate, peak_memory_mb, run_meta, write_json
 from libai_zoo import models as zoo
-from libai_zoo.layers.recomputed import ELEMENTWISE_RECOMPUTE, set_elementwise_recompute
+from libai_zoo.config.settings import ELEMENTWISE_RECOMPUTE
+from libai_zoo.layers.recomputed import set_elementwise_recompute
 
 # name -> (libai_zoo.models class, transformers class); both take the same transformers config.
 MODELS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM",

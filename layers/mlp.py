@@ -7,7 +7,7 @@ act(gate(x)) * up(x); both split the same neurons, so any tp keeps each gate wit
 The two share one input sync (one all-reduce of the input gradient), as one fused weight would.
 act(gate)·up keeps only gate's and up's outputs for backward (`gated`), so the gated MLP saves its
 input, gate, up and the down projection's input: 6·ffn elements per token beside the input, as
-Megatron-LM's (``elementwise_recompute``, `recomputed.ELEMENTWISE_RECOMPUTE`: "never" keeps act(gate)
+Megatron-LM's (``elementwise_recompute``, `config.settings.ELEMENTWISE_RECOMPUTE`: "never" keeps act(gate)
 too; the plain act(up) is kept in every mode: its input is what its backward reads). ``dropout`` drops activated neurons before the down projection (T5); each tp rank
 draws its own neurons' masks from its random stream, as one process would draw them.
 """

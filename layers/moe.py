@@ -55,7 +55,7 @@ from .linear import Linear
 from .lora import LoRA
 from .mlp import ACTIVATIONS, MLP, gated
 from .parallel_layer import ParallelLayer
-from .recomputed import recomputed
+from .recomputed import recomputed, recomputes
 
 ROUTERS = ("softmax_topk", "sigmoid_group", "topk_softmax")
 
@@ -225,6 +225,7 @@ class Experts(ParallelLayer, nn.Module):
         self.activation_name, self.act = activation, ACTIVATIONS[activation]
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.grouped_mm, self.sequence_parallel = grouped_mm, sequence_parallel
+        self.elementwise_recompute = "auto"  # train.elementwise_recompute (`set_elementwise_recompute`)
 
         def param(*shape, when: bool = True):
             return nn.Parameter(torch.empty(num_experts, *shape, device=device, dtype=dtype)) if when else None
@@ -313,12 +314,14 @@ class Experts(ParallelLayer, nn.Module):
         return all(t.data_ptr() % 16 == 0 for t in tensors)
 
     def _activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
-        """act(up), or the gated activation keeping only gate and up for backward (`gated`)."""
+        """act(up), or the gated activation keeping only gate and up for backward (`gated`; recomputing
+        it frees memory, so only ``elementwise_recompute`` = "never" keeps autograd's tensors)."""
         if gate is None:
             return self.act(up)
+        recompute = recomputes(self.elementwise_recompute, True)
         if self.swiglu_limit is None:
-            return gated(self.act, gate, up)
-        return recomputed(self._clamped_swiglu, gate, up)
+            return gated(self.act, gate, up, recompute)
+        return recomputed(self._clamped_swiglu, gate, up) if recompute else self._clamped_swiglu(gate, up)
 
     def _clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.swiglu_limit)

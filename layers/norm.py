@@ -5,7 +5,7 @@ and summed over tp by `libai_zoo.distributed.finalize_grads`).
 Both can keep only their input for backward, in its own dtype, and recompute the normalised values
 there (`recomputed`): no float32 copy of a bf16 input (autocast runs layer_norm in float32), no
 normalised values beside the weighted ones. ``elementwise_recompute`` says when
-(`recomputed.ELEMENTWISE_RECOMPUTE`; "auto": an RMSNorm always, a LayerNorm only when autocast
+(`config.settings.ELEMENTWISE_RECOMPUTE`; "auto": an RMSNorm always, a LayerNorm only when autocast
 upcasts its input, since a LayerNorm in its input's dtype keeps no more than its input, mean and rstd). A norm over a tp-split dimension (``split_dim``)
 then all-reduces its square sums again in backward (a [B, S, 1] tensor).
 

@@ -28,6 +28,16 @@ def tiny(family: str) -> torch.nn.Module:
         return models.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=256, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    if family == "mixtral":  # the experts' act(gate)·up
+        return models.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=256, max_position_embeddings=SEQ, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
+            num_experts_per_tok=2))
+    if family == "gpt_oss":  # the experts' clamped SwiGLU
+        return models.GptOssForCausalLM(transformers.GptOssConfig(
+            vocab_size=256, max_position_embeddings=SEQ, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=8, rope_scaling=None))
     return models.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=256, max_position_embeddings=SEQ, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=2, intermediate_size=96))
@@ -39,7 +49,7 @@ def in_mode(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "gpt_oss"])
 def test_every_mode_gives_the_same_loss_and_gradients(family):
     torch.manual_seed(0)
     base = tiny(family).train()
@@ -58,6 +68,10 @@ def test_every_mode_gives_the_same_loss_and_gradients(family):
         # the same ops forward and backward; the gradients' sums may be added in another order (Llama,
         # "never": 4.5e-8 off, float32), GPT-2 is bit for bit
         assert diff <= (0.0 if family == "gpt2" else 1e-6), (family, mode, diff)
+    if family in ("mixtral", "gpt_oss"):  # "never" reaches the experts' activation too
+        ids_saved = {mode: model_saved_bytes(in_mode(base, mode), ids) for mode in ("auto", "never")}
+        routed = BATCH * SEQ * 2  # tokens × top-k slots, each keeping act(gate) [96] in float32 besides
+        assert ids_saved["never"] - ids_saved["auto"] >= LAYERS * routed * 96 * 4, (family, ids_saved)
 
 
 def model_saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:

@@ -168,7 +168,7 @@ class TrainConfig(Section):
     # Whether a layer's cheap ops (norms, act(gate)·up) keep only their inputs and recompute in backward:
     # "auto" where that frees memory (RMSNorm, gated MLPs, a 16-bit LayerNorm input under autocast; one in
     # its input's dtype frees only mean and rstd, and recomputing it cost GPT-2's CPU step 1-2%), "always",
-    # or "never" (autograd's saved tensors: more memory, no recompute). layers.recomputed.ELEMENTWISE_RECOMPUTE
+    # or "never" (autograd's saved tensors: more memory, no recompute). settings.ELEMENTWISE_RECOMPUTE
     elementwise_recompute: str = "auto"
     zero_stage: int = 0                 # ZeRO: 0 off; 1 shards optimizer state, 2 + gradients, 3 + parameters
     zero_offload: bool = False          # keep the sharded state in CPU memory

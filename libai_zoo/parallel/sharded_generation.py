@@ -29,7 +29,7 @@ on a model that had not stepped, each rank's peak RSS rose by twice the model).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import NamedTuple
 
@@ -75,7 +75,7 @@ def layer_by_layer(model: nn.Module, data_parallel: DataParallel) -> Iterator[nn
             handles.append(module.register_forward_pre_hook(_gather_hook(own, to)))
             handles.append(module.register_forward_hook(_release_hook(own)))
     try:
-        with mapped_allocations():
+        with mapped_allocations() if to.device.type == "cpu" else nullcontext():  # host memory only
             yield _without_root_hooks(model)
     finally:
         for handle in handles:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -93,15 +94,17 @@ _M_MMAP_THRESHOLD, _MAPPED_FROM, _DYNAMIC_MAX = -3, 1024 * 1024, 32 * 1024 * 102
 def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(None)
-        libc.mallopt, libc.malloc_trim  # noqa: B018 (glibc only: musl, macOS lack them)
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
         return libc
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # glibc only: musl and macOS lack them
         return None
 
 
 @contextmanager
 def mapped_allocations() -> Iterator[None]:
-    """Within the block, glibc maps every host allocation of 1 MiB or more and unmaps it when freed,
+    """Within the block, glibc maps a host allocation of 1 MiB or more that its heap's free chunks
+    cannot serve, and unmaps it when freed,
     so a block that allocates and frees the same large buffers over and over (the end-of-run sample
     gathering each layer at every token) holds in RSS only what its tensors hold.
 
@@ -115,12 +118,12 @@ def mapped_allocations() -> Iterator[None]:
     the sample took 2-3x as long there (benchmarks/bench_sample_memory.py; a GPU's gathered layers
     are device memory, which this leaves alone). Setting the threshold ends glibc's
     dynamic rule for the process, so on leaving, the threshold is set where the dynamic rule tops
-    out (32 MiB) and the freed pages are returned (malloc_trim). No-op without glibc."""
+    out (32 MiB) and the freed pages are returned (malloc_trim). No-op without glibc, or where the
+    environment set the threshold itself (``MALLOC_MMAP_THRESHOLD_``), which is then left as it is."""
     libc = _glibc()
-    if libc is None:
+    if libc is None or "MALLOC_MMAP_THRESHOLD_" in os.environ or not libc.mallopt(_M_MMAP_THRESHOLD, _MAPPED_FROM):
         yield
         return
-    libc.mallopt(_M_MMAP_THRESHOLD, _MAPPED_FROM)
     try:
         yield
     finally:
