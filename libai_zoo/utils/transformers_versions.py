@@ -37,9 +37,11 @@ def conversion_mapping() -> ModuleType | None:
     tensors stacked by `MergeModulelist` and joined by `Concatenate`); None on transformers 4, which
     loads the tensors as saved, under their saved names."""
     try:
-        return importlib.import_module("transformers.conversion_mapping")
+        mapping = importlib.import_module("transformers.conversion_mapping")
     except ImportError:
         return None
+    used = ("get_checkpoint_conversion_mapping", "WeightRenaming", "MergeModulelist", "Concatenate")
+    return mapping if all(hasattr(mapping, name) for name in used) else None
 
 
 def rope_parameters(config) -> dict:
