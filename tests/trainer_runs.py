@@ -11,12 +11,13 @@ from libai_zoo.engine import DefaultTrainer, HookBase
 
 
 class Interrupt(HookBase):
-    """Stop the run after `steps` steps (after that step's checkpoint), raising KeyboardInterrupt."""
+    """Stop the run after `steps` steps (after that step's checkpoint and, registered last, its
+    line in metrics.json), raising KeyboardInterrupt."""
 
     def __init__(self, steps: int):
         self.steps = steps
 
-    def after_step(self) -> None:
+    def report_step(self) -> None:
         if self.trainer.iter + 1 == self.steps:
             raise KeyboardInterrupt(f"stopped after {self.steps} steps")
 
