@@ -20,14 +20,13 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import transformers
 
-if TYPE_CHECKING:
-    from libai_zoo.engine import DefaultTrainer
+from libai_zoo.config import LazyConfig, instantiate
+from libai_zoo.engine import DefaultTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -95,41 +94,28 @@ def write_json(path: str, meta: dict, results: dict) -> None:
 # bench_layout_state_collectives.py, bench_pipeline_bubble.py and bench_gradient_overlap.py.
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 8
+GPT2_CONFIG = Path(__file__).resolve().parent / "configs/parallel_gpt2.py"
 
-GPT2_CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_gpt_dataset
-from libai_zoo.models import GPT2Config, GPT2LMHeadModel
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall(GPT2LMHeadModel)(config=LazyCall(GPT2Config)(
-    vocab_size=8192, n_positions={seq}, n_embd={hidden}, n_layer={layers}, n_head={heads}, bos_token_id=0,
-    eos_token_id=0, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0))
-dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="{text}", tokenizer_dir="{tokenizer}", seq_len={seq},
-                                                    cache_dir="{cache}"))
-'''
 
 
 def write_gpt2_configs(root: Path, documents: int, heads: int, shapes: dict[str, tuple[int, int, int]]) -> dict:
     """The corpus's first `documents` documents as root/text.txt, and per name in `shapes` (hidden, layers,
-    seq) a GPT-2 config file root/NAME.py training on them (tokens cached in root/cache); name -> its path."""
+    seq) the GPT-2 of configs/parallel_gpt2.py so sized, saved as root/NAME.yaml, training on them (tokens cached in root/cache); name -> its path."""
     documents = (ROOT / "data/corpus/python_docs.txt").read_text().split("\n\n")[:documents]
     (root / "text.txt").write_text("\n\n".join(documents))
     files = {}
     for key, (hidden, layers, seq) in shapes.items():
-        files[key] = root / f"{key}.py"
-        files[key].write_text(GPT2_CONFIG.format(hidden=hidden, layers=layers, heads=heads, seq=seq,
-                                                 text=root / "text.txt", tokenizer=ROOT / "data/tokenizer",
-                                                 cache=root / "cache"))
+        cfg = LazyConfig.apply_overrides(LazyConfig.load(str(GPT2_CONFIG)), [
+            f"model.config.n_embd={hidden}", f"model.config.n_layer={layers}", f"model.config.n_head={heads}",
+            f"model.config.n_positions={seq}", f"dataloader.train.text_file={root / 'text.txt'}",
+            f"dataloader.train.cache_dir={root / 'cache'}"])
+        files[key] = root / f"{key}.yaml"
+        LazyConfig.save(cfg, files[key])
     return files
 
 
 def fill_token_cache(config_file: str) -> None:
     """Tokenize the config's corpus into its token cache in this process, so the forked workers read it."""
-    from libai_zoo.config import LazyConfig, instantiate
-
     instantiate(LazyConfig.load(config_file).dataloader.train)
 
 
@@ -147,9 +133,6 @@ def overrides_for(dp: int, tp: int, pp: int, zero: int, micro_batches: int = 1) 
 
 
 def build_trainer(config_file: str, output_dir: str, overrides: list[str]) -> DefaultTrainer:
-    from libai_zoo.config import LazyConfig
-    from libai_zoo.engine import DefaultTrainer
-
     cfg = LazyConfig.load(config_file)
     cfg = LazyConfig.apply_overrides(cfg, [
         f"train.output_dir={output_dir}", "train.max_iter=100", f"train.global_batch_size={GLOBAL_BATCH}",

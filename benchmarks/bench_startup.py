@@ -31,19 +31,7 @@ LAYOUTS = {
     "dp4_zero3": ["dist.dp=4", "train.zero_stage=3", "train.micro_batch_size=1"],
 }
 
-CONFIG = '''
-from libai_zoo.config import LazyCall, get_config
-from libai_zoo.data import build_gpt_dataset
-from libai_zoo.models import LlamaConfig, LlamaForCausalLM
-
-train = get_config("common/train.py").train
-dist = get_config("common/train.py").dist
-optim = get_config("common/optim.py").optim
-model = LazyCall(LlamaForCausalLM)(config=LazyCall(LlamaConfig)(
-    vocab_size={vocab}, hidden_size={hidden}, intermediate_size={ffn}, num_hidden_layers={layers},
-    num_attention_heads={heads}, num_key_value_heads={kv_heads}, max_position_embeddings=2048))
-dataloader = dict(train=LazyCall(build_gpt_dataset)(text_file="unused", tokenizer_dir="unused", seq_len=2048))
-'''
+CONFIG = Path(__file__).resolve().parent / "configs/startup_llama.py"
 
 
 def _memory_kib(field: str) -> int:
@@ -100,9 +88,16 @@ def main() -> None:
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        config_file = Path(tmp, "config.py")
-        config_file.write_text(CONFIG.format(vocab=args.vocab, hidden=args.hidden, ffn=args.ffn, layers=args.layers,
-                                             heads=args.heads, kv_heads=args.kv_heads))
+        from libai_zoo.config import LazyConfig, instantiate
+
+        config_file = Path(tmp, "config.yaml")
+        cfg = LazyConfig.apply_overrides(LazyConfig.load(str(CONFIG)), [
+            f"model.config.vocab_size={args.vocab}", f"model.config.hidden_size={args.hidden}",
+            f"model.config.intermediate_size={args.ffn}", f"model.config.num_hidden_layers={args.layers}",
+            f"model.config.num_attention_heads={args.heads}", f"model.config.num_key_value_heads={args.kv_heads}",
+            f"dataloader.train.cache_dir={tmp}/cache"])
+        instantiate(cfg.dataloader.train)  # the token cache, filled once here: the ranks read it
+        LazyConfig.save(cfg, config_file)
         from libai_zoo.models import LlamaConfig, LlamaForCausalLM
 
         with torch.device("meta"):
