@@ -205,7 +205,7 @@ def test_a_stopped_rank_ends_the_job_naming_it(stopped_rank_job):
     watcher.join(timeout=300)
     assert job.returncode not in (None, 0)
     log = (out / "log.txt").read_text()
-    assert "rank 1 last seen" in log and "in step 2 (hooks after the step" in log, log[-3000:]
+    assert "rank 1 last seen" in log and "in step 2 (after the step" in log, log[-3000:]
     # start-up, the timeout, torchrun's 30 s before SIGKILL
     assert ended and ended[0] < STOPPED_RANK_TIMEOUT + 90, ended
 

@@ -394,7 +394,7 @@ class DefaultTrainer(TrainerBase):
         self.storage.put_scalars(data_time=data_time, **result.scalars())
         if self.iter == self.start_iter and self.settings.dist.timeout:
             self.ctx.set_timeout(self.settings.dist.timeout)  # start-up is done: the shorter bound from now on
-        self.heartbeat.beat(step, "hooks after the step (checkpoint, evaluation, logging)")
+        self.heartbeat.beat(step, "after the step (evaluation, checkpoint, hooks)")
         if self.divergence.rollback_due(self.iter, result, self.train_step.nonfinite_grads, self.ctx.rank):
             back_to = self.divergence.roll_back(self.iter, self.checkpoint_manager, self.data.position)
             self.train_step.refresh_float8_scales()
