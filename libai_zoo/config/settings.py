@@ -118,11 +118,11 @@ class RunSettings:
     pipeline: PipelineSettings
     #: What activation checkpointing recomputes; None: nothing.
     activation_checkpoint: Recompute | None
-    #: ``train.fp8``: what computes in float8; None: nothing.
-    fp8: Float8 | None = None
     #: ``train.elementwise_recompute``: when norms and act(gate)·up recompute in backward
     #: (`ELEMENTWISE_RECOMPUTE`; `layers.recomputed.set_elementwise_recompute` applies it).
-    elementwise_recompute: str = "auto"
+    elementwise_recompute: str
+    #: ``train.fp8``: what computes in float8; None: nothing.
+    fp8: Float8 | None = None
 
     @property
     def lora(self) -> dict[str, Any]:

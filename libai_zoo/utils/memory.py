@@ -104,9 +104,9 @@ def _glibc() -> ctypes.CDLL | None:
 @contextmanager
 def mapped_allocations() -> Iterator[None]:
     """Within the block, glibc maps a host allocation of 1 MiB or more that its heap's free chunks
-    cannot serve, and unmaps it when freed,
-    so a block that allocates and frees the same large buffers over and over (the end-of-run sample
-    gathering each layer at every token) holds in RSS only what its tensors hold.
+    cannot serve, and unmaps it when freed, so a block that allocates and frees the same large
+    buffers over and over (the end-of-run sample gathering each layer at every token) holds in RSS
+    only what its tensors hold.
 
     Outside it, glibc's threshold is dynamic: freeing a mapped chunk raises it to that chunk's size
     (up to 32 MiB), after which such buffers come from the heap, whose freed chunks glibc keeps, and
