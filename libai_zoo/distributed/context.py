@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, _redistribute
 from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from libai_zoo.config import ConfigError
 
@@ -331,6 +330,9 @@ def _forget_meshes(collect: bool) -> None:
     groups. And while a cache holds a mesh its gloo groups keep their threads: a process that builds
     context after context (a test harness) would run with hundreds of them.
     """
+    # imported here: torch.distributed.tensor.debug imports dynamo and inductor (1.6 s at every start)
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
     _clear_sharding_prop_cache()
     clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()

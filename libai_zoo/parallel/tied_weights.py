@@ -32,9 +32,10 @@ def shared_parameters(model: nn.Module, stage_paths: Sequence[set[str]]) -> list
     """Every parameter of `model` that more than one stage holds, stage s holding the modules under
     `stage_paths[s]` (its modules besides its layers: `pipeline.stage_modules`)."""
     held: dict[int, dict[int, str]] = {}
+    named = list(model.named_parameters(remove_duplicate=False))  # walked once: a planner asks of 100+ stages
     for stage, paths in enumerate(stage_paths):
         # in registration order, as the stage's pruned copy names them: its first name under a path it holds
-        for name, param in model.named_parameters(remove_duplicate=False):
+        for name, param in named:
             if any(name.startswith(path + ".") for path in paths):
                 held.setdefault(id(param), {}).setdefault(stage, name)
     canonical = {id(param): name for name, param in model.named_parameters()}

@@ -129,12 +129,17 @@ class MemoryBreakdown:
     def total(self) -> int:
         """The state, plus the larger of the two peaks: backward (gathered parameters, activations,
         logits) and the optimizer step (its temporaries, while the gradients still exist)."""
-        return (self.params + self.grads + self.optimizer + self.overhead
-                + max(self.gathered + self.activations + self.logits, self.optimizer_step))
+        return _peak(self.params + self.grads + self.optimizer + self.overhead, self.gathered, self.activations,
+                     self.logits, self.optimizer_step)
 
     def as_dict(self) -> dict[str, int]:
         """The terms and their total (read field by field: `asdict` deep-copies, thousands of times a plan)."""
         return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "pp_rank"}, "total": self.total}
+
+
+def _peak(state: int, gathered: int, activations: int, logits: int, optimizer_step: int) -> int:
+    """`MemoryBreakdown.total` of its terms (`state`: parameters, gradients, optimizer state, overhead)."""
+    return state + max(gathered + activations + logits, optimizer_step)
 
 
 def _data_parallel(param: ParameterInfo, dp: int, ep: int, dp_rank: int) -> tuple[int, int]:
@@ -472,14 +477,27 @@ def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch
     or "cpu" device; an MoE model's most loaded rank of an expert group receiving
     `routing_imbalance` × its share of the routed tokens."""
     m = layout.num_micro_batches(global_batch_size)
-    compute_dtype = fsdp_param_dtype(amp_dtype)
     activations = activation_bytes(table, layout, seq_len, m, amp_dtype, device, routing_imbalance, fp32_residual)
-    best = None
-    for pp_rank, (acts, logits) in enumerate(activations):
-        state = state_bytes(table, layout, pp_rank, 0, optimizer)
-        breakdown = MemoryBreakdown(state.params, state.grads, state.optimizer,
-                                    gathered_bytes(table, layout, pp_rank, m, compute_dtype), acts, logits,
-                                    int(optimizer.step_per_byte * state.params), overhead, pp_rank)
-        if best is None or breakdown.total > best.total:
-            best = breakdown
-    return best
+    states = _rank_states(table, layout.pp, layout.schedule, layout.virtual_stages, layout.tp, layout.dp_cp,
+                          layout.ep, layout.zero_stage, m > 1, fsdp_param_dtype(amp_dtype), optimizer)
+    # the totals first, one breakdown for the largest: a plan asks this of every pp rank of 10⁵ layouts
+    totals = [_peak(state.params + state.grads + state.optimizer + overhead, gathered, acts, logits, step)
+              for (acts, logits), (state, gathered, step) in zip(activations, states)]
+    pp_rank = totals.index(max(totals))
+    (acts, logits), (state, gathered, step) = activations[pp_rank], states[pp_rank]
+    return MemoryBreakdown(state.params, state.grads, state.optimizer, gathered, acts, logits, step, overhead, pp_rank)
+
+
+@lru_cache(maxsize=65536)
+def _rank_states(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int, tp: int, dp: int, ep: int,
+                 zero_stage: int, accumulates: bool, compute_dtype: torch.dtype | None,
+                 optimizer: OptimizerState) -> tuple[tuple[StateBytes, int, int], ...]:
+    """(state, gathered bytes, optimizer step's temporaries) of each pp rank at dp rank 0: what does
+    not depend on the micro-batch's shape, shared by the layouts that differ only in it."""
+    ranks = []
+    for pp_rank in range(pp):
+        state = _state(table, pp, schedule, virtual_stages, pp_rank, tp, dp, ep, zero_stage, 0, optimizer)
+        gathered = _gathered(table, pp, schedule, virtual_stages, pp_rank, tp, dp, ep, zero_stage, accumulates,
+                             compute_dtype)
+        ranks.append((state, gathered, int(optimizer.step_per_byte * state.params)))
+    return tuple(ranks)

@@ -137,6 +137,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
         raise ValueError("the planner needs the sequence length: give dataloader.train a seq_len (or max_length), "
                          "or choose the layout yourself (dist.auto=false)")
     global_batch, amp_dtype = run.train.global_batch_size, run.amp_dtype
+    fp32_residual = run.train.amp.fp32_residual  # read once: a config lookup costs more than a layout's memory
     optimizer = OptimizerState.probe(cfg.optim)
     threads = 1 if on_cpu and world_size > 1 else None
     oversubscription = procs_per_node / (os.cpu_count() or 1) if on_cpu and world_size > 1 else 1.0
@@ -195,7 +196,7 @@ def plan(cfg: DictConfig, world_size: int, *, gpus_per_node: int = 8, device: st
         considered += 1
         memory = rank_memory(table, layout, seq_len=seq_len, global_batch_size=global_batch, amp_dtype=amp_dtype,
                              optimizer=optimizer, overhead=overhead_bytes, device="cpu" if on_cpu else "cuda",
-                             routing_imbalance=routing_imbalance, fp32_residual=run.train.amp.fp32_residual)
+                             routing_imbalance=routing_imbalance, fp32_residual=fp32_residual)
         fits = memory.total <= memory_bytes
         too_big += not fits
         if not fits and not judge_all:
