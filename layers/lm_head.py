@@ -15,6 +15,9 @@ never holds more than one chunk of tokens' logits, in forward or backward.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -23,6 +26,22 @@ from libai_zoo.distributed.collectives import broadcast_, gather_from_tp
 from .cross_entropy import ParallelCrossEntropy
 from .embedding import vocabulary_problems
 from .linear import Linear
+
+_in_two_chunks = False
+
+
+@contextmanager
+def chunked_in_two() -> Iterator[None]:
+    """`LMHead.loss_from_hidden` splits the tokens it chunks (those above `LMHead.chunk_bytes` of
+    logits) into two chunks, not `chunk_bytes`' many. The loss is the same sum and what backward
+    keeps is the same storages (each chunk keeps a view of the hidden states): the seam through
+    which the planner measures a chunked loss on fake tensors, where a chunk costs time, not memory."""
+    global _in_two_chunks
+    saved, _in_two_chunks = _in_two_chunks, True
+    try:
+        yield
+    finally:
+        _in_two_chunks = saved
 
 
 class LMHead(Linear):
@@ -69,6 +88,8 @@ class LMHead(Linear):
         per_chunk = max(1, self.chunk_bytes // (4 * local_vocab))
         if tokens <= per_chunk:
             return self.loss(self(hidden), targets, reduction)
+        if _in_two_chunks:
+            per_chunk = -(-tokens // 2)
         flat_hidden, flat_targets = hidden.flatten(0, -2), targets.flatten().to(hidden.device)
         total = sum(checkpoint(self._chunk_loss, flat_hidden[i:i + per_chunk], flat_targets[i:i + per_chunk],
                                use_reentrant=False) for i in range(0, tokens, per_chunk))

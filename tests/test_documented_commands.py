@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import runpy
 import shlex
 import sys
@@ -89,8 +90,33 @@ def _moe_pretrain_records(output: Path) -> None:
     assert "  aux_loss: " in (output / "moe_pretrain" / "log.txt").read_text()
 
 
+def _auto_layout_agrees(output: Path) -> None:
+    """`--auto-layout` under torchrun: rank 0 plans (measuring this CPU's compute, optimizer step and
+    gloo link into the cache) and every rank runs its pick, for its reasons, at the layout it logs."""
+    chosen = []
+    for rank, name in enumerate(("log.txt", "log.txt.rank1")):
+        log = (output / "gpt2_auto" / name).read_text()
+        assert log.count("dist.auto: ") == 1, name
+        why = log.split("dist.auto: ", 1)[1]
+        short = re.match(r"(.+?) is the fastest of (\d+) layouts that fit \((\d+) considered", why)
+        assert short, why[:300]
+        best = dict(item.split("=", 1) for item in re.search(r"^best: (.+)$", why, re.MULTILINE).group(1).split())
+        context = re.search(r"ParallelContext\(world_size=2, dp=(\d), tp=(\d), pp=(\d), rank=(\d)[^)]*\)", log)
+        assert context and int(context.group(4)) == rank
+        assert [context.group(i) for i in (1, 2, 3)] == [best["dist.dp"], best["dist.tp"], best["dist.pp"]]
+        cp = f" cp{best['dist.cp']}" if best["dist.cp"] != "1" else ""  # the planner may split the sequence
+        assert short.group(1).startswith(f"dp{best['dist.dp']}{cp} tp{best['dist.tp']} pp{best['dist.pp']} ")
+        micro = re.search(r"; (\d+) micro-batch\(es\) of (\d+) per step, global batch (\d+)", log)
+        assert micro and micro.group(2) == best["train.micro_batch_size"]
+        assert int(micro.group(1)) * int(micro.group(2)) * int(best["dist.dp"]) == int(micro.group(3))
+        chosen.append((why.split("\n[")[0], re.sub(r"rank=\d", "", context.group(0)), micro.group(0)))
+    assert chosen[0] == chosen[1]  # every rank runs rank 0's pick, for rank 0's reasons
+    entries = [json.loads(key) for key in json.loads(Path(os.environ["LIBAI_ZOO_CACHE"]).read_text())]
+    assert {entry["what"] for entry in entries} >= {"compute", "optimizer", "gloo"}
+
+
 #: what a block's run must also have written, by the file that documents it
-AFTER = {"projects/moe_pretrain/README.md": _moe_pretrain_records}
+AFTER = {"projects/moe_pretrain/README.md": _moe_pretrain_records, "docs/planner.md": _auto_layout_agrees}
 
 
 def _substituted(text: str) -> str:

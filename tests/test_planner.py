@@ -1,6 +1,7 @@
 """The layout planner (issue 13) as a user meets it: tools/plan.py's ranked candidates and dry run,
 the pipeline memory model against torch's own schedules, the collective and bubble arithmetic of
-the time model, and `tools/train.py --auto-layout` under torchrun.
+the time model, and a planner failure under `tools/train.py --auto-layout` (the documented
+auto-layout run, checked rank by rank, is test_documented_commands.py's docs/planner.md block).
 
 `--device h100` on this machine (no H100) takes the roofline of the stated peak: nothing is
 measured, so the ranking is deterministic and no cache is written.
@@ -163,12 +164,15 @@ def test_plan_json_llama_7b_on_64_h100(plan_tool, capsys, tmp_path):
     assert tps == {1, 2, 4, 8} and {1, 2, 4} <= cps
 
 
-@ROOFLINE
-def test_plan_json_refuses_tp_the_heads_do_not_divide(plan_tool, capsys, tmp_path):
-    # 12 heads of 128 (4 KV heads): tp 8 splits neither; 4 splits both
-    tps, _ = check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 64, 12, "model.config.hidden_size=1536",
-                              "model.config.num_attention_heads=12", "model.config.num_key_value_heads=4")
-    assert tps == {1, 2, 4}
+def test_the_planner_refuses_tp_the_heads_do_not_divide():
+    """12 heads of 128 (4 KV heads): tp 8 splits neither; 4 splits both. (The layouts enumerated are
+    what `plan` judges: the candidates of the JSON test above come from the same enumeration.)"""
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(LLAMA_7B), [
+        "model.config.hidden_size=1536", "model.config.num_attention_heads=12", "model.config.num_key_value_heads=4"])
+    table = ModelTable.from_config(cfg.model)
+    layouts = list(enumerate_layouts(table, 64, cfg.train.global_batch_size, seq_len=cfg.dataloader.train.seq_len))
+    assert {layout.tp for layout in layouts} == {1, 2, 4}
+    assert table.tp_problems(8) and not table.tp_problems(4)
 
 
 def test_plan_table_names_the_best_layout(plan_tool, capsys):
@@ -531,49 +535,11 @@ def test_step_time_by_hand_under_cp():
     assert plain.dp_comm == 0.0 and cp.dp_comm > 0.0  # the cp ranks reduce their gradients
 
 
-# ------------------------------------------------------------------- --auto-layout under torchrun
+# ---------------------------------------------------------- --auto-layout under torchrun: a failure
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@pytest.mark.slow
-@pytest.mark.system
-def test_auto_layout_under_torchrun(tmp_path):
-    out, cache = tmp_path / "run", tmp_path / "planner.json"
-    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", LIBAI_ZOO_CACHE=str(cache))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
-               str(ROOT / "tools" / "train.py"), str(ROOT / "projects" / "gpt2_pretrain" / "config.py"),
-               "--auto-layout", "--fast-dev-run", f"train.output_dir={out}", "train.global_batch_size=4",
-               f"dataloader.train.cache_dir={tmp_path / 'data'}", f"dataloader.test.cache_dir={tmp_path / 'data'}",
-               "hooks=[]"]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-
-    logs = [(out / "fast_dev_run" / name).read_text() for name in ("log.txt", "log.txt.rank1")]
-    chosen = []
-    for rank, log in enumerate(logs):
-        assert log.count("dist.auto: ") == 1
-        why = log.split("dist.auto: ", 1)[1]
-        short = re.match(r"(.+?) is the fastest of (\d+) layouts that fit \((\d+) considered", why)
-        assert short, why[:300]
-        best = overrides_of(re.search(r"^best: (.+)$", why, re.MULTILINE).group(1))
-        context = re.search(r"ParallelContext\(world_size=2, dp=(\d), tp=(\d), pp=(\d), rank=(\d)[^)]*\)", log)
-        assert context and int(context.group(4)) == rank
-        assert [context.group(i) for i in (1, 2, 3)] == [best["dist.dp"], best["dist.tp"], best["dist.pp"]]
-        cp = f" cp{best['dist.cp']}" if best["dist.cp"] != "1" else ""  # the planner may split the sequence
-        assert short.group(1).startswith(f"dp{best['dist.dp']}{cp} tp{best['dist.tp']} pp{best['dist.pp']} ")
-        micro = re.search(r"; (\d+) micro-batch\(es\) of (\d+) per step, global batch 4", log)
-        assert micro and micro.group(2) == best["train.micro_batch_size"]
-        assert int(micro.group(1)) * int(micro.group(2)) * int(best["dist.dp"]) == 4
-        chosen.append((why.split("\n[")[0], re.sub(r"rank=\d", "", context.group(0)), micro.group(0)))
-    assert chosen[0] == chosen[1]  # every rank runs rank 0's pick, for rank 0's reasons
-
-    # rank 0 planned once, measuring on this CPU: the layer's compute and the gloo link, cached
-    entries = [json.loads(key) for key in json.loads(cache.read_text())]
-    assert {entry["what"] for entry in entries} >= {"compute", "optimizer", "gloo"}
-    assert [entry["world_size"] for entry in entries if entry["what"] == "gloo"] == [2]
 
 
 @pytest.mark.slow

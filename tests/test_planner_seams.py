@@ -6,14 +6,16 @@ fail before the planner's figures silently change."""
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 from torch.nn.attention.bias import CausalBias
 
 from libai_zoo import models
 from libai_zoo.distributed import expert_parallel
-from libai_zoo.layers import ContextMask, MoE, context_attention, moe
+from libai_zoo.layers import ContextMask, LMHead, MoE, context_attention, lm_head, moe
 from libai_zoo.plan.fake_world import fake_world
 from model_cases import qwen3_moe_config
 
@@ -72,10 +74,33 @@ def test_dispatch_exchanges_its_counts_through_exchange_counts():
     assert rows.shape == (10, 4)
 
 
+def test_a_chunked_loss_runs_in_two_chunks_through_chunked_in_two():
+    """The head's chunks under `chunked_in_two`: two, the same loss and gradients (what backward
+    keeps, views of one hidden storage, the planner then measures at the cost of two chunks)."""
+    torch.manual_seed(0)
+    head = LMHead(8, 64)
+    head.weight.data.normal_()
+    hidden, targets = torch.randn(2, 12, 8, requires_grad=True), torch.randint(0, 64, (2, 12))
+    calls = []
+    head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    results = []
+    for seam in (nullcontext(), lm_head.chunked_in_two()):
+        calls.clear()
+        with seam, patch.object(LMHead, "chunk_bytes", 5 * 64 * 4):  # 5 tokens a chunk: 24 tokens in 5
+            loss = head.loss_from_hidden(hidden, targets)
+        forward_chunks = list(calls)  # (backward runs each chunk again)
+        results.append((loss, *torch.autograd.grad(loss, (hidden, head.weight)), forward_chunks))
+    (loss, *grads, chunks), (two_loss, *two_grads, two_chunks) = results
+    assert chunks == [5, 5, 5, 5, 4] and two_chunks == [12, 12]
+    torch.testing.assert_close(two_loss, loss, rtol=1e-6, atol=0)
+    for got, want in zip(two_grads, grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_the_planner_patches_nothing_and_library_code_uses_no_torch_testing_internals():
     """No assignment to an attribute of torch, of a layer module or of a module's forward in plan/;
     no `torch.testing._internal` (FakeStore and the like) anywhere in the library."""
-    patch = re.compile(r"^\s*(torch|dist|F|nn|context_attention|moe|expert_parallel|distributed)\.[\w.]+\s*=[^=]"
+    patch = re.compile(r"^\s*(torch|dist|F|nn|context_attention|moe|lm_head|LMHead|expert_parallel|distributed)\.[\w.]+\s*=[^=]"
                        r"|\.forward\s*=[^=]")
     patches = [f"{path.relative_to(ROOT)}:{number}" for path in sorted((ROOT / "libai_zoo" / "plan").glob("*.py"))
                for number, line in enumerate(path.read_text().splitlines(), 1) if patch.search(line)]

@@ -59,6 +59,7 @@ from libai_zoo import distributed
 from libai_zoo.config import Float8, Recompute
 from libai_zoo.distributed import ContextParallel, local
 from libai_zoo.layers import LMHead
+from libai_zoo.layers.lm_head import chunked_in_two
 from libai_zoo.models import all_layers, get_layer_stack
 from libai_zoo.parallel import apply_activation_checkpointing, context_parallel_part, convert_to_float8, to_residual
 
@@ -551,7 +552,7 @@ class SavedActivations:
                                           entering=lambda k: counter.charging(("entry", k)))
             if head_only:
                 out = out.clone().requires_grad_()  # a fresh storage, as the last layer's output is
-            with counter.charging("head"):
+            with counter.charging("head"), chunked_in_two():  # the storages every chunk count saves, sooner
                 model.head_loss(model.final_norm(out), targets)
         counter.count()
         # the first layer's input is the embedding's output: of a larger storage it is a view of
