@@ -67,11 +67,11 @@ NOT_RUN = {
                                                                 "test_nvidias_llama3_70b_recipe_fits_an_h100 plans its "
                                                                 "70B row, and its 405B dry run is run below",
     "python tools/plan.py projects/layout_planning/deepseek_v3.py --world-size 1024 --device h100":
-        "2 minutes of DeepSeek-V3's expert-parallel layouts; tests/test_planner.py::"
+        "6 minutes of DeepSeek-V3's 389,872 expert-parallel layouts; tests/test_planner.py::"
         "test_moe_plan_enumerates_ep_and_states_its_routing plans a tiny MoE the same way, and the dry run below "
         "builds this model at 1,024 ranks",
     "python tools/plan.py projects/layout_planning/qwen3_30b_a3b.py --world-size 64 --device h100":
-        "40 s of expert-parallel layouts; tests/test_planner.py::test_moe_plan_enumerates_ep_and_states_its_routing "
+        "2.5 minutes of expert-parallel layouts; tests/test_planner.py::test_moe_plan_enumerates_ep_and_states_its_routing "
         "plans this config at a tiny size, and the dry run below builds it at 64 ranks",
 }
 #: what a program's runs are shortened by (besides a training run's steps)
