@@ -84,8 +84,7 @@ class LMHead(Linear):
         one chunk's logits exist at a time (a 128k vocabulary's [B·S, V] float32 logits and their
         softmax are several GiB). Same loss and gradients, summed chunk by chunk."""
         tokens = hidden.shape[:-1].numel()
-        local_vocab = self.weight.shape[0] // (self.tp.size if self.tp is not None else 1)
-        per_chunk = max(1, self.chunk_bytes // (4 * local_vocab))
+        per_chunk = self.tokens_per_chunk(self.weight.shape[0] // (self.tp.size if self.tp is not None else 1))
         if tokens <= per_chunk:
             return self.loss(self(hidden), targets, reduction)
         if _in_two_chunks:
@@ -98,6 +97,11 @@ class LMHead(Linear):
         if reduction == "mean":
             return total / (flat_targets != self.loss_fn.ignore_index).sum()
         raise ValueError(f"loss_from_hidden reduces the loss: reduction 'mean' or 'sum', not {reduction!r}")
+
+    def tokens_per_chunk(self, local_vocab: int) -> int:
+        """Tokens whose float32 logits over `local_vocab` entries fit in `chunk_bytes`: above them the
+        loss runs in chunks of this many (`loss_from_hidden`)."""
+        return max(1, self.chunk_bytes // (4 * local_vocab))
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss(self(hidden), targets, reduction="sum")

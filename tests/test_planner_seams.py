@@ -100,10 +100,10 @@ def test_a_chunked_loss_runs_in_two_chunks_through_chunked_in_two():
 def test_the_planner_patches_nothing_and_library_code_uses_no_torch_testing_internals():
     """No assignment to an attribute of torch, of a layer module or of a module's forward in plan/;
     no `torch.testing._internal` (FakeStore and the like) anywhere in the library."""
-    patch = re.compile(r"^\s*(torch|dist|F|nn|context_attention|moe|lm_head|LMHead|expert_parallel|distributed)\.[\w.]+\s*=[^=]"
+    assignment = re.compile(r"^\s*(torch|dist|F|nn|context_attention|moe|lm_head|LMHead|expert_parallel|distributed)\.[\w.]+\s*=[^=]"
                        r"|\.forward\s*=[^=]")
     patches = [f"{path.relative_to(ROOT)}:{number}" for path in sorted((ROOT / "libai_zoo" / "plan").glob("*.py"))
-               for number, line in enumerate(path.read_text().splitlines(), 1) if patch.search(line)]
+               for number, line in enumerate(path.read_text().splitlines(), 1) if assignment.search(line)]
     assert patches == []
     internal = [str(path.relative_to(ROOT)) for folder in ("libai_zoo", "layers", "models")
                 for path in sorted((ROOT / folder).rglob("*.py")) if "testing._internal" in path.read_text()]

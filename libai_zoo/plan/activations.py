@@ -447,8 +447,7 @@ class SavedActivations:
         return b + (batch - low - 1) * (b - a)
 
     def _chunk_tokens(self, shapes: Shapes) -> int:
-        head = self._lm_head
-        return max(1, head.chunk_bytes // (4 * (head.out_features // shapes.tp)))
+        return self._lm_head.tokens_per_chunk(self._lm_head.out_features // shapes.tp)
 
     def _chunked(self, shapes: Shapes, batch: int) -> bool:
         return self._lm_head is not None and batch * shapes.local_seq_len > self._chunk_tokens(shapes)
@@ -552,7 +551,7 @@ class SavedActivations:
                                           entering=lambda k: counter.charging(("entry", k)))
             if head_only:
                 out = out.clone().requires_grad_()  # a fresh storage, as the last layer's output is
-            with counter.charging("head"), chunked_in_two():  # the storages every chunk count saves, sooner
+            with counter.charging("head"), chunked_in_two():  # two chunks save what any number does, sooner
                 model.head_loss(model.final_norm(out), targets)
         counter.count()
         # the first layer's input is the embedding's output: of a larger storage it is a view of
