@@ -20,6 +20,7 @@ below names a command the docs no longer give.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -207,6 +208,7 @@ def _worker(rank: int, world_size: int, port: int, cwd: str, env: dict[str, str]
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    gc.freeze()  # the fork server's imports: the collector scans only what the run makes
     torch.set_num_threads(1)
     _run_script(argv)
 

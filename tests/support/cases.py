@@ -14,6 +14,7 @@ A test asks for cases through a parameter named `case` (or the `param` a module 
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import traceback
@@ -45,6 +46,7 @@ class CaseFailed(Exception):
 
 def _worker(rank: int, cases: dict[str, Case], names: list[str], world_size: int, root: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    gc.freeze()  # the parent's objects: a context's teardown collects only what the runs made
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank,
                                          world_size=world_size)

@@ -8,6 +8,7 @@ runs all of its checks inside one call and asserts on the returned numbers.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 
 def _worker(rank: int, fn: Callable, world_size: int, out_dir: str, args: tuple, threads: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    gc.freeze()  # the parent's objects: a context's teardown collects only what the runs made
     torch.set_num_threads(threads)
     if world_size > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
