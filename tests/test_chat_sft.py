@@ -305,7 +305,7 @@ def train(config_file: str, output_dir: str, model: str, overrides: list[str]) -
     cfg.model = cfg.models[model]
     cfg = LazyConfig.apply_overrides(cfg, [
         f"train.output_dir={output_dir}", f"train.max_iter={STEPS}", f"train.global_batch_size={GLOBAL_BATCH}",
-        "train.log_period=1", "train.checkpoint.period=0", "optim.lr=3e-3", *overrides,
+        "train.log_period=1", "train.checkpoint.period=null", "optim.lr=3e-3", *overrides,
         *(LORA if model == "llama" else [])])
     run_trainer(cfg)
     return losses(Path(output_dir))

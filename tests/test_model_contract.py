@@ -129,7 +129,7 @@ def model_is(model: str) -> str:
 def train(config: str, output_dir: str, *overrides: str) -> dict[int, float]:
     cfg = LazyConfig.apply_overrides(LazyConfig.load(config), [
         f"train.output_dir={output_dir}", f"train.max_iter={STEPS}", "train.global_batch_size=8",
-        "train.log_period=1", "train.checkpoint.period=0", "optim.lr=1e-2", *overrides])
+        "train.log_period=1", "train.checkpoint.period=null", "optim.lr=1e-2", *overrides])
     run_trainer(cfg)
     return losses(Path(output_dir))
 

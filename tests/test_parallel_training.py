@@ -64,7 +64,7 @@ def train(config_file: str, output_dir: str, model: str, overrides: list[str], *
         cfg.dataloader = cfg.dataloaders[model]
     cfg = LazyConfig.apply_overrides(cfg, [
         f"train.output_dir={output_dir}", f"train.max_iter={STEPS}", f"train.global_batch_size={GLOBAL_BATCH}",
-        "train.log_period=1", "train.checkpoint.period=0", "optim.lr=3e-3", "train.clip_grad_norm=1.0",
+        "train.log_period=1", "train.checkpoint.period=null", "optim.lr=3e-3", "train.clip_grad_norm=1.0",
         "train.eval.max_batches=1", *overrides])
     try:
         run_trainer(cfg, resume=resume, interrupt_after=interrupt_after)
@@ -85,7 +85,7 @@ def trained_one_step(config_file: str, output_dir: str, overrides: list[str]) ->
     cfg = LazyConfig.load(config_file)
     cfg.model = cfg.models["gpt2"]
     cfg = LazyConfig.apply_overrides(cfg, [f"train.output_dir={output_dir}", "train.max_iter=1",
-                                           f"train.global_batch_size={GLOBAL_BATCH}", "train.checkpoint.period=0",
+                                           f"train.global_batch_size={GLOBAL_BATCH}", "train.checkpoint.period=null",
                                            *overrides])
     trainer = DefaultTrainer(cfg)
     try:

@@ -65,7 +65,7 @@ def _config(config_file: str, output_dir: str, name: str):
     cfg = LazyConfig.load(config_file)
     cfg.model = cfg.models[model]
     return LazyConfig.apply_overrides(cfg, [f"train.output_dir={output_dir}", f"train.global_batch_size={GLOBAL_BATCH}",
-                                            "train.max_iter=1", "train.checkpoint.period=0",
+                                            "train.max_iter=1", "train.checkpoint.period=null",
                                             *layout.overrides().split(), *extra])
 
 

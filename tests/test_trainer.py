@@ -436,6 +436,13 @@ def test_a_hook_registered_after_the_writers_has_its_scalars_on_the_same_line(co
     assert [(r["iteration"], r.get("custom")) for r in records(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 3.0)]
 
 
+def test_checkpoint_period_null_saves_nothing_and_zero_the_last_step(config_file, tmp_path):
+    run(config_file, tmp_path / "null", "train.max_iter=2", "train.checkpoint.period=null")
+    run(config_file, tmp_path / "zero", "train.max_iter=2", "train.checkpoint.period=0")
+    assert len(records(tmp_path / "null")) == 2 and not list((tmp_path / "null").glob("model_*"))
+    assert sorted(p.name for p in (tmp_path / "zero").glob("model_*")) == ["model_0000002"]
+
+
 def test_a_short_run_cuts_a_longer_warmup_with_a_warning(config_file, tmp_path):
     run(config_file, tmp_path, "train.max_iter=3", "train.scheduler.warmup_iters=40", "train.checkpoint.period=0")
     assert [r["lr"] for r in records(tmp_path)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])

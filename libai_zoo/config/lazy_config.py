@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import Container, DictConfig, OmegaConf
+from omegaconf import Container, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .instantiate import OBJECT_FLAGS, TARGET, TUPLE_TYPES, ConfigError, dotted_name
@@ -209,13 +209,17 @@ def _parse_value(text: str, item: str) -> Any:
 
 
 def _has_key(cfg: Any, key: str) -> bool:
-    node = OmegaConf.to_container(cfg, resolve=False)
+    """Whether the dotted `key` names a node (a missing ``???`` value or an interpolation included),
+    walked node by node: nothing is resolved or copied."""
+    node = cfg
     for part in key.split("."):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list | tuple) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
+        if isinstance(node, DictConfig) and not node._is_none() and not node._is_interpolation():
+            node = node._get_node(part, validate_access=False, throw_on_missing_key=False)
+        elif isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):
+            node = node._get_node(int(part))
         else:
+            return False
+        if node is None:
             return False
     return True
 
