@@ -148,8 +148,9 @@ def check_candidates(tool, capsys, tmp_path, config: str, world_size: int, heads
         changed = [item for item in text.split() if held.get(item.split("=")[0]) != item]
         LazyConfig.apply_overrides(cfg, changed)  # in place: pp = 1 leaves the pipeline keys, unread
         held.update((item.split("=")[0], item) for item in changed)
-        assert Layout.from_config(cfg, world_size).overrides() == text
-        checks.check_layout(model, run_settings(cfg), micro_batches)
+        settings = run_settings(cfg)
+        assert Layout.from_settings(settings, world_size).overrides() == text
+        checks.check_layout(model, settings, micro_batches)
     return tps, cps
 
 

@@ -22,6 +22,7 @@ from .context_parallel import ContextParallel, cp_problems, merge_sequence, spli
 from .expert_parallel import ExpertParallel
 from .rendezvous import progress_store
 from .shard import (
+    check_shardable,
     dp_rows_of,
     expert_problems,
     fill_shard_,
@@ -39,6 +40,7 @@ __all__ = ["ParallelContext", "TensorParallel", "ExpertParallel", "ContextParall
            "merge_sequence", "cp_problems", "init", "connect", "get_context", "destroy", "new_group",
            "resolve_sizes", "launched_world_size", "run_group",
            "progress_store",
-           "shard", "whole_sequences", "tp_problems", "expert_problems", "tp_slice_of", "fill_shard_", "dp_rows_of",
+           "shard", "check_shardable", "whole_sequences", "tp_problems", "expert_problems", "tp_slice_of", "fill_shard_",
+           "dp_rows_of",
            "finalize_grads",
            "parameter_uses", "retie", "local", "local_range", "local_rows"]

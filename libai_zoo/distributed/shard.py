@@ -41,11 +41,7 @@ def shard(model: nn.Module, ctx: ParallelContext | None = None, *,
     if tp is not None and sequence_parallel is not None and sequence_parallel != tp.sequence_parallel:
         tp = TensorParallel(tp.mesh, sequence_parallel=sequence_parallel)
         ep = ExpertParallel(ep.mesh, ep=ep.ep, tensor_parallel=tp)
-    problems = (tp_problems(model, tp.size) if tp is not None else []) + \
-        (expert_problems(model, ep.ep, ep.tp) if ep is not None else [])
-    if problems:
-        raise ValueError(f"{type(model).__name__} cannot be split over tp = {ctx.tp}, ep = {ctx.ep}:\n  "
-                         + "\n  ".join(problems))
+    check_shardable(model, ctx)
     if ctx.context_parallel is not None:
         for module in model.modules():
             if callable(getattr(module, "shard_", None)):  # a parallel layer
@@ -86,6 +82,17 @@ def whole_sequences(model: nn.Module) -> Iterator[nn.Module]:
             layer.cp = cp
         for tp in groups:
             tp.sequence_parallel = True
+
+
+def check_shardable(model: nn.Module, ctx: ParallelContext) -> None:
+    """Raise one error naming every size of `model` that does not split over the context's tp
+    (`tp_problems`) or experts that do not split over its ep × tp (`expert_problems`); nothing is split."""
+    tp, ep = ctx.tensor_parallel, ctx.expert_parallel
+    problems = (tp_problems(model, tp.size) if tp is not None else []) + \
+        (expert_problems(model, ep.ep, ep.tp) if ep is not None else [])
+    if problems:
+        raise ValueError(f"{type(model).__name__} cannot be split over tp = {ctx.tp}, ep = {ctx.ep}:\n  "
+                         + "\n  ".join(problems))
 
 
 def tp_problems(model: nn.Module, tp_size: int) -> list[str]:

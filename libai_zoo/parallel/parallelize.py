@@ -29,9 +29,9 @@ class Parallelized:
     """This rank's share of a model, wrapped for training (not yet allocated when built on meta):
     what `parallelize` returns and `DefaultTrainer.build_model` completes."""
 
-    #: The whole model, split over tp. Under pp it stays on the meta device (no memory): the names
-    #: and shapes of every stage's parameters, which a checkpoint is checked against; its stages'
-    #: parts are pruned copies of it.
+    #: The whole model, split over tp. Under pp it stays on the meta device, unsplit (no memory, no
+    #: work): the names and global shapes of every stage's parameters, which a checkpoint is checked
+    #: against; its stages' parts are pruned copies of it, each split over tp.
     model: nn.Module
     #: The modules this rank trains: the model, or its pipeline stages' parts (real modules with the
     #: full model's names).
@@ -47,7 +47,8 @@ def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_paralle
                 num_micro_batches: int = 1, pipeline: PipelineSettings | None = None,
                 activation_checkpoint: Recompute | None = None, compile_with: bool | str = False,
                 residual: torch.dtype | None = None, float8: Float8 | None = None) -> Parallelized:
-    """`distributed.shard` over tp; at pp > 1 this rank's stages (``pipeline``: `run_settings(cfg).pipeline`);
+    """At pp > 1 this rank's stages (``pipeline``: `run_settings(cfg).pipeline`); `distributed.shard` of
+    the model, or of each stage, over tp;
     the linear layers' GEMMs in float8 (`float8`: `run_settings(cfg).fp8`, `convert_to_float8`);
     the residual stream in `residual` under autocast (`cast_residual`), activation checkpointing
     (`run_settings(cfg).activation_checkpoint`: in each stage's stack) and
@@ -55,16 +56,20 @@ def parallelize(model: nn.Module, ctx: distributed.ParallelContext, data_paralle
     `data_parallel.wrap` of the model or of each stage."""
     model = trainable(model)
     check_trainable(model)
-    model = distributed.shard(model, ctx)
     stages = None
     parts = roots = [model]
     if ctx.pp > 1:
         if pipeline is None:
             raise ValueError(f"pp = {ctx.pp} needs the pipeline settings: pass pipeline=run_settings(cfg).pipeline")
+        # the whole model's sizes checked on every rank alike, then each rank splits its stages only
+        # (as Megatron-LM builds only its stage's layers): a 405B rank at pp16 shards 8 layers, not 126
+        distributed.check_shardable(model, ctx)
         stages = Pipeline(model, ctx, schedule=pipeline.schedule, num_micro_batches=num_micro_batches,
                           virtual_stages=pipeline.virtual_stages, boundaries=pipeline.boundaries)
         logger.info("%s", stages)
         parts, roots = stages.model_parts, stages.stages
+    parts = [distributed.shard(part, ctx) for part in parts]
+    model = model if stages is not None else parts[0]
     if float8 is not None:
         convert_to_float8(parts, float8, gather_float8=data_parallel.zero_stage >= 1 and data_parallel.group is not None
                           and ctx.tp == 1 and not data_parallel.offload)

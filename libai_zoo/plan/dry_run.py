@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from libai_zoo.config import PipelineSettings, run_settings
 from libai_zoo.hf import apply_lora_config
@@ -35,15 +36,23 @@ class RankBytes:
     optimizer: int
 
 
-def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int) -> RankBytes:
+def meta_model(cfg: DictConfig) -> nn.Module:
+    """The config's model on the meta device, with its LoRA adapters (`train.lora`)."""
+    with torch.device("meta"):
+        model = instantiate_model(cfg.model)
+        apply_lora_config(model, run_settings(cfg).lora)
+    return model
+
+
+def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int, model: nn.Module | None = None) -> RankBytes:
     """Build `rank` of `layout` under a fake process group and count its parameters, gradients
-    and optimizer state (the config's AMP dtype, global batch, LoRA and float8: `run_settings`)."""
+    and optimizer state (the config's AMP dtype, global batch, LoRA and float8: `run_settings`).
+    `model`: the config's `meta_model`, shared by the ranks of a pipeline (at pp > 1 `parallelize`
+    copies a rank's stages and leaves the whole model as it was); None: built here."""
     run = run_settings(cfg)
     with fake_world(layout.world_size, rank, dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=layout.cp,
                     sequence_parallel=layout.sequence_parallel) as ctx:
-        with torch.device("meta"):
-            model = instantiate_model(cfg.model)
-            apply_lora_config(model, run.lora)
+        model = model if model is not None and layout.pp > 1 else meta_model(cfg)
         data_parallel = DataParallel(ctx, layout.zero_stage,
                                      param_dtype=fsdp_param_dtype(run.amp_dtype))
         # the layout's schedule, its layers split evenly (as the planner's overrides run it)
@@ -70,4 +79,5 @@ def dry_run(cfg: DictConfig, layout: Layout) -> list[RankBytes]:
     ranks = [pp_rank * layout.dp_cp * layout.tp for pp_rank in range(layout.pp)]
     if layout.dp_cp > 1:
         ranks.append((layout.dp_cp - 1) * layout.tp)
-    return [dry_run_rank(cfg, layout, rank) for rank in ranks]
+    model = meta_model(cfg) if layout.pp > 1 else None
+    return [dry_run_rank(cfg, layout, rank, model) for rank in ranks]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from libai_zoo import distributed
-from libai_zoo.config import FULL, Recompute, run_settings
+from libai_zoo.config import FULL, Recompute, RunSettings, run_settings
 from libai_zoo.parallel import check_pipeline_layout, schedule_evaluates
 
 from .model_table import ModelTable
@@ -45,7 +45,11 @@ class Layout:
     @classmethod
     def from_config(cls, cfg: DictConfig, world_size: int) -> Layout:
         """The layout a config's ``dist`` and ``train`` keys ask for at `world_size` (dp=-1 inferred)."""
-        run = run_settings(cfg)
+        return cls.from_settings(run_settings(cfg), world_size)
+
+    @classmethod
+    def from_settings(cls, run: RunSettings, world_size: int) -> Layout:
+        """`from_config` of the config `run` was parsed from."""
         dist = run.dist
         dp, tp, pp = distributed.resolve_sizes(world_size, dist.dp, dist.tp, dist.pp, dist.ep, dist.cp)
         return cls(dp, tp, pp, run.train.zero_stage, run.activation_checkpoint, dist.sequence_parallel,

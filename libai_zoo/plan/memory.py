@@ -44,7 +44,7 @@ Transient terms, at the step's peak:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from functools import cache, lru_cache
 
 import torch
@@ -334,19 +334,22 @@ def micro_batches_in_flight(layout: Layout, pp_rank: int, num_micro_batches: int
     the most stage chunks (1/v of them) whose forward has run and whose backward has not, in the
     order torch's schedule runs them. Under the zero-bubble schedules a chunk is held until its
     weight gradients (W): the input-gradient pass (I) keeps the graph for them."""
-    m, pp, v = num_micro_batches, layout.pp, layout.virtual_stages
+    return _in_flight(layout.pp, layout.schedule, layout.virtual_stages, pp_rank, num_micro_batches)
+
+
+def _in_flight(pp: int, schedule: str | None, v: int, pp_rank: int, m: int) -> float:
     if pp == 1:
         return 1.0
-    if layout.schedule == "gpipe":
+    if schedule == "gpipe":
         return float(m)
-    if layout.schedule == "1f1b":
+    if schedule == "1f1b":
         return float(min(m, pp - pp_rank))
-    if layout.schedule == "zbv":
+    if schedule == "zbv":
         # stage pp_rank runs 2 pp − 1 − pp_rank forwards and stage 2 pp − 1 − pp_rank runs pp_rank + 1
         # before the first W (of at most m micro-batches each); after it one W follows each forward
         return (min(m, 2 * pp - 1 - pp_rank) + min(m, pp_rank + 1)) / 2
     per_round = m // max(1, m // pp)
-    if layout.schedule == "zero_bubble":
+    if schedule == "zero_bubble":
         # warm-up (v − 1)·per_round + pp − 1 − pp_rank forwards, then each W trails its I by
         # pp_rank steps: every rank holds what the first does (ZB-H1's memory)
         return min((v - 1) * per_round + pp, m * v) / v
@@ -371,11 +374,6 @@ def _stage_layer_kinds(table: ModelTable, pp: int, schedule: str | None, virtual
         key = kinds[index], index in recomputed
         counts[key] = counts.get(key, 0) + 1
     return tuple((kind, recomputes, count) for (kind, recomputes), count in sorted(counts.items()))
-
-
-def _entered_stacks(table: ModelTable, layout: Layout, pp_rank: int) -> list[int]:
-    """The later stacks whose first layer `pp_rank` runs (it enters them: `enter_stack`)."""
-    return [k for k, start in enumerate(table.stack_starts) if k and start in rank_layers(table, layout, pp_rank)]
 
 
 def recomputed_layers(table: ModelTable, layout: Layout, pp_rank: int) -> frozenset[int]:
@@ -431,27 +429,47 @@ def activation_bytes(table: ModelTable, layout: Layout, seq_len: int, num_micro_
                     layout.cp)
     # FSDP2 hands the layers bf16 parameters under bf16 autocast at every ZeRO stage: no matmul keeps a cast copy
     low = layout.dp_cp > 1 and fsdp_param_dtype(amp_dtype) is not None
-    return _activation_bytes(table, replace(layout, zero_stage=0), shapes, low, num_micro_batches)
+    ranks = _rank_structure(table, layout.pp, layout.schedule, layout.virtual_stages, layout.activation_checkpoint,
+                            num_micro_batches)
+    return _activation_bytes(table, ranks, layout.activation_checkpoint, shapes, low, num_micro_batches,
+                             layout.schedule == "gpipe")
+
+
+@lru_cache(maxsize=4096)
+def _rank_structure(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int,
+                    recompute: Recompute | None, num_micro_batches: int
+                    ) -> tuple[tuple[float, tuple[tuple[int, bool, int], ...], bool, tuple[int, ...], bool], ...]:
+    """What each pp rank's activations depend on besides the shapes: (micro-batches in flight, its
+    layer kinds (`_stage_layer_kinds`), whether it holds the first stage, the later stacks whose
+    first layer it runs (it enters them: `enter_stack`), whether it holds the last stage)."""
+    ranks = []
+    for pp_rank in range(pp):
+        stages = _rank_stage_layers(table, pp, schedule, virtual_stages, pp_rank)
+        layers = set(_rank_layers(table, pp, schedule, virtual_stages, pp_rank))
+        ranks.append((_in_flight(pp, schedule, virtual_stages, pp_rank, num_micro_batches),
+                      _stage_layer_kinds(table, pp, schedule, virtual_stages, recompute, pp_rank),
+                      any(first for _, first, _, _ in stages),
+                      tuple(k for k, start in enumerate(table.stack_starts) if k and start in layers),
+                      any(last for _, _, last, _ in stages)))
+    return tuple(ranks)
 
 
 @lru_cache(maxsize=65536)
-def _activation_bytes(table: ModelTable, layout: Layout, shapes: Shapes, low: bool,
-                      num_micro_batches: int) -> tuple[tuple[int, int], ...]:
-    recompute = layout.activation_checkpoint
-
+def _activation_bytes(table: ModelTable, ranks: tuple, recompute: Recompute | None, shapes: Shapes, low: bool,
+                      num_micro_batches: int, gpipe: bool) -> tuple[tuple[int, int], ...]:
+    """`activation_bytes` of the pp ranks `ranks` (`_rank_structure`) describes (cached: the ZeRO
+    stage, dp and the rest of a layout do not change them)."""
     @cache  # asked of every pp rank: a local table spares hashing the shapes each time
     def layer(kind: int, recomputed: bool) -> int:
         return _activations(table, "layer", shapes, kind, recompute if recomputed else None, low)
 
-    ranks = []
-    for pp_rank in range(layout.pp):
-        in_flight = micro_batches_in_flight(layout, pp_rank, num_micro_batches)
-        stages = rank_stages(table, layout, pp_rank)
-        kinds = _rank_layer_kinds(table, layout, pp_rank)
+    head = None
+    result = []
+    for in_flight, kinds, first, entered, last in ranks:
         held = sum(count * layer(kind, recomputed) for kind, recomputed, count in kinds)
-        if any(first for _, first, _ in stages):
+        if first:
             held += _activations(table, "embedding", shapes, 0, None, low)
-        held += sum(_activations(table, "entry", shapes, k, None, low) for k in _entered_stacks(table, layout, pp_rank))
+        held += sum(_activations(table, "entry", shapes, k, None, low) for k in entered)
         # a layer's backward makes gradients of about the size of what it saved; a recomputing layer
         # first brings back what it did not keep
         whole_layer = max((layer(kind, False) for kind, _, _ in kinds), default=0)
@@ -459,14 +477,15 @@ def _activation_bytes(table: ModelTable, layout: Layout, shapes: Shapes, low: bo
                            default=0)
         total = int(in_flight * held) + whole_layer + brought_back
         logits = 0
-        if any(last for _, _, last in stages):
-            head = _activations(table, "head", shapes, 0, None, low)
-            # backward makes the float32 logits' gradient (one chunk's when the loss runs in chunks)
-            tokens = layout.micro_batch_size * shapes.seq_len // layout.cp
-            head += min(tokens * table.vocab_size // layout.tp * 4, LMHead.chunk_bytes)
-            logits = head * (num_micro_batches if layout.schedule == "gpipe" else 1)
-        ranks.append((total, logits))
-    return tuple(ranks)
+        if last:
+            if head is None:
+                head = _activations(table, "head", shapes, 0, None, low)
+                # backward makes the float32 logits' gradient (one chunk's when the loss runs in chunks)
+                tokens = shapes.micro_batch * shapes.seq_len // shapes.cp
+                head += min(tokens * table.vocab_size // shapes.tp * 4, LMHead.chunk_bytes)
+            logits = head * (num_micro_batches if gpipe else 1)
+        result.append((total, logits))
+    return tuple(result)
 
 
 def rank_memory(table: ModelTable, layout: Layout, *, seq_len: int, global_batch_size: int,
