@@ -33,12 +33,18 @@ def shared_parameters(model: nn.Module, stage_paths: Sequence[set[str]]) -> list
     `stage_paths[s]` (its modules besides its layers: `pipeline.stage_modules`)."""
     held: dict[int, dict[int, str]] = {}
     named = list(model.named_parameters(remove_duplicate=False))  # walked once: a planner asks of 100+ stages
+    canonical: dict[int, str] = {}  # a weight's first name, as named_parameters() gives it
+    for name, param in named:
+        canonical.setdefault(id(param), name)
+    # only the parameters under some stage's paths (not the layers') are looked at per stage
+    anywhere = tuple(path + "." for paths in stage_paths for path in paths)
+    named = [(name, param) for name, param in named if name.startswith(anywhere)]
     for stage, paths in enumerate(stage_paths):
         # in registration order, as the stage's pruned copy names them: its first name under a path it holds
+        prefixes = tuple(path + "." for path in paths)
         for name, param in named:
-            if any(name.startswith(path + ".") for path in paths):
+            if name.startswith(prefixes):
                 held.setdefault(id(param), {}).setdefault(stage, name)
-    canonical = {id(param): name for name, param in model.named_parameters()}
     return [SharedParameter(names, canonical[key]) for key, names in held.items() if len(names) > 1]
 
 
