@@ -213,7 +213,7 @@ def _has_key(cfg: Any, key: str) -> bool:
     walked node by node: nothing is resolved or copied."""
     node = cfg
     for part in key.split("."):
-        if isinstance(node, DictConfig) and not node._is_none() and not node._is_interpolation():
+        if isinstance(node, DictConfig) and not (node._is_none() or node._is_missing() or node._is_interpolation()):
             node = node._get_node(part, validate_access=False, throw_on_missing_key=False)
         elif isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):
             node = node._get_node(int(part))

@@ -108,8 +108,9 @@ class ActivationCheckpointConfig(Section):
 
 @dataclass
 class CheckpointConfig(Section):
-    # save every `period` iterations and after the last (0: after the last only; None: no save but a
-    # preemption's, as Megatron-LM without --save: a benchmark, a smoke run, a test)
+    # save every `period` iterations and after the last (0: after the last only; None: neither, as
+    # Megatron-LM without --save: a benchmark, a smoke run, a test; a preemption's save and model_best
+    # still are, and a divergence rollback finds nothing to roll back to)
     period: Optional[int] = 500
     max_to_keep: Optional[int] = None   # None keeps all
     # Write in the background (the loop waits only while the state is copied; the checkpoint counts

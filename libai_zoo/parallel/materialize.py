@@ -1,7 +1,7 @@
 """Give a model built on the meta device its memory, this rank's part only, and its values.
 
-The trainer builds every model on the meta device, splits it over tp, cuts its pipeline stages
-and wraps it for data parallelism (FSDP2 shards over dp) while it holds no memory, and only then
+The trainer builds every model on the meta device, cuts its pipeline stages, splits them over tp
+and wraps them for data parallelism (FSDP2 shards over dp) while it holds no memory, and only then
 allocates: `materialize` gives each parameter this rank's part (``to_empty``) and fills it.
 
 Fresh weights are layout-invariant: each parameter is drawn whole on the CPU by the model's

@@ -447,8 +447,8 @@ class Pipeline:
     runs them.
 
     ``model`` is the full model (it implements the model contract), usually still on the meta
-    device (the trainer fills the stages afterwards: `materialize`) and already split over tp by
-    `distributed.shard` at tp > 1; this rank's stages are pruned copies of it (stage s on pp rank s % pp
+    device (the trainer fills the stages afterwards: `materialize`) and not yet split over tp
+    (`parallelize` shards each stage after the cut); this rank's stages are pruned copies of it (stage s on pp rank s % pp
     for the looped schedules; V-shaped for "zbv"), which hold no memory of ``model``'s. ``virtual_stages`` is the
     number of stages per rank (1 for "gpipe"/"1f1b", >= 2 for "interleaved_1f1b", >= 1 for
     "zero_bubble", exactly 2 for "zbv"). ``boundaries``: see `split_layers`.
