@@ -51,7 +51,7 @@ from libai_zoo.plan.activations import (
 )
 from libai_zoo.plan.fake_world import fake_world
 from libai_zoo.plan.layouts import Layout
-from libai_zoo.plan.memory import _rank_layer_kinds
+from libai_zoo.plan.memory import _rank_structure
 from libai_zoo.plan.model_table import ModelTable
 from model_cases import deepseek_v3_config
 
@@ -329,13 +329,17 @@ def test_identical_layers_share_one_kind():
         assert SavedActivations(models.LlamaForCausalLM(llama_config(4))).layer_kinds == (0, 0, 0, 0)
         table = ModelTable(SandwichForCausalLM(llama_config(6)))
     assert table.activations.layer_kinds == (0, 1, 0, 1, 0, 1)
+
+    def kinds(layout: Layout) -> list:  # each pp rank's, as the memory model reads them
+        return [rank[1] for rank in _rank_structure(table, layout.pp, layout.schedule, layout.virtual_stages,
+                                                     layout.activation_checkpoint, 2)]
+
     pipeline = Layout(1, 1, 2, schedule="1f1b")  # layers 0-2 and 3-5
-    assert [_rank_layer_kinds(table, pipeline, rank) for rank in (0, 1)] == [((0, False, 2), (1, False, 1)),
-                                                                             ((0, False, 1), (1, False, 2))]
+    assert kinds(pipeline) == [((0, False, 2), (1, False, 1)), ((0, False, 1), (1, False, 2))]
     # the block method recomputes the first two layers of each stage: 0 (kind 0), 1 (1); 3 (1), 4 (0)
     block = Layout(1, 1, 2, activation_checkpoint=Recompute("full", (), 2), schedule="1f1b")
-    assert [_rank_layer_kinds(table, block, rank) for rank in (0, 1)] == [((0, False, 1), (0, True, 1), (1, True, 1)),
-                                                                          ((0, True, 1), (1, False, 1), (1, True, 1))]
+    assert kinds(block) == [((0, False, 1), (0, True, 1), (1, True, 1)),
+                            ((0, True, 1), (1, False, 1), (1, True, 1))]
 
 
 def _gathering_linears(inputs, tp, projections, dim=1):

@@ -47,12 +47,13 @@ def meta_model(cfg: DictConfig) -> nn.Module:
 def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int, model: nn.Module | None = None) -> RankBytes:
     """Build `rank` of `layout` under a fake process group and count its parameters, gradients
     and optimizer state (the config's AMP dtype, global batch, LoRA and float8: `run_settings`).
-    `model`: the config's `meta_model`, shared by the ranks of a pipeline (at pp > 1 `parallelize`
-    copies a rank's stages and leaves the whole model as it was); None: built here."""
+    `model`: the config's `meta_model` to build from, shared by the ranks of a pipeline (at pp > 1
+    `parallelize` copies a rank's stages and leaves the whole model as it was; at pp = 1 it splits the
+    model itself); None: built here."""
     run = run_settings(cfg)
     with fake_world(layout.world_size, rank, dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=layout.cp,
                     sequence_parallel=layout.sequence_parallel) as ctx:
-        model = model if model is not None and layout.pp > 1 else meta_model(cfg)
+        model = model if model is not None else meta_model(cfg)
         data_parallel = DataParallel(ctx, layout.zero_stage,
                                      param_dtype=fsdp_param_dtype(run.amp_dtype))
         # the layout's schedule, its layers split evenly (as the planner's overrides run it)

@@ -357,16 +357,11 @@ def _in_flight(pp: int, schedule: str | None, v: int, pp_rank: int, m: int) -> f
     return min(warmup + 1, m * v) / v
 
 
-def _rank_layer_kinds(table: ModelTable, layout: Layout, pp_rank: int) -> tuple[tuple[int, bool, int], ...]:
-    """(layer kind, recomputed, how many of the layers `pp_rank` runs are of it and recompute so or
-    not) for each kind it runs: a stage recomputes its first ``num_layers`` layers (all when None)."""
-    return _stage_layer_kinds(table, layout.pp, layout.schedule, layout.virtual_stages, layout.activation_checkpoint,
-                              pp_rank)
-
-
 @lru_cache(maxsize=65536)
 def _stage_layer_kinds(table: ModelTable, pp: int, schedule: str | None, virtual_stages: int,
                        recompute: Recompute | None, pp_rank: int) -> tuple[tuple[int, bool, int], ...]:
+    """(layer kind, recomputed, how many of the layers `pp_rank` runs are of it and recompute so or
+    not) for each kind it runs: a stage recomputes its first ``num_layers`` layers (all when None)."""
     kinds = table.activations.layer_kinds
     recomputed = _recomputed_layers(table, pp, schedule, virtual_stages, recompute, pp_rank)
     counts: dict[tuple[int, bool], int] = {}
