@@ -3,6 +3,7 @@ computed by hand (one process; the tensor-parallel clipping is in test_models_te
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -86,3 +87,56 @@ def test_mfu_and_flops_per_token():
     assert model.flops_per_token(seq_len=8) == 6 * matmul + 2 * 12 * 16 * 8
     assert mfu(1000.0, 1e9, 1e12 * 2, world_size=2) == pytest.approx(0.25)
     assert mfu(1000.0, 1e9, None) is None
+
+
+def _sharded_params(mesh) -> list[torch.nn.Parameter]:
+    """Two DTensor parameters of a 2 × 2 mesh (rows over tp, replicated over dp), each with a gradient
+    of its layout; the same numbers at every call."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    torch.manual_seed(0)
+    params = []
+    for shape in ((4, 3), (5,)):
+        local, grad = torch.randn(*shape), torch.randn(*shape)
+        param = torch.nn.Parameter(DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False))
+        param.grad = DTensor.from_local(grad, mesh, [Replicate(), Shard(0)], run_check=False)
+        params.append(param)
+    return params
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum", "lamb"])
+def test_local_shards_step_equals_the_dtensor_step(optimizer):
+    """Stepping the local shards gives the DTensor step's numbers bit for bit, its state stays
+    DTensors of the parameters' layout (a second step reads it back); LAMB (a norm per parameter)
+    steps its DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    from libai_zoo.optim import local_shards
+    from libai_zoo.plan.fake_world import fake_world
+    build = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1),
+             "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+             "lamb": lambda ps: Lamb(ps, lr=0.1)}[optimizer]
+    with fake_world(4, 0, dp=2, tp=2) as ctx:
+        results = []
+        for local in (False, True):
+            params = _sharded_params(ctx.mesh["edp", "tp"])
+            opt = build(params)
+            for _ in range(2):
+                with local_shards(opt) if local else contextlib.nullcontext():
+                    stepped_locally = not isinstance(opt.param_groups[0]["params"][0], DTensor)
+                    opt.step()
+                assert stepped_locally == (local and optimizer != "lamb"), optimizer
+                for p in params:
+                    p.grad = p.grad * 0.5
+            results.append((params, opt))
+        (reference, ref_opt), (stepped, opt) = results
+        for name, (a, b) in enumerate(zip(reference, stepped)):
+            assert torch.equal(a.to_local(), b.to_local()), f"{optimizer}: parameter {name}"
+            assert isinstance(b, DTensor) and opt.param_groups[0]["params"][name] is b
+            for key, value in ref_opt.state[a].items():
+                mine = opt.state[b][key]
+                assert type(mine) is type(value), f"{optimizer}: state {key} is {type(mine).__name__}"
+                if isinstance(value, DTensor):
+                    assert mine.placements == value.placements and mine.shape == value.shape
+                    value, mine = value.to_local(), mine.to_local()
+                same = torch.equal(value, mine) if isinstance(value, torch.Tensor) else value == mine
+                assert same, f"{optimizer}: state {key} of parameter {name}"

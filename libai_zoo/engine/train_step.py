@@ -19,7 +19,7 @@ from torch import nn
 from libai_zoo import distributed
 from libai_zoo.distributed import ParallelContext
 from libai_zoo.layers import MoE
-from libai_zoo.optim import clip_grad_norm_, unique_parameters
+from libai_zoo.optim import clip_grad_norm_, local_shards, unique_parameters
 from libai_zoo.parallel import (
     DataParallel,
     Pipeline,
@@ -185,11 +185,13 @@ class TrainStep:
         diverged = not math.isfinite(loss_value) or (not self.scaler.is_enabled() and not torch.isfinite(grad_norm))
         if self.scaler.is_enabled():
             scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skipped inside when a gradient overflowed
+            with local_shards(self.optimizer):
+                self.scaler.step(self.optimizer)  # skipped inside when a gradient overflowed
             self.scaler.update()
             skipped = self.scaler.get_scale() < scale
         elif not diverged:
-            self.optimizer.step()
+            with local_shards(self.optimizer):
+                self.optimizer.step()
         else:
             skipped = True
         if skipped:

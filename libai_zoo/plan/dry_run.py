@@ -15,7 +15,7 @@ from torch import nn
 from libai_zoo.config import PipelineSettings, run_settings
 from libai_zoo.hf import apply_lora_config
 from libai_zoo.models import instantiate_model
-from libai_zoo.optim import build_optimizer, unique_parameters
+from libai_zoo.optim import build_optimizer, local_shards, unique_parameters
 from libai_zoo.parallel import DataParallel, fsdp_param_dtype, parallelize, residual_dtype
 from libai_zoo.utils import local_bytes, optimizer_state_bytes
 
@@ -66,7 +66,8 @@ def dry_run_rank(cfg: DictConfig, layout: Layout, rank: int, model: nn.Module | 
             if param.requires_grad:
                 param.grad = torch.zeros_like(param)
         optimizer = build_optimizer(cfg.optim, built.parts)
-        optimizer.step()
+        with local_shards(optimizer):
+            optimizer.step()
         return RankBytes(rank, ctx.pp_rank, ctx.rank_in("dp_cp"), ctx.tp_rank,
                          sum(local_bytes(p) for p in params),
                          sum(local_bytes(p.grad) for p in params if p.grad is not None),
