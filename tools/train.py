@@ -25,10 +25,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from libai_zoo import distributed
-from libai_zoo.checkpoint import commit
-from libai_zoo.config import ConfigError, LazyConfig
-from libai_zoo.engine import DefaultTrainer, Preempted
+# torch, transformers and the zoo are imported once the arguments are read: --help answers at once
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def require_checkpoint(output_dir: Path) -> None:
     """`--resume`: refuse to start when `output_dir` holds no committed checkpoint (before any process
     group or model is built)."""
+    from libai_zoo.checkpoint import commit
+    from libai_zoo.config import ConfigError
     if not commit.resumable_candidates(output_dir):
         raise ConfigError(f"--resume: {output_dir} holds no checkpoint to resume from (no {commit.POINTER} "
                           f"naming one): check train.output_dir, or start fresh by running without --resume "
@@ -79,6 +78,9 @@ def require_checkpoint(output_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
+    from libai_zoo import distributed
+    from libai_zoo.config import LazyConfig
+    from libai_zoo.engine import DefaultTrainer, Preempted
     cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config), args.overrides)
     if args.auto_layout:
         cfg.dist["auto"] = True
@@ -105,6 +107,7 @@ def is_config_error(error: BaseException) -> bool:
     """A `ConfigError` about the config or the files it names, whose message is all a user needs;
     not one wrapping a bug in code the config called (every error of its chain is a ConfigError
     or an OSError), whose traceback is wanted."""
+    from libai_zoo.config import ConfigError
     chain = error
     while chain is not None:
         if not isinstance(chain, (ConfigError, OSError)):
@@ -116,9 +119,13 @@ def is_config_error(error: BaseException) -> bool:
 if __name__ == "__main__":
     try:
         main()
-    except Preempted as stop:
-        sys.exit(stop.exit_code)
+    except SystemExit:
+        raise  # --help, or a usage error argparse explained
     except BaseException as error:
+        from libai_zoo import distributed
+        from libai_zoo.engine import Preempted
+        if isinstance(error, Preempted):
+            sys.exit(error.exit_code)
         alone = distributed.launched_world_size() == 1
         if is_config_error(error):
             if os.environ.get("LOCAL_RANK", "0") == "0":  # the ranks refuse alike: one message a node
