@@ -90,8 +90,8 @@ def test_mfu_and_flops_per_token():
 
 
 def _sharded_params(mesh) -> list[torch.nn.Parameter]:
-    """Two DTensor parameters of a 2 × 2 mesh (rows over tp, replicated over dp), each with a gradient
-    of its layout; the same numbers at every call."""
+    """Three DTensor parameters of a 2 × 2 mesh (rows over tp, replicated over dp), two with a
+    gradient of their layout and a frozen one without; the same numbers at every call."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     torch.manual_seed(0)
     params = []
@@ -100,6 +100,8 @@ def _sharded_params(mesh) -> list[torch.nn.Parameter]:
         param = torch.nn.Parameter(DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False))
         param.grad = DTensor.from_local(grad, mesh, [Replicate(), Shard(0)], run_check=False)
         params.append(param)
+    params.append(torch.nn.Parameter(DTensor.from_local(torch.randn(2, 2), mesh, [Replicate(), Shard(0)],
+                                                        run_check=False)))  # no gradient: not stepped
     return params
 
 
@@ -125,7 +127,7 @@ def test_local_shards_step_equals_the_dtensor_step(optimizer):
                     stepped_locally = not isinstance(opt.param_groups[0]["params"][0], DTensor)
                     opt.step()
                 assert stepped_locally == (local and optimizer != "lamb"), optimizer
-                for p in params:
+                for p in params[:2]:
                     p.grad = p.grad * 0.5
             results.append((params, opt))
         (reference, ref_opt), (stepped, opt) = results

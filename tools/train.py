@@ -117,10 +117,9 @@ def is_config_error(error: BaseException) -> bool:
 
 
 if __name__ == "__main__":
+    parse_args()  # --help and a usage error answer here, before the imports and the handling below
     try:
         main()
-    except SystemExit:
-        raise  # --help, or a usage error argparse explained
     except BaseException as error:
         from libai_zoo import distributed
         from libai_zoo.engine import Preempted

@@ -26,8 +26,10 @@ ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
 def _steps_locally(param: torch.Tensor) -> bool:
     grad = param.grad
+    # plain local tensors only: a float8 weight's (torchao's subclass) would leave torch's foreach kernels
     return (isinstance(grad, DTensor) and param.dim() > 0 and grad.placements == param.placements
-            and grad.device_mesh == param.device_mesh)
+            and grad.device_mesh == param.device_mesh
+            and type(param._local_tensor) is torch.Tensor and type(grad._local_tensor) is torch.Tensor)
 
 
 @contextmanager
@@ -40,19 +42,19 @@ def local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         yield  # mixed DTensor and plain tensors would meet in one foreach kernel: all or nothing
         return
     local = {p: p._local_tensor for p in held}
-    state = optimizer.state
-    before = {p: state.pop(p) for p in held if p in state}
-    for p, shard in local.items():
-        shard.grad = p.grad._local_tensor
-        if p in before:
-            state[shard] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in before[p].items()}
+    originals = {id(shard): p for p, shard in local.items()}
+    state, before = optimizer.state, {}
     groups = [group["params"] for group in optimizer.param_groups]
-    for params in groups:
-        params[:] = [local.get(p, p) for p in params]
     try:
+        for p, shard in local.items():
+            shard.grad = p.grad._local_tensor
+            if p in state:
+                before[p] = state.pop(p)
+                state[shard] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in before[p].items()}
+        for params in groups:
+            params[:] = [local.get(p, p) for p in params]
         yield
     finally:
-        originals = {id(shard): p for p, shard in local.items()}
         for params in groups:
             params[:] = [originals.get(id(t), t) for t in params]
         for p, shard in local.items():

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -261,10 +262,10 @@ def fit_gloo_link(world_size: int) -> tuple[float, float]:
     def measure() -> list[float]:
         with mp.Manager() as manager:
             results = manager.dict()
-            # forked: a CPU plan runs without CUDA or a process group, and a spawned process would
-            # spend seconds importing torch for a sweep of a second
+            # forked on Linux: a CPU plan runs without CUDA or a process group, and a spawned process
+            # would spend seconds importing torch for a sweep of a second
             mp.start_processes(_sweep_worker, args=(world_size, _free_port(), results), nprocs=world_size,
-                               start_method="fork")
+                               start_method="fork" if sys.platform == "linux" else "spawn")
             points = [(size, results[size]) for size in SWEEP_BYTES]
         n = world_size
         xs = [2 * (n - 1) / n * size for size, _ in points]
