@@ -1,8 +1,9 @@
 """`dist.auto=True` (tools/train.py --auto-layout): the planner picks the layout at start-up on the
 launched world size, and every rank runs rank 0's pick.
 
-Rank 0 plans in a fresh process (the planner forms a fake process group of its own to time a
-layer, which it cannot do beside the run's real one), then broadcasts the overrides and the
+Rank 0 plans in a process of its own, forked before the run's process group exists (the planner
+forms a fake process group of its own to time a layer, which it cannot do beside the run's real
+one), while the ranks meet; then it broadcasts the overrides and the
 reason over the group of the run's ranks (`distributed.connect`: no parallel context exists until
 the layout is known), so the ranks cannot disagree on
 timings they measured apart."""
@@ -43,14 +44,23 @@ def agree_on_layout(cfg: DictConfig, *, timeout: float | None = None) -> tuple[s
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or world_size))
     if world_size == 1:
         return choose_layout(cfg, world_size, gpus_per_node)
+    planning = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        # forked before the run's group exists (no interpreter to start, and the plans this process
+        # measured come along); spawned when CUDA or a process group already is, which a forked
+        # child could not use or would carry into the planner's fake group
+        forked = not (torch.cuda.is_initialized() or dist.is_initialized())
+        pool = ProcessPoolExecutor(1, mp_context=get_context("fork" if forked else "spawn"))
+        planning = pool.submit(choose_layout, cfg, world_size, gpus_per_node)
     group = distributed.connect(timeout=timeout)  # no context yet: the layout it will have is being chosen
     answer: list = [None]
-    if dist.get_rank(group) == 0:
+    if planning is not None:
         try:
-            with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-                answer = [pool.submit(choose_layout, cfg, world_size, gpus_per_node).result()]
+            answer = [planning.result()]
         except Exception as error:  # every rank raises it, not only rank 0
             answer = [f"{type(error).__name__}: {error}"]
+        finally:
+            pool.shutdown()
     dist.broadcast_object_list(answer, group_src=0, group=group)
     if isinstance(answer[0], str):
         raise RuntimeError(f"the layout planner failed on rank 0: {answer[0]}")
