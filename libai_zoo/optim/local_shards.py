@@ -4,12 +4,13 @@ AdamW, Adam and SGD update every element from that element's parameter, gradient
 so stepping the local shards gives the same numbers as stepping the DTensors, as Megatron-LM's
 distributed optimizer steps its shard of a flat buffer. It spares each step DTensor's dispatch of
 every elementwise op (a sharding decision per op and parameter shape: about a third of a small
-model's first step on CPU, and a fixed cost per op on GPU). The state stays DTensors of the
+model's 4-process run on CPU; on a GPU the dispatch's per-op Python cost, not measured here). The state stays DTensors of the
 parameters' layout between steps, so checkpoints and their resharding see what they saw before.
 
 Anything else steps its DTensors as before: an optimizer that reads across elements (LAMB's trust
 ratio is a norm over the whole parameter), a gradient whose layout differs from its parameter's
-(DTensor would redistribute it), a 0-dimensional parameter.
+(DTensor would redistribute it), a 0-dimensional parameter, a float8 weight (torchao's tensor
+subclass as its shard, which torch's foreach kernels do not take).
 """
 
 from __future__ import annotations
