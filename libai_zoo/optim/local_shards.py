@@ -4,8 +4,9 @@ AdamW, Adam and SGD update every element from that element's parameter, gradient
 so stepping the local shards gives the same numbers as stepping the DTensors, as Megatron-LM's
 distributed optimizer steps its shard of a flat buffer. It spares each step DTensor's dispatch of
 every elementwise op (a sharding decision per op and parameter shape: about a third of a small
-model's 4-process run on CPU; on a GPU the dispatch's per-op Python cost, not measured here). The state stays DTensors of the
-parameters' layout between steps, so checkpoints and their resharding see what they saw before.
+model's 4-process run on CPU; on a GPU the dispatch's per-op Python cost, not measured here).
+The state stays DTensors of the parameters' layout between steps, so checkpoints and their
+resharding see what they saw before.
 
 Anything else steps its DTensors as before: an optimizer that reads across elements (LAMB's trust
 ratio is a norm over the whole parameter), a gradient whose layout differs from its parameter's
