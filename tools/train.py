@@ -77,7 +77,11 @@ def require_checkpoint(output_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """Train (or evaluate) as `args` say; the results of an evaluation."""
     from libai_zoo import distributed
     from libai_zoo.config import LazyConfig
     from libai_zoo.engine import DefaultTrainer, Preempted
@@ -117,9 +121,9 @@ def is_config_error(error: BaseException) -> bool:
 
 
 if __name__ == "__main__":
-    parse_args()  # --help and a usage error answer here, before the imports and the handling below
+    arguments = parse_args()  # --help and a usage error answer here, before the imports and the handling below
     try:
-        main()
+        run(arguments)
     except BaseException as error:
         from libai_zoo import distributed
         from libai_zoo.engine import Preempted

@@ -183,17 +183,16 @@ class TrainStep:
         loss_value = loss.item()  # the same on every rank (reduced over dp, broadcast from the last stage)
         # Diverged: a non-finite loss, or a non-finite gradient norm that loss scaling does not explain.
         diverged = not math.isfinite(loss_value) or (not self.scaler.is_enabled() and not torch.isfinite(grad_norm))
-        if self.scaler.is_enabled():
-            scale = self.scaler.get_scale()
-            with local_shards(self.optimizer):
+        with local_shards(self.optimizer):  # an elementwise optimizer steps this rank's shards
+            if self.scaler.is_enabled():
+                scale = self.scaler.get_scale()
                 self.scaler.step(self.optimizer)  # skipped inside when a gradient overflowed
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < scale
-        elif not diverged:
-            with local_shards(self.optimizer):
+                self.scaler.update()
+                skipped = self.scaler.get_scale() < scale
+            elif not diverged:
                 self.optimizer.step()
-        else:
-            skipped = True
+            else:
+                skipped = True
         if skipped:
             self.nonfinite_grads = self._nonfinite_grads()
             logger.warning("skipped the optimizer step: the loss is %s, the gradient norm %s", loss_value,
