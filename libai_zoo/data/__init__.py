@@ -15,28 +15,34 @@ as an endless, exactly resumable stream.
 `check_dataset` tells, before training, whether a dataset's token ids and lengths fit a model.
 """
 
-from .bert_dataset import IndexedMLMDataset, build_indexed_mlm_dataset
-from .blending import BlendedDataset
-from .chat_dataset import build_chat_dataset
-from .documents import read_documents
-from .gpt_dataset import PackedTokenDataset, build_gpt_dataset
-from .gpt_indexed_dataset import IndexedGPTDataset, build_indexed_gpt_dataset
-from .image_dataset import DigitsDataset
-from .indexed_dataset import IndexedDataset, IndexedDatasetWriter, best_fitting_dtype
-from .prefetch import Prefetcher
-from .samplers import MicroBatchSampler
-from .seq2seq_dataset import build_seq2seq_dataset
-from .span_corruption import build_span_corruption_dataset, sentinel_tokenizer
-from .streaming import PackedTextStream, stream_micro_batches
-from .text_classification import build_text_classification_dataset
-from .text_dataset import build_text_dataset
-from .tokenizer import load_tokenizer
-from .validation import TokenDataset, TokenIdRange, check_dataset
+import importlib
 
-__all__ = ["MicroBatchSampler", "PackedTokenDataset", "build_gpt_dataset", "read_documents",
-           "build_text_classification_dataset", "DigitsDataset", "load_tokenizer",
-           "IndexedDataset", "IndexedDatasetWriter", "best_fitting_dtype", "IndexedGPTDataset", "BlendedDataset",
-           "build_indexed_gpt_dataset", "IndexedMLMDataset", "build_indexed_mlm_dataset", "Prefetcher",
-           "check_dataset", "TokenDataset", "TokenIdRange", "build_chat_dataset",
-           "build_text_dataset", "PackedTextStream", "stream_micro_batches", "build_span_corruption_dataset",
-           "sentinel_tokenizer", "build_seq2seq_dataset"]
+#: each public name and the module that defines it, imported on first use: most runs read one kind
+#: of data, and the `datasets` library (with pandas and pyarrow, 1 s a process) only some need
+_HOME = {
+    "IndexedMLMDataset": "bert_dataset", "build_indexed_mlm_dataset": "bert_dataset",
+    "BlendedDataset": "blending", "build_chat_dataset": "chat_dataset", "read_documents": "documents",
+    "PackedTokenDataset": "gpt_dataset", "build_gpt_dataset": "gpt_dataset",
+    "IndexedGPTDataset": "gpt_indexed_dataset", "build_indexed_gpt_dataset": "gpt_indexed_dataset",
+    "DigitsDataset": "image_dataset", "IndexedDataset": "indexed_dataset",
+    "IndexedDatasetWriter": "indexed_dataset", "best_fitting_dtype": "indexed_dataset", "Prefetcher": "prefetch",
+    "MicroBatchSampler": "samplers", "build_seq2seq_dataset": "seq2seq_dataset",
+    "build_span_corruption_dataset": "span_corruption", "sentinel_tokenizer": "span_corruption",
+    "PackedTextStream": "streaming", "stream_micro_batches": "streaming",
+    "build_text_classification_dataset": "text_classification", "build_text_dataset": "text_dataset",
+    "load_tokenizer": "tokenizer", "TokenDataset": "validation", "TokenIdRange": "validation",
+    "check_dataset": "validation",
+}
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))

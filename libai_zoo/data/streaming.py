@@ -22,13 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import islice
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
 from .validation import TokenIdRange
+
+if TYPE_CHECKING:
+    import datasets
 
 
 class PackedTextStream(IterableDataset):

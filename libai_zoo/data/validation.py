@@ -16,15 +16,16 @@ length error (else by max_length).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
-import datasets
-import pyarrow as pa
-import pyarrow.compute as pc
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from .blending import BlendedDataset
+
+if TYPE_CHECKING:
+    import datasets
 
 #: columns of target token ids (a sequence-to-sequence reply, a shifted LM target), checked as input_ids are
 TARGET_COLUMNS = ("labels", "shift_labels")
@@ -123,7 +124,12 @@ def _inputs(dataset: Dataset) -> _Inputs | None:
     """What `dataset` feeds a model's embeddings, None when it holds no token ids."""
     if isinstance(dataset, TokenDataset):
         return _Inputs(dataset.source, dataset.seq_len, "seq_len", dataset.token_id_ranges)
-    if isinstance(dataset, datasets.Dataset) and "input_ids" in dataset.column_names:
+    # a datasets.Dataset exists only where its library is loaded: a run that reads none never imports it (1 s)
+    hf_datasets = sys.modules.get("datasets")
+    if hf_datasets is not None and isinstance(dataset, hf_datasets.Dataset) and "input_ids" in dataset.column_names:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
         column = dataset.data.column("input_ids")  # every row of the table, also those a select() left out
         source = dataset.info.description or ", ".join(f["filename"] for f in dataset.cache_files) \
             or f"the datasets.Dataset of {dataset.num_rows} rows"
