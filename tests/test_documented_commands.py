@@ -8,8 +8,9 @@ working directory, in the documented order, so that a command that continues an 
 all run, in the same order, within another block is covered by that one.
 
 Each command runs as written, with the recipe's hooks (the end-of-run sample too), shortened:
-a training run trains 2 steps past its output directory's newest checkpoint and evaluates 2
-batches; `train_loop.py` trains 2 steps; a long-context recipe runs at 1,024 tokens (`SHORTER`).
+a training run trains 2 steps past its output directory's newest checkpoint, evaluates 1 batch
+and samples 4 tokens; `train_loop.py` trains 2 steps; a long-context recipe runs at 1,024 tokens
+(`SHORTER`).
 `/path/to/...` (your own model) is the block's stand-in (`PLACEHOLDERS`). `python X` runs X in
 this process (as `__main__`, with its argv); `torchrun --nproc_per_node=N X` and `accelerate
 launch --num_processes N X` run X in N processes forked from this one with the environment
@@ -80,7 +81,7 @@ SHORTER = {
     "projects/long_context/config.py": ["dataloader.train.seq_len=1024", "dataloader.test.seq_len=1024"],
     "projects/accelerate_loop/train_loop.py": ["--steps", "2"],
 }
-STEPS = 2
+STEPS, EVAL_BATCHES, SAMPLE_TOKENS = 2, 1, 4
 DEADLINE_S = 300  # a multi-process command that hangs fails here, not at CI's limit
 
 
@@ -184,7 +185,9 @@ def _shortened(argv: list[str]) -> list[str]:
         config = LazyConfig.apply_overrides(LazyConfig.load(args[0]), [a for a in args[1:] if "=" in a] + extra)
         newest = commit.pointed_to(Path(config.train.output_dir))
         done = int(newest.name.removeprefix("model_")) if newest is not None else 0
-        extra += [f"train.max_iter={done + STEPS}", "train.eval.max_batches=2"]
+        extra += [f"train.max_iter={done + STEPS}", f"train.eval.max_batches={EVAL_BATCHES}"]
+        extra += [f"hooks.{i}.max_new_tokens={SAMPLE_TOKENS}" for i, hook in enumerate(config.get("hooks", []))
+                  if "max_new_tokens" in hook]
     return [script, *args, *extra]
 
 
