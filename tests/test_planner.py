@@ -158,10 +158,11 @@ ROOFLINE = pytest.mark.skipif(torch.cuda.is_available(), reason="an H100 here wo
 
 
 @ROOFLINE
-def test_plan_json_llama_7b_on_64_h100(plan_tool, capsys, tmp_path):
-    # tp inside a node of 8 and dividing the 32 heads (and KV heads, MLP 11008, vocabulary 32000)
-    # cp splits the 4096 tokens over up to 64 ranks (ones that leave the 7B fitting)
-    tps, cps = check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 64, 32)
+def test_plan_json_llama_7b_on_8_h100(plan_tool, capsys, tmp_path):
+    # tp inside the node of 8 and dividing the 32 heads (and KV heads, MLP 11008, vocabulary 32000)
+    # cp splits the 4096 tokens over up to 8 ranks (ones that leave the 7B fitting). (The 64-rank plan of
+    # layout_planning/llama_7b.py runs in test_documented_commands; at 8 this check takes half the time.)
+    tps, cps = check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 8, 32)
     assert tps == {1, 2, 4, 8} and {1, 2, 4} <= cps
 
 
@@ -177,7 +178,7 @@ def test_the_planner_refuses_tp_the_heads_do_not_divide():
 
 
 def test_plan_table_names_the_best_layout(plan_tool, capsys):
-    code, out, _ = run_tool(plan_tool, capsys, LLAMA_7B, "--world-size", "64", "--device", "h100", "--top", "3")
+    code, out, _ = run_tool(plan_tool, capsys, LLAMA_7B, "--world-size", "8", "--device", "h100", "--top", "3")
     assert code == 0
     lines = out.splitlines()
     assert re.match(r"\d+ layouts considered, \d+ do not fit in 79\.6 GiB per rank, \d+ ranked; times roofline of "
@@ -185,7 +186,7 @@ def test_plan_table_names_the_best_layout(plan_tool, capsys):
     assert len(lines) == 1 + 1 + 3 + 1  # summary, header, 3 rows, best
     best = lines[-1].removeprefix("best: ")
     cfg = LazyConfig.apply_overrides(LazyConfig.load(LLAMA_7B), best.split())
-    assert lines[2].startswith(f"  1  {Layout.from_config(cfg, 64).short()} ")  # the first row is the best
+    assert lines[2].startswith(f"  1  {Layout.from_config(cfg, 8).short()} ")  # the first row is the best
 
 
 @ROOFLINE
