@@ -19,6 +19,7 @@ from collections.abc import Container
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from libai_zoo.distributed import fill_shard_, parameter_uses, retie
 from libai_zoo.hf import HFWeightReader, load_hf_parts
@@ -68,8 +69,8 @@ def materialize(part: nn.Module, device: torch.device, *, seed: int, model: nn.M
     reported ({} for fresh weights)."""
     model = model if model is not None else part
     ties = parameter_uses(part)
-    part.to_empty(device=device)  # allocates each holder of a tied weight anew: tie them again
-    retie(ties)
+    part._apply(lambda tensor: _empty_like(tensor, device))  # nn.Module.to_empty, each holder of a tied
+    retie(ties)  # weight allocated anew: tie them again
     part.init_buffers()
     source = getattr(model, "pretrained_source", None)
     if source is None:
@@ -83,3 +84,13 @@ def materialize(part: nn.Module, device: torch.device, *, seed: int, model: nn.M
         init_parameters(part, seed, model=model, aliases=aliases, names=fresh)
     return info
 
+
+
+def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised `tensor` on `device`: a DTensor's local part allocated and wrapped as it was
+    (DTensor's own empty_like first decides the op's sharding, about 35 ms a new shape in a fresh
+    process: a second of every rank's start-up)."""
+    if isinstance(tensor, DTensor):
+        return DTensor.from_local(torch.empty_like(tensor.to_local(), device=device), tensor.device_mesh,
+                                  tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride())
+    return torch.empty_like(tensor, device=device)
