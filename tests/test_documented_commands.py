@@ -216,8 +216,9 @@ def _worker(rank: int, world_size: int, port: int, cwd: str, env: dict[str, str]
     _run_script(argv)
 
 
-#: what the fork server imports once, so that each worker forked from it starts warm
-multiprocessing.set_forkserver_preload([__name__, "libai_zoo.engine", "libai_zoo.models", "transformers"])
+#: what the fork server imports once, so that each worker forked from it starts warm (`datasets`: the
+#: recipes whose data it reads; libai_zoo.data imports it only for them)
+multiprocessing.set_forkserver_preload([__name__, "libai_zoo.engine", "libai_zoo.models", "transformers", "datasets"])
 
 
 def _run_workers(nproc: int, env: dict[str, str], argv: list[str]) -> None:
