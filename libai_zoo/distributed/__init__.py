@@ -30,6 +30,7 @@ from .shard import (
     parameter_uses,
     retie,
     shard,
+    to_empty,
     tp_problems,
     tp_slice_of,
     whole_sequences,
@@ -43,4 +44,4 @@ __all__ = ["ParallelContext", "TensorParallel", "ExpertParallel", "ContextParall
            "shard", "check_shardable", "whole_sequences", "tp_problems", "expert_problems", "tp_slice_of", "fill_shard_",
            "dp_rows_of",
            "finalize_grads",
-           "parameter_uses", "retie", "local", "local_range", "local_rows"]
+           "parameter_uses", "retie", "to_empty", "local", "local_range", "local_rows"]

@@ -144,6 +144,20 @@ def retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
             setattr(module, name, param)
 
 
+def to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """`nn.Module.to_empty`, a DTensor's local part allocated and wrapped with its placements: DTensor's
+    own empty_like first decides the op's sharding, about 35 ms a new shape in a fresh process (a
+    second of every rank's start-up). Tied weights are allocated anew per holder: `retie` them."""
+    device = torch.device(device)
+
+    def empty_like(tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            return DTensor.from_local(torch.empty_like(tensor.to_local(), device=device), tensor.device_mesh,
+                                      tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride())
+        return torch.empty_like(tensor, device=device)
+    return module._apply(empty_like)
+
+
 def tp_slice_of(param: torch.Tensor) -> tuple[int, int, int] | None:
     """(dim, index, count): the model-parallel slice of a parameter this rank holds (slice `index`
     of `count` along `dim`): its tensor-parallel slice, or for an MoE layer's stacked experts its

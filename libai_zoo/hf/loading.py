@@ -65,7 +65,7 @@ def load_pretrained(cls: type[nn.Module], path: str | Path, *, dtype: torch.dtyp
         ctx = distributed.get_context()
         distributed.shard(model, ctx)
         device = ctx.device
-    model.to_empty(device=device)
+    distributed.to_empty(model, device)
     if not strict:
         model.init_weights()
     model.tie_weights()

@@ -19,9 +19,8 @@ from collections.abc import Container
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from libai_zoo.distributed import fill_shard_, parameter_uses, retie
+from libai_zoo.distributed import fill_shard_, parameter_uses, retie, to_empty
 from libai_zoo.hf import HFWeightReader, load_hf_parts
 from libai_zoo.layers import LoRA, is_adapter_parameter
 
@@ -69,8 +68,8 @@ def materialize(part: nn.Module, device: torch.device, *, seed: int, model: nn.M
     reported ({} for fresh weights)."""
     model = model if model is not None else part
     ties = parameter_uses(part)
-    part._apply(lambda tensor: _empty_like(tensor, device))  # nn.Module.to_empty, each holder of a tied
-    retie(ties)  # weight allocated anew: tie them again
+    to_empty(part, device)  # allocates each holder of a tied weight anew: tie them again
+    retie(ties)
     part.init_buffers()
     source = getattr(model, "pretrained_source", None)
     if source is None:
@@ -85,12 +84,3 @@ def materialize(part: nn.Module, device: torch.device, *, seed: int, model: nn.M
     return info
 
 
-
-def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An uninitialised `tensor` on `device`: a DTensor's local part allocated and wrapped as it was
-    (DTensor's own empty_like first decides the op's sharding, about 35 ms a new shape in a fresh
-    process: a second of every rank's start-up)."""
-    if isinstance(tensor, DTensor):
-        return DTensor.from_local(torch.empty_like(tensor.to_local(), device=device), tensor.device_mesh,
-                                  tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride())
-    return torch.empty_like(tensor, device=device)

@@ -123,7 +123,7 @@ def _one_of_each_kind(model_cfg, ctx: distributed.ParallelContext, micro_batch: 
     with torch.device("meta"):
         model, probe_kinds, kinds = one_of_each_kind(instantiate_model(model_cfg))
     model = distributed.shard(model, ctx)
-    model.to_empty(device=ctx.device)
+    distributed.to_empty(model, ctx.device)
     with torch.no_grad():
         for param in model.parameters():
             (param.to_local() if hasattr(param, "to_local") else param).normal_(0.0, 0.02)
