@@ -44,6 +44,16 @@ def test_importing_the_models_loads_no_conversion_and_no_distributed_checkpoint(
     assert loaded.strip() == "[]"
 
 
+def test_a_run_that_reads_no_datasets_source_does_not_import_datasets():
+    """The engine, the models and GPT-2's text data load without `datasets`, pandas and pyarrow (1 s
+    of every process start): libai_zoo.data imports a dataset module only when it is asked for."""
+    probe = ("import sys, libai_zoo.engine, libai_zoo.models; "
+             "from libai_zoo.data import MicroBatchSampler, build_gpt_dataset, check_dataset; "
+             "print(sorted(m for m in ('datasets', 'pandas', 'pyarrow') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+
+
 def test_top_level_layers_and_models_refuse_to_load_a_second_copy():
     for package in ("layers", "models"):
         run = subprocess.run([sys.executable, "-c", f"import {package}"], cwd=ROOT, capture_output=True, text=True)

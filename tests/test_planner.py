@@ -164,6 +164,11 @@ def test_plan_json_llama_7b_on_8_h100(plan_tool, capsys, tmp_path):
     # layout_planning/llama_7b.py runs in test_documented_commands; at 8 this check takes half the time.)
     tps, cps = check_candidates(plan_tool, capsys, tmp_path, LLAMA_7B, 8, 32)
     assert tps == {1, 2, 4, 8} and {1, 2, 4} <= cps
+    # over 8 nodes tp still stays inside one: the enumeration the 64-rank plan judges
+    cfg = LazyConfig.load(LLAMA_7B)
+    layouts = enumerate_layouts(ModelTable.from_config(cfg.model), 64, cfg.train.global_batch_size,
+                                seq_len=cfg.dataloader.train.seq_len)
+    assert {layout.tp for layout in layouts} == {1, 2, 4, 8}
 
 
 def test_the_planner_refuses_tp_the_heads_do_not_divide():

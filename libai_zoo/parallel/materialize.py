@@ -82,5 +82,3 @@ def materialize(part: nn.Module, device: torch.device, *, seed: int, model: nn.M
     if fresh:
         init_parameters(part, seed, model=model, aliases=aliases, names=fresh)
     return info
-
-
