@@ -13,6 +13,7 @@ from .context import (
     destroy,
     get_context,
     init,
+    launched_rank,
     launched_world_size,
     new_group,
     resolve_sizes,
@@ -39,7 +40,7 @@ from .tensor_parallel import TensorParallel, local, local_range, local_rows
 
 __all__ = ["ParallelContext", "TensorParallel", "ExpertParallel", "ContextParallel", "split_sequence",
            "merge_sequence", "cp_problems", "init", "connect", "get_context", "destroy", "new_group",
-           "resolve_sizes", "launched_world_size", "run_group",
+           "resolve_sizes", "launched_world_size", "launched_rank", "run_group",
            "progress_store",
            "shard", "check_shardable", "whole_sequences", "tp_problems", "expert_problems", "tp_slice_of", "fill_shard_",
            "dp_rows_of",

@@ -164,6 +164,13 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """This process's rank: the process group's, else torchrun's ``RANK`` (0 without it)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def _processes(count: int) -> str:
     """How to launch `count` processes of tools/train.py."""
     return "one process (python tools/train.py ...)" if count == 1 else \
@@ -229,8 +236,7 @@ def init(dp: int = -1, tp: int = 1, pp: int = 1, *, ep: int = 1, cp: int = 1, se
     """
     global _current
     world_size = launched_world_size()
-    initialized = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
+    rank = launched_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     dp, tp, pp = resolve_sizes(world_size, dp, tp, pp, ep, cp)
     if sequence_parallel and tp == 1:

@@ -45,7 +45,7 @@ def agree_on_layout(cfg: DictConfig, *, timeout: float | None = None) -> tuple[s
     if world_size == 1:
         return choose_layout(cfg, world_size, gpus_per_node)
     planning = None
-    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+    if distributed.launched_rank() == 0:
         # forked before the run's group exists (no interpreter to start, and the plans this process
         # measured come along); spawned when CUDA or a process group already is, which a forked
         # child could not use or would carry into the planner's fake group
