@@ -289,13 +289,13 @@ def _fp8_broken_scale(root: str, broken: str) -> dict:
                 precompute(layers)
         patch = mock.patch.object(train_step, "precompute_float8_scales", first_only)
     with patch:
-        return _run(root, f"fp8_{broken}", "fp8", layout, "config.yaml", FAMILY_OPTIONS.get("fp8", ()))
+        return _run(root, f"fp8_{broken}", "fp8", layout, "config.yaml", FAMILY_OPTIONS["fp8"])
 
 
 def _fp8_checkpoint(root: str) -> Path:
     """Float8 GPT-2 at dp2 ZeRO-3 (weights gathered in float8), stopped after step SAVED_AT and its checkpoint."""
     train(f"{root}/config.yaml", f"{root}/fp8_ckpt", "fp8",
-          [*overrides("dp2_zero3"), *FAMILY_OPTIONS.get("fp8", ()), f"train.checkpoint.period={SAVED_AT}"],
+          [*overrides("dp2_zero3"), *FAMILY_OPTIONS["fp8"], f"train.checkpoint.period={SAVED_AT}"],
           interrupt_after=SAVED_AT)
     return Path(root) / "fp8_ckpt"
 
@@ -347,7 +347,7 @@ CASES = {
     **{f"moe_one_mb{mb}": Case(1, _run, (f"moe_one_mb{mb}", "moe", "one", "config.yaml",
                                          (f"train.micro_batch_size={mb}",))) for mb in (4, 2)},
     "fp8_one_mb4": Case(1, _run, ("fp8_one_mb4", "fp8", "one", "config.yaml",
-                                  (*FAMILY_OPTIONS.get("fp8", ()), "train.micro_batch_size=4"))),
+                                  (*FAMILY_OPTIONS["fp8"], "train.micro_batch_size=4"))),
     "indexed_one": Case(1, _run, ("indexed_one", "gpt2", "one", "config_indexed.yaml")),
     **{f"{model}_{layout}": Case(_world(layout), _run, (f"{model}_{layout}", model, layout, "config.yaml",
                                                          FAMILY_OPTIONS.get(model, ())),
